@@ -1,0 +1,217 @@
+"""A Llama-family decoder that reads and writes its KV cache in the paged block pool.
+
+One forward runs a *packed* batch: the new tokens of every sequence laid end to end (T tokens
+for S sequences), whatever mix of prefill chunks and decode tokens it holds. Per layer, the new
+K/V are written into their slots (`kernels.reshape_and_cache`), then every new query attends
+causally over its sequence's paged context (`kernels.paged_prefill_attention`, PagedAttention,
+Kwon et al. SOSP 2023, §4.1). Only the logits the caller asks for are computed.
+
+Architecture as in Hugging Face `LlamaForCausalLM` (RMSNorm, RoPE with rotate-half, GQA, SwiGLU,
+optional tied embeddings); layout of the file after gpt-fast's model.py. Q/K/V and gate/up
+projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from compute_service.weights import ModelConfig, Weights
+
+
+def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim // 2] fp32 (radians per position) with scaling applied.
+
+    Follows transformers' `modeling_rope_utils` (default, linear, llama3). `rope_freqs`
+    (llama.cpp's per-frequency divisors, shape [head_dim // 2]) divides the result when given.
+    """
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = config.rope_scaling
+    if sc is not None and sc.kind == "linear":
+        inv = inv / sc.factor
+    elif sc is not None and sc.kind == "llama3":
+        old = sc.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / sc.low_freq_factor, old / sc.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / sc.factor, inv)
+        smooth = (old / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    if rope_freqs is not None:
+        inv = inv / rope_freqs.float()
+    return inv
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, H, Dh]; cos, sin: [T, 1, Dh // 2] -> [T, H, Dh]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D]; statistics in fp32, as in transformers' LlamaRMSNorm
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+@dataclass(slots=True)
+class StepMeta:
+    """Per-forward attention metadata shared by every layer."""
+
+    cos: torch.Tensor  # [T, 1, head_dim // 2] fp32->model dtype
+    sin: torch.Tensor  # [T, 1, head_dim // 2]
+    slot_mapping: torch.Tensor  # [T] int64, pool slot of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32, tokens in cache after this step
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
+                 wo: torch.Tensor) -> None:
+        super().__init__()
+        self.wqkv = nn.Parameter(torch.cat([wq, wk, wv]), requires_grad=False)
+        self.wo = nn.Parameter(wo, requires_grad=False)
+        self.hq, self.hkv, self.dh = c.num_q_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: StepMeta) -> torch.Tensor:
+        # x: [T, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, Dh] views of the pool
+        t = x.shape[0]
+        qkv = F.linear(x, self.wqkv)  # [T, (Hq + 2 Hkv) Dh]
+        q, k, v = qkv.split([self.hq * self.dh, self.hkv * self.dh, self.hkv * self.dh], dim=-1)
+        q = apply_rope(q.view(t, self.hq, self.dh), meta.cos, meta.sin)  # [T, Hq, Dh]
+        k = apply_rope(k.view(t, self.hkv, self.dh), meta.cos, meta.sin)  # [T, Hkv, Dh]
+        v = v.reshape(t, self.hkv, self.dh)  # [T, Hkv, Dh]
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        o = kernels.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
+                                    meta.query_start_loc, meta.seq_lens, self.scale)  # [T, Hq, Dh]
+        return F.linear(o.reshape(t, self.hq * self.dh), self.wo)  # [T, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.cat([w_gate, w_up]), requires_grad=False)
+        self.w_down = nn.Parameter(w_down, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D]
+        gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)  # [T, I] each
+        return F.linear(F.silu(gate) * up, self.w_down)  # [T, D]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, w: Weights, i: int) -> None:
+        super().__init__()
+        p = f"layers.{i}."
+        self.attn_norm = RMSNorm(w[p + "attn_norm"], c.rms_norm_eps)
+        self.attn = Attention(c, w[p + "wq"], w[p + "wk"], w[p + "wv"], w[p + "wo"])
+        self.mlp_norm = RMSNorm(w[p + "mlp_norm"], c.rms_norm_eps)
+        self.mlp = MLP(w[p + "w_gate"], w[p + "w_up"], w[p + "w_down"])
+
+    def forward(self, x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: StepMeta) -> torch.Tensor:
+        # x: [T, D]
+        x = x + self.attn(self.attn_norm(x), key_cache, value_cache, meta)
+        return x + self.mlp(self.mlp_norm(x))  # [T, D]
+
+
+class LlamaForPagedLM(nn.Module):
+    """Llama decoder over a paged KV pool; returns the logits of chosen packed tokens.
+
+    Args:
+        config: model shape (see `compute_service.weights.ModelConfig`).
+        weights: tensors in our naming (see `compute_service.weights`); copied to device/dtype.
+        device: where to run ("cpu" or a CUDA device).
+        dtype: weight and activation dtype (torch.float32 on CPU, bfloat16 on CUDA).
+
+    Raises ValueError when a weight is missing or has the wrong shape.
+    """
+
+    def __init__(self, config: ModelConfig, weights: Weights, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.device, self.dtype = torch.device(device), dtype
+        _check_shapes(config, weights)
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()
+             if k != "rope_freqs"}
+        self.embed = nn.Parameter(w["embed"], requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, w, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(w["norm"], config.rms_norm_eps)
+        self.lm_head = self.embed if config.tie_word_embeddings else nn.Parameter(
+            w["lm_head"], requires_grad=False)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(config, weights.get("rope_freqs")).to(self.device),
+            persistent=False)
+        self.eval()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, new tokens of all sequences, packed
+        positions: torch.Tensor,  # [T] int64, position of each new token in its sequence
+        kv_pool: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, Hkv, Dh]
+        slot_mapping: torch.Tensor,  # [T] int64, block * block_size + offset of each new token
+        block_tables: torch.Tensor,  # [S, max_blocks] int32
+        query_start_loc: torch.Tensor,  # [S + 1] int32, cumulative new-token counts
+        seq_lens: torch.Tensor,  # [S] int32, tokens in cache after this step
+        logits_indices: torch.Tensor,  # [S'] int64, packed rows whose logits to return
+    ) -> torch.Tensor:  # [S', vocab] float32
+        """One model step: writes the new tokens' K/V into the pool, returns chosen logits.
+
+        New token j of a sequence with n new tokens sits at position seq_len - n + j and sees
+        positions [0, seq_len - n + j] (causal, bottom-right aligned). Every tensor must be on
+        the model's device; the pool may be any dtype the kernels accept. Raises ValueError when
+        the pool's layout does not match the model.
+        """
+        c = self.config
+        if (kv_pool.dim() != 6 or kv_pool.shape[1] != c.num_layers or kv_pool.shape[2] != 2
+                or kv_pool.shape[4:] != (c.num_kv_heads, c.head_dim)):
+            raise ValueError(
+                f"kv_pool shape {tuple(kv_pool.shape)} does not match the model: expected "
+                f"[num_blocks, {c.num_layers}, 2, block_size, {c.num_kv_heads}, {c.head_dim}]")
+        # positions: [T] -> cos, sin: [T, 1, Dh/2]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        meta = StepMeta(freqs.cos()[:, None].to(self.dtype), freqs.sin()[:, None].to(self.dtype),
+                        slot_mapping, block_tables, query_start_loc, seq_lens)
+        x = F.embedding(input_ids, self.embed)  # [T, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, kv_pool[:, i, 0], kv_pool[:, i, 1], meta)
+        x = self.norm(x[logits_indices])  # [S', D]
+        return F.linear(x, self.lm_head).float()  # [S', vocab]
+
+
+def _check_shapes(c: ModelConfig, w: Weights) -> None:
+    d, i, qd, kd = c.hidden_size, c.intermediate_size, c.num_q_heads * c.head_dim, \
+        c.num_kv_heads * c.head_dim
+    want = {"embed": (c.vocab_size, d), "norm": (d,)}
+    if not c.tie_word_embeddings:
+        want["lm_head"] = (c.vocab_size, d)
+    for n in range(c.num_layers):
+        p = f"layers.{n}."
+        want.update({p + "attn_norm": (d,), p + "wq": (qd, d), p + "wk": (kd, d),
+                     p + "wv": (kd, d), p + "wo": (d, qd), p + "mlp_norm": (d,),
+                     p + "w_gate": (i, d), p + "w_up": (i, d), p + "w_down": (d, i)})
+    for name, shape in want.items():
+        if name not in w:
+            raise ValueError(f"weight {name!r} missing (expected shape {list(shape)})")
+        if tuple(w[name].shape) != shape:
+            raise ValueError(f"weight {name!r} has shape {list(w[name].shape)}, "
+                             f"expected {list(shape)}")

@@ -1,0 +1,162 @@
+"""Shared fixtures and helpers for the model tests: the SmolLM2 GGUF, the transformers reference,
+our paged model, and a tiny paged-cache driver (block tables, slot mapping) for tests.
+
+Import the fixtures by name into a test module: `from model_fixtures import hf_model, ...`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from compute_service.model import LlamaForPagedLM
+from compute_service.weights import SMOLLM2_GGUF, load_model_source, smollm2_gguf_path
+
+PROMPT = "What is the capital of France?"
+
+
+def _fallback_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+    block_size = key_cache.shape[1]
+    b, o = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[b, o] = key.to(key_cache.dtype)
+    value_cache[b, o] = value.to(value_cache.dtype)
+
+
+def _fallback_paged_prefill_attention(query, key_cache, value_cache, block_tables,
+                                      query_start_loc, seq_lens, scale):
+    # Dense, one sequence at a time: gather the context, causal bottom-right mask.
+    out = torch.empty_like(query)
+    bs, hkv = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // hkv
+    for s in range(block_tables.shape[0]):
+        q0, q1, n_ctx = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(seq_lens[s])
+        pos = torch.arange(n_ctx)
+        blocks = block_tables[s].long()[pos // bs]
+        k = key_cache[blocks, pos % bs].float().repeat_interleave(group, 1)  # [C, Hq, D]
+        v = value_cache[blocks, pos % bs].float().repeat_interleave(group, 1)
+        q = query[q0:q1].float()  # [n, Hq, D]
+        qpos = torch.arange(n_ctx - (q1 - q0), n_ctx)
+        sc = torch.einsum("nhd,chd->hnc", q, k) * scale
+        sc.masked_fill_(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[q0:q1] = torch.einsum("hnc,chd->nhd", sc.softmax(-1), v).to(query.dtype)
+    return out
+
+
+@pytest.fixture(scope="session", autouse=False)
+def paged_kernels():
+    """Use kernels' ops; install a private dense fallback only while kernels lacks them."""
+    missing = {}
+    for name, fn in (("reshape_and_cache", _fallback_reshape_and_cache),
+                     ("paged_prefill_attention", _fallback_paged_prefill_attention)):
+        if not hasattr(kernels, name):
+            missing[name] = fn
+            setattr(kernels, name, fn)
+    yield sorted(missing)
+    for name in missing:
+        delattr(kernels, name)
+
+
+@pytest.fixture(scope="session")
+def gguf_dir() -> Path:
+    return smollm2_gguf_path().parent
+
+
+@pytest.fixture(scope="session")
+def ours(tmp_path_factory, paged_kernels):
+    """(config, weights, model) from our GGUF loader, cached under a private PAGEDKV_HOME."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGEDKV_HOME", str(tmp_path_factory.mktemp("pagedkv_home")))
+    config, weights = load_model_source("smollm2")
+    yield config, weights, LlamaForPagedLM(config, weights, "cpu", torch.float32)
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(gguf_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_dir):
+    """transformers' own LlamaForCausalLM read from the GGUF (the correctness reference)."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF,
+                                             dtype=torch.float32)
+    return m.eval()
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy decode with a dense cache: (steps + 1 tokens, logits [steps + 1, vocab] fp32)."""
+    out = model(input_ids=torch.tensor([ids]), use_cache=True)
+    past, logits, tokens = out.past_key_values, [out.logits[0, -1].float()], []
+    for _ in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits.append(out.logits[0, -1].float())
+    tokens.append(int(logits[-1].argmax()))
+    return tokens, torch.stack(logits)
+
+
+@dataclass
+class PagedCache:
+    """Test driver: an in-process pool tensor and scattered block tables, one step at a time."""
+
+    model: LlamaForPagedLM
+    num_blocks: int = 96
+    block_size: int = 16
+    seed: int = 0
+    pool: torch.Tensor = field(init=False)
+    free: list[int] = field(init=False)
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    lens: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        c = self.model.config
+        # NaN in every unused slot: attention must never read past a sequence's context.
+        self.pool = torch.full((self.num_blocks, c.num_layers, 2, self.block_size,
+                                c.num_kv_heads, c.head_dim), float("nan"))
+        self.free = list(range(self.num_blocks))
+        random.Random(self.seed).shuffle(self.free)
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Run one forward with `chunks[seq] = new token ids`; returns each seq's last logits."""
+        ids, pos, slots, qsl, lens, rows = [], [], [], [0], [], []
+        for seq, toks in chunks.items():
+            start = self.lens.get(seq, 0)
+            table = self.tables.setdefault(seq, [])
+            for p in range(start, start + len(toks)):
+                if p // self.block_size >= len(table):
+                    table.append(self.free.pop())
+                pos.append(p)
+                slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
+            ids += toks
+            self.lens[seq] = start + len(toks)
+            qsl.append(qsl[-1] + len(toks))
+            lens.append(self.lens[seq])
+            rows.append(qsl[-1] - 1)
+        width = max(len(self.tables[s]) for s in chunks)
+        bt = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for r, s in enumerate(chunks):
+            bt[r, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
+            self.pool, torch.tensor(slots, dtype=torch.int64), bt,
+            torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+            torch.tensor(rows, dtype=torch.int64))
+        return {s: logits[r] for r, s in enumerate(chunks)}
