@@ -1,0 +1,1 @@
+"""pagedkv compute_service."""

@@ -1,0 +1,179 @@
+"""Vectorized torch implementation of the paged ops: the CPU production path.
+
+Attention over a paged KV cache (vLLM paper §4.1) without a Python loop per token or sequence:
+
+1. Queries are cut into *tiles*: up to `Q_TILE` consecutive new tokens of one sequence (a decode
+   token is a tile of one). A tile attends to positions `[0, ctx_len)` of its sequence, where
+   `ctx_len` is one past its last query's position; causality inside it is a mask.
+2. Tiles are sorted by (query count, ctx_len) and processed in groups, so padding stays small.
+3. For a group, the context is walked in chunks of `C` positions: a (block, offset) index is built
+   from the block tables, keys/values are gathered with one advanced-indexing call, and scores
+   are folded into a running (max, sum, accumulator) as in flash attention / flash-decoding
+   (Dao et al. 2023). Group size and `C` are chosen so every temporary stays under
+   `GATHER_BUDGET_ELEMS` elements: memory is bounded whatever the batch and context.
+
+Positions past a sequence's length are clamped to its last valid slot before gathering, so no
+byte outside a sequence's context (unused slots may hold NaN) reaches an output; the clamped
+duplicates are then masked out. Softmax and accumulation run in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Query tokens of one sequence handled together (prefill).
+Q_TILE = 128
+# Upper bound on the elements of each temporary (gathered keys, scores) of one chunk.
+GATHER_BUDGET_ELEMS = 1 << 23
+# Smallest context chunk worth a gather (positions).
+MIN_KV_CHUNK = 64
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.to(torch.int64)
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def copy_blocks(
+    pool: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    block_pairs: torch.Tensor,  # [num_pairs, 2] int64 (src, dst)
+) -> None:
+    pairs = block_pairs.to(torch.int64)
+    # Read every source before writing any destination.
+    pool.index_copy_(0, pairs[:, 1], pool.index_select(0, pairs[:, 0]))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [total_q, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative
+    seq_lens: torch.Tensor,  # [num_seqs] int32, cached + new tokens
+    scale: float,
+    kv_chunk: int | None = None,
+) -> torch.Tensor:  # [total_q, num_q_heads, head_dim], query dtype
+    """Causal (bottom-right aligned) attention of packed new tokens over a paged cache.
+
+    `kv_chunk` forces the context chunk length (positions), to exercise the split/merge path.
+    """
+    total_q, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    out = torch.zeros(total_q, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
+    if total_q == 0:
+        return out
+    qsl = query_start_loc.to(torch.int64)
+    lens = seq_lens.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]  # [num_seqs]
+
+    # Tiles: (seq, first query row, query count, position of first query).
+    tiles_per_seq = (q_lens + Q_TILE - 1) // Q_TILE
+    seq_ids = torch.repeat_interleave(torch.arange(len(q_lens)), tiles_per_seq)  # [T]
+    tile_first = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq  # [num_seqs]
+    local = torch.arange(len(seq_ids)) - tile_first[seq_ids]  # tile index within its seq
+    t_q0 = qsl[seq_ids] + local * Q_TILE  # [T] first query row
+    t_qn = torch.clamp(q_lens[seq_ids] - local * Q_TILE, max=Q_TILE)  # [T] query count
+    t_pos0 = lens[seq_ids] - q_lens[seq_ids] + local * Q_TILE  # [T] position of first query
+    t_ctx = t_pos0 + t_qn  # [T] context length the tile needs
+
+    order = torch.argsort(t_qn * (int(t_ctx.max()) + 1) + t_ctx, stable=True)
+    # Group tiles that share a padded query count; size groups by the memory budget.
+    qn_sorted = t_qn[order].tolist()
+    ctx_sorted = t_ctx[order].tolist()
+    start = 0
+    while start < len(order):
+        qn = qn_sorted[start]
+        per_tile = max(num_kv_heads * head_dim, qn * num_q_heads)
+        max_tiles = max(1, GATHER_BUDGET_ELEMS // (per_tile * MIN_KV_CHUNK))
+        stop = start + 1
+        # A group shares its query count and at most doubles its shortest context (padding).
+        ctx_cap = 2 * ctx_sorted[start] + MIN_KV_CHUNK
+        while (
+            stop < len(order)
+            and stop - start < max_tiles
+            and qn_sorted[stop] == qn
+            and ctx_sorted[stop] <= ctx_cap
+        ):
+            stop += 1
+        sel = order[start:stop]
+        group_ctx = ctx_sorted[stop - 1]
+        if kv_chunk is None:
+            chunk = GATHER_BUDGET_ELEMS // ((stop - start) * per_tile)
+            chunk = max(MIN_KV_CHUNK, min(group_ctx, chunk))
+        else:
+            chunk = kv_chunk
+        _attend_group(
+            query, key_cache, value_cache, block_tables[seq_ids[sel]], out,
+            t_q0[sel], t_qn[sel], t_pos0[sel], t_ctx[sel], qn, group_ctx, chunk, scale,
+        )  # fmt: skip
+        start = stop
+    return out
+
+
+def _attend_group(
+    query: torch.Tensor,  # [total_q, Hq, D]
+    key_cache: torch.Tensor,  # [num_blocks, B, Hk, D]
+    value_cache: torch.Tensor,  # [num_blocks, B, Hk, D]
+    tables: torch.Tensor,  # [T, max_blocks] block table row of each tile
+    out: torch.Tensor,  # [total_q, Hq, D] written in place
+    q0: torch.Tensor,  # [T] first query row
+    qn: torch.Tensor,  # [T] query count (<= qmax)
+    pos0: torch.Tensor,  # [T] position of the first query
+    ctx: torch.Tensor,  # [T] context length (one past the last query's position)
+    qmax: int,
+    max_ctx: int,
+    chunk: int,
+    scale: float,
+) -> None:
+    num_tiles = q0.shape[0]
+    _, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+
+    qi = torch.arange(qmax)
+    q_valid = qi[None, :] < qn[:, None]  # [T, Q]
+    rows = q0[:, None] + torch.where(q_valid, qi[None, :], 0)  # [T, Q] clamped to a real row
+    q_pos = pos0[:, None] + qi[None, :]  # [T, Q]
+    # q: [T, Hk, Q*G, D] in fp32, pre-scaled
+    q = query[rows].float().mul_(scale)  # [T, Q, Hq, D]
+    q = q.view(num_tiles, qmax, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    q = q.reshape(num_tiles, num_kv_heads, qmax * group, head_dim)
+
+    m = torch.full((num_tiles, num_kv_heads, qmax * group, 1), -math.inf)
+    l_sum = torch.zeros_like(m)
+    acc = torch.zeros(num_tiles, num_kv_heads, qmax * group, head_dim)
+    last = (ctx - 1)[:, None]  # [T, 1] last valid position
+    for c0 in range(0, max_ctx, chunk):
+        kpos = torch.arange(c0, min(c0 + chunk, max_ctx))  # [C]
+        pos = torch.minimum(kpos[None, :], last)  # [T, C] clamped: never outside the context
+        blocks = torch.gather(tables, 1, pos // block_size).long()  # [T, C]
+        offs = pos % block_size  # [T, C]
+        k = key_cache[blocks, offs].float()  # [T, C, Hk, D]
+        v = value_cache[blocks, offs].float()  # [T, C, Hk, D]
+        s = torch.matmul(q, k.permute(0, 2, 3, 1))  # [T, Hk, Q*G, C]
+        masked = kpos[None, None, :] > q_pos[:, :, None]  # [T, Q, C] causal (and past ctx)
+        s = s.view(num_tiles, num_kv_heads, qmax, group, -1)
+        s.masked_fill_(masked[:, None, :, None, :], -math.inf)
+        s = s.view(num_tiles, num_kv_heads, qmax * group, -1)
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
+        p = torch.exp(s - m_safe)
+        alpha = torch.exp(m - m_safe)
+        l_sum = l_sum * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, v.permute(0, 2, 1, 3))
+        m = m_new
+    res = acc / torch.where(l_sum == 0, 1.0, l_sum)  # [T, Hk, Q*G, D]
+    res = res.view(num_tiles, num_kv_heads, qmax, group, head_dim).permute(0, 2, 1, 3, 4)
+    res = res.reshape(num_tiles, qmax, num_q_heads, head_dim)
+    out[rows[q_valid]] = res[q_valid].to(out.dtype)

@@ -1,0 +1,175 @@
+"""The block pool: per-block refcounts and an O(1) free-block queue.
+
+Follows vLLM v1's ``BlockPool`` / ``FreeKVCacheBlockQueue``
+(vllm/v1/core/block_pool.py, kv_cache_utils.py): every block with refcount 0
+sits in one intrusive doubly linked queue. Allocation pops from the head;
+freed blocks are appended at the tail, a sequence's blocks in reverse order, so
+that once prefix caching keeps content in refcount-0 ("cached") blocks the
+head is the least recently used leaf and eviction is LRU, leaves before
+parents.
+
+NOTE: invariants (checked by :meth:`BlockPool.check`):
+  * a block is in the free queue  <=>  its refcount is 0;
+  * ``num_free + num_cached + num_used == num_blocks``;
+  * ``fill[b] == 0`` for every block in the free queue without cached content;
+  * ``tokens_stored == sum(fill[b] for used b)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of block ids with O(1) popleft/append/remove.
+
+    ``prev``/``next`` are plain int lists indexed by block id; ``num_blocks`` is
+    the sentinel (head and tail live there), so no ``None`` or ``-1`` leaks out.
+    Initially holds every block in id order, so a fresh pool allocates 0, 1, 2, ...
+    """
+
+    def __init__(self, num_blocks: int):
+        n = num_blocks
+        self._sentinel = n
+        #: next[b]: block after b; next[n] is the head.
+        self._next = [*range(1, n + 1), 0 if n else n]
+        #: prev[b]: block before b; prev[n] is the tail.
+        self._prev = [n, *range(0, n - 1), n - 1 if n else n][: n + 1]
+        self._in_queue = [True] * n
+        self.size = n
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __contains__(self, block_id: int) -> bool:
+        return self._in_queue[block_id]
+
+    def popleft(self) -> int:
+        """Remove and return the head block id. Caller checks ``len`` first."""
+        assert self.size > 0, "popleft from an empty free-block queue"
+        block_id = self._next[self._sentinel]
+        self.remove(block_id)
+        return block_id
+
+    def append(self, block_id: int) -> None:
+        """Put ``block_id`` at the tail (the last to be reused)."""
+        assert not self._in_queue[block_id], f"block {block_id} is already in the free queue"
+        s = self._sentinel
+        tail = self._prev[s]
+        self._next[tail] = block_id
+        self._prev[block_id] = tail
+        self._next[block_id] = s
+        self._prev[s] = block_id
+        self._in_queue[block_id] = True
+        self.size += 1
+
+    def remove(self, block_id: int) -> None:
+        """Unlink ``block_id`` from anywhere in the queue (a prefix-cache hit)."""
+        assert self._in_queue[block_id], f"block {block_id} is not in the free queue"
+        p, n = self._prev[block_id], self._next[block_id]
+        self._next[p] = n
+        self._prev[n] = p
+        self._in_queue[block_id] = False
+        self.size -= 1
+
+    def __iter__(self):
+        b = self._next[self._sentinel]
+        while b != self._sentinel:
+            yield b
+            b = self._next[b]
+
+
+class BlockPool:
+    """Refcounts, fill levels and the free queue of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    The pool never decides *whether* an allocation fits: callers (the block
+    manager) check :attr:`num_available` first so that a request is all or nothing.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        #: Blocks in the pool.
+        self.num_blocks = num_blocks
+        #: Tokens per block.
+        self.block_size = block_size
+        #: ref_counts[b]: block-table entries (plus pins) referencing block b.
+        self.ref_counts = [0] * num_blocks
+        #: fill[b]: token slots of block b holding written KV (0..block_size).
+        self.fill = [0] * num_blocks
+        #: Blocks with refcount 0 (free and cached), LRU order, head first.
+        self.free_queue = FreeBlockQueue(num_blocks)
+        #: Refcount-0 blocks that keep prefix-cache content (evictable).
+        self.num_cached = 0
+        #: Sum of ``fill`` over used blocks.
+        self.tokens_stored = 0
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation may take now: free + cached (evictable)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks with refcount > 0."""
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no content."""
+        return len(self.free_queue) - self.num_cached
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks from the head of the free queue, refcount 1 each."""
+        assert n <= len(self.free_queue), f"allocate({n}) with {len(self.free_queue)} available"
+        out = []
+        for _ in range(n):
+            b = self.free_queue.popleft()
+            assert self.ref_counts[b] == 0 and self.fill[b] == 0, f"block {b} popped while in use"
+            self.ref_counts[b] = 1
+            out.append(b)
+        return out
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each block (a fork shares them)."""
+        for b in block_ids:
+            assert self.ref_counts[b] > 0, f"incref of free block {b}"
+            self.ref_counts[b] += 1
+
+    def decref(self, block_ids: Sequence[int]) -> int:
+        """Drop one reference from each block; blocks reaching 0 go to the queue tail.
+
+        Blocks are released in reverse order (a sequence's last block first), so
+        the earlier blocks of a sequence are reused last. Returns the number of
+        blocks whose refcount reached 0.
+        """
+        freed = 0
+        for b in reversed(block_ids):
+            rc = self.ref_counts[b]
+            assert rc > 0, f"decref of block {b} with refcount 0 (double free)"
+            self.ref_counts[b] = rc - 1
+            if rc == 1:
+                self.tokens_stored -= self.fill[b]
+                self.fill[b] = 0
+                self.free_queue.append(b)
+                freed += 1
+        return freed
+
+    def set_fill(self, block_id: int, tokens: int) -> None:
+        """Record that block ``block_id`` holds ``tokens`` written slots (never shrinks)."""
+        old = self.fill[block_id]
+        if tokens > old:
+            assert tokens <= self.block_size, f"fill {tokens} > block_size {self.block_size}"
+            self.fill[block_id] = tokens
+            self.tokens_stored += tokens - old
+
+    def check(self) -> None:
+        """Assert the module's invariants (O(num_blocks); tests call it after every step)."""
+        queued = set(self.free_queue)
+        assert len(queued) == len(self.free_queue), "free queue has a cycle or duplicate"
+        for b in range(self.num_blocks):
+            assert (b in queued) == (self.ref_counts[b] == 0), (
+                f"block {b}: refcount {self.ref_counts[b]} but in_free_queue={b in queued}"
+            )
+        assert self.num_free + self.num_cached + self.num_used == self.num_blocks
+        assert self.tokens_stored == sum(f for b, f in enumerate(self.fill) if self.ref_counts[b] > 0)

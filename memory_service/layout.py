@@ -1,0 +1,138 @@
+"""The KV-cache pool layout: shape, dtype, sizing, and where it comes from.
+
+DESIGN.md, "The pool": one allocation per (device, layout), block-major
+``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` so that one
+block is one contiguous byte range (the unit of a copy-on-write copy).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Dimension names of the pool tensor, outermost first.
+DIM_NAMES = ("num_blocks", "num_layers", "kv", "block_size", "num_kv_heads", "head_dim")
+#: Bytes per element of each supported KV dtype.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: SmolLM2-135M-Instruct's attention layout (DESIGN.md, "The real model").
+SMOLLM2_LAYOUT = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """Shape and dtype of a paged KV-cache pool."""
+
+    #: Transformer layers with a KV cache.
+    num_layers: int
+    #: Key/value heads per layer.
+    num_kv_heads: int
+    #: Elements per head.
+    head_dim: int
+    #: Tokens per block.
+    block_size: int
+    #: "float32", "float16" or "bfloat16".
+    dtype: str
+    #: Blocks in the pool.
+    num_blocks: int
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be <= 1024 tokens, got {self.block_size}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Pool tensor shape in :data:`DIM_NAMES` order."""
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Contiguous (row-major) strides in elements."""
+        out, acc = [], 1
+        for dim in reversed(self.shape):
+            out.append(acc)
+            acc *= dim
+        return tuple(reversed(out))
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block: every layer, K and V."""
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.num_blocks * self.block_nbytes
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a memory size such as ``"1GiB"``, ``"512MiB"``, ``"2e9"`` or ``"1.5 GB"`` to bytes.
+
+    Raises:
+        ValueError: not a positive size with a known unit.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {text!r}; use e.g. 1GiB, 512MiB, 2GB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+def model_attention_layout(model: str) -> dict[str, int]:
+    """``num_layers``, ``num_kv_heads``, ``head_dim`` of ``"smollm2"`` or a Hugging Face directory.
+
+    Raises:
+        ValueError: the directory has no readable config.json.
+    """
+    if model == "smollm2":
+        return dict(SMOLLM2_LAYOUT)
+    config_path = Path(model) / "config.json"
+    try:
+        cfg = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model {model!r}: expected 'smollm2' or a Hugging Face directory with config.json ({e})") from e
+    num_heads = cfg["num_attention_heads"]
+    return {
+        "num_layers": cfg["num_hidden_layers"],
+        "num_kv_heads": cfg.get("num_key_value_heads", num_heads),
+        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+    }
+
+
+def make_layout(
+    model: str,
+    *,
+    block_size: int,
+    dtype: str,
+    num_blocks: int | None = None,
+    kv_cache_memory: int | None = None,
+) -> PoolLayout:
+    """Layout for ``model`` sized by ``num_blocks`` or by ``kv_cache_memory`` bytes (exactly one).
+
+    Raises:
+        ValueError: both or neither size given, or the memory holds no block.
+    """
+    if (num_blocks is None) == (kv_cache_memory is None):
+        raise ValueError("give exactly one of --num-blocks or --kv-cache-memory")
+    attn = model_attention_layout(model)
+    if num_blocks is None:
+        probe = PoolLayout(**attn, block_size=block_size, dtype=dtype, num_blocks=1)
+        num_blocks = kv_cache_memory // probe.block_nbytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"--kv-cache-memory {kv_cache_memory} bytes holds no block of {probe.block_nbytes} bytes"
+            )
+    return PoolLayout(**attn, block_size=block_size, dtype=dtype, num_blocks=num_blocks)

@@ -1,0 +1,121 @@
+"""``pagedkv memory``: start the memory service.
+
+Example::
+
+    pagedkv memory --host 127.0.0.1 --port 50051 --device cpu --block-size 16 \\
+        --kv-cache-memory 1GiB --model smollm2 --lease-ttl 10 --ready-file /tmp/mem.json
+
+``--port 0`` binds a free port; the ready file (JSON: address, host, port, pid,
+pool_id, generation) says which. SIGTERM marks the service NOT_SERVING (workers
+watching health drop their mapping), waits the grace period, stops the server,
+then removes the pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from memory_service.block_manager import BlockManager
+from memory_service.layout import make_layout, parse_bytes
+from memory_service.pool import CpuPool, CudaPool, Pool
+from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
+from pagedkv.logs import get_logger
+from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from pagedkv.service import ServerSpec, run_server
+
+log = get_logger("memory_service")
+
+#: CPU pool size when neither --num-blocks nor --kv-cache-memory is given.
+DEFAULT_CPU_KV_MEMORY = "1GiB"
+#: GPU pool size when neither is given.
+DEFAULT_CUDA_KV_MEMORY = "4GiB"
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Flags of ``pagedkv memory`` (also used to check docker-compose.yml)."""
+    p = parser or argparse.ArgumentParser(prog="pagedkv memory", description="Run the KV-cache memory service.")
+    p.add_argument("--host", default=os.environ.get("PAGEDKV_MEMORY_HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("PAGEDKV_MEMORY_PORT", "50051")), help="port; 0 = any free port (default 50051)")
+    p.add_argument("--device", default=os.environ.get("PAGEDKV_DEVICE", "cpu"), help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--block-size", type=int, default=int(os.environ.get("PAGEDKV_BLOCK_SIZE", "16")), help="tokens per block (default 16)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool")
+    size.add_argument("--kv-cache-memory", default=os.environ.get("PAGEDKV_KV_CACHE_MEMORY"),
+                      help=f"pool size in bytes, e.g. 2GiB (default {DEFAULT_CPU_KV_MEMORY} on cpu, {DEFAULT_CUDA_KV_MEMORY} on cuda)")
+    p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"), help="'smollm2' or a Hugging Face directory (layout source)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="KV dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds without keep-alive (default 10)")
+    p.add_argument("--pool-id", default=None, help="pool name (default: random)")
+    p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
+    p.add_argument("--grace", type=float, default=2.0, help="seconds between NOT_SERVING and releasing the pool (default 2)")
+    return p
+
+
+def create_pool(args: argparse.Namespace) -> Pool:
+    """The pool the flags ask for.
+
+    Raises:
+        ValueError: inconsistent or invalid flags.
+        RuntimeError: cuda requested without CuPy.
+    """
+    device = args.device
+    is_cuda = device.startswith("cuda")
+    if not is_cuda and device != "cpu":
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    dtype = args.dtype or ("bfloat16" if is_cuda else "float32")
+    memory = None
+    if args.num_blocks is None:
+        memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if is_cuda else DEFAULT_CPU_KV_MEMORY))
+    layout = make_layout(args.model, block_size=args.block_size, dtype=dtype, num_blocks=args.num_blocks, kv_cache_memory=memory)
+    if is_cuda:
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        return CudaPool(layout, device_index=index, pool_id=args.pool_id, model=args.model)
+    return CpuPool(layout, pool_id=args.pool_id, model=args.model)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Create the pool and serve until SIGTERM."""
+    pool = create_pool(args)
+    manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl)
+    servicer = MemoryServicer(manager, pool)
+
+    async def grace() -> None:
+        # Workers watching health see NOT_SERVING now; give them time to drop the mapping.
+        await asyncio.sleep(args.grace)
+
+    async def release() -> None:
+        pool.close()
+
+    spec = ServerSpec(
+        service_names=[SERVICE_NAME],
+        add_servicers=lambda server: pb_grpc.add_MemoryServiceServicer_to_server(servicer, server),
+        host=args.host,
+        port=args.port,
+        ready_file=args.ready_file,
+        ready_info={"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks},
+        on_shutdown=grace,
+        on_stopped=release,
+        background=[lambda: expire_leases_forever(manager, min(1.0, args.lease_ttl / 4))],
+    )
+    try:
+        await run_server(spec)
+    finally:
+        pool.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``pagedkv memory``."""
+    args = build_parser().parse_args(argv)
+    try:
+        asyncio.run(serve(args))
+    except (ValueError, RuntimeError, OSError) as e:
+        log.error("startup_failed", error=str(e))
+        print(f"pagedkv memory: error: {e}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

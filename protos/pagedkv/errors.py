@@ -1,0 +1,73 @@
+"""Errors every pagedkv service raises, each tied to one gRPC status code.
+
+DESIGN.md, "Errors": one meaning per code. Misuse raises one of these with an
+actionable message; a capacity shortfall is a typed result inside the block
+manager that the server turns into :class:`OutOfBlocksError`; a broken invariant
+is an ``AssertionError`` that the server maps to INTERNAL.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+#: ErrorInfo domain of every pagedkv error.
+ERROR_DOMAIN = "pagedkv.dev"
+#: ErrorInfo reason of a block shortfall (clients act on it, not on the code alone).
+OUT_OF_BLOCKS = "OUT_OF_BLOCKS"
+
+
+class PagedKVError(Exception):
+    """Base class: a message for a person, a gRPC code, an optional ErrorInfo reason."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    reason: str = ""
+
+    def __init__(self, message: str, *, metadata: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        #: ErrorInfo metadata (string to string).
+        self.metadata = dict(metadata or {})
+
+
+class InvalidArgumentError(PagedKVError, ValueError):
+    """Malformed request: negative or huge sizes, empty batch, bad sampling values."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_ARGUMENT"
+
+
+class NotFoundError(PagedKVError, KeyError):
+    """Unknown sequence, lease or pool."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class FailedPreconditionError(PagedKVError):
+    """Layout/generation mismatch, lease expired, pool not ready."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "FAILED_PRECONDITION"
+
+
+class OutOfBlocksError(PagedKVError):
+    """Not enough available blocks for an all-or-nothing request.
+
+    Carries ``required`` and ``available`` block counts in ErrorInfo metadata.
+    """
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = OUT_OF_BLOCKS
+
+    def __init__(self, required: int, available: int, what: str = "request"):
+        super().__init__(
+            f"out of KV blocks: the {what} needs {required} blocks but {available} are "
+            "available; free or preempt sequences, or start the memory service with more "
+            "--num-blocks / --kv-cache-memory",
+            metadata={"required": str(required), "available": str(available)},
+        )
+        self.required = required
+        self.available = available

@@ -1,0 +1,306 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PoolBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_BACKEND_UNSPECIFIED: _ClassVar[PoolBackend]
+    POOL_BACKEND_CPU: _ClassVar[PoolBackend]
+    POOL_BACKEND_CUDA: _ClassVar[PoolBackend]
+
+class FreeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FREE_REASON_UNSPECIFIED: _ClassVar[FreeReason]
+    FREE_REASON_FINISHED: _ClassVar[FreeReason]
+    FREE_REASON_PREEMPTED: _ClassVar[FreeReason]
+    FREE_REASON_ABORTED: _ClassVar[FreeReason]
+POOL_BACKEND_UNSPECIFIED: PoolBackend
+POOL_BACKEND_CPU: PoolBackend
+POOL_BACKEND_CUDA: PoolBackend
+FREE_REASON_UNSPECIFIED: FreeReason
+FREE_REASON_FINISHED: FreeReason
+FREE_REASON_PREEMPTED: FreeReason
+FREE_REASON_ABORTED: FreeReason
+
+class PoolLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "num_blocks")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    num_blocks: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class PoolDescriptor(_message.Message):
+    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DIM_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    generation: int
+    backend: PoolBackend
+    layout: PoolLayout
+    dim_names: _containers.RepeatedScalarFieldContainer[str]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    block_nbytes: int
+    shm_path: str
+    cuda_ipc_handle: bytes
+    cuda_offset: int
+    cuda_device_uuid: str
+    model: str
+    owner_pid: int
+    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ...) -> None: ...
+
+class CreateLeaseRequest(_message.Message):
+    __slots__ = ("ttl_seconds", "owner")
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: float
+    owner: str
+    def __init__(self, ttl_seconds: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class CreateLeaseResponse(_message.Message):
+    __slots__ = ("lease_id", "ttl_seconds")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    ttl_seconds: float
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("expires_in_seconds",)
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    expires_in_seconds: float
+    def __init__(self, expires_in_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("freed_sequences",)
+    FREED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    freed_sequences: int
+    def __init__(self, freed_sequences: _Optional[int] = ...) -> None: ...
+
+class GetPoolDescriptorRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetPoolDescriptorResponse(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolDescriptor
+    def __init__(self, pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ...) -> None: ...
+
+class SequenceBlockTable(_message.Message):
+    __slots__ = ("seq_id", "num_tokens", "block_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+
+class SequenceAllocation(_message.Message):
+    __slots__ = ("num_tokens",)
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
+
+class AllocateSequencesRequest(_message.Message):
+    __slots__ = ("lease_id", "sequences")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceAllocation]
+    def __init__(self, lease_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ...) -> None: ...
+
+class AllocateSequencesResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceBlockTable]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ...) -> None: ...
+
+class SlotAppend(_message.Message):
+    __slots__ = ("seq_id", "num_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class AppendSlotsRequest(_message.Message):
+    __slots__ = ("lease_id", "appends")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    APPENDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    appends: _containers.RepeatedCompositeFieldContainer[SlotAppend]
+    def __init__(self, lease_id: _Optional[str] = ..., appends: _Optional[_Iterable[_Union[SlotAppend, _Mapping]]] = ...) -> None: ...
+
+class AppendSlotsResponse(_message.Message):
+    __slots__ = ("sequences", "copies")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceBlockTable]
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class SequenceFork(_message.Message):
+    __slots__ = ("parent_seq_id",)
+    PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    parent_seq_id: int
+    def __init__(self, parent_seq_id: _Optional[int] = ...) -> None: ...
+
+class ForkSequencesRequest(_message.Message):
+    __slots__ = ("lease_id", "forks")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    FORKS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    forks: _containers.RepeatedCompositeFieldContainer[SequenceFork]
+    def __init__(self, lease_id: _Optional[str] = ..., forks: _Optional[_Iterable[_Union[SequenceFork, _Mapping]]] = ...) -> None: ...
+
+class ForkSequencesResponse(_message.Message):
+    __slots__ = ("children",)
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    children: _containers.RepeatedCompositeFieldContainer[SequenceBlockTable]
+    def __init__(self, children: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ...) -> None: ...
+
+class FreeSequencesRequest(_message.Message):
+    __slots__ = ("lease_id", "seq_ids", "reason")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    reason: FreeReason
+    def __init__(self, lease_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[FreeReason, str]] = ...) -> None: ...
+
+class FreeSequencesResponse(_message.Message):
+    __slots__ = ("freed_blocks",)
+    FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    freed_blocks: int
+    def __init__(self, freed_blocks: _Optional[int] = ...) -> None: ...
+
+class GetBlockTableRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+
+class SequenceInfo(_message.Message):
+    __slots__ = ("seq_id", "lease_id", "num_tokens", "block_ids", "ref_counts", "parent_seq_id")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    lease_id: str
+    num_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    ref_counts: _containers.RepeatedScalarFieldContainer[int]
+    parent_seq_id: int
+    def __init__(self, seq_id: _Optional[int] = ..., lease_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., ref_counts: _Optional[_Iterable[int]] = ..., parent_seq_id: _Optional[int] = ...) -> None: ...
+
+class GetBlockTableResponse(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: SequenceInfo
+    def __init__(self, sequence: _Optional[_Union[SequenceInfo, _Mapping]] = ...) -> None: ...
+
+class ListSequencesRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ListSequencesResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation")
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_STORED_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCK_REFS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    available_blocks: int
+    block_size: int
+    tokens_stored: int
+    utilization: float
+    num_sequences: int
+    num_leases: int
+    allocation_failures: int
+    preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    shared_block_refs: int
+    generation: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,175 @@
+"""What every pagedkv gRPC server shares: error mapping, health, reflection, shutdown.
+
+- :func:`map_errors` is the one exception-to-status mapping of a servicer
+  (DESIGN.md, "Errors"): :class:`~pagedkv.errors.PagedKVError` -> its code with a
+  ``google.rpc.ErrorInfo`` detail; ``AssertionError`` (a broken invariant) ->
+  INTERNAL with a log line; anything else -> INTERNAL.
+- :func:`run_server` starts a ``grpc.aio`` server with the standard health
+  service and server reflection, writes the bound address to a ready file,
+  and on SIGTERM/SIGINT marks NOT_SERVING, runs the caller's shutdown hook,
+  then stops with a grace period (grpc examples: graceful shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from pagedkv.errors import ERROR_DOMAIN, PagedKVError
+from pagedkv.logs import get_logger
+
+log = get_logger("rpc")
+
+#: Largest request or response message, bytes (gRPC refuses bigger ones itself).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def _status_for(code: grpc.StatusCode, message: str, reason: str, metadata: dict[str, str]) -> grpc.Status:
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=[detail])
+    return rpc_status.to_status(status)
+
+
+def map_errors(cls: type) -> type:
+    """Class decorator: wrap every public ``async def`` RPC method of a servicer.
+
+    Each call is logged at debug (method, duration); errors become statuses as
+    the module docstring says. The wrapped service keeps running after any error.
+    """
+    for name, fn in list(vars(cls).items()):
+        if name.startswith("_") or not inspect.iscoroutinefunction(fn):
+            continue
+
+        def make(fn: Callable[..., Awaitable], name: str = name) -> Callable[..., Awaitable]:
+            @functools.wraps(fn)
+            async def wrapper(self, request, context):
+                try:
+                    response = await fn(self, request, context)
+                    log.debug("rpc", method=name)
+                    return response
+                except PagedKVError as e:
+                    log.info("rpc_error", method=name, code=e.code.name, error=e.message)
+                    status = _status_for(e.code, e.message, e.reason, e.metadata)
+                except AssertionError as e:
+                    log.error("invariant_broken", method=name, error=str(e), exc_info=True)
+                    status = _status_for(
+                        grpc.StatusCode.INTERNAL,
+                        f"internal invariant broken in {name}: {e}; this is a bug, please report it with the service log",
+                        "INTERNAL",
+                        {},
+                    )
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - last line of defence: never crash the server
+                    log.error("rpc_failed", method=name, error=repr(e), exc_info=True)
+                    status = _status_for(
+                        grpc.StatusCode.INTERNAL,
+                        f"{name} failed: {e!r}; see the service log",
+                        "INTERNAL",
+                        {},
+                    )
+                await context.abort(status.code, status.details, status.trailing_metadata)
+
+            return wrapper
+
+        setattr(cls, name, make(fn))
+    return cls
+
+
+def write_ready_file(path: str | os.PathLike, info: dict) -> None:
+    """Atomically write ``info`` as JSON to ``path`` (rename, so readers never see half)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)
+
+
+@dataclass
+class ServerSpec:
+    """What :func:`run_server` needs to know about one service."""
+
+    #: Fully qualified service names for reflection and health, e.g. "pagedkv.memory.v1.MemoryService".
+    service_names: list[str]
+    #: Callback registering servicers on the server: ``add(server)``.
+    add_servicers: Callable[[grpc.aio.Server], None]
+    #: Host to bind, e.g. "127.0.0.1" or "0.0.0.0".
+    host: str = "127.0.0.1"
+    #: Port to bind; 0 = any free port.
+    port: int = 0
+    #: Where to write {"address", "host", "port", "pid"} once serving.
+    ready_file: str | None = None
+    #: Extra fields for the ready file.
+    ready_info: dict = field(default_factory=dict)
+    #: Seconds in-flight RPCs get to finish on shutdown.
+    grace_seconds: float = 5.0
+    #: Awaited after NOT_SERVING is set, before the server stops (tell workers, ...).
+    on_shutdown: Callable[[], Awaitable[None]] | None = None
+    #: Awaited after the server stopped (release the pool, ...).
+    on_stopped: Callable[[], Awaitable[None]] | None = None
+    #: Background coroutines started with the server and cancelled at shutdown.
+    background: Iterable[Callable[[], Awaitable[None]]] = ()
+
+
+async def run_server(spec: ServerSpec) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully.
+
+    Raises:
+        OSError: the address could not be bound.
+    """
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    spec.add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{spec.host}:{spec.port}")
+    if port == 0:
+        raise OSError(f"could not bind {spec.host}:{spec.port}; is another service using the port?")
+    await server.start()
+    for name in ["", *spec.service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = f"{spec.host}:{port}"
+    log.info("serving", address=address, services=spec.service_names, pid=os.getpid())
+    if spec.ready_file:
+        write_ready_file(spec.ready_file, {"address": address, "host": spec.host, "port": port, "pid": os.getpid(), **spec.ready_info})
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(job()) for job in spec.background]
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting_down", address=address)
+        await health_servicer.enter_graceful_shutdown()
+        if spec.on_shutdown is not None:
+            await spec.on_shutdown()
+        for t in tasks:
+            t.cancel()
+        await server.stop(spec.grace_seconds)
+        if spec.on_stopped is not None:
+            await spec.on_stopped()
+        log.info("stopped", address=address)

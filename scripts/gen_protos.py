@@ -1,0 +1,77 @@
+"""Regenerate the protobuf and gRPC code beside the .proto sources.
+
+One command (``make protos`` or ``python scripts/gen_protos.py``) writes
+``*_pb2.py``, ``*_pb2_grpc.py`` and ``*_pb2.pyi`` next to each ``.proto`` under
+``protos/``; ``--check`` regenerates into a temporary folder and exits 1 when the
+committed files differ (tests/test_protos.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_ROOT = ROOT / "protos"
+
+
+def proto_files() -> list[Path]:
+    """Every .proto under protos/, relative to it, sorted."""
+    return sorted(p.relative_to(PROTO_ROOT) for p in PROTO_ROOT.rglob("*.proto"))
+
+
+def generate(out_dir: Path) -> list[Path]:
+    """Run grpcio-tools' protoc into ``out_dir``; return the generated paths (relative).
+
+    Raises:
+        RuntimeError: protoc failed.
+    """
+    import grpc_tools
+    from grpc_tools import protoc
+
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    protos = [str(p) for p in proto_files()]
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *protos,
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    return sorted(p.relative_to(out_dir) for p in out_dir.rglob("*_pb2*.py*"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--check", action="store_true", help="fail if committed code is stale")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        generated = generate(out)
+        stale = [
+            str(rel)
+            for rel in generated
+            if not (PROTO_ROOT / rel).exists() or not filecmp.cmp(out / rel, PROTO_ROOT / rel, shallow=False)
+        ]
+        if args.check:
+            if stale:
+                print("stale generated files (run `make protos`):", *stale, sep="\n  ")
+                return 1
+            print(f"{len(generated)} generated files up to date")
+            return 0
+        for rel in generated:
+            shutil.copyfile(out / rel, PROTO_ROOT / rel)
+        print(f"wrote {len(generated)} files:", *map(str, generated), sep="\n  ")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
