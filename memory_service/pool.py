@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 from memory_service.layout import DIM_NAMES, PoolLayout
+from pagedkv.cuda_ipc import cuda_uuid_string
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 
@@ -143,14 +144,6 @@ class CpuPool(Pool):
         if self.path.exists():
             self.path.unlink(missing_ok=True)
             log.info("pool_released", backend="cpu", path=str(self.path))
-
-
-def cuda_uuid_string(raw: bytes) -> str:
-    """Format a 16-byte CUDA device UUID as nvidia-smi does: ``GPU-8-4-4-4-12`` hex groups."""
-    h = bytes(raw).hex()
-    if len(h) != 32:
-        raise ValueError(f"a CUDA UUID has 16 bytes, got {len(raw)}")
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 class CudaPool(Pool):

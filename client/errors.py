@@ -1,0 +1,92 @@
+"""Typed Python exceptions for errors the pagedkv services return.
+
+Every service error carries a gRPC code and a ``google.rpc.ErrorInfo`` detail
+(DESIGN.md, "Errors"); :func:`from_rpc_error` turns a ``grpc.RpcError`` into
+the matching :class:`ServiceError` subclass so callers act on the type, and on
+``reason`` where one code has several meanings (RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from pagedkv.errors import OUT_OF_BLOCKS
+
+
+class ServiceError(Exception):
+    """A pagedkv service refused a call.
+
+    Attributes:
+        code: the ``grpc.StatusCode``.
+        message: the service's message (what was wrong, what to do).
+        reason: ErrorInfo reason ("" when the error came from gRPC itself).
+        metadata: ErrorInfo metadata.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "", metadata: dict | None = None):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.metadata = dict(metadata or {})
+
+
+class OutOfBlocks(ServiceError):
+    """RESOURCE_EXHAUSTED with reason OUT_OF_BLOCKS: ``required`` and ``available`` blocks."""
+
+    @property
+    def required(self) -> int:
+        return int(self.metadata.get("required", 0))
+
+    @property
+    def available(self) -> int:
+        return int(self.metadata.get("available", 0))
+
+
+class InvalidArgument(ServiceError):
+    """INVALID_ARGUMENT: a malformed request."""
+
+
+class NotFound(ServiceError):
+    """NOT_FOUND: unknown sequence, lease or pool."""
+
+
+class FailedPrecondition(ServiceError):
+    """FAILED_PRECONDITION: generation mismatch, expired lease, pool not ready."""
+
+
+class Unavailable(ServiceError):
+    """UNAVAILABLE: the service is down or shutting down."""
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+}
+
+
+def error_info(error: grpc.RpcError) -> tuple[str, dict[str, str]]:
+    """ErrorInfo ``(reason, metadata)`` of an RPC error, ``("", {})`` when it has none."""
+    status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                return info.reason, dict(info.metadata)
+    return "", {}
+
+
+def from_rpc_error(error: grpc.RpcError) -> ServiceError:
+    """The typed exception for ``error``."""
+    code = error.code()
+    reason, metadata = error_info(error)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == OUT_OF_BLOCKS:
+        cls = OutOfBlocks
+    else:
+        cls = _BY_CODE.get(code, ServiceError)
+    return cls(code, error.details() or "", reason, metadata)

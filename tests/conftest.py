@@ -1,0 +1,86 @@
+"""Shared fixtures: real service processes on free ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServiceProcess:
+    """A pagedkv service started as its own process, address read from its ready file."""
+
+    def __init__(self, args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = 120.0):
+        self.ready_file = tmp / f"{name}.ready.json"
+        self.log_path = tmp / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        full_env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "client.cli", *args, "--port", "0", "--ready-file", str(self.ready_file)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
+        )
+        deadline = time.monotonic() + timeout
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{name} did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.info = json.loads(self.ready_file.read_text())
+        self.address = self.info["address"]
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_service(tmp_path):
+    """Factory: ``start_service(["memory", "--num-blocks", "64"], name="memory")``; stopped at teardown."""
+    started: list[ServiceProcess] = []
+
+    def start(args: list[str], name: str = "service", env: dict | None = None) -> ServiceProcess:
+        svc = ServiceProcess(args, tmp_path, f"{name}{len(started)}", env)
+        started.append(svc)
+        return svc
+
+    yield start
+    for svc in started:
+        svc.stop()
+
+
+@pytest.fixture(scope="module")
+def memory_service(tmp_path_factory):
+    """One memory service for a test module: 64 blocks of 4 tokens, SmolLM2 layout."""
+    svc = ServiceProcess(
+        ["memory", "--num-blocks", "64", "--block-size", "4", "--lease-ttl", "30"],
+        tmp_path_factory.mktemp("memory"), "memory",
+    )
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def memory_stub(memory_service):
+    from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(memory_service.address) as channel:
+        yield pb_grpc.MemoryServiceStub(channel)

@@ -1,0 +1,159 @@
+"""A Hypothesis state machine over allocate / append / fork / free / lease expiry.
+
+Beside the block manager it keeps a model of what a worker would hold: a slot
+store written through each block table, with copy-on-write copies applied
+before writes. After every step, DESIGN.md's invariants hold and every live
+sequence reads back exactly its own token history through its block table:
+so a copy-on-write that was missing, misdirected or shared a written block
+would fail here.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from memory_service.block_manager import BlockManager, OutOfBlocks
+from pagedkv.errors import FailedPreconditionError
+
+NUM_BLOCKS = 12
+BLOCK_SIZE = 3
+TTL = 5.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.m = BlockManager(NUM_BLOCKS, BLOCK_SIZE, lease_ttl=TTL, clock=self.clock)
+        self.leases = [self.m.create_lease().lease_id, self.m.create_lease().lease_id]
+        self.renewed = {lease: 0.0 for lease in self.leases}
+        #: seq_id -> (lease, token history)
+        self.history: dict[int, tuple[str, list[int]]] = {}
+        #: slot store: slot -> token, as a worker's KV cache would hold it
+        self.slots: dict[int, int] = {}
+        self.tokens = itertools.count(1)
+
+    # -- helpers
+    def _write(self, seq_id: int, block_ids: list[int], start: int, tokens: list[int]) -> None:
+        for i, t in enumerate(tokens):
+            p = start + i
+            self.slots[block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] = t
+
+    def _live_lease(self, i: int) -> str:
+        return self.leases[i % len(self.leases)]
+
+    def _forget_expired(self) -> None:
+        for lease, t in self.renewed.items():
+            if self.clock.now >= t + TTL:
+                for s in [s for s, (l, _) in self.history.items() if l == lease]:
+                    del self.history[s]
+
+    # -- rules
+    @rule(lease=st.integers(0, 1), counts=st.lists(st.integers(1, 10), min_size=1, max_size=3))
+    def allocate(self, lease, counts):
+        lease_id = self._live_lease(lease)
+        try:
+            result = self.m.allocate(lease_id, counts)
+        except FailedPreconditionError:
+            assert self.clock.now >= self.renewed[lease_id] + TTL
+            return
+        need = sum(-(-n // BLOCK_SIZE) for n in counts)
+        if isinstance(result, OutOfBlocks):
+            assert result.required == need > result.available
+            return
+        for seq, n in zip(result, counts):
+            toks = [next(self.tokens) for _ in range(n)]
+            self._write(seq.seq_id, seq.block_ids, 0, toks)
+            self.history[seq.seq_id] = (lease_id, toks)
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data())
+    def append(self, data):
+        ids = sorted(self.history)
+        chosen = data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=3, unique=True))
+        lease_id = self.history[chosen[0]][0]
+        chosen = [s for s in chosen if self.history[s][0] == lease_id]
+        ks = [data.draw(st.integers(1, 4)) for _ in chosen]
+        result = self.m.append_slots(lease_id, list(zip(chosen, ks)))
+        if isinstance(result, OutOfBlocks):
+            return
+        seqs, copies = result
+        # The worker does every copy before any write.
+        for src, dst in copies:
+            for o in range(BLOCK_SIZE):
+                if src * BLOCK_SIZE + o in self.slots:
+                    self.slots[dst * BLOCK_SIZE + o] = self.slots[src * BLOCK_SIZE + o]
+        for seq, k in zip(seqs, ks):
+            lease, toks = self.history[seq.seq_id]
+            new = [next(self.tokens) for _ in range(k)]
+            self._write(seq.seq_id, seq.block_ids, len(toks), new)
+            toks.extend(new)
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data(), copies=st.integers(1, 3))
+    def fork(self, data, copies):
+        parent = data.draw(st.sampled_from(sorted(self.history)))
+        lease_id, toks = self.history[parent]
+        for child in self.m.fork(lease_id, [parent] * copies):
+            assert child.block_ids == self.m.get_sequence(parent).block_ids
+            self.history[child.seq_id] = (lease_id, list(toks))
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data())
+    def free(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.history)))
+        lease_id, _ = self.history.pop(sid)
+        self.m.free(lease_id, [sid])
+
+    @rule(seconds=st.sampled_from([0.5, 2.0, 6.0]))
+    def advance_clock(self, seconds):
+        self.clock.now += seconds
+        self._forget_expired()
+        self.m.expire_leases()
+        for i, lease in enumerate(self.leases):
+            if lease not in self.m.leases:
+                self.leases[i] = self.m.create_lease().lease_id
+                self.renewed[self.leases[i]] = self.clock.now
+
+    @rule(lease=st.integers(0, 1))
+    def keep_alive(self, lease):
+        lease_id = self._live_lease(lease)
+        self.m.keep_alive(lease_id)
+        self.renewed[lease_id] = self.clock.now
+
+    # -- invariants
+    @invariant()
+    def invariants_hold(self):
+        self.m.check_invariants()
+        s = self.m.stats()
+        assert s.free_blocks + s.cached_blocks + s.used_blocks == s.total_blocks == NUM_BLOCKS
+        assert set(self.m.sequences) == set(self.history)
+
+    @invariant()
+    def every_sequence_reads_its_own_history(self):
+        for sid, (_, toks) in self.history.items():
+            seq = self.m.get_sequence(sid)
+            assert seq.num_tokens == len(toks)
+            read = [self.slots[seq.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] for p in range(len(toks))]
+            assert read == toks, f"sequence {sid} reads {read}, wrote {toks}"
+
+    def teardown(self):
+        for lease in list(self.m.leases):
+            self.m.release_lease(lease)
+        s = self.m.stats()
+        assert s.used_blocks == 0 and s.available_blocks == NUM_BLOCKS
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
