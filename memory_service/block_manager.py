@@ -213,6 +213,9 @@ class BlockManager:
             NotFoundError: never allocated, or already freed.
         """
         self.expire_leases()
+        return self._sequence(seq_id)
+
+    def _sequence(self, seq_id: int) -> Sequence:
         seq = self.sequences.get(seq_id)
         if seq is None:
             if 0 <= seq_id < self._seq_high_water:
@@ -231,15 +234,15 @@ class BlockManager:
         """Resolve a batch of sequence ids owned by ``lease`` (no duplicates, non-empty)."""
         ids = list(seq_ids)
         _check_batch(len(ids), what)
-        dup = [s for s, c in Counter(ids).items() if c > 1]
-        if dup:
-            raise InvalidArgumentError(f"{what}: sequence {dup[0]} appears more than once in the batch")
-        seqs = []
-        for s in ids:
-            seq = self.get_sequence(s)
+        if len(set(ids)) != len(ids):
+            dup = next(s for s, c in Counter(ids).items() if c > 1)
+            raise InvalidArgumentError(f"{what}: sequence {dup} appears more than once in the batch")
+        seqs = [self.sequences.get(s) for s in ids]
+        for s, seq in zip(ids, seqs):
+            if seq is None:
+                self._sequence(s)  # raises the precise NotFoundError
             if seq.lease_id != lease.lease_id:
                 raise NotFoundError(f"{what}: sequence {s} is not owned by lease {lease.lease_id}")
-            seqs.append(seq)
         return seqs
 
     def _new_sequence(self, lease: Lease, num_tokens: int, block_ids: list[int], parent: int | None) -> Sequence:
@@ -320,11 +323,14 @@ class BlockManager:
         # Pass 1: count blocks, simulating the refcount drops of earlier copies in the batch.
         required = 0
         dropped: Counter[int] = Counter()
+        capacity = self.pool.num_blocks * bs
+        ref_counts = self.pool.ref_counts
         for seq, (_, k) in zip(seqs, appends):
-            self._check_tokens(k, "AppendSlots")
-            self._check_tokens(seq.num_tokens + k, f"AppendSlots(sequence {seq.seq_id})")
+            if not (1 <= k and seq.num_tokens + k <= capacity):
+                self._check_tokens(k, "AppendSlots")
+                self._check_tokens(seq.num_tokens + k, f"AppendSlots(sequence {seq.seq_id})")
             last = seq.block_ids[-1]
-            if seq.num_tokens % bs and self.pool.ref_counts[last] - dropped[last] > 1:
+            if seq.num_tokens % bs and ref_counts[last] - dropped[last] > 1:
                 dropped[last] += 1
                 required += 1
             required += blocks_for(seq.num_tokens + k, bs) - len(seq.block_ids)
@@ -360,7 +366,9 @@ class BlockManager:
         """
         lease = self._lease(lease_id)
         _check_batch(len(parent_ids), "ForkSequences")
-        parents = [self._owned(lease, [p], "ForkSequences")[0] for p in parent_ids]
+        unique = list(dict.fromkeys(parent_ids))
+        by_id = dict(zip(unique, self._owned(lease, unique, "ForkSequences")))
+        parents = [by_id[p] for p in parent_ids]
         children = []
         for parent in parents:
             self.pool.incref(parent.block_ids)

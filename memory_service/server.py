@@ -73,11 +73,17 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def AppendSlots(self, request, context):
         appends = [(a.seq_id, a.num_tokens) for a in request.appends]
+        live = self.manager.sequences
+        # (length, last block) before the call, to report each table as a delta.
+        before = {s: (len(live[s].block_ids), live[s].block_ids[-1]) for s, _ in appends if s in live}
         seqs, copies = _ok(self.manager.append_slots(request.lease_id, appends), "append")
-        return pb.AppendSlotsResponse(
-            sequences=[_table(s) for s in seqs],
-            copies=[pb.BlockCopy(src=s, dst=d) for s, d in copies],
-        )
+        updates = []
+        for seq in seqs:
+            old_len, old_last = before[seq.seq_id]
+            first = old_len - 1 if seq.block_ids[old_len - 1] != old_last else old_len
+            updates.append(pb.BlockTableUpdate(
+                seq_id=seq.seq_id, num_tokens=seq.num_tokens, first_changed=first, block_ids=seq.block_ids[first:]))
+        return pb.AppendSlotsResponse(updates=updates, copies=[pb.BlockCopy(src=s, dst=d) for s, d in copies])
 
     async def ForkSequences(self, request, context):
         children = self.manager.fork(request.lease_id, [f.parent_seq_id for f in request.forks])

@@ -54,7 +54,9 @@ def test_every_rpc(memory_stub, memory_service):
     app = stub.AppendSlots(pb.AppendSlotsRequest(lease_id=lease, appends=[
         pb.SlotAppend(seq_id=c.seq_id, num_tokens=1), pb.SlotAppend(seq_id=b.seq_id, num_tokens=2)]))
     assert [(x.src, x.dst) for x in app.copies] == [(1, 3)]
-    assert [list(s.block_ids) for s in app.sequences] == [[0, 3], [2, 4]]
+    # c: its last block (index 1) replaced by the copy; b: one new block at index 1.
+    assert [(u.seq_id, u.first_changed, list(u.block_ids), u.num_tokens) for u in app.updates] == [
+        (c.seq_id, 1, [3], 7), (b.seq_id, 1, [4], 5)]
 
     listed = stub.ListSequences(pb.ListSequencesRequest(lease_id=lease)).sequences
     assert [s.seq_id for s in listed] == [a.seq_id, b.seq_id, c.seq_id]

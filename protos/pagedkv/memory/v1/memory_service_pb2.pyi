@@ -181,13 +181,25 @@ class AppendSlotsRequest(_message.Message):
     appends: _containers.RepeatedCompositeFieldContainer[SlotAppend]
     def __init__(self, lease_id: _Optional[str] = ..., appends: _Optional[_Iterable[_Union[SlotAppend, _Mapping]]] = ...) -> None: ...
 
+class BlockTableUpdate(_message.Message):
+    __slots__ = ("seq_id", "num_tokens", "first_changed", "block_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_tokens: int
+    first_changed: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_changed: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class AppendSlotsResponse(_message.Message):
-    __slots__ = ("sequences", "copies")
-    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("updates", "copies")
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
-    sequences: _containers.RepeatedCompositeFieldContainer[SequenceBlockTable]
+    updates: _containers.RepeatedCompositeFieldContainer[BlockTableUpdate]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    def __init__(self, updates: _Optional[_Iterable[_Union[BlockTableUpdate, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class SequenceFork(_message.Message):
     __slots__ = ("parent_seq_id",)
