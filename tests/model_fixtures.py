@@ -6,6 +6,7 @@ Import the fixtures by name into a test module: `from model_fixtures import hf_m
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,12 +103,13 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 @torch.inference_mode()
 def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Greedy decode with a dense cache: (steps + 1 tokens, logits [steps + 1, vocab] fp32)."""
+    # transformers 5 renamed past_key_values to cache
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(input_ids=torch.tensor([ids]), use_cache=True)
-    past, logits, tokens = out.past_key_values, [out.logits[0, -1].float()], []
+    logits, tokens = [out.logits[0, -1].float()], []
     for _ in range(steps):
         tokens.append(int(logits[-1].argmax()))
-        out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **{key: out[key]})
         logits.append(out.logits[0, -1].float())
     tokens.append(int(logits[-1].argmax()))
     return tokens, torch.stack(logits)

@@ -1,0 +1,157 @@
+"""Batched, reproducible token sampling from logits with per-sequence parameters.
+
+The random draw of a sequence at output position t depends only on (seed, t): each sampled row
+gets its own `torch.Generator` seeded from a stable 64-bit mix of the two, and draws one
+exponential variate per vocabulary entry; the token is argmax(p / q) over the filtered
+probabilities p (the Gumbel-max / exponential-race trick vLLM uses). So a sample is the same
+whatever else shares the batch, equals a solo run with that seed, and a preempted request
+resumes on the same draws. The n samples of one request use seeds seed, seed+1, ...
+
+Filters apply in vLLM's order: temperature, top-k, then top-p over what top-k kept.
+Logprobs are vLLM's default: log_softmax of the raw logits (before temperature and filters).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20  # most top logprobs one sequence may ask for (vLLM's default max_logprobs)
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick the next token of one sequence. Raises ValueError on a bad value."""
+
+    temperature: float = 1.0  # 0 = greedy (argmax); > 0 divides the logits
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p; in (0, 1]
+    seed: int | None = None  # draw seed; None = fresh entropy each draw (not reproducible)
+    max_tokens: int = 16  # new tokens to generate (>= 1)
+    n: int = 1  # samples per request; sample i uses seed + i
+    logprobs: int | None = None  # top logprobs per output token (0..MAX_LOGPROBS); None = off
+    ignore_eos: bool = False  # keep generating past the end-of-sequence token
+    stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the sequence (kept in output)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0 or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
+                             f"got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not 0 <= self.seed <= _MASK64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.logprobs}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Result for S sequences. Logprob tensors are None unless some sequence asked for them."""
+
+    token_ids: torch.Tensor  # [S] int64, chosen tokens
+    logprobs: torch.Tensor | None  # [S] float32, log_softmax(raw logits) of the chosen token
+    top_ids: torch.Tensor | None  # [S, K] int64, K = max requested; row s valid up to its own k
+    top_logprobs: torch.Tensor | None  # [S, K] float32, descending
+
+
+def draw_seed(seed: int, t: int) -> int:
+    """Stable 64-bit generator seed for (seed, output position t) (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (t + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p, renormalised.
+
+    logits: [S, V] float; temperature: [S] float (> 0); top_k: [S] int64 (0 = off);
+    top_p: [S] float in (0, 1]. Returns [S, V] float32 with zeros where filtered out.
+    Ties at the top-k boundary are all kept (as in vLLM's threshold filter).
+    """
+    x = logits.float() / temperature[:, None]
+    vocab = x.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    if bool((k < vocab).any()) or bool((top_p < 1).any()):
+        sorted_x, _ = x.sort(dim=-1, descending=True)  # [S, V]
+        kth = sorted_x.gather(1, (k - 1)[:, None])  # [S, 1] k-th largest value
+        x = x.masked_fill(x < kth, float("-inf"))
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        # top-p: keep a token when the mass strictly before it (in sorted order) is < top_p.
+        p_sorted = sorted_x.softmax(dim=-1)
+        before = p_sorted.cumsum(dim=-1) - p_sorted
+        keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        # smallest kept value = threshold; every token at or above it survives
+        n_keep = keep.sum(dim=-1, keepdim=True).clamp(min=1)
+        thresh = sorted_x.gather(1, n_keep - 1)
+        x = x.masked_fill(x < thresh, float("-inf"))
+    return x.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           output_positions: Sequence[int]) -> SamplerOutput:
+    """Pick one token per row of `logits`.
+
+    Args:
+        logits: [S, V] float32 (the model's chosen rows).
+        params: S `SamplingParams`, one per row.
+        output_positions: S ints >= 0, the index of the token being drawn among the sequence's
+            generated tokens (0 for the first); with `seed` fixes the draw.
+
+    Returns a `SamplerOutput`. Raises ValueError when the lengths disagree or a position is < 0.
+    """
+    s, vocab = logits.shape
+    if len(params) != s or len(output_positions) != s:
+        raise ValueError(f"logits has {s} rows but got {len(params)} params and "
+                         f"{len(output_positions)} output positions")
+    if any(t < 0 for t in output_positions):
+        raise ValueError(f"output positions must be >= 0, got {list(output_positions)}")
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)  # greedy for every row; sampled rows are overwritten
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        idx = torch.tensor(rows)
+        temp = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
+        top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64)
+        top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)
+        dev = logits.device
+        probs = filtered_probs(logits[idx.to(dev)], temp.to(dev), top_k.to(dev), top_p.to(dev))
+        # Draws on the CPU, so a CUDA worker makes the same ones as a CPU worker.
+        q = torch.empty(len(rows), vocab, dtype=torch.float32)
+        gen = torch.Generator(device="cpu")
+        for r, i in enumerate(rows):
+            seed = params[i].seed
+            if seed is None:
+                seed = int.from_bytes(os.urandom(8), "little")
+            gen.manual_seed(draw_seed(seed, output_positions[i]))
+            q[r].exponential_(generator=gen)
+        q = q.clamp_(min=torch.finfo(torch.float32).tiny).to(probs.device)
+        tokens[idx.to(tokens.device)] = (probs / q).argmax(dim=-1)
+
+    want = [p.logprobs for p in params if p.logprobs is not None]
+    if not want:
+        return SamplerOutput(tokens, None, None, None)
+    logp = logits.log_softmax(dim=-1)  # [S, V]
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    top_lp, top_ids = logp.topk(max(want), dim=-1)  # [S, K] each
+    return SamplerOutput(tokens, chosen, top_ids, top_lp)
