@@ -125,6 +125,8 @@ class ServerSpec:
     on_stopped: Callable[[], Awaitable[None]] | None = None
     #: Background coroutines started with the server and cancelled at shutdown.
     background: Iterable[Callable[[], Awaitable[None]]] = ()
+    #: The health servicer to register (created when None); background tasks may flip it.
+    health: health.aio.HealthServicer | None = None
 
 
 async def run_server(spec: ServerSpec) -> None:
@@ -140,7 +142,7 @@ async def run_server(spec: ServerSpec) -> None:
     ]
     server = grpc.aio.server(options=options)
     spec.add_servicers(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = spec.health or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)

@@ -1,0 +1,338 @@
+"""The public client: ``Client`` (sync) and ``AsyncClient``.
+
+Example::
+
+    from client import Client, SamplingParams
+
+    with Client(memory="127.0.0.1:50051", workers=["127.0.0.1:50052"]) as llm:
+        out = llm.generate([[{"role": "user", "content": "What is the capital of France?"}]],
+                           SamplingParams(temperature=0, max_tokens=32))
+        print(out[0].outputs[0].text)
+
+A background thread runs the :class:`~client.engine.Engine`: requests submitted
+from any thread join the running batch at the next step (continuous batching).
+Service errors surface as :mod:`client.errors` exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from client.engine import Engine, EngineConfig
+from client.params import SamplingParams
+from client.request import Request, Status
+from client.services import MemoryClient, WorkerClient
+from client.tokenizer import Messages, encode_prompt, load_tokenizer
+from pagedkv.logs import get_logger
+
+log = get_logger("client")
+
+Prompt = str | Messages
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One output sequence (a sample, or a beam)."""
+
+    #: Sample index (beam rank for beam search).
+    index: int
+    #: Decoded text (special tokens skipped; cut before a stop string).
+    text: str
+    #: Generated token ids.
+    token_ids: list[int]
+    #: "stop", "length", "abort", or None while running.
+    finish_reason: str | None
+    #: The stop string or token id that ended it.
+    stop_reason: str | int | None = None
+    #: Sum of the chosen tokens' logprobs (when logprobs were asked, or the beam's sum).
+    cumulative_logprob: float | None = None
+    #: Per token, {token_id: logprob} of the top alternatives (when asked).
+    logprobs: list[dict[int, float]] | None = None
+    #: Beam search: length-normalised score (transformers' sequences_scores).
+    score: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's outputs so far (cumulative) and, once finished, its timings."""
+
+    request_id: str
+    prompt: Prompt
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    #: Seconds: ttft (time to first token), tpot (mean per output token), e2e; preemptions.
+    metrics: dict = field(default_factory=dict)
+
+
+def build_output(req: Request, tokenizer) -> RequestOutput:
+    """Snapshot ``req`` as a :class:`RequestOutput` (called on the engine thread)."""
+    def text_of(tokens: list[int]) -> str:
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+
+    outs: list[CompletionOutput] = []
+    if req.beam is not None and req.beam.done:
+        for rank, h in enumerate(req.beam.best(req.params.n)):
+            outs.append(CompletionOutput(rank, text_of(h.tokens), h.tokens, "stop" if h.tokens and h.tokens[-1] in req.beam.eos_ids else "length",
+                                         cumulative_logprob=h.sum_logprobs, score=h.score))
+    else:
+        for s in sorted(req.seqs, key=lambda s: (s.index, -s.beam_score)):
+            gen = s.generated
+            text = s.final_text if s.final_text is not None else text_of(gen)
+            lp = sum(s.token_logprobs) if s.token_logprobs else None
+            outs.append(CompletionOutput(s.index, text, list(gen), s.finish_reason, s.stop_reason, lp,
+                                         list(s.top_logprobs) if req.params.logprobs is not None else None))
+    m = req.metrics
+    n_tokens = max((len(o.token_ids) for o in outs), default=0)
+    metrics = {"ttft": m.ttft, "tpot": m.tpot(n_tokens), "preemptions": m.preemptions,
+               "e2e": None if m.finished is None else m.finished - m.arrival}
+    return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
+                         req.status == Status.FINISHED, metrics)
+
+
+class RequestHandle:
+    """A submitted request: iterate for streaming outputs, or wait with :meth:`result`."""
+
+    def __init__(self, client: "Client", request: Request):
+        self.client = client
+        self.request = request
+        self.request_id = request.request_id
+        self._queue: queue.Queue[RequestOutput | None] = queue.Queue()
+        self._done = threading.Event()
+        self.final: RequestOutput | None = None
+        self.error: Exception | None = None
+
+    def _publish(self, out: RequestOutput | None, error: Exception | None = None) -> None:
+        if error is not None:
+            self.error = error
+        if out is not None and out.finished or error is not None:
+            self.final = out
+            self._done.set()
+        self._queue.put(out)
+        if self._done.is_set():
+            self._queue.put(None)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The finished output. Raises the request's error, or TimeoutError."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.final
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        try:
+            while True:
+                out = self._queue.get()
+                if out is None:
+                    if self.error is not None:
+                        raise self.error
+                    return
+                yield out
+        finally:
+            if not self._done.is_set():
+                self.cancel()
+
+    def cancel(self) -> None:
+        """Abort the request: its blocks are freed at the start of the next step."""
+        self.client._engine.abort(self.request_id)
+
+
+class Client:
+    """Generation through a pagedkv memory service and workers (synchronous API).
+
+    Args:
+        memory: memory service address.
+        workers: worker addresses; each request is pinned to one (least loaded first).
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (chunked prefill).
+        lease_ttl: lease TTL in seconds (default: the memory service's).
+
+    Raises:
+        client.errors.ServiceError: a service refused the connection-time calls.
+        FileNotFoundError: the model's tokenizer is not available locally.
+    """
+
+    def __init__(self, memory: str = "127.0.0.1:50051", workers: Iterable[str] = ("127.0.0.1:50052",), *,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None):
+        workers = list(workers)
+        if not workers:
+            raise ValueError("give at least one worker address")
+        self.memory = MemoryClient(memory)
+        self.workers = [WorkerClient(w) for w in workers]
+        info = self.workers[0].model_info()
+        source = info.weights_path if info.weights_path.endswith(".gguf") else info.model_source
+        self.tokenizer = load_tokenizer(source)
+        self._engine = Engine(self.memory, self.workers, self.tokenizer,
+                              config=EngineConfig(max_num_seqs, max_num_batched_tokens), lease_ttl=lease_ttl)
+        self._handles: dict[str, RequestHandle] = {}
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="pagedkv-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def lease_id(self) -> str:
+        return self._engine.lease.lease_id
+
+    # ---------------------------------------------------------------- submit
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestHandle:
+        """Queue one prompt (a string, or chat messages); returns its handle at once.
+
+        Raises:
+            ValueError: an empty prompt or one longer than the model's context.
+        """
+        params = sampling_params or SamplingParams()
+        req = Request(prompt, encode_prompt(self.tokenizer, prompt), params)
+        handle = RequestHandle(self, req)
+        self._handles[req.request_id] = handle
+        self._engine.add(req)
+        with self._wake:
+            self._wake.notify()
+        return handle
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 *, progress: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt together (continuous batching); one output per prompt, in order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        handles = [self.submit(p, sp) for p, sp in zip(prompts, params)]
+        if progress:
+            from rich.progress import Progress
+
+            with Progress(transient=True) as bar:
+                task = bar.add_task("generating", total=len(handles))
+                while not all(h._done.is_set() for h in handles):
+                    time.sleep(0.1)
+                    bar.update(task, completed=sum(h._done.is_set() for h in handles))
+        return [h.result() for h in handles]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's cumulative output after every step that changed it.
+
+        Closing the iterator early cancels the request and frees its blocks.
+        """
+        yield from self.submit(prompt, sampling_params)
+
+    def stats(self):
+        """The memory service's GetStats."""
+        return self.memory.stats()
+
+    # ----------------------------------------------------------------- loop
+    def _loop(self) -> None:
+        engine = self._engine
+        while not self._closed:
+            if not engine.has_work():
+                with self._wake:
+                    self._wake.wait(0.05)
+                continue
+            try:
+                before = engine.step_count
+                updated = engine.step()
+            except Exception as e:  # noqa: BLE001 - fail the requests, keep the client usable
+                log.error("step_failed", error=str(e))
+                self._fail_all(e)
+                continue
+            for req in updated:
+                handle = self._handles.get(req.request_id)
+                if handle is None:
+                    continue
+                out = build_output(req, self.tokenizer)
+                handle._publish(out, req.error)
+                if out.finished or req.error is not None:
+                    self._handles.pop(req.request_id, None)
+            if engine.step_count == before and not updated:
+                time.sleep(0.01)
+
+    def _fail_all(self, error: Exception) -> None:
+        engine = self._engine
+        with engine._lock:
+            reqs = [*engine.running, *engine.waiting]
+            engine.running.clear()
+            engine.waiting.clear()
+        ids = [s.seq_id for r in reqs for s in r.seqs if s.seq_id is not None]
+        if ids:
+            try:
+                engine.memory.free(engine.lease.lease_id, ids)
+            except Exception:  # noqa: BLE001 - the lease will expire
+                pass
+        for r in reqs:
+            for s in r.seqs:
+                s.reset()
+            r.error = error
+            r.status = Status.FINISHED
+            handle = self._handles.pop(r.request_id, None)
+            if handle is not None:
+                handle._publish(None, error)
+
+    def close(self) -> None:
+        """Stop the engine thread and release the lease (every sequence is freed)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.join(timeout=30)
+        self._engine.close()
+        self.memory.close()
+        for w in self.workers:
+            w.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio twin of :class:`Client`: same arguments, awaitable methods.
+
+    Create with ``client = await AsyncClient.connect(...)``.
+    """
+
+    def __init__(self, client: Client):
+        self._client = client
+
+    @classmethod
+    async def connect(cls, *args, **kwargs) -> "AsyncClient":
+        return cls(await asyncio.to_thread(Client, *args, **kwargs))
+
+    async def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        return await asyncio.to_thread(self._client.generate, prompts, sampling_params)
+
+    async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        handle = self._client.submit(prompt, sampling_params)
+        try:
+            while True:
+                out = await asyncio.to_thread(handle._queue.get)
+                if out is None:
+                    if handle.error is not None:
+                        raise handle.error
+                    return
+                yield out
+        finally:
+            if not handle._done.is_set():
+                handle.cancel()
+
+    async def stats(self):
+        return await asyncio.to_thread(self._client.stats)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._client.close)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

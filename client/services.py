@@ -1,0 +1,151 @@
+"""Synchronous stubs for the two services, with typed errors and a kept-alive lease.
+
+Each method is one RPC; ``grpc.RpcError`` becomes a :mod:`client.errors`
+exception. :class:`Lease` renews itself from a daemon thread every third of
+its TTL and is released on :meth:`Lease.close`; a client process that dies
+stops renewing, and the memory service frees its sequences when the TTL runs out.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import threading
+
+import grpc
+
+from client.errors import from_rpc_error
+from pagedkv.compute.v1 import compute_service_pb2 as cpb
+from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
+from pagedkv.logs import get_logger
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+
+log = get_logger("client")
+
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+def _typed(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    return wrapper
+
+
+class MemoryClient:
+    """The memory service at ``address`` (``host:port``)."""
+
+    def __init__(self, address: str, timeout: float = 30.0):
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.stub = mpb_grpc.MemoryServiceStub(self.channel)
+
+    @_typed
+    def pool(self) -> mpb.PoolDescriptor:
+        return self.stub.GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=self.timeout).pool
+
+    @_typed
+    def create_lease(self, ttl: float | None = None) -> mpb.CreateLeaseResponse:
+        owner = f"{socket.gethostname()}:{os.getpid()}"
+        return self.stub.CreateLease(mpb.CreateLeaseRequest(ttl_seconds=ttl, owner=owner), timeout=self.timeout)
+
+    @_typed
+    def keep_alive(self, lease_id: str) -> float:
+        return self.stub.KeepAlive(mpb.KeepAliveRequest(lease_id=lease_id), timeout=self.timeout).expires_in_seconds
+
+    @_typed
+    def release_lease(self, lease_id: str) -> int:
+        return self.stub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout).freed_sequences
+
+    @_typed
+    def allocate(self, lease_id: str, token_counts: list[int]) -> list[mpb.SequenceBlockTable]:
+        req = mpb.AllocateSequencesRequest(lease_id=lease_id, sequences=[mpb.SequenceAllocation(num_tokens=n) for n in token_counts])
+        return list(self.stub.AllocateSequences(req, timeout=self.timeout).sequences)
+
+    @_typed
+    def append(self, lease_id: str, appends: list[tuple[int, int]]) -> mpb.AppendSlotsResponse:
+        req = mpb.AppendSlotsRequest(lease_id=lease_id, appends=[mpb.SlotAppend(seq_id=s, num_tokens=n) for s, n in appends])
+        return self.stub.AppendSlots(req, timeout=self.timeout)
+
+    @_typed
+    def fork(self, lease_id: str, parents: list[int]) -> list[mpb.SequenceBlockTable]:
+        req = mpb.ForkSequencesRequest(lease_id=lease_id, forks=[mpb.SequenceFork(parent_seq_id=p) for p in parents])
+        return list(self.stub.ForkSequences(req, timeout=self.timeout).children)
+
+    @_typed
+    def free(self, lease_id: str, seq_ids: list[int], reason: int = mpb.FREE_REASON_FINISHED) -> int:
+        req = mpb.FreeSequencesRequest(lease_id=lease_id, seq_ids=seq_ids, reason=reason)
+        return self.stub.FreeSequences(req, timeout=self.timeout).freed_blocks
+
+    @_typed
+    def block_table(self, seq_id: int) -> mpb.SequenceInfo:
+        return self.stub.GetBlockTable(mpb.GetBlockTableRequest(seq_id=seq_id), timeout=self.timeout).sequence
+
+    @_typed
+    def sequences(self, lease_id: str | None = None) -> list[mpb.SequenceInfo]:
+        return list(self.stub.ListSequences(mpb.ListSequencesRequest(lease_id=lease_id), timeout=self.timeout).sequences)
+
+    @_typed
+    def stats(self) -> mpb.GetStatsResponse:
+        return self.stub.GetStats(mpb.GetStatsRequest(), timeout=self.timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class WorkerClient:
+    """A compute worker at ``address``."""
+
+    def __init__(self, address: str, timeout: float = 600.0):
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.stub = cpb_grpc.ComputeServiceStub(self.channel)
+
+    @_typed
+    def model_info(self) -> cpb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(cpb.GetModelInfoRequest(), timeout=30)
+
+    @_typed
+    def step(self, request: cpb.StepRequest) -> cpb.StepResponse:
+        return self.stub.Step(request, timeout=self.timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class Lease:
+    """A lease on ``memory`` renewed in the background until :meth:`close`."""
+
+    def __init__(self, memory: MemoryClient, ttl: float | None = None):
+        self.memory = memory
+        resp = memory.create_lease(ttl)
+        self.lease_id = resp.lease_id
+        self.ttl = resp.ttl_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="pagedkv-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self.memory.keep_alive(self.lease_id)
+            except Exception as e:  # noqa: BLE001 - keep trying; the engine sees the expiry on its next call
+                log.warning("keep_alive_failed", lease_id=self.lease_id, error=str(e))
+
+    def close(self) -> None:
+        """Stop renewing and release the lease (its sequences are freed)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self.memory.release_lease(self.lease_id)
+        except Exception as e:  # noqa: BLE001 - the service may already be gone
+            log.info("release_failed", lease_id=self.lease_id, error=str(e))

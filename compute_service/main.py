@@ -1,0 +1,168 @@
+"""``pagedkv compute``: start a compute worker.
+
+Example::
+
+    pagedkv compute --memory 127.0.0.1:50051 --host 127.0.0.1 --port 50052 --device cpu --model smollm2
+
+Start-up: wait for the memory service, read its pool descriptor, load the
+model, map the pool and check that its layout fits the model (a mismatch is a
+start-up error naming both), then serve. A background task watches the memory
+service's health: on NOT_SERVING (shutdown) or a new pool generation it drops
+the mapping, fails steps with FAILED_PRECONDITION until a pool is mapped again,
+and re-maps the new pool; it never computes on stale memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from compute_service.model import LlamaForPagedLM
+from compute_service.pool_map import TORCH_DTYPES, MappedPool, map_pool
+from compute_service.server import SERVICE_NAME, ComputeServicer
+from compute_service.weights import ModelConfig, load_model_source
+from compute_service.worker import Worker
+from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
+from pagedkv.logs import get_logger
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+from pagedkv.service import ServerSpec, run_server
+
+log = get_logger("compute_service")
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Flags of ``pagedkv compute`` (also used to check docker-compose.yml)."""
+    p = parser or argparse.ArgumentParser(prog="pagedkv compute", description="Run a compute worker.")
+    p.add_argument("--memory", default=os.environ.get("PAGEDKV_MEMORY", "127.0.0.1:50051"), help="memory service address (default 127.0.0.1:50051)")
+    p.add_argument("--host", default=os.environ.get("PAGEDKV_COMPUTE_HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("PAGEDKV_COMPUTE_PORT", "50052")), help="port; 0 = any free port (default 50052)")
+    p.add_argument("--device", default=os.environ.get("PAGEDKV_DEVICE", "cpu"), help="cpu, cuda or cuda:N; a cuda pool is mapped on the GPU with its UUID")
+    p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"), help="'smollm2' or a Hugging Face directory")
+    p.add_argument("--memory-timeout", type=float, default=60.0, help="seconds to wait for the memory service at start (default 60)")
+    p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
+    return p
+
+
+def check_layout(desc: mpb.PoolDescriptor, config: ModelConfig) -> None:
+    """Raise ValueError when the pool cannot hold this model's KV cache, naming both layouts."""
+    lay = desc.layout
+    pool = (lay.num_layers, lay.num_kv_heads, lay.head_dim)
+    model = (config.num_layers, config.num_kv_heads, config.head_dim)
+    if pool != model:
+        raise ValueError(
+            f"the pool's layout (num_layers, num_kv_heads, head_dim) = {pool} (model {desc.model!r}) does not fit "
+            f"this worker's model {config.name!r} {model}; start the memory service with --model matching the worker")
+
+
+def fetch_descriptor(address: str, timeout: float) -> mpb.PoolDescriptor:
+    """The memory service's pool descriptor, waiting up to ``timeout`` seconds for it to serve.
+
+    Raises:
+        RuntimeError: the memory service did not answer in time.
+    """
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    with grpc.insecure_channel(address) as ch:
+        stub = mpb_grpc.MemoryServiceStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                return stub.GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=5).pool
+            except grpc.RpcError as e:
+                last = e
+                time.sleep(0.25)
+    raise RuntimeError(f"memory service at {address} did not answer within {timeout:.0f} s: {last}")
+
+
+def _torch_device(device: str, desc: mpb.PoolDescriptor) -> str:
+    if desc.backend == mpb.POOL_BACKEND_CUDA:
+        if not device.startswith("cuda"):
+            raise ValueError("the memory service exports a cuda pool; start the worker with --device cuda")
+        return device  # map_pool resolves the pool's GPU by UUID; the model must sit on that GPU
+    if device != "cpu":
+        raise ValueError(f"the memory service exports a cpu pool; --device {device} cannot map it (use --device cpu)")
+    return "cpu"
+
+
+async def watch_memory_service(address: str, worker: Worker, health) -> None:
+    """Follow the memory service: drop the pool when it stops, map the new one when it is back."""
+    channel = grpc.aio.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    memory = mpb_grpc.MemoryServiceStub(channel)
+    while True:
+        try:
+            async for resp in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                if resp.status != health_pb2.HealthCheckResponse.SERVING:
+                    break
+                desc = (await memory.GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=5)).pool
+                if worker.pool is None or desc.generation != worker.pool.generation:
+                    await asyncio.to_thread(_remap, worker, desc)
+                    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+                    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        except grpc.aio.AioRpcError:
+            pass
+        if worker.pool is not None:
+            log.warning("pool_lost", memory=address, generation=worker.pool.generation)
+            await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await asyncio.to_thread(worker.set_pool, None)
+        await asyncio.sleep(0.5)
+
+
+def _remap(worker: Worker, desc: mpb.PoolDescriptor) -> None:
+    check_layout(desc, worker.config)
+    worker.set_pool(map_pool(desc))
+    log.info("pool_mapped", generation=desc.generation, backend=mpb.PoolBackend.Name(desc.backend),
+             num_blocks=desc.layout.num_blocks)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    desc = await asyncio.to_thread(fetch_descriptor, args.memory, args.memory_timeout)
+    device = _torch_device(args.device, desc)
+    t = time.perf_counter()
+    config, weights = await asyncio.to_thread(load_model_source, args.model)
+    check_layout(desc, config)
+    pool: MappedPool = map_pool(desc)
+    model_device = str(pool.tensor.device) if desc.backend == mpb.POOL_BACKEND_CUDA else device
+    model = LlamaForPagedLM(config, weights, device=model_device, dtype=TORCH_DTYPES[desc.layout.dtype])
+    del weights
+    log.info("model_loaded", model=config.name, seconds=round(time.perf_counter() - t, 2), device=model_device,
+             threads=torch.get_num_threads())
+    worker = Worker(model, config, pool)
+    servicer = ComputeServicer(worker, args.model, model_device)
+    from grpc_health.v1 import health
+
+    health_servicer = health.aio.HealthServicer()
+    spec = ServerSpec(
+        service_names=[SERVICE_NAME],
+        add_servicers=lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
+        host=args.host,
+        port=args.port,
+        ready_file=args.ready_file,
+        ready_info={"memory": args.memory, "model": args.model, "device": model_device, "generation": pool.generation},
+        background=[lambda: watch_memory_service(args.memory, worker, health_servicer)],
+        health=health_servicer,
+    )
+    await run_server(spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``pagedkv compute``."""
+    args = build_parser().parse_args(argv)
+    try:
+        asyncio.run(serve(args))
+    except (ValueError, RuntimeError, OSError, LookupError) as e:
+        log.error("startup_failed", error=str(e))
+        print(f"pagedkv compute: error: {e}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

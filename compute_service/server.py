@@ -1,0 +1,51 @@
+"""The compute worker's gRPC API (``pagedkv.compute.v1.ComputeService``).
+
+``Step`` runs on a worker thread (the forward releases the GIL), so health
+checks and GetModelInfo answer while a step computes; steps run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from compute_service.worker import Worker
+from pagedkv.compute.v1 import compute_service_pb2 as pb
+from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
+from pagedkv.service import map_errors
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
+
+
+@map_errors
+class ComputeServicer(pb_grpc.ComputeServiceServicer):
+    """Serves one :class:`Worker`."""
+
+    def __init__(self, worker: Worker, model_source: str, device: str):
+        self.worker = worker
+        self.model_source = model_source
+        self.device = device
+
+    async def Step(self, request, context):
+        return await asyncio.to_thread(self.worker.step, request)
+
+    async def GetModelInfo(self, request, context):
+        c = self.worker.config
+        pool = self.worker.pool
+        lay = pool.descriptor.layout if pool is not None else None
+        return pb.GetModelInfoResponse(
+            model_name=c.name,
+            model_source=self.model_source,
+            weights_path=c.source,
+            vocab_size=c.vocab_size,
+            eos_token_ids=[c.eos_token_id] if c.eos_token_id is not None else [],
+            bos_token_id=c.bos_token_id,
+            max_context=c.max_position_embeddings,
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=lay.dtype if lay else "",
+            device=self.device,
+            pool_generation=pool.generation if pool else 0,
+            block_size=lay.block_size if lay else 0,
+            num_blocks=lay.num_blocks if lay else 0,
+        )
