@@ -113,10 +113,10 @@ def check_host_lengths(
     A sequence must have at least one query token; `q_len` may be 0 only if its seq_len is too
     (nothing to attend to and nothing to write).
     """
-    if bool((q_lens < 0).any()) or bool((seq_lens < q_lens).any()):
-        raise ValueError("every sequence needs 0 <= new tokens <= seq_len (tokens in cache)")
     if bool(((q_lens > 0) & (seq_lens < 1)).any()):
         raise ValueError("seq_lens must be >= 1 for a sequence with query tokens")
+    if bool((q_lens < 0).any()) or bool((seq_lens < q_lens).any()):
+        raise ValueError("every sequence needs 0 <= new tokens <= seq_len (tokens in cache)")
     if seq_lens.numel() and int(seq_lens.max()) > block_size * max_blocks:
         raise ValueError(
             f"a seq_len ({int(seq_lens.max())}) exceeds the block table's capacity "

@@ -62,9 +62,10 @@ def make_case(
         ids = perm[used : used + nb]
         used += nb
         tables[s, :nb] = torch.tensor(ids, dtype=torch.int32)
-        for p in range(n):
-            kv = torch.randn(num_layers, 2, num_kv_heads, head_dim, generator=gen)
-            pool[ids[p // block_size], :, :, p % block_size] = kv.to(dtype)
+        kv = torch.randn(n, num_layers, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for i, blk in enumerate(ids):  # block i holds positions i*block_size ...
+            rows = kv[i * block_size : (i + 1) * block_size]  # [<=block_size, L, 2, Hk, D]
+            pool[blk, :, :, : rows.shape[0]] = rows.permute(1, 2, 0, 3, 4)
     total_q = sum(q_lens)
     query = torch.randn(total_q, num_q_heads, head_dim, generator=gen).to(dtype)
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
@@ -81,10 +82,13 @@ def make_case(
 
 
 def gather_dense(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-    """[n, num_kv_heads, head_dim] fp64: positions 0..n-1 read one at a time via the table."""
+    """[n, num_kv_heads, head_dim] fp64: positions 0..n-1 read block by block via the table."""
     block_size = cache.shape[1]
-    rows = [cache[int(table[p // block_size]), p % block_size] for p in range(n)]
-    return torch.stack(rows).double()
+    pieces = []
+    for i in range((n + block_size - 1) // block_size):  # one block of the table at a time
+        take = min(block_size, n - i * block_size)
+        pieces.append(cache[int(table[i]), :take])  # [take, Hk, D]
+    return torch.cat(pieces).double()
 
 
 def ref_attention(
@@ -126,3 +130,46 @@ def tolerance(dtype: torch.dtype) -> dict:
         torch.float16: dict(atol=3e-3, rtol=3e-3),
         torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
     }[dtype]
+
+
+def run_int64_case(pool: torch.Tensor, backend: str) -> None:
+    """Write, copy and attend through blocks whose element offsets exceed 2**31.
+
+    `pool`: [num_blocks, 1, 2, 16, 1, 64] fp16, mostly untouched (virtual memory only). Checks
+    reshape_and_cache, copy_blocks and both attention ops of `backend` against direct indexing
+    and the dense reference.
+    """
+    import kernels
+
+    nb, block_size = pool.shape[0], pool.shape[3]
+    gen = torch.Generator().manual_seed(7)
+    table_ids = [nb - 1, 5, nb - 3]  # two high blocks and one low one
+    pool[table_ids + [nb - 2, nb - 4]] = math.nan
+    kc, vc = pool[:, 0, 0], pool[:, 0, 1]
+    seq_len = 40
+    pos = torch.arange(seq_len)
+    slots = torch.tensor(table_ids)[pos // block_size] * block_size + pos % block_size
+    key = torch.randn(seq_len, 1, 64, generator=gen).half()
+    value = torch.randn(seq_len, 1, 64, generator=gen).half()
+    kernels.reshape_and_cache(key, value, kc, vc, slots.to(torch.int64), backend=backend)
+    blocks, offs = slots // block_size, slots % block_size
+    assert torch.equal(kc[blocks, offs], key), "keys did not land in their high slots"
+    assert torch.equal(vc[blocks, offs], value), "values did not land in their high slots"
+
+    pairs = torch.tensor([[nb - 1, nb - 2], [5, nb - 4]], dtype=torch.int64)
+    kernels.copy_blocks(pool, pairs, backend=backend)
+    for src, dst in pairs.tolist():
+        assert torch.equal(pool[dst].isnan(), pool[src].isnan()), f"copy {src}->{dst} failed"
+        assert torch.equal(pool[dst].nan_to_num(), pool[src].nan_to_num()), f"copy {src}->{dst}"
+
+    tables = torch.tensor([table_ids, [nb - 2, nb - 4, nb - 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_len, seq_len], dtype=torch.int32)
+    query = torch.randn(2, 4, 64, generator=gen).half()
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    ref = ref_attention(query, kc, vc, tables, qsl, seq_lens, 0.125)
+    out = kernels.paged_decode_attention(
+        query, kc, vc, tables, seq_lens, 0.125, num_splits=2, backend=backend
+    )
+    torch.testing.assert_close(out.double(), ref, **tolerance(torch.float16), msg="decode int64")
+    out = kernels.paged_prefill_attention(query, kc, vc, tables, qsl, seq_lens, 0.125, backend=backend)
+    torch.testing.assert_close(out.double(), ref, **tolerance(torch.float16), msg="prefill int64")

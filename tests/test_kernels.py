@@ -1,0 +1,189 @@
+"""Torch path of the paged kernels over the full grid, against the dense fp64 reference.
+
+Grid: (num_q_heads, num_kv_heads) x head_dim x block_size (incl. 1 and the non-power-of-two 24)
+x dtype; each case is a batch holding every context length of interest, in shuffled blocks with
+NaN in every unused slot, block and table entry.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import decode as decode_mod
+from kernels import torch_impl
+from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
+
+HEADS = [(9, 3), (8, 8), (32, 1), (28, 4)]
+HEAD_DIMS = [64, 80, 128]
+BLOCK_SIZES = [1, 8, 16, 32, 24]
+DTYPES = [torch.float32, torch.float16]
+LONG = 1100  # long context; split-KV forced for it below
+
+
+def context_lengths(block_size: int) -> list[int]:
+    lens = [1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3, 257, LONG]
+    return [n for n in lens if n >= 1]
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert out.dtype == dtype, f"{what}: output dtype {out.dtype}, want {dtype}"
+    assert not out.isnan().any(), f"{what}: NaN reached the output"
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype), msg=lambda m: f"{what}: {m}")
+
+
+def reference(case) -> torch.Tensor:
+    return ref_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, case.scale,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_decode_torch(heads, head_dim, block_size, dtype):
+    lens = context_lengths(block_size)
+    case = make_case(lens, [1] * len(lens), *heads, head_dim, block_size, dtype, seed=block_size)
+    ref = reference(case)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    for num_splits in (None, 4):
+        out = kernels.paged_decode_attention(
+            *args, case.scale, num_splits=num_splits, backend="torch"
+        )
+        check(out, ref, dtype, f"decode lens={lens} num_splits={num_splits}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_prefill_mixed_batch_torch(heads, head_dim, block_size, dtype):
+    b = block_size
+    # (seq_len, new tokens): cached prefix + chunk; prompt without prefix (3 query tiles);
+    # decode tokens at and around block boundaries; a chunk ending exactly on a block.
+    batch = [(3 * b + 4, b + 1), (257, 257), (1, 1), (b, 1), (2 * b + 3, 1), (2 * b, b)]
+    lens, q_lens = [s for s, _ in batch], [n for _, n in batch]
+    case = make_case(lens, q_lens, *heads, head_dim, block_size, dtype, seed=b + 1)
+    out = kernels.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, case.scale, backend="torch",
+    )  # fmt: skip
+    check(out, reference(case), dtype, f"prefill batch={batch}")
+
+
+def test_prefill_equals_decode_for_one_token_each():
+    case = make_case([5, 40, 17], [1, 1, 1], 9, 3, 64, 8, torch.float32)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables)
+    dec = kernels.paged_decode_attention(*args, case.seq_lens, case.scale)
+    pre = kernels.paged_prefill_attention(*args, case.query_start_loc, case.seq_lens, case.scale)
+    torch.testing.assert_close(dec, pre, msg="decode and one-token prefill disagree")
+
+
+def test_small_memory_budget_chunks_and_groups(monkeypatch):
+    # A tiny budget forces many tile groups and context chunks: results must not change.
+    monkeypatch.setattr(torch_impl, "GATHER_BUDGET_ELEMS", 1 << 12)
+    monkeypatch.setattr(torch_impl, "MIN_KV_CHUNK", 8)
+    monkeypatch.setattr(torch_impl, "Q_TILE", 16)
+    batch = [(70, 70), (90, 13), (33, 1), (3, 1), (200, 1)]
+    case = make_case([s for s, _ in batch], [n for _, n in batch], 28, 4, 64, 8, torch.float32)
+    out = kernels.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, case.scale,
+    )  # fmt: skip
+    check(out, reference(case), torch.float32, "prefill under a small gather budget")
+
+
+def test_default_split_policy():
+    assert decode_mod.default_num_splits(64, 8, 4096) == 2
+    assert decode_mod.default_num_splits(1, 8, 32768) == 64
+    assert decode_mod.default_num_splits(1, 8, 4096) == 8
+    assert decode_mod.default_num_splits(4, 3, decode_mod.SPLIT_KV_MIN_TOKENS) == 1
+    assert decode_mod.default_num_splits(512, 8, 100_000) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [1, 16, 24])
+def test_reshape_and_cache_round_trip_torch(block_size, dtype):
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, heads, dim = 12, 3, 80
+    pool = torch.full((num_blocks, 2, 2, block_size, heads, dim), math.nan, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:9].to(torch.int64)
+    key = torch.randn(9, heads, dim, generator=gen)  # fp32, cast on write
+    value = torch.randn(9, heads, dim, generator=gen)
+    before = pool.clone()
+    kernels.reshape_and_cache(key, value, pool[:, 1, 0], pool[:, 1, 1], slots, backend="torch")
+    blocks, offs = slots // block_size, slots % block_size
+    assert torch.equal(pool[blocks, 1, 0, offs], key.to(dtype)), "keys not in their slots"
+    assert torch.equal(pool[blocks, 1, 1, offs], value.to(dtype)), "values not in their slots"
+    pool[blocks, 1, :, offs] = before[blocks, 1, :, offs]
+    assert torch.equal(pool.isnan(), before.isnan()), "a write landed outside its slot"
+
+
+def test_copy_blocks_round_trip_torch():
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(10, 3, 2, 24, 2, 64, generator=gen)
+    before = pool.clone()
+    pairs = torch.tensor([[1, 7], [4, 2], [1, 9]], dtype=torch.int64)
+    kernels.copy_blocks(pool, pairs, backend="torch")
+    for src, dst in pairs.tolist():
+        assert torch.equal(pool[dst], before[src]), f"block {dst} is not a copy of {src}"
+    untouched = [b for b in range(10) if b not in (7, 2, 9)]
+    assert torch.equal(pool[untouched], before[untouched]), "a block outside dst changed"
+
+
+def big_pool(num_blocks: int) -> torch.Tensor:
+    """A pool whose last blocks start past element 2**31 (untouched: virtual memory only)."""
+    pool = torch.empty(num_blocks, 1, 2, 16, 1, 64, dtype=torch.float16)
+    assert pool.stride(0) * (num_blocks - 4) > 2**31
+    return pool
+
+
+def test_int64_offsets_torch():
+    run_int64_case(big_pool((1 << 20) + 64), backend="torch")
+
+
+def test_errors_are_value_errors(monkeypatch):
+    case = make_case([5, 9], [1, 1], 8, 8, 64, 8, torch.float32)
+    kc, vc, bt, sl = case.key_cache, case.value_cache, case.block_tables, case.seq_lens
+    q = case.query
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        kernels.paged_decode_attention(q[:, :6], kc[:, :, :4], vc[:, :, :4], bt, sl, 1.0)
+    with pytest.raises(ValueError, match="backend"):
+        kernels.paged_decode_attention(q, kc, vc, bt, sl, 1.0, backend="cuda")
+    with pytest.raises(ValueError, match="seq_lens must be >= 1"):
+        kernels.paged_decode_attention(q, kc, vc, bt, torch.zeros_like(sl), 1.0)
+    with pytest.raises(ValueError, match="capacity"):
+        kernels.paged_decode_attention(q, kc, vc, bt[:, :1], sl, 1.0)
+    with pytest.raises(ValueError, match="num_splits"):
+        kernels.paged_decode_attention(q, kc, vc, bt, sl, 1.0, num_splits=0)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        kernels.paged_prefill_attention(q, kc, vc, bt, case.query_start_loc[:2], sl, 1.0)
+    with pytest.raises(ValueError, match="new tokens"):
+        bad_qsl = torch.tensor([0, 2, 2], dtype=torch.int32)  # 2 new tokens, 1 in cache
+        kernels.paged_prefill_attention(q, kc, vc, bt, bad_qsl, torch.tensor([1, 9]), 1.0)
+    with pytest.raises(ValueError, match="slot_mapping values"):
+        k = torch.zeros(1, 8, 64)
+        kernels.reshape_and_cache(k, k, kc, vc, torch.tensor([10**6]))
+    with pytest.raises(ValueError, match="race"):
+        kernels.copy_blocks(case.pool, torch.tensor([[0, 1], [1, 2]]))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        kernels.paged_decode_attention(q, kc, vc, bt, sl, 1.0, backend="triton")
+
+
+def test_kernels_import_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, kernels\n"
+        "q = torch.randn(1, 2, 64); kc = torch.randn(2, 4, 2, 64)\n"
+        "bt = torch.tensor([[1, 0]], dtype=torch.int32); sl = torch.tensor([6], dtype=torch.int32)\n"
+        "kernels.paged_decode_attention(q, kc, kc, bt, sl, 0.125)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,0 +1,142 @@
+"""Triton kernels on CPU under TRITON_INTERPRET=1, against the dense fp64 reference.
+
+The interpreter must be chosen before triton is imported, so this module sets the variable at
+import time; if triton was already imported in this process without it, the module is skipped
+(run it alone: `pytest tests/test_kernels_interpret.py`). Launches cost ~0.1-1 s each, so the
+grid is covered pairwise (every pair of factor values appears in some case), not in full.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+from kernel_reference import make_case, ref_attention, run_int64_case, tolerance  # noqa: E402
+
+pytestmark = [
+    pytest.mark.interpret,
+    pytest.mark.skipif(
+        not INTERPRET,
+        reason="triton was imported before TRITON_INTERPRET=1 could be set; "
+        "run `pytest tests/test_kernels_interpret.py` on its own",
+    ),
+]
+
+HEADS = [(9, 3), (8, 8), (32, 1), (28, 4)]
+HEAD_DIMS = [64, 80, 128]
+BLOCK_SIZES = [1, 8, 16, 32, 24]
+DTYPES = [torch.float32, torch.float16]  # the interpreter mishandles bf16
+
+
+def pairwise_cases() -> list[tuple]:
+    """20 cases covering every pair of (heads, block_size, head_dim, dtype, split-KV) values."""
+    cases = []
+    for i in range(len(HEADS) * len(BLOCK_SIZES)):
+        a, b = i % len(HEADS), i // len(HEADS)
+        split = (a // 2 + b) % 2 == 1
+        cases.append((HEADS[a], BLOCK_SIZES[b], HEAD_DIMS[(a + b) % 3], DTYPES[(a + b) % 2], split))
+    return cases
+
+
+def case_id(c: tuple) -> str:
+    (hq, hkv), bs, hd, dt, split = c
+    return f"{hq}q{hkv}kv-bs{bs}-d{hd}-{str(dt)[6:]}" + ("-split" if split else "")
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert out.dtype == dtype, f"{what}: output dtype {out.dtype}, want {dtype}"
+    assert not out.isnan().any(), f"{what}: NaN reached the output"
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype), msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("params", pairwise_cases(), ids=case_id)
+def test_decode_triton(params):
+    heads, bs, hd, dtype, split = params
+    # Short lengths at block boundaries; a longer one (split-KV forced when `split`).
+    lens = [n for n in (1, bs - 1, bs, bs + 1, 2 * bs + 3) if n >= 1]
+    lens.append(257 if bs > 1 else 70)
+    case = make_case(lens, [1] * len(lens), *heads, hd, bs, dtype, seed=bs)
+    out = kernels.paged_decode_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        case.scale, num_splits=5 if split else 1, backend="triton",
+    )  # fmt: skip
+    ref = ref_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, case.scale,
+    )  # fmt: skip
+    check(out, ref, dtype, f"triton decode lens={lens} split={split}")
+
+
+@pytest.mark.parametrize("params", pairwise_cases(), ids=case_id)
+def test_prefill_mixed_batch_triton(params):
+    heads, bs, hd, dtype, _ = params
+    # Cached prefix + new chunk; a prompt without prefix; decode tokens.
+    batch = [(2 * bs + 5, bs + 2), (min(3 * bs + 1, 70), min(3 * bs + 1, 70)), (1, 1), (bs + 1, 1)]
+    case = make_case(
+        [s for s, _ in batch], [n for _, n in batch], *heads, hd, bs, dtype, seed=bs + 7
+    )
+    out = kernels.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, case.scale, backend="triton",
+    )  # fmt: skip
+    ref = ref_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, case.scale,
+    )  # fmt: skip
+    check(out, ref, dtype, f"triton prefill batch={batch}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 24])
+def test_reshape_and_cache_triton(block_size, dtype):
+    gen = torch.Generator().manual_seed(block_size)
+    pool = torch.full((6, 2, 2, block_size, 3, 80), math.nan, dtype=dtype)
+    slots = torch.randperm(6 * block_size, generator=gen)[:5].to(torch.int64)
+    key = torch.randn(5, 3, 80, generator=gen).to(dtype)
+    value = torch.randn(5, 3, 80, generator=gen).to(dtype)
+    before = pool.clone()
+    kernels.reshape_and_cache(key, value, pool[:, 1, 0], pool[:, 1, 1], slots, backend="triton")
+    blocks, offs = slots // block_size, slots % block_size
+    assert torch.equal(pool[blocks, 1, 0, offs], key), "keys not in their slots"
+    assert torch.equal(pool[blocks, 1, 1, offs], value), "values not in their slots"
+    pool[blocks, 1, :, offs] = before[blocks, 1, :, offs]
+    assert torch.equal(pool.isnan(), before.isnan()), "a write landed outside its slot"
+
+
+def test_copy_blocks_triton():
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(10, 3, 2, 24, 2, 64, generator=gen).half()
+    before = pool.clone()
+    pairs = torch.tensor([[1, 7], [4, 2], [1, 9]], dtype=torch.int64)
+    kernels.copy_blocks(pool, pairs, backend="triton")
+    for src, dst in pairs.tolist():
+        assert torch.equal(pool[dst], before[src]), f"block {dst} is not a copy of {src}"
+    untouched = [b for b in range(10) if b not in (7, 2, 9)]
+    assert torch.equal(pool[untouched], before[untouched]), "a block outside dst changed"
+
+
+def test_int64_offsets_triton():
+    # Blocks past element 2**31 of a 4 GiB pool that is never touched outside a few blocks.
+    pool = torch.empty((1 << 20) + 64, 1, 2, 16, 1, 64, dtype=torch.float16)
+    run_int64_case(pool, backend="triton")
+
+
+def test_triton_refuses_mixed_dtypes():
+    case = make_case([5], [1], 8, 8, 64, 8, torch.float32)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels.paged_decode_attention(
+            case.query.half(), case.key_cache, case.value_cache, case.block_tables,
+            case.seq_lens, case.scale, backend="triton",
+        )  # fmt: skip
