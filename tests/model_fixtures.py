@@ -68,10 +68,16 @@ def gguf_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def ours(tmp_path_factory, paged_kernels):
-    """(config, weights, model) from our GGUF loader, cached under a private PAGEDKV_HOME."""
+def pagedkv_home(tmp_path_factory) -> Path:
+    """A private $PAGEDKV_HOME for the session's dequantized-weights cache."""
+    return tmp_path_factory.mktemp("pagedkv_home")
+
+
+@pytest.fixture(scope="session")
+def ours(pagedkv_home, paged_kernels):
+    """(config, weights, model) from our GGUF loader, cached under `pagedkv_home`."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("PAGEDKV_HOME", str(tmp_path_factory.mktemp("pagedkv_home")))
+    mp.setenv("PAGEDKV_HOME", str(pagedkv_home))
     config, weights = load_model_source("smollm2")
     yield config, weights, LlamaForPagedLM(config, weights, "cpu", torch.float32)
     mp.undo()

@@ -12,19 +12,10 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+import model_fixtures as mf
 import pytest
 import torch
-from model_fixtures import (  # noqa: F401  (fixtures)
-    PROMPT,
-    PagedCache,
-    chat_ids,
-    gguf_dir,
-    hf_greedy,
-    hf_model,
-    hf_tokenizer,
-    ours,
-    paged_kernels,
-)
+from model_fixtures import PROMPT, PagedCache, chat_ids, hf_greedy
 
 from compute_service.model import LlamaForPagedLM, rope_inv_freq
 from compute_service.weights import (
@@ -36,6 +27,10 @@ from compute_service.weights import (
     smollm2_gguf_path,
     unpermute_qk,
 )
+
+# Shared session fixtures (names resolved by pytest).
+gguf_dir, hf_model, hf_tokenizer, ours, paged_kernels, pagedkv_home = (
+    mf.gguf_dir, mf.hf_model, mf.hf_tokenizer, mf.ours, mf.paged_kernels, mf.pagedkv_home)
 
 DECODE_STEPS = 32
 REL_ATOL = 1e-3
@@ -108,7 +103,7 @@ def test_batch_matches_solo_runs(ours, hf_tokenizer):
     prompts = [chat_ids(hf_tokenizer, p) for p in (
         "What is the capital of France?", "Hi", "Name three colors.",
         "Write one sentence about the sea and the wind.")]
-    steps = 10
+    steps = 8
     solo = []
     for ids in prompts:
         cache, toks, logits = PagedCache(model, seed=7), [], []
@@ -160,7 +155,7 @@ def test_hf_directory_loads_same_tokens(hf_model, hf_tokenizer, reference, tmp_p
     _compare(logits, tokens[: n + 1], ref_logits[: n + 1], "HF directory")
 
 
-def test_gguf_config_and_cache(ours, tmp_path, monkeypatch):
+def test_gguf_config_and_cache(ours, pagedkv_home, monkeypatch):
     config, weights, _ = ours
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (
         49152, 576, 1536)
@@ -168,10 +163,9 @@ def test_gguf_config_and_cache(ours, tmp_path, monkeypatch):
     assert config.tie_word_embeddings and "lm_head" not in weights
     assert (config.bos_token_id, config.eos_token_id, config.rope_scaling) == (1, 2, None)
     assert ModelConfig.from_json(config.to_json()) == config
-    # A second load reads the dequantized copy written under $PAGEDKV_HOME/weights.
-    monkeypatch.setenv("PAGEDKV_HOME", str(tmp_path))
-    load_gguf(smollm2_gguf_path())
-    files = list((tmp_path / "weights").glob("*.safetensors"))
+    # The first load wrote a dequantized copy under $PAGEDKV_HOME/weights; this one reads it.
+    monkeypatch.setenv("PAGEDKV_HOME", str(pagedkv_home))
+    files = list((pagedkv_home / "weights").glob("*.safetensors"))
     assert len(files) == 1 and files[0].name.startswith(SMOLLM2_GGUF.removesuffix(".gguf"))
     c2, w2 = load_gguf(smollm2_gguf_path())
     assert dataclasses.replace(c2, source="smollm2") == config
