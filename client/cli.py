@@ -1,30 +1,125 @@
-"""The ``pagedkv`` command: ``memory``, ``compute``, ``up``, ``down``, ``generate``, ``stats``.
+"""The ``pagedkv`` command.
 
-Each subcommand's flags live beside the code it runs; this module only
-dispatches, importing lazily so ``pagedkv memory`` never loads the model code.
+    pagedkv memory ...        run the KV-cache memory service (memory_service.main)
+    pagedkv compute ...       run a compute worker (compute_service.main)
+    pagedkv up                start both on this machine in the background
+    pagedkv down              stop them
+    pagedkv generate PROMPT   stream a generation  [--chat] [--n 3] [--max-tokens 64] [--temperature 0]
+    pagedkv stats             pool, leases and sequences (block ids, refcounts, shared blocks)
+
+Service subcommands are imported lazily, so ``pagedkv memory`` never loads model code.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
 
-_COMMANDS = {
-    "memory": ("memory_service.main", "run the KV-cache memory service"),
-    "compute": ("compute_service.main", "run a compute worker"),
-}
+_SERVICES = {"memory": "memory_service.main", "compute": "compute_service.main"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The client subcommands' parser (services parse their own flags)."""
+    p = argparse.ArgumentParser(prog="pagedkv", description="PagedAttention as services: a shared paged KV-cache pool.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("memory", help="run the KV-cache memory service", add_help=False)
+    sub.add_parser("compute", help="run a compute worker", add_help=False)
+    up = sub.add_parser("up", help="start a memory service and a worker on this machine")
+    up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    up.add_argument("--model", default="smollm2")
+    up.add_argument("--memory-port", type=int, default=50051)
+    up.add_argument("--worker-port", type=int, default=50052)
+    up.add_argument("--block-size", type=int, default=16)
+    size = up.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-memory", default=None, help="pool size, e.g. 1GiB")
+    size.add_argument("--num-blocks", type=int, default=None)
+    sub.add_parser("down", help="stop what `pagedkv up` started")
+    gen = sub.add_parser("generate", help="stream a generation")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--n", type=int, default=1, help="parallel samples (prefilled once, forked)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--num-beams", type=int, default=1)
+    sub.add_parser("stats", help="show the pool, leases and sequences")
+    return p
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from client.api import Client
+    from client.launcher import addresses
+    from client.params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, n=args.n, num_beams=args.num_beams)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    memory, workers = addresses()
+    with Client(memory, workers) as llm:
+        if args.n == 1 and args.num_beams == 1:
+            printed = 0
+            for out in llm.stream(prompt, params):
+                text = out.outputs[0].text
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+            sys.stdout.write("\n")
+        else:
+            (out,) = llm.generate([prompt], params)
+            for o in out.outputs:
+                print(f"--- [{o.index}] ({o.finish_reason})\n{o.text}")
+    return 0
+
+
+def _stats() -> int:
+    from client.launcher import addresses
+    from client.report import print_stats
+    from client.services import MemoryClient
+
+    memory, _ = addresses()
+    m = MemoryClient(memory)
+    try:
+        print_stats(m.stats(), m.sequences())
+    finally:
+        m.close()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch ``pagedkv <command> ...``."""
+    """Entry point of ``pagedkv``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
-        lines = [f"  {name:<10} {help}" for name, (_, help) in _COMMANDS.items()]
-        print("usage: pagedkv <command> [options]\n\ncommands:\n" + "\n".join(lines))
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    import importlib
+    if argv and argv[0] in _SERVICES:
+        return importlib.import_module(_SERVICES[argv[0]]).main(argv[1:])
+    args = build_parser().parse_args(argv)
+    from client.errors import ServiceError
 
-    module = importlib.import_module(_COMMANDS[argv[0]][0])
-    return module.main(argv[1:])
+    try:
+        if args.command == "up":
+            from client.launcher import up
+
+            state = up(device=args.device, model=args.model, memory_port=args.memory_port, worker_port=args.worker_port,
+                       block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks)
+            print(f"memory service  {state['memory']['address']}  (pid {state['memory']['pid']})")
+            for w in state["workers"]:
+                print(f"worker          {w['address']}  (pid {w['pid']}, {state['device']})")
+            return 0
+        if args.command == "down":
+            from client.launcher import down
+
+            stopped = down()
+            print("stopped " + ", ".join(stopped) if stopped else "nothing to stop")
+            return 0
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "stats":
+            return _stats()
+    except (ServiceError, RuntimeError, TimeoutError, ValueError, FileNotFoundError) as e:
+        print(f"pagedkv {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 2
 
 
 if __name__ == "__main__":
