@@ -7,7 +7,9 @@ checks and GetModelInfo answer while a step computes; steps run one at a time.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+from compute_service.weights import smollm2_gguf_path
 from compute_service.worker import Worker
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
@@ -24,6 +26,10 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         self.worker = worker
         self.model_source = model_source
         self.device = device
+        if model_source == "smollm2":
+            self.model_name, self.weights_path = "SmolLM2-135M-Instruct", str(smollm2_gguf_path())
+        else:
+            self.model_name, self.weights_path = worker.config.name, str(Path(model_source).resolve())
 
     async def Step(self, request, context):
         return await asyncio.to_thread(self.worker.step, request)
@@ -33,9 +39,9 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         pool = self.worker.pool
         lay = pool.descriptor.layout if pool is not None else None
         return pb.GetModelInfoResponse(
-            model_name=c.name,
+            model_name=self.model_name,
             model_source=self.model_source,
-            weights_path=c.source,
+            weights_path=self.weights_path,
             vocab_size=c.vocab_size,
             eos_token_ids=[c.eos_token_id] if c.eos_token_id is not None else [],
             bos_token_id=c.bos_token_id,

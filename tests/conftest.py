@@ -84,3 +84,34 @@ def memory_stub(memory_service):
 
     with grpc.insecure_channel(memory_service.address) as channel:
         yield pb_grpc.MemoryServiceStub(channel)
+
+
+class Stack:
+    """A memory service and one or more workers as separate processes."""
+
+    def __init__(self, tmp: Path, memory_args: list[str], num_workers: int = 1, name: str = "stack"):
+        self.memory = ServiceProcess(["memory", *memory_args], tmp, f"{name}-memory")
+        self.workers: list[ServiceProcess] = []
+        try:
+            for i in range(num_workers):
+                self.workers.append(ServiceProcess(["compute", "--memory", self.memory.address], tmp, f"{name}-worker{i}"))
+        except Exception:
+            self.stop()
+            raise
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [w.address for w in self.workers]
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.memory.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    """Memory service (512 blocks of 16 tokens, SmolLM2 layout) + two workers mapping its pool."""
+    s = Stack(tmp_path_factory.mktemp("stack"), ["--num-blocks", "512", "--block-size", "16", "--lease-ttl", "30"], num_workers=2)
+    yield s
+    s.stop()
