@@ -81,16 +81,18 @@ class StepMeta:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
-                 wo: torch.Tensor) -> None:
+    def __init__(
+        self, c: ModelConfig, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor
+    ) -> None:
         super().__init__()
         self.wqkv = nn.Parameter(torch.cat([wq, wk, wv]), requires_grad=False)
         self.wo = nn.Parameter(wo, requires_grad=False)
         self.hq, self.hkv, self.dh = c.num_q_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: StepMeta) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: StepMeta
+    ) -> torch.Tensor:
         # x: [T, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, Dh] views of the pool
         t = x.shape[0]
         qkv = F.linear(x, self.wqkv)  # [T, (Hq + 2 Hkv) Dh]
@@ -99,8 +101,15 @@ class Attention(nn.Module):
         k = apply_rope(k.view(t, self.hkv, self.dh), meta.cos, meta.sin)  # [T, Hkv, Dh]
         v = v.reshape(t, self.hkv, self.dh)  # [T, Hkv, Dh]
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = kernels.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
-                                    meta.query_start_loc, meta.seq_lens, self.scale)  # [T, Hq, Dh]
+        o = kernels.paged_prefill_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+        )  # [T, Hq, Dh]
         return F.linear(o.reshape(t, self.hq * self.dh), self.wo)  # [T, D]
 
 
@@ -125,8 +134,9 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(w[p + "mlp_norm"], c.rms_norm_eps)
         self.mlp = MLP(w[p + "w_gate"], w[p + "w_up"], w[p + "w_down"])
 
-    def forward(self, x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: StepMeta) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: StepMeta
+    ) -> torch.Tensor:
         # x: [T, D]
         x = x + self.attn(self.attn_norm(x), key_cache, value_cache, meta)
         return x + self.mlp(self.mlp_norm(x))  # [T, D]
@@ -144,22 +154,35 @@ class LlamaForPagedLM(nn.Module):
     Raises ValueError when a weight is missing or has the wrong shape.
     """
 
-    def __init__(self, config: ModelConfig, weights: Weights, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.config = config
         self.device, self.dtype = torch.device(device), dtype
         _check_shapes(config, weights)
-        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()
-             if k != "rope_freqs"}
+        w = {
+            k: v.to(device=self.device, dtype=dtype)
+            for k, v in weights.items()
+            if k != "rope_freqs"
+        }
         self.embed = nn.Parameter(w["embed"], requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(config, w, i) for i in range(config.num_layers))
         self.norm = RMSNorm(w["norm"], config.rms_norm_eps)
-        self.lm_head = self.embed if config.tie_word_embeddings else nn.Parameter(
-            w["lm_head"], requires_grad=False)
+        self.lm_head = (
+            self.embed
+            if config.tie_word_embeddings
+            else nn.Parameter(w["lm_head"], requires_grad=False)
+        )
         self.register_buffer(
-            "inv_freq", rope_inv_freq(config, weights.get("rope_freqs")).to(self.device),
-            persistent=False)
+            "inv_freq",
+            rope_inv_freq(config, weights.get("rope_freqs")).to(self.device),
+            persistent=False,
+        )
         self.eval()
 
     @torch.inference_mode()
@@ -182,15 +205,26 @@ class LlamaForPagedLM(nn.Module):
         the pool's layout does not match the model.
         """
         c = self.config
-        if (kv_pool.dim() != 6 or kv_pool.shape[1] != c.num_layers or kv_pool.shape[2] != 2
-                or kv_pool.shape[4:] != (c.num_kv_heads, c.head_dim)):
+        if (
+            kv_pool.dim() != 6
+            or kv_pool.shape[1] != c.num_layers
+            or kv_pool.shape[2] != 2
+            or kv_pool.shape[4:] != (c.num_kv_heads, c.head_dim)
+        ):
             raise ValueError(
                 f"kv_pool shape {tuple(kv_pool.shape)} does not match the model: expected "
-                f"[num_blocks, {c.num_layers}, 2, block_size, {c.num_kv_heads}, {c.head_dim}]")
+                f"[num_blocks, {c.num_layers}, 2, block_size, {c.num_kv_heads}, {c.head_dim}]"
+            )
         # positions: [T] -> cos, sin: [T, 1, Dh/2]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
-        meta = StepMeta(freqs.cos()[:, None].to(self.dtype), freqs.sin()[:, None].to(self.dtype),
-                        slot_mapping, block_tables, query_start_loc, seq_lens)
+        meta = StepMeta(
+            freqs.cos()[:, None].to(self.dtype),
+            freqs.sin()[:, None].to(self.dtype),
+            slot_mapping,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+        )
         x = F.embedding(input_ids, self.embed)  # [T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, kv_pool[:, i, 0], kv_pool[:, i, 1], meta)
@@ -199,19 +233,34 @@ class LlamaForPagedLM(nn.Module):
 
 
 def _check_shapes(c: ModelConfig, w: Weights) -> None:
-    d, i, qd, kd = c.hidden_size, c.intermediate_size, c.num_q_heads * c.head_dim, \
-        c.num_kv_heads * c.head_dim
+    d, i, qd, kd = (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_q_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+    )
     want = {"embed": (c.vocab_size, d), "norm": (d,)}
     if not c.tie_word_embeddings:
         want["lm_head"] = (c.vocab_size, d)
     for n in range(c.num_layers):
         p = f"layers.{n}."
-        want.update({p + "attn_norm": (d,), p + "wq": (qd, d), p + "wk": (kd, d),
-                     p + "wv": (kd, d), p + "wo": (d, qd), p + "mlp_norm": (d,),
-                     p + "w_gate": (i, d), p + "w_up": (i, d), p + "w_down": (d, i)})
+        want.update(
+            {
+                p + "attn_norm": (d,),
+                p + "wq": (qd, d),
+                p + "wk": (kd, d),
+                p + "wv": (kd, d),
+                p + "wo": (d, qd),
+                p + "mlp_norm": (d,),
+                p + "w_gate": (i, d),
+                p + "w_up": (i, d),
+                p + "w_down": (d, i),
+            }
+        )
     for name, shape in want.items():
         if name not in w:
             raise ValueError(f"weight {name!r} missing (expected shape {list(shape)})")
         if tuple(w[name].shape) != shape:
-            raise ValueError(f"weight {name!r} has shape {list(w[name].shape)}, "
-                             f"expected {list(shape)}")
+            raise ValueError(
+                f"weight {name!r} has shape {list(w[name].shape)}, expected {list(shape)}"
+            )

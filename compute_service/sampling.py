@@ -39,8 +39,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0 or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
-                             f"got {self.temperature}")
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -52,8 +53,9 @@ class SamplingParams:
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, "
-                             f"got {self.logprobs}")
+            raise ValueError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         self.stop_token_ids = tuple(self.stop_token_ids)
@@ -81,8 +83,9 @@ def draw_seed(seed: int, t: int) -> int:
     return z ^ (z >> 31)
 
 
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p, renormalised.
 
     logits: [S, V] float; temperature: [S] float (> 0); top_k: [S] int64 (0 = off);
@@ -108,8 +111,9 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return x.softmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           output_positions: Sequence[int]) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], output_positions: Sequence[int]
+) -> SamplerOutput:
     """Pick one token per row of `logits`.
 
     Args:
@@ -122,8 +126,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     s, vocab = logits.shape
     if len(params) != s or len(output_positions) != s:
-        raise ValueError(f"logits has {s} rows but got {len(params)} params and "
-                         f"{len(output_positions)} output positions")
+        raise ValueError(
+            f"logits has {s} rows but got {len(params)} params and "
+            f"{len(output_positions)} output positions"
+        )
     if any(t < 0 for t in output_positions):
         raise ValueError(f"output positions must be >= 0, got {list(output_positions)}")
     logits = logits.float()

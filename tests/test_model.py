@@ -30,7 +30,13 @@ from compute_service.weights import (
 
 # Shared session fixtures (names resolved by pytest).
 gguf_dir, hf_model, hf_tokenizer, ours, paged_kernels, pagedkv_home = (
-    mf.gguf_dir, mf.hf_model, mf.hf_tokenizer, mf.ours, mf.paged_kernels, mf.pagedkv_home)
+    mf.gguf_dir,
+    mf.hf_model,
+    mf.hf_tokenizer,
+    mf.ours,
+    mf.paged_kernels,
+    mf.pagedkv_home,
+)
 
 DECODE_STEPS = 32
 REL_ATOL = 1e-3
@@ -72,11 +78,14 @@ def _compare(ours_logits, ref_tokens, ref_logits, what):
         if tok != ref_tokens[step]:
             margin = float(top2[step, 0] - top2[step, 1])
             if margin < TIE_MARGIN:
-                warnings.warn(f"{what}: step {step} near-tie (margin {margin:.2g}) flipped",
-                              stacklevel=2)
+                warnings.warn(
+                    f"{what}: step {step} near-tie (margin {margin:.2g}) flipped", stacklevel=2
+                )
                 continue
-            raise AssertionError(f"{what}: step {step} token {tok} != reference "
-                                 f"{ref_tokens[step]} (margin {margin:.3g})")
+            raise AssertionError(
+                f"{what}: step {step} token {tok} != reference "
+                f"{ref_tokens[step]} (margin {margin:.3g})"
+            )
 
 
 def test_greedy_matches_transformers(ours, reference, hf_tokenizer):
@@ -100,10 +109,16 @@ def test_batch_matches_solo_runs(ours, hf_tokenizer):
     """Four prompts of different lengths join at different steps (prefill chunks and decode
     tokens in one forward); each sequence's tokens and logits equal its own solo run."""
     _, _, model = ours
-    prompts = [chat_ids(hf_tokenizer, p) for p in (
-        "What is the capital of France?", "Hi", "Name three colors.",
-        "Write one sentence about the sea and the wind.")]
-    steps = 8
+    prompts = [
+        chat_ids(hf_tokenizer, p)
+        for p in (
+            "What is the capital of France?",
+            "Hi",
+            "Name three colors.",
+            "Write one sentence about the sea and the wind.",
+        )
+    ]
+    steps = 6
     solo = []
     for ids in prompts:
         cache, toks, logits = PagedCache(model, seed=7), [], []
@@ -133,12 +148,14 @@ def test_batch_matches_solo_runs(ours, hf_tokenizer):
     for s in range(4):
         toks, logits = solo[s]
         assert got[s][0] == toks, f"seq {s}: batched tokens differ from its solo run"
-        torch.testing.assert_close(torch.stack(got[s][1]), logits, atol=1e-4, rtol=0,
-                                   msg=lambda m, s=s: f"seq {s}: {m}")
+        torch.testing.assert_close(
+            torch.stack(got[s][1]), logits, atol=1e-4, rtol=0, msg=lambda m, s=s: f"seq {s}: {m}"
+        )
 
 
-def test_hf_directory_loads_same_tokens(hf_model, hf_tokenizer, reference, tmp_path,
-                                        paged_kernels, monkeypatch):
+def test_hf_directory_loads_same_tokens(
+    hf_model, hf_tokenizer, reference, tmp_path, paged_kernels, monkeypatch
+):
     """A directory written by transformers' save_pretrained loads through our HF loader."""
     # The GGUF-loaded model holds plain fp32 tensors; only its quantizer tag blocks saving.
     monkeypatch.setattr(hf_model, "hf_quantizer", None)
@@ -146,7 +163,11 @@ def test_hf_directory_loads_same_tokens(hf_model, hf_tokenizer, reference, tmp_p
     hf_tokenizer.save_pretrained(tmp_path)
     config, weights = load_model_source(str(tmp_path))
     assert (config.num_layers, config.num_q_heads, config.num_kv_heads, config.head_dim) == (
-        30, 9, 3, 64)
+        30,
+        9,
+        3,
+        64,
+    )
     assert config.tie_word_embeddings and config.rope_theta == 100000.0
     model = LlamaForPagedLM(config, weights)
     ids, tokens, ref_logits = reference
@@ -157,8 +178,7 @@ def test_hf_directory_loads_same_tokens(hf_model, hf_tokenizer, reference, tmp_p
 
 def test_gguf_config_and_cache(ours, pagedkv_home, monkeypatch):
     config, weights, _ = ours
-    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (
-        49152, 576, 1536)
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (49152, 576, 1536)
     assert (config.num_layers, config.num_q_heads, config.num_kv_heads) == (30, 9, 3)
     assert config.tie_word_embeddings and "lm_head" not in weights
     assert (config.bos_token_id, config.eos_token_id, config.rope_scaling) == (1, 2, None)
@@ -177,37 +197,60 @@ def test_unpermute_inverts_llama_cpp_permute():
     w = torch.randn(3 * 64, 8)
 
     def llama_cpp_permute(x, n_head):  # convert_hf_to_gguf.py LlamaModel.permute
-        return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2) \
+        return (
+            x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:])
+            .swapaxes(1, 2)
             .reshape(x.shape)
+        )
 
     assert torch.equal(unpermute_qk(llama_cpp_permute(w, 3), 3), w)
 
 
-@pytest.mark.parametrize("scaling", [
-    None,
-    RopeScaling("linear", 4.0),
-    RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        RopeScaling("linear", 4.0),
+        RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+    ],
+)
 def test_rope_inv_freq_matches_transformers(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope = {"rope_type": "default" if scaling is None else scaling.kind, "rope_theta": 500000.0}
     if scaling is not None:
-        rope.update(factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
-                    high_freq_factor=scaling.high_freq_factor,
-                    original_max_position_embeddings=scaling.original_max_position_embeddings)
-    hf = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_parameters=rope,
-                     max_position_embeddings=131072)
+        rope.update(
+            factor=scaling.factor,
+            low_freq_factor=scaling.low_freq_factor,
+            high_freq_factor=scaling.high_freq_factor,
+            original_max_position_embeddings=scaling.original_max_position_embeddings,
+        )
+    hf = LlamaConfig(
+        hidden_size=256, num_attention_heads=2, rope_parameters=rope, max_position_embeddings=131072
+    )
     if scaling is None:
         ref = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128))
     else:
         ref, _ = ROPE_INIT_FUNCTIONS[scaling.kind](hf, "cpu")
-    cfg = ModelConfig(vocab_size=10, hidden_size=256, intermediate_size=64, num_layers=1,
-                      num_q_heads=2, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-5,
-                      rope_theta=500000.0, rope_scaling=scaling, max_position_embeddings=131072,
-                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, name="t",
-                      source="t")
+    cfg = ModelConfig(
+        vocab_size=10,
+        hidden_size=256,
+        intermediate_size=64,
+        num_layers=1,
+        num_q_heads=2,
+        num_kv_heads=2,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=scaling,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        name="t",
+        source="t",
+    )
     torch.testing.assert_close(rope_inv_freq(cfg), ref.float(), rtol=1e-6, atol=0)
 
 
@@ -216,11 +259,31 @@ def test_bad_pool_and_weights_raise(ours):
     pool = torch.zeros(4, config.num_layers, 2, 16, config.num_kv_heads + 1, config.head_dim)
     one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="kv_pool shape"):
-        model(one, one, pool, one, torch.zeros(1, 1, dtype=torch.int32),
-              torch.tensor([0, 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32), one)
+        model(
+            one,
+            one,
+            pool,
+            one,
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32),
+            one,
+        )
     broken = dict(weights)
     del broken["layers.3.w_up"]
     with pytest.raises(ValueError, match="layers.3.w_up"):
         LlamaForPagedLM(config, broken)
     with pytest.raises(ValueError, match="num_kv_heads"):
         dataclasses.replace(config, num_kv_heads=2)
+
+
+def test_tokenizer_cached_copy_matches(hf_tokenizer, tmp_path, monkeypatch):
+    from compute_service.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("PAGEDKV_HOME", str(tmp_path))
+    first = load_tokenizer("smollm2")
+    assert list((tmp_path / "tokenizers").iterdir())
+    again = load_tokenizer("smollm2")  # from the saved copy
+    for tok in (first, again):
+        assert chat_ids(tok, PROMPT) == chat_ids(hf_tokenizer, PROMPT)
+        assert tok.decode(chat_ids(tok, "Hi")) == hf_tokenizer.decode(chat_ids(hf_tokenizer, "Hi"))

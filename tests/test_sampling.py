@@ -47,18 +47,28 @@ def test_greedy_is_argmax_whatever_the_seed():
 
 def test_draw_depends_only_on_seed_and_position():
     logits = _logits(6, 1000, seed=1)
-    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s)
-              for t, k, p, s in [(1.0, 0, 1.0, 11), (0.7, 50, 1.0, 12), (1.3, 0, 0.9, 13),
-                                 (0.0, 0, 1.0, 14), (1.0, 20, 0.8, 15), (2.0, 0, 1.0, 16)]]
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=s)
+        for t, k, p, s in [
+            (1.0, 0, 1.0, 11),
+            (0.7, 50, 1.0, 12),
+            (1.3, 0, 0.9, 13),
+            (0.0, 0, 1.0, 14),
+            (1.0, 20, 0.8, 15),
+            (2.0, 0, 1.0, 16),
+        ]
+    ]
     positions = [0, 5, 9, 3, 100, 7]
     full = sample(logits, params, positions).token_ids
     for i in range(6):  # each row alone
         solo = sample(logits[i : i + 1], [params[i]], [positions[i]]).token_ids
         assert int(solo[0]) == int(full[i]), f"row {i}: batch {int(full[i])} != solo {int(solo)}"
     perm = [4, 2, 0, 5, 1, 3]  # other order, other neighbours, twice as many rows
-    mixed = sample(torch.cat([logits[perm], _logits(6, 1000, seed=9)]),
-                   [params[i] for i in perm] + [SamplingParams(seed=99)] * 6,
-                   [positions[i] for i in perm] + list(range(6))).token_ids
+    mixed = sample(
+        torch.cat([logits[perm], _logits(6, 1000, seed=9)]),
+        [params[i] for i in perm] + [SamplingParams(seed=99)] * 6,
+        [positions[i] for i in perm] + list(range(6)),
+    ).token_ids
     assert mixed[:6].tolist() == full[perm].tolist()
     # another output position draws anew
     flat = torch.zeros(200, 1000)
@@ -67,18 +77,28 @@ def test_draw_depends_only_on_seed_and_position():
     assert draw_seed(5, 0) != draw_seed(5, 1) != draw_seed(6, 0)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 0, 1.0), (0.8, 5, 1.0), (1.0, 0, 0.6), (1.5, 8, 0.7), (1.0, 1, 1.0), (1.0, 0, 0.01),
-])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [
+        (1.0, 0, 1.0),
+        (0.8, 5, 1.0),
+        (1.0, 0, 0.6),
+        (1.5, 8, 0.7),
+        (1.0, 1, 1.0),
+        (1.0, 0, 0.01),
+    ],
+)
 def test_filters_match_direct_computation(temperature, top_k, top_p):
     logits = _logits(3, 40, seed=2)
     n = len(logits)
-    got = filtered_probs(logits, torch.full((n,), temperature), torch.full((n,), top_k),
-                         torch.full((n,), top_p))
+    got = filtered_probs(
+        logits, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p)
+    )
     for r in range(n):
         ref = _ref_probs(logits[r], temperature, top_k, top_p)
-        torch.testing.assert_close(got[r].double(), ref, atol=1e-6, rtol=1e-5,
-                                   msg=lambda m, r=r: f"row {r}: {m}")
+        torch.testing.assert_close(
+            got[r].double(), ref, atol=1e-6, rtol=1e-5, msg=lambda m, r=r: f"row {r}: {m}"
+        )
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (6, 1.0), (0, 0.75), (10, 0.8)])
@@ -97,8 +117,11 @@ def test_sample_frequencies_follow_filtered_distribution(top_k, top_p):
 
 def test_logprobs_are_raw_log_softmax():
     logits = _logits(3, 500, seed=4)
-    params = [SamplingParams(temperature=0.5, seed=1, logprobs=5), SamplingParams(temperature=0),
-              SamplingParams(temperature=0, logprobs=0)]
+    params = [
+        SamplingParams(temperature=0.5, seed=1, logprobs=5),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=0),
+    ]
     out = sample(logits, params, [0, 0, 0])
     ref = logits.log_softmax(-1)
     torch.testing.assert_close(out.logprobs, ref.gather(1, out.token_ids[:, None])[:, 0])
@@ -107,22 +130,25 @@ def test_logprobs_are_raw_log_softmax():
     assert torch.equal(out.top_ids[:, 0], logits.argmax(-1))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": float("inf")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"),
-    ({"top_k": 2.5}, "top_k"),
-    ({"seed": -1}, "seed"),
-    ({"seed": 2**64}, "seed"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 0}, "n must"),
-    ({"logprobs": -1}, "logprobs"),
-    ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
-    ({"stop_token_ids": (3, -2)}, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n must"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
+        ({"stop_token_ids": (3, -2)}, "stop_token_ids"),
+    ],
+)
 def test_bad_params_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
