@@ -287,3 +287,49 @@ def test_tokenizer_cached_copy_matches(hf_tokenizer, tmp_path, monkeypatch):
     for tok in (first, again):
         assert chat_ids(tok, PROMPT) == chat_ids(hf_tokenizer, PROMPT)
         assert tok.decode(chat_ids(tok, "Hi")) == hf_tokenizer.decode(chat_ids(hf_tokenizer, "Hi"))
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ],
+)
+def test_small_untied_model_from_hf_directory(rope, tmp_path, paged_kernels):
+    """A seeded random Llama (untied lm_head, GQA 4:2, scaled RoPE) saved by transformers loads
+    through our HF loader; prefill + decode logits equal transformers' within 1e-4."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    )
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    config, weights = load_model_source(str(tmp_path))
+    assert not config.tie_word_embeddings and "lm_head" in weights
+    assert config.rope_scaling is not None and config.rope_scaling.kind == rope["rope_type"]
+    model = LlamaForPagedLM(config, weights)
+    ids = torch.randint(0, 256, (40,)).tolist()
+    with torch.inference_mode():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0].float()  # [40, vocab]
+    cache = PagedCache(model, num_blocks=16, block_size=4, seed=5)
+    got = [cache.step({0: ids[:30]})[0]] + [cache.step({0: [t]})[0] for t in ids[30:]]
+    torch.testing.assert_close(torch.stack(got), ref[29:], atol=1e-4, rtol=0)
