@@ -140,40 +140,59 @@ def _attend_group(
     _, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    rows_per_tile = qmax * group  # (query, head-in-group) rows sharing one KV head
 
     qi = torch.arange(qmax)
     q_valid = qi[None, :] < qn[:, None]  # [T, Q]
     rows = q0[:, None] + torch.where(q_valid, qi[None, :], 0)  # [T, Q] clamped to a real row
-    q_pos = pos0[:, None] + qi[None, :]  # [T, Q]
-    # q: [T, Hk, Q*G, D] in fp32, pre-scaled
+    q_pos = torch.minimum(pos0[:, None] + qi[None, :], (ctx - 1)[:, None])  # [T, Q]
+    # q: [Hk, T, Q*G, D] fp32, pre-scaled: one batched matmul per KV head.
     q = query[rows].float().mul_(scale)  # [T, Q, Hq, D]
-    q = q.view(num_tiles, qmax, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-    q = q.reshape(num_tiles, num_kv_heads, qmax * group, head_dim)
+    q = q.view(num_tiles, qmax, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
+    q = q.reshape(num_kv_heads, num_tiles, rows_per_tile, head_dim)
 
-    m = torch.full((num_tiles, num_kv_heads, qmax * group, 1), -math.inf)
+    last_block = ((ctx + block_size - 1) // block_size - 1)[:, None]  # [T, 1]
+    chunk_blocks = max(1, chunk // block_size)
+    num_blocks_needed = (max_ctx + block_size - 1) // block_size
+
+    m = torch.full((num_kv_heads, num_tiles, rows_per_tile, 1), -math.inf)
     l_sum = torch.zeros_like(m)
-    acc = torch.zeros(num_tiles, num_kv_heads, qmax * group, head_dim)
-    last = (ctx - 1)[:, None]  # [T, 1] last valid position
-    for c0 in range(0, max_ctx, chunk):
-        kpos = torch.arange(c0, min(c0 + chunk, max_ctx))  # [C]
-        pos = torch.minimum(kpos[None, :], last)  # [T, C] clamped: never outside the context
-        blocks = torch.gather(tables, 1, pos // block_size).long()  # [T, C]
-        offs = pos % block_size  # [T, C]
-        k = key_cache[blocks, offs].float()  # [T, C, Hk, D]
-        v = value_cache[blocks, offs].float()  # [T, C, Hk, D]
-        s = torch.matmul(q, k.permute(0, 2, 3, 1))  # [T, Hk, Q*G, C]
-        masked = kpos[None, None, :] > q_pos[:, :, None]  # [T, Q, C] causal (and past ctx)
-        s = s.view(num_tiles, num_kv_heads, qmax, group, -1)
-        s.masked_fill_(masked[:, None, :, None, :], -math.inf)
-        s = s.view(num_tiles, num_kv_heads, qmax * group, -1)
+    acc = torch.zeros(num_kv_heads, num_tiles, rows_per_tile, head_dim)
+    for b0 in range(0, num_blocks_needed, chunk_blocks):
+        j = torch.arange(b0, min(b0 + chunk_blocks, num_blocks_needed))  # [nb] table columns
+        # Columns past a tile's last block are clamped to it (its data is masked out below), so
+        # table entries beyond a sequence's context are never read.
+        cols = torch.minimum(j[None, :], last_block)  # [T, nb]
+        blocks = torch.gather(tables, 1, cols).long().flatten()  # [T*nb]
+        span = j.numel() * block_size
+        # Whole blocks at once (each is contiguous in the block-major pool): [T, L, Hk, D].
+        k = key_cache.index_select(0, blocks).view(num_tiles, span, num_kv_heads, head_dim)
+        v = value_cache.index_select(0, blocks).view(num_tiles, span, num_kv_heads, head_dim)
+        if k.dtype != torch.float32:
+            k, v = k.float(), v.float()
+        kpos = b0 * block_size + torch.arange(span)  # [L] positions
+        # Slots past the context may hold anything (NaN): zero those V rows (a copy, never the
+        # cache) so that 0 * V stays 0; their scores are masked to -inf below.
+        pad_t, pad_l = (kpos[None, :] >= ctx[:, None]).nonzero(as_tuple=True)
+        if pad_t.numel():
+            v[pad_t, pad_l] = 0.0
+        s = torch.empty(num_kv_heads, num_tiles, rows_per_tile, span)  # [Hk, T, Q*G, L]
+        for h in range(num_kv_heads):  # strided K rows: no transpose copy
+            torch.bmm(q[h], k[:, :, h].transpose(1, 2), out=s[h])
+        masked = kpos[None, None, :] > q_pos[:, :, None]  # [T, Q, L] causal, and past ctx
+        s.view(num_kv_heads, num_tiles, qmax, group, span).masked_fill_(
+            masked[None, :, :, None, :], -math.inf
+        )
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
-        p = torch.exp(s - m_safe)
+        p = s.sub_(m_safe).exp_()  # [Hk, T, Q*G, L]
         alpha = torch.exp(m - m_safe)
         l_sum = l_sum * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p, v.permute(0, 2, 1, 3))
+        acc.mul_(alpha)
+        for h in range(num_kv_heads):
+            acc[h].baddbmm_(p[h], v[:, :, h])
         m = m_new
-    res = acc / torch.where(l_sum == 0, 1.0, l_sum)  # [T, Hk, Q*G, D]
-    res = res.view(num_tiles, num_kv_heads, qmax, group, head_dim).permute(0, 2, 1, 3, 4)
+    res = acc / torch.where(l_sum == 0, 1.0, l_sum)  # [Hk, T, Q*G, D]
+    res = res.view(num_kv_heads, num_tiles, qmax, group, head_dim).permute(1, 2, 0, 3, 4)
     res = res.reshape(num_tiles, qmax, num_q_heads, head_dim)
     out[rows[q_valid]] = res[q_valid].to(out.dtype)

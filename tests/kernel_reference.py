@@ -49,7 +49,7 @@ def make_case(
     (table entries past a sequence's last block point at an all-NaN block)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = 2 * sum(blocks_per_seq) + extra_blocks
+    num_blocks = sum(blocks_per_seq) + sum(blocks_per_seq) // 4 + extra_blocks  # some unused
     pool = torch.full(
         (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), math.nan, dtype=dtype
     )

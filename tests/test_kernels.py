@@ -19,6 +19,15 @@ from kernels import decode as decode_mod
 from kernels import torch_impl
 from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Many small ops: one intra-op thread is several times faster on a shared 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 HEADS = [(9, 3), (8, 8), (32, 1), (28, 4)]
 HEAD_DIMS = [64, 80, 128]
 BLOCK_SIZES = [1, 8, 16, 32, 24]
