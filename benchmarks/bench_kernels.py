@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,9 +34,9 @@ def make_decode_batch(batch, ctx, num_q_heads, num_kv_heads, head_dim, block_siz
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-ctx // block_size)
     num_blocks = batch * blocks_per_seq
-    pool = torch.randn(
-        num_blocks, 1, 2, block_size, num_kv_heads, head_dim, generator=gen
-    ).to(device=device, dtype=dtype)
+    pool = torch.randn(num_blocks, 1, 2, block_size, num_kv_heads, head_dim, generator=gen).to(
+        device=device, dtype=dtype
+    )
     # Pretend the pool has 2 layers (strided views) without paying for the second one.
     pool = pool.expand(num_blocks, 2, 2, block_size, num_kv_heads, head_dim)
     key_cache, value_cache = pool[:, 1, 0], pool[:, 1, 1]
@@ -94,19 +95,23 @@ def bench_cpu(quick: bool) -> list[dict]:
             )
             scale = dim**-0.5
             reps = 3 if quick else 5
-            t_paged = time_cpu(
-                lambda: kernels.paged_decode_attention(q, kc, vc, bt, sl, scale, backend="torch"),
-                reps,
+            paged = partial(
+                kernels.paged_decode_attention, q, kc, vc, bt, sl, scale, backend="torch"
             )
-            t_dense = time_cpu(lambda: dense_sdpa(q, kd, vd, scale), reps)
-            out = kernels.paged_decode_attention(q, kc, vc, bt, sl, scale, backend="torch")
-            err = (out - dense_sdpa(q, kd, vd, scale)).abs().max().item()
+            dense = partial(dense_sdpa, q, kd, vd, scale)
+            t_paged, t_dense = time_cpu(paged, reps), time_cpu(dense, reps)
+            err = (paged() - dense()).abs().max().item()
             rows.append(
-                dict(
-                    device="cpu", shape="smollm2 9/3/64 fp32", batch=batch, context=ctx,
-                    paged_ms=t_paged * 1e3, dense_sdpa_ms=t_dense * 1e3,
-                    paged_over_dense=t_paged / t_dense, max_abs_diff=err,
-                )  # fmt: skip
+                {
+                    "device": "cpu",
+                    "shape": "smollm2 9/3/64 fp32",
+                    "batch": batch,
+                    "context": ctx,
+                    "paged_ms": t_paged * 1e3,
+                    "dense_sdpa_ms": t_dense * 1e3,
+                    "paged_over_dense": t_paged / t_dense,
+                    "max_abs_diff": err,
+                }
             )
     return rows
 
@@ -123,22 +128,29 @@ def bench_cuda(quick: bool) -> list[dict]:
                 batch, ctx, hq, hkv, dim, 16, torch.bfloat16, "cuda"
             )
             scale = dim**-0.5
-            t_paged = time_cuda(
-                lambda: kernels.paged_decode_attention(
-                    q, kc, vc, bt, sl, scale, max_seq_len=ctx, backend="triton"
-                )
-            )
-            t_dense = time_cuda(lambda: dense_sdpa(q, kd, vd, scale))
+            paged = partial(
+                kernels.paged_decode_attention, q, kc, vc, bt, sl, scale,
+                max_seq_len=ctx, backend="triton",
+            )  # fmt: skip
+            dense = partial(dense_sdpa, q, kd, vd, scale)
+            t_paged, t_dense = time_cuda(paged), time_cuda(dense)
+            err = (paged().float() - dense().float()).abs().max().item()
             kv_bytes = 2 * batch * ctx * hkv * dim * kd.element_size()
             gbs = kv_bytes / t_paged / 1e9
             rows.append(
-                dict(
-                    device=name, shape=label, batch=batch, context=ctx,
-                    paged_ms=t_paged * 1e3, dense_sdpa_ms=t_dense * 1e3,
-                    paged_gbs=gbs, dense_gbs=kv_bytes / t_dense / 1e9,
-                    frac_of_hbm_peak=(gbs / peak) if peak else None,
-                    paged_over_dense=t_paged / t_dense,
-                )  # fmt: skip
+                {
+                    "device": name,
+                    "shape": label,
+                    "batch": batch,
+                    "context": ctx,
+                    "paged_ms": t_paged * 1e3,
+                    "dense_sdpa_ms": t_dense * 1e3,
+                    "paged_gbs": gbs,
+                    "dense_gbs": kv_bytes / t_dense / 1e9,
+                    "frac_of_hbm_peak": (gbs / peak) if peak else None,
+                    "paged_over_dense": t_paged / t_dense,
+                    "max_abs_diff": err,
+                }
             )
     return rows
 
@@ -159,15 +171,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     rows = bench_cuda(args.quick) if use_cuda else bench_cpu(args.quick)
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(
-        torch=torch.__version__, threads=torch.get_num_threads(), machine=platform.machine()
-    )
-    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {args.out}")
     return rows
 

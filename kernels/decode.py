@@ -78,7 +78,7 @@ def paged_decode_attention(
     backend = choose_backend(backend, query, key_cache, value_cache, block_tables, seq_lens)
     if backend == "torch":
         q_lens = torch.ones(num_seqs, dtype=torch.int64)
-        check_host_lengths(seq_lens.to(torch.int64), q_lens, block_size, max_blocks)
+        check_host_lengths(seq_lens.to("cpu", torch.int64), q_lens, block_size, max_blocks)
         kv_chunk = None
         if num_splits is not None and num_seqs:
             longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len

@@ -66,13 +66,15 @@ def paged_prefill_attention(
         backend, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens
     )
     if backend == "torch":
-        qsl = query_start_loc.to(torch.int64)
+        qsl = query_start_loc.to("cpu", torch.int64)
         if int(qsl[0]) != 0 or int(qsl[-1]) != query.shape[0]:
             raise ValueError(
                 f"query_start_loc must run from 0 to total_new_tokens={query.shape[0]}, "
                 f"got {int(qsl[0])}..{int(qsl[-1])}"
             )
-        check_host_lengths(seq_lens.to(torch.int64), qsl[1:] - qsl[:-1], block_size, max_blocks)
+        check_host_lengths(
+            seq_lens.to("cpu", torch.int64), qsl[1:] - qsl[:-1], block_size, max_blocks
+        )
         return torch_impl.paged_attention(
             query, key_cache, value_cache, block_tables, qsl, seq_lens, scale
         )

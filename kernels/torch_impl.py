@@ -73,8 +73,9 @@ def paged_attention(
     out = torch.zeros(total_q, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
     if total_q == 0:
         return out
-    qsl = query_start_loc.to(torch.int64)
-    lens = seq_lens.to(torch.int64)
+    # Tile metadata is small and built on the host; per-group indices move to the device.
+    qsl = query_start_loc.to("cpu", torch.int64)
+    lens = seq_lens.to("cpu", torch.int64)
     q_lens = qsl[1:] - qsl[:-1]  # [num_seqs]
 
     # Tiles: (seq, first query row, query count, position of first query).
@@ -113,8 +114,9 @@ def paged_attention(
             chunk = max(MIN_KV_CHUNK, min(group_ctx, chunk))
         else:
             chunk = kv_chunk
+        tables = block_tables[seq_ids[sel].to(block_tables.device)]  # [T, max_blocks]
         _attend_group(
-            query, key_cache, value_cache, block_tables[seq_ids[sel]], out,
+            query, key_cache, value_cache, tables, out,
             t_q0[sel], t_qn[sel], t_pos0[sel], t_ctx[sel], qn, group_ctx, chunk, scale,
         )  # fmt: skip
         start = stop
@@ -142,7 +144,9 @@ def _attend_group(
     group = num_q_heads // num_kv_heads
     rows_per_tile = qmax * group  # (query, head-in-group) rows sharing one KV head
 
-    qi = torch.arange(qmax)
+    dev = query.device
+    q0, qn, pos0, ctx = (x.to(dev) for x in (q0, qn, pos0, ctx))
+    qi = torch.arange(qmax, device=dev)
     q_valid = qi[None, :] < qn[:, None]  # [T, Q]
     rows = q0[:, None] + torch.where(q_valid, qi[None, :], 0)  # [T, Q] clamped to a real row
     q_pos = torch.minimum(pos0[:, None] + qi[None, :], (ctx - 1)[:, None])  # [T, Q]
@@ -155,11 +159,12 @@ def _attend_group(
     chunk_blocks = max(1, chunk // block_size)
     num_blocks_needed = (max_ctx + block_size - 1) // block_size
 
-    m = torch.full((num_kv_heads, num_tiles, rows_per_tile, 1), -math.inf)
+    m = torch.full((num_kv_heads, num_tiles, rows_per_tile, 1), -math.inf, device=dev)
     l_sum = torch.zeros_like(m)
-    acc = torch.zeros(num_kv_heads, num_tiles, rows_per_tile, head_dim)
+    acc = torch.zeros(num_kv_heads, num_tiles, rows_per_tile, head_dim, device=dev)
     for b0 in range(0, num_blocks_needed, chunk_blocks):
-        j = torch.arange(b0, min(b0 + chunk_blocks, num_blocks_needed))  # [nb] table columns
+        # [nb] table columns of this chunk
+        j = torch.arange(b0, min(b0 + chunk_blocks, num_blocks_needed), device=dev)
         # Columns past a tile's last block are clamped to it (its data is masked out below), so
         # table entries beyond a sequence's context are never read.
         cols = torch.minimum(j[None, :], last_block)  # [T, nb]
@@ -170,13 +175,14 @@ def _attend_group(
         v = value_cache.index_select(0, blocks).view(num_tiles, span, num_kv_heads, head_dim)
         if k.dtype != torch.float32:
             k, v = k.float(), v.float()
-        kpos = b0 * block_size + torch.arange(span)  # [L] positions
+        kpos = b0 * block_size + torch.arange(span, device=dev)  # [L] positions
         # Slots past the context may hold anything (NaN): zero those V rows (a copy, never the
         # cache) so that 0 * V stays 0; their scores are masked to -inf below.
         pad_t, pad_l = (kpos[None, :] >= ctx[:, None]).nonzero(as_tuple=True)
         if pad_t.numel():
             v[pad_t, pad_l] = 0.0
-        s = torch.empty(num_kv_heads, num_tiles, rows_per_tile, span)  # [Hk, T, Q*G, L]
+        # s: [Hk, T, Q*G, L] scores
+        s = torch.empty(num_kv_heads, num_tiles, rows_per_tile, span, device=dev)
         for h in range(num_kv_heads):  # strided K rows: no transpose copy
             torch.bmm(q[h], k[:, :, h].transpose(1, 2), out=s[h])
         masked = kpos[None, None, :] > q_pos[:, :, None]  # [T, Q, L] causal, and past ctx

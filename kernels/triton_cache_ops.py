@@ -100,4 +100,6 @@ def copy_blocks(pool: torch.Tensor, block_pairs: torch.Tensor) -> None:
         return
     chunk = min(4096, triton.next_power_of_2(block_numel))
     grid = (num_pairs, triton.cdiv(block_numel, chunk))
-    kernel_copy_blocks[grid](pool, block_pairs, pool.stride(0), BLOCK_NUMEL=block_numel, CHUNK=chunk)
+    kernel_copy_blocks[grid](
+        pool, block_pairs, pool.stride(0), BLOCK_NUMEL=block_numel, CHUNK=chunk
+    )

@@ -101,7 +101,7 @@ def ref_attention(
     scale: float,
 ) -> torch.Tensor:  # [total_q, num_q_heads, head_dim] fp64
     """Bottom-right aligned causal attention over each sequence's dense context, in fp64."""
-    out = torch.zeros(query.shape, dtype=torch.float64)
+    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
     num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     for s in range(len(seq_lens)):
         n = int(seq_lens[s])
@@ -115,8 +115,10 @@ def ref_attention(
         nq = q1 - q0
         q = query[q0:q1].double()  # [nq, Hq, D]
         scores = torch.einsum("qhd,thd->hqt", q, k) * scale  # [Hq, nq, n]
-        q_pos = torch.arange(n - nq, n)[:, None]  # [nq, 1] position of each new token
-        visible = torch.arange(n)[None, :] <= q_pos  # [nq, n] causal, bottom-right aligned
+        q_pos = torch.arange(n - nq, n, device=q.device)[:, None]  # [nq, 1] new tokens' positions
+        visible = (
+            torch.arange(n, device=q.device)[None, :] <= q_pos
+        )  # [nq, n] causal, bottom-right aligned
         scores = scores.masked_fill(~visible, -math.inf)
         probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.einsum("hqt,thd->qhd", probs, v)
@@ -126,9 +128,9 @@ def ref_attention(
 def tolerance(dtype: torch.dtype) -> dict:
     """assert_close tolerances against the fp64 reference, per dtype."""
     return {
-        torch.float32: dict(atol=2e-5, rtol=2e-5),
-        torch.float16: dict(atol=3e-3, rtol=3e-3),
-        torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+        torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+        torch.float16: {"atol": 3e-3, "rtol": 3e-3},
+        torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
     }[dtype]
 
 
@@ -141,7 +143,7 @@ def run_int64_case(pool: torch.Tensor, backend: str) -> None:
     """
     import kernels
 
-    nb, block_size = pool.shape[0], pool.shape[3]
+    nb, block_size, dev = pool.shape[0], pool.shape[3], pool.device
     gen = torch.Generator().manual_seed(7)
     table_ids = [nb - 1, 5, nb - 3]  # two high blocks and one low one
     pool[table_ids + [nb - 2, nb - 4]] = math.nan
@@ -149,27 +151,30 @@ def run_int64_case(pool: torch.Tensor, backend: str) -> None:
     seq_len = 40
     pos = torch.arange(seq_len)
     slots = torch.tensor(table_ids)[pos // block_size] * block_size + pos % block_size
-    key = torch.randn(seq_len, 1, 64, generator=gen).half()
-    value = torch.randn(seq_len, 1, 64, generator=gen).half()
+    slots = slots.to(dev)
+    key = torch.randn(seq_len, 1, 64, generator=gen).half().to(dev)
+    value = torch.randn(seq_len, 1, 64, generator=gen).half().to(dev)
     kernels.reshape_and_cache(key, value, kc, vc, slots.to(torch.int64), backend=backend)
     blocks, offs = slots // block_size, slots % block_size
     assert torch.equal(kc[blocks, offs], key), "keys did not land in their high slots"
     assert torch.equal(vc[blocks, offs], value), "values did not land in their high slots"
 
-    pairs = torch.tensor([[nb - 1, nb - 2], [5, nb - 4]], dtype=torch.int64)
+    pairs = torch.tensor([[nb - 1, nb - 2], [5, nb - 4]], dtype=torch.int64, device=dev)
     kernels.copy_blocks(pool, pairs, backend=backend)
     for src, dst in pairs.tolist():
         assert torch.equal(pool[dst].isnan(), pool[src].isnan()), f"copy {src}->{dst} failed"
         assert torch.equal(pool[dst].nan_to_num(), pool[src].nan_to_num()), f"copy {src}->{dst}"
 
-    tables = torch.tensor([table_ids, [nb - 2, nb - 4, nb - 3]], dtype=torch.int32)
-    seq_lens = torch.tensor([seq_len, seq_len], dtype=torch.int32)
-    query = torch.randn(2, 4, 64, generator=gen).half()
-    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    tables = torch.tensor([table_ids, [nb - 2, nb - 4, nb - 3]], dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor([seq_len, seq_len], dtype=torch.int32, device=dev)
+    query = torch.randn(2, 4, 64, generator=gen).half().to(dev)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=dev)
     ref = ref_attention(query, kc, vc, tables, qsl, seq_lens, 0.125)
     out = kernels.paged_decode_attention(
         query, kc, vc, tables, seq_lens, 0.125, num_splits=2, backend=backend
     )
     torch.testing.assert_close(out.double(), ref, **tolerance(torch.float16), msg="decode int64")
-    out = kernels.paged_prefill_attention(query, kc, vc, tables, qsl, seq_lens, 0.125, backend=backend)
+    out = kernels.paged_prefill_attention(
+        query, kc, vc, tables, qsl, seq_lens, 0.125, backend=backend
+    )
     torch.testing.assert_close(out.double(), ref, **tolerance(torch.float16), msg="prefill int64")

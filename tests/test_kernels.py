@@ -13,11 +13,12 @@ import sys
 
 import pytest
 import torch
+from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
 
 import kernels
 from kernels import decode as decode_mod
 from kernels import torch_impl
-from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():

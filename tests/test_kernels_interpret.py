@@ -18,12 +18,13 @@ if "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-import torch  # noqa: E402
+import torch
 
 pytest.importorskip("triton")
 
-import kernels  # noqa: E402
-from kernel_reference import make_case, ref_attention, run_int64_case, tolerance  # noqa: E402
+from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
+
+import kernels
 
 pytestmark = [
     pytest.mark.interpret,
@@ -33,6 +34,7 @@ pytestmark = [
         "run `pytest tests/test_kernels_interpret.py` on its own",
     ),
 ]
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
