@@ -28,8 +28,8 @@ BLOCK_M = 64
 @triton.jit
 def _find_seq(query_start_loc_ptr, num_seqs, target, BLOCK_Q: tl.constexpr):
     # Largest s with query_start_loc[s] // BLOCK_Q + s <= target.
-    lo = 0
-    hi = num_seqs
+    lo = target * 0  # int32 tensors from the start: loop-carried values keep one type
+    hi = lo + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         val = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
