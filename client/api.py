@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from client.engine import Engine, EngineConfig
 from client.params import SamplingParams
@@ -166,7 +167,10 @@ class Client:
         self.memory = MemoryClient(memory)
         self.workers = [WorkerClient(w) for w in workers]
         info = self.workers[0].model_info()
-        source = info.weights_path if info.weights_path.endswith(".gguf") else info.model_source
+        # The worker's file when this host has it (same machine), else the named source.
+        source = info.model_source
+        if source != "smollm2" and info.weights_path and Path(info.weights_path).exists():
+            source = info.weights_path
         self.tokenizer = load_tokenizer(source)
         self._engine = Engine(self.memory, self.workers, self.tokenizer,
                               config=EngineConfig(max_num_seqs, max_num_batched_tokens), lease_ttl=lease_ttl)

