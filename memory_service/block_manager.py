@@ -23,11 +23,12 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
 
 from memory_service.block_pool import BlockPool
+from memory_service.prefix_cache import CacheKey, block_hash, chain_hashes
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from pagedkv.logs import get_logger
 
@@ -63,6 +64,40 @@ class Sequence:
     block_ids: list[int]
     #: The sequence it was forked from, if any.
     parent_seq_id: int | None = None
+    #: Its token ids when the client sent them (prefix caching); None = unknown.
+    token_ids: list[int] | None = None
+    #: Hashes of its leading full blocks that were looked up or committed (a chain).
+    block_hashes: list[bytes] = field(default_factory=list)
+    #: Extra keys of its cache entries.
+    cache_key: CacheKey = CacheKey()
+    #: Leading tokens found in the prefix cache at allocation.
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One sequence to allocate."""
+
+    #: Tokens to reserve slots for; with ``token_ids``, beyond the cached prefix.
+    num_tokens: int
+    #: The sequence's known tokens: enables prefix-cache lookup and registration.
+    token_ids: tuple[int, ...] | None = None
+    #: Extra cache keys.
+    cache_key: CacheKey = CacheKey()
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    """A prefix-cache change (for routers following the cache)."""
+
+    #: Position in the stream, from 1, no gaps.
+    sequence_number: int
+    #: "stored", "removed" or "cleared".
+    kind: str
+    block_id: int = 0
+    block_hash: bytes = b""
+    parent_hash: bytes = b""
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -100,6 +135,8 @@ class Stats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     shared_block_refs: int
+    prefix_cache_evictions: int
+    prefix_caching: bool
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -115,6 +152,8 @@ class BlockManager:
         block_size: tokens per block (>= 1).
         lease_ttl: default lease TTL, seconds.
         clock: monotonic time source in seconds (tests inject a fake one).
+        prefix_caching: keep computed full blocks for reuse (vLLM's automatic prefix caching).
+        max_events: KV events retained for replay.
 
     Raises:
         ValueError: a non-positive size or TTL.
@@ -127,6 +166,8 @@ class BlockManager:
         *,
         lease_ttl: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        prefix_caching: bool = True,
+        max_events: int = 10_000,
     ):
         if lease_ttl <= 0:
             raise ValueError(f"lease_ttl must be > 0 seconds, got {lease_ttl}")
@@ -141,6 +182,13 @@ class BlockManager:
         self._seq_high_water = 0
         self.allocation_failures = 0
         self.preemptions = 0
+        self.prefix_caching = prefix_caching
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        #: Retained KV events, oldest first.
+        self.events: deque[KvEvent] = deque(maxlen=max_events)
+        self._event_numbers = itertools.count(1)
+        self.pool.on_evict = lambda b, h: self._emit("removed", block_id=b, block_hash=h)
 
     # ------------------------------------------------------------------ leases
     def create_lease(self, ttl: float | None = None, owner: str = "") -> Lease:
@@ -259,10 +307,12 @@ class BlockManager:
                 f"{what}: num_tokens must be in [1, {capacity}] (the pool's whole token capacity), got {n}"
             )
 
-    def _refuse(self, required: int) -> OutOfBlocks:
+    def _refuse(self, required: int, pinned: int = 0) -> OutOfBlocks:
+        """Count and return a refusal; ``pinned`` cached hits are not available to this request."""
+        available = self.pool.num_available - pinned
         self.allocation_failures += 1
-        log.info("out_of_blocks", required=required, available=self.pool.num_available)
-        return OutOfBlocks(required, self.pool.num_available)
+        log.info("out_of_blocks", required=required, available=available)
+        return OutOfBlocks(required, available)
 
     def _write(self, seq: Sequence, start: int, end: int) -> None:
         """Record that token positions [start, end) of ``seq`` get KV slots."""
@@ -270,35 +320,85 @@ class BlockManager:
         for idx in range(start // bs, blocks_for(end, bs)):
             self.pool.set_fill(seq.block_ids[idx], min(bs, end - idx * bs))
 
-    def allocate(self, lease_id: str, token_counts: Seq[int]) -> list[Sequence] | OutOfBlocks:
-        """Allocate one new sequence per entry of ``token_counts`` (prompt tokens, >= 1 each).
+    def allocate(self, lease_id: str, requests: Seq[int | Allocation]) -> list[Sequence] | OutOfBlocks:
+        """Allocate one new sequence per request (a token count, or an :class:`Allocation`).
 
-        Returns the sequences (block tables of ceil(n / block_size) blocks), or
-        :class:`OutOfBlocks` with nothing changed.
+        With token ids and prefix caching on, the longest run of leading full
+        blocks already cached (same tokens, same extra keys) is shared instead of
+        allocated, leaving at least the last token to compute (so the worker has a
+        query; a block-aligned prompt that hits in full recomputes its last block
+        into a fresh one). Hits are pinned before any block is evicted for the
+        same call. Returns the sequences (``num_cached_tokens`` set), or
+        :class:`OutOfBlocks` with nothing changed (no eviction, no counter but
+        the failure count).
 
         Raises:
-            InvalidArgumentError: empty/oversized batch, a count outside [1, pool tokens].
+            InvalidArgumentError: empty/oversized batch, a count outside [1, pool tokens],
+                token ids outside int32.
             NotFoundError / FailedPreconditionError: unknown / expired lease.
         """
         lease = self._lease(lease_id)
-        _check_batch(len(token_counts), "AllocateSequences")
-        for n in token_counts:
-            self._check_tokens(n, "AllocateSequences")
-        required = sum(blocks_for(n, self.block_size) for n in token_counts)
-        if required > self.pool.num_available:
-            return self._refuse(required)
+        _check_batch(len(requests), "AllocateSequences")
+        reqs = [r if isinstance(r, Allocation) else Allocation(r) for r in requests]
+        bs = self.block_size
+        plans = []  # (request, hit blocks, hashes, tokens to reserve)
+        pinned: set[int] = set()
+        required = 0
+        for r in reqs:
+            self._check_tokens(r.num_tokens, "AllocateSequences")
+            hits, hashes = self._lookup(r)
+            cached = len(hits) * bs
+            total = cached + (min(r.num_tokens, len(r.token_ids) - cached) if r.token_ids else r.num_tokens)
+            self._check_tokens(total, "AllocateSequences")
+            pinned.update(b for b in hits if self.pool.ref_counts[b] == 0)
+            required += blocks_for(total, bs) - len(hits)
+            plans.append((r, hits, hashes, total))
+        if required > self.pool.num_available - len(pinned):
+            return self._refuse(required, len(pinned))
+        for _, hits, _, _ in plans:  # pin every hit of the batch before anything is evicted
+            self.pool.touch(hits)
         out = []
-        for n in token_counts:
-            seq = self._new_sequence(lease, n, self.pool.allocate(blocks_for(n, self.block_size)), None)
-            self._write(seq, 0, n)
+        for r, hits, hashes, total in plans:
+            blocks = hits + self.pool.allocate(blocks_for(total, bs) - len(hits))
+            seq = self._new_sequence(lease, total, blocks, None)
+            seq.token_ids = list(r.token_ids) if r.token_ids is not None else None
+            seq.block_hashes, seq.cache_key, seq.num_cached_tokens = hashes, r.cache_key, len(hits) * bs
+            self._write(seq, 0, total)
+            if r.token_ids and self.prefix_caching:
+                self.prefix_cache_queries += len(r.token_ids)
+                self.prefix_cache_hits += len(hits) * bs
             out.append(seq)
         log.debug("allocated", lease_id=lease_id, num_sequences=len(out), num_blocks=required)
         return out
 
+    def _lookup(self, r: Allocation) -> tuple[list[int], list[bytes]]:
+        """Leading cached blocks of ``r`` (ids, hashes): read-only."""
+        if not (self.prefix_caching and r.token_ids):
+            return [], []
+        if any(not -(2**31) <= t < 2**31 for t in r.token_ids):
+            raise InvalidArgumentError("AllocateSequences: token ids must fit in int32")
+        bs = self.block_size
+        tokens = r.token_ids
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        parent = None
+        for i in range((len(tokens) - 1) // bs):  # never the block holding the last token
+            chunk = tokens[i * bs:(i + 1) * bs]
+            parent = block_hash(parent, chunk, r.cache_key)
+            b = self.pool.cached.get(parent)
+            if b is None or self.pool.block_tokens[b] != tuple(chunk):
+                break
+            hits.append(b)
+            hashes.append(parent)
+        return hits, hashes
+
     def append_slots(
-        self, lease_id: str, appends: Seq[tuple[int, int]]
+        self, lease_id: str, appends: Seq[tuple[int, int] | tuple[int, int, Seq[int]]]
     ) -> tuple[list[Sequence], list[tuple[int, int]]] | OutOfBlocks:
-        """Grow each ``(seq_id, num_tokens)`` of the batch by ``num_tokens`` slots.
+        """Grow each ``(seq_id, num_tokens[, token_ids])`` of the batch by ``num_tokens`` slots.
+
+        The optional token ids are the tokens appended (kept for prefix caching;
+        an append without them ends caching for that sequence).
 
         A new block is allocated only at a block boundary. If a sequence's last
         block is partly filled and shared (refcount > 1), it first gets a fresh
@@ -318,14 +418,17 @@ class BlockManager:
             NotFoundError / FailedPreconditionError: unknown sequence or lease, expired lease.
         """
         lease = self._lease(lease_id)
-        seqs = self._owned(lease, (s for s, _ in appends), "AppendSlots")
+        seqs = self._owned(lease, (a[0] for a in appends), "AppendSlots")
+        for a in appends:
+            if len(a) > 2 and a[2] and len(a[2]) != a[1]:
+                raise InvalidArgumentError(f"AppendSlots(sequence {a[0]}): {len(a[2])} token ids for {a[1]} tokens")
         bs = self.block_size
         # Pass 1: count blocks, simulating the refcount drops of earlier copies in the batch.
         required = 0
         dropped: Counter[int] = Counter()
         capacity = self.pool.num_blocks * bs
         ref_counts = self.pool.ref_counts
-        for seq, (_, k) in zip(seqs, appends):
+        for seq, (_, k, *_) in zip(seqs, appends):
             if not (1 <= k and seq.num_tokens + k <= capacity):
                 self._check_tokens(k, "AppendSlots")
                 self._check_tokens(seq.num_tokens + k, f"AppendSlots(sequence {seq.seq_id})")
@@ -338,7 +441,12 @@ class BlockManager:
             return self._refuse(required)
         # Pass 2: apply, in the same order.
         copies: list[tuple[int, int]] = []
-        for seq, (_, k) in zip(seqs, appends):
+        for seq, (_, k, *toks) in zip(seqs, appends):
+            if seq.token_ids is not None:
+                if toks and toks[0]:
+                    seq.token_ids.extend(toks[0])
+                else:
+                    seq.token_ids = None
             n = seq.num_tokens
             last = seq.block_ids[-1]
             if n % bs and self.pool.ref_counts[last] > 1:
@@ -375,8 +483,77 @@ class BlockManager:
         children = []
         for parent in parents:
             self.pool.incref(parent.block_ids)
-            children.append(self._new_sequence(lease, parent.num_tokens, list(parent.block_ids), parent.seq_id))
+            child = self._new_sequence(lease, parent.num_tokens, list(parent.block_ids), parent.seq_id)
+            child.token_ids = list(parent.token_ids) if parent.token_ids is not None else None
+            child.block_hashes, child.cache_key = list(parent.block_hashes), parent.cache_key
+            children.append(child)
         return children
+
+    def commit_computed(self, lease_id: str, entries: Seq[tuple[int, int]]) -> tuple[int, int]:
+        """Register the full blocks of each ``(seq_id, num_computed_tokens)`` in the prefix cache.
+
+        A block is cacheable only once its KV is written, which only the client
+        knows; it reports here after each step. Entries naming a sequence that
+        was freed or preempted meanwhile are skipped. Returns (blocks registered,
+        entries skipped).
+
+        Raises:
+            InvalidArgumentError: empty batch, duplicates, a count outside [0, num_tokens].
+            NotFoundError: a sequence never allocated, or of another lease.
+            FailedPreconditionError: the lease expired.
+        """
+        lease = self._lease(lease_id)
+        _check_batch(len(entries), "CommitComputedTokens")
+        if len({s for s, _ in entries}) != len(entries):
+            raise InvalidArgumentError("CommitComputedTokens: a sequence appears more than once in the batch")
+        live = []
+        for seq_id, n in entries:
+            seq = self.sequences.get(seq_id)
+            if seq is None and 0 <= seq_id < self._seq_high_water:
+                continue  # freed or preempted meanwhile: nothing to register
+            if seq is None or seq.lease_id != lease.lease_id:
+                raise NotFoundError(f"CommitComputedTokens: sequence {seq_id} is not a live sequence of lease {lease_id}")
+            if not 0 <= n <= seq.num_tokens:
+                raise InvalidArgumentError(
+                    f"CommitComputedTokens(sequence {seq_id}): num_computed_tokens must be in [0, {seq.num_tokens}], got {n}")
+            live.append((seq, n))
+        registered = 0
+        if self.prefix_caching:
+            bs = self.block_size
+            for seq, n in live:
+                if seq.token_ids is None:
+                    continue
+                full = min(n, len(seq.token_ids)) // bs
+                start = len(seq.block_hashes)
+                if full <= start:
+                    continue
+                parent = seq.block_hashes[-1] if seq.block_hashes else None
+                new = chain_hashes(seq.token_ids[start * bs:full * bs], bs, seq.cache_key, full - start, parent)
+                for i, h in enumerate(new, start):
+                    b = seq.block_ids[i]
+                    tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                    if self.pool.register(b, h, tokens):
+                        registered += 1
+                        self._emit("stored", block_id=b, block_hash=h, parent_hash=parent or b"", token_ids=tokens)
+                    parent = h
+                seq.block_hashes.extend(new)
+        return registered, len(entries) - len(live)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the whole prefix cache; returns refcount-0 blocks cleared."""
+        self.pool.on_evict = None
+        try:
+            cleared = self.pool.reset_cache()
+        finally:
+            self.pool.on_evict = lambda b, h: self._emit("removed", block_id=b, block_hash=h)
+        for seq in self.sequences.values():
+            seq.block_hashes = []  # the next commit re-registers its full blocks
+        self._emit("cleared")
+        log.info("prefix_cache_reset", blocks_cleared=cleared)
+        return cleared
+
+    def _emit(self, kind: str, **fields) -> None:
+        self.events.append(KvEvent(next(self._event_numbers), kind, **fields))
 
     def free(self, lease_id: str, seq_ids: Seq[int], *, preempted: bool = False) -> int:
         """Free a batch of sequences; returns blocks whose refcount reached zero.
@@ -418,9 +595,11 @@ class BlockManager:
             num_leases=len(self.leases),
             allocation_failures=self.allocation_failures,
             preemptions=self.preemptions,
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
             shared_block_refs=p.shared_refs,
+            prefix_cache_evictions=p.evictions,
+            prefix_caching=self.prefix_caching,
         )
 
     def check_invariants(self) -> None:

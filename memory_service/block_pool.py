@@ -2,23 +2,25 @@
 
 Follows vLLM v1's ``BlockPool`` / ``FreeKVCacheBlockQueue``
 (vllm/v1/core/block_pool.py, kv_cache_utils.py): every block with refcount 0
-sits in one intrusive doubly linked queue. Allocation pops from the head;
-freed blocks are appended at the tail, a sequence's blocks in reverse order, so
-that once prefix caching keeps content in refcount-0 ("cached") blocks the
-head is the least recently used leaf and eviction is LRU, leaves before
-parents.
+sits in one intrusive doubly linked queue. Allocation pops from the head. A
+freed block that holds prefix-cache content ("cached") goes to the tail, a
+sequence's blocks in reverse order, so the head is the least recently used
+leaf and eviction is LRU, leaves before parents; a freed block without content
+goes to the head, to be reused before any cached block is evicted.
 
 NOTE: invariants (checked by :meth:`BlockPool.check`):
   * a block is in the free queue  <=>  its refcount is 0;
   * ``num_free + num_cached + num_used == num_blocks``;
-  * ``fill[b] == 0`` for every block in the free queue without cached content;
+  * a refcount-0 block is cached  <=>  it has a hash; ``cached[hash] == block``
+    for every block with a hash;
+  * ``fill[b] == 0`` for every free block without cached content;
   * ``tokens_stored == sum(fill[b] for used b)``;
   * ``shared_refs == sum(ref_counts[b] for b with refcount > 1)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class FreeBlockQueue:
@@ -54,13 +56,19 @@ class FreeBlockQueue:
 
     def append(self, block_id: int) -> None:
         """Put ``block_id`` at the tail (the last to be reused)."""
+        self._insert_after(self._prev[self._sentinel], block_id)
+
+    def appendleft(self, block_id: int) -> None:
+        """Put ``block_id`` at the head (the next to be reused)."""
+        self._insert_after(self._sentinel, block_id)
+
+    def _insert_after(self, prev: int, block_id: int) -> None:
         assert not self._in_queue[block_id], f"block {block_id} is already in the free queue"
-        s = self._sentinel
-        tail = self._prev[s]
-        self._next[tail] = block_id
-        self._prev[block_id] = tail
-        self._next[block_id] = s
-        self._prev[s] = block_id
+        nxt = self._next[prev]
+        self._next[prev] = block_id
+        self._prev[block_id] = prev
+        self._next[block_id] = nxt
+        self._prev[nxt] = block_id
         self._in_queue[block_id] = True
         self.size += 1
 
@@ -106,6 +114,16 @@ class BlockPool:
         self.tokens_stored = 0
         #: Sum of refcounts over blocks with refcount > 1 (table entries pointing at a shared block).
         self.shared_refs = 0
+        #: block_hash[b]: content hash of block b when it is in the prefix cache.
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        #: block_tokens[b]: token ids of a cached block (a hit re-checks them).
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        #: Prefix cache: content hash -> the block holding it.
+        self.cached: dict[bytes, int] = {}
+        #: Cached blocks evicted to make room.
+        self.evictions = 0
+        #: Called as ``on_evict(block_id, block_hash)`` whenever a block leaves the cache.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_available(self) -> int:
@@ -128,10 +146,62 @@ class BlockPool:
         out = []
         for _ in range(n):
             b = self.free_queue.popleft()
-            assert self.ref_counts[b] == 0 and self.fill[b] == 0, f"block {b} popped while in use"
+            assert self.ref_counts[b] == 0, f"block {b} popped while in use"
+            if self.block_hash[b] is not None:
+                self._uncache(b)
+                self.num_cached -= 1
+                self.evictions += 1
+            assert self.fill[b] == 0, f"block {b} popped with {self.fill[b]} stale slots"
             self.ref_counts[b] = 1
             out.append(b)
         return out
+
+    def _uncache(self, b: int) -> None:
+        h = self.block_hash[b]
+        del self.cached[h]
+        self.block_hash[b] = None
+        self.block_tokens[b] = None
+        if self.ref_counts[b] == 0:
+            self.fill[b] = 0
+        if self.on_evict is not None:
+            self.on_evict(b, h)
+
+    def register(self, block_id: int, block_hash: bytes, tokens: tuple[int, ...]) -> bool:
+        """Enter a used, full block into the prefix cache; False when that content is cached already."""
+        assert self.ref_counts[block_id] > 0 and self.fill[block_id] == self.block_size, (
+            f"only a used, full block can be cached (block {block_id})")
+        if block_hash in self.cached or self.block_hash[block_id] is not None:
+            return False
+        self.cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+        self.block_tokens[block_id] = tokens
+        return True
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference to prefix-cache hits: a refcount-0 cached block leaves the free queue."""
+        for b in block_ids:
+            if self.ref_counts[b] == 0:
+                assert self.block_hash[b] is not None, f"hit on block {b} without content"
+                self.free_queue.remove(b)
+                self.num_cached -= 1
+                self.ref_counts[b] = 1
+                self.tokens_stored += self.fill[b]
+            else:
+                self.incref([b])
+
+    def reset_cache(self) -> int:
+        """Forget every cached content hash; refcount-0 cached blocks become free. Returns blocks cleared."""
+        cleared = 0
+        for b in list(self.cached.values()):
+            if self.ref_counts[b] == 0:
+                self.free_queue.remove(b)
+                self._uncache(b)
+                self.free_queue.appendleft(b)
+                self.num_cached -= 1
+                cleared += 1
+            else:
+                self._uncache(b)
+        return cleared
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a fork shares them)."""
@@ -158,8 +228,12 @@ class BlockPool:
                 self.shared_refs -= 2 if rc == 2 else 1
             elif rc == 1:
                 self.tokens_stored -= self.fill[b]
-                self.fill[b] = 0
-                self.free_queue.append(b)
+                if self.block_hash[b] is None:
+                    self.fill[b] = 0
+                    self.free_queue.appendleft(b)
+                else:  # keeps its content: cached, evictable, most recently used
+                    self.free_queue.append(b)
+                    self.num_cached += 1
                 freed += 1
         return freed
 
@@ -180,5 +254,9 @@ class BlockPool:
                 f"block {b}: refcount {self.ref_counts[b]} but in_free_queue={b in queued}"
             )
         assert self.num_free + self.num_cached + self.num_used == self.num_blocks
+        assert self.num_cached == sum(1 for b in queued if self.block_hash[b] is not None)
+        assert all(self.block_hash[b] == h for h, b in self.cached.items())
+        assert sum(h is not None for h in self.block_hash) == len(self.cached)
+        assert all(self.fill[b] == 0 for b in queued if self.block_hash[b] is None)
         assert self.tokens_stored == sum(f for b, f in enumerate(self.fill) if self.ref_counts[b] > 0)
         assert self.shared_refs == sum(rc for rc in self.ref_counts if rc > 1)

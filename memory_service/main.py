@@ -6,7 +6,8 @@ Example::
         --kv-cache-memory 1GiB --model smollm2 --lease-ttl 10 --ready-file /tmp/mem.json
 
 ``--port 0`` binds a free port; the ready file (JSON: address, host, port, pid,
-pool_id, generation) says which. SIGTERM marks the service NOT_SERVING (workers
+pool_id, generation, metrics_port) says which. Automatic prefix caching is on
+unless ``--no-prefix-caching``; ``--metrics-port`` serves Prometheus metrics. SIGTERM marks the service NOT_SERVING (workers
 watching health drop their mapping), waits the grace period, stops the server,
 then removes the pool.
 """
@@ -48,6 +49,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="KV dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds without keep-alive (default 10)")
     p.add_argument("--pool-id", default=None, help="pool name (default: random)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off (on by default)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0 = any free port)")
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
     p.add_argument("--grace", type=float, default=2.0, help="seconds between NOT_SERVING and releasing the pool (default 2)")
     return p
@@ -78,7 +82,13 @@ def create_pool(args: argparse.Namespace) -> Pool:
 async def serve(args: argparse.Namespace) -> None:
     """Create the pool and serve until SIGTERM."""
     pool = create_pool(args)
-    manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl)
+    manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl,
+                           prefix_caching=args.prefix_caching)
+    ready_info = {"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks}
+    if args.metrics_port is not None:
+        from memory_service.metrics import start_metrics_server
+
+        ready_info["metrics_port"] = start_metrics_server(manager, args.host, args.metrics_port)
     servicer = MemoryServicer(manager, pool)
 
     async def grace() -> None:
@@ -94,7 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         ready_file=args.ready_file,
-        ready_info={"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks},
+        ready_info=ready_info,
         on_shutdown=grace,
         on_stopped=release,
         background=[lambda: expire_leases_forever(manager, min(1.0, args.lease_ttl / 4))],

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
-from memory_service.block_manager import BlockManager, OutOfBlocks, Sequence
+from memory_service.block_manager import Allocation, BlockManager, KvEvent, OutOfBlocks, Sequence
+from memory_service.prefix_cache import CacheKey
 from memory_service.pool import Pool
-from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
+from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, OutOfBlocksError
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
@@ -23,7 +24,18 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MemoryService"].full_name
 
 
 def _table(seq: Sequence) -> pb.SequenceBlockTable:
-    return pb.SequenceBlockTable(seq_id=seq.seq_id, num_tokens=seq.num_tokens, block_ids=seq.block_ids)
+    return pb.SequenceBlockTable(seq_id=seq.seq_id, num_tokens=seq.num_tokens, block_ids=seq.block_ids,
+                                 num_cached_tokens=seq.num_cached_tokens)
+
+
+def _event(e: KvEvent) -> pb.KvEvent:
+    if e.kind == "stored":
+        return pb.KvEvent(sequence_number=e.sequence_number, block_stored=pb.BlockStored(
+            block_hash=e.block_hash, parent_block_hash=e.parent_hash, block_id=e.block_id, token_ids=e.token_ids))
+    if e.kind == "removed":
+        return pb.KvEvent(sequence_number=e.sequence_number,
+                          block_removed=pb.BlockRemoved(block_hash=e.block_hash, block_id=e.block_id))
+    return pb.KvEvent(sequence_number=e.sequence_number, all_cleared=pb.AllBlocksCleared())
 
 
 def _ok(result, what: str):
@@ -67,15 +79,16 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.GetPoolDescriptorResponse(pool=self.pool.descriptor())
 
     async def AllocateSequences(self, request, context):
-        counts = [s.num_tokens for s in request.sequences]
-        seqs = _ok(self.manager.allocate(request.lease_id, counts), "allocation")
+        reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None, CacheKey(s.model_id, s.cache_salt))
+                for s in request.sequences]
+        seqs = _ok(self.manager.allocate(request.lease_id, reqs), "allocation")
         return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs])
 
     async def AppendSlots(self, request, context):
-        appends = [(a.seq_id, a.num_tokens) for a in request.appends]
+        appends = [(a.seq_id, a.num_tokens, a.token_ids) for a in request.appends]
         live = self.manager.sequences
         # (length, last block) before the call, to report each table as a delta.
-        before = {s: (len(live[s].block_ids), live[s].block_ids[-1]) for s, _ in appends if s in live}
+        before = {a[0]: (len(live[a[0]].block_ids), live[a[0]].block_ids[-1]) for a in appends if a[0] in live}
         seqs, copies = _ok(self.manager.append_slots(request.lease_id, appends), "append")
         updates = []
         for seq in seqs:
@@ -106,6 +119,33 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def GetStats(self, request, context):
         s = self.manager.stats()
         return pb.GetStatsResponse(**{f: getattr(s, f) for f in s.__slots__}, generation=self.pool.generation)
+
+    async def CommitComputedTokens(self, request, context):
+        registered, skipped = self.manager.commit_computed(
+            request.lease_id, [(c.seq_id, c.num_computed_tokens) for c in request.sequences])
+        return pb.CommitComputedTokensResponse(blocks_registered=registered, skipped=skipped)
+
+    async def ResetPrefixCache(self, request, context):
+        return pb.ResetPrefixCacheResponse(blocks_cleared=self.manager.reset_prefix_cache())
+
+    async def StreamKvEvents(self, request, context):
+        """Server streaming: replay retained events from a sequence number, then follow."""
+        events = self.manager.events
+        if request.HasField("from_sequence_number"):
+            nxt = request.from_sequence_number
+            oldest = events[0].sequence_number if events else nxt
+            if nxt < oldest:
+                raise FailedPreconditionError(
+                    f"events before {oldest} are no longer retained; resubscribe from {oldest} and resync the cache")
+        else:
+            nxt = events[-1].sequence_number + 1 if events else 1
+        while True:
+            if events and events[-1].sequence_number >= nxt:
+                start = nxt - events[0].sequence_number
+                for e in list(events)[max(0, start):]:
+                    yield _event(e)
+                nxt = events[-1].sequence_number + 1
+            await asyncio.sleep(0.05)
 
 
 async def expire_leases_forever(manager: BlockManager, period: float) -> None:

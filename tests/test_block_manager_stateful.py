@@ -10,17 +10,17 @@ would fail here.
 
 from __future__ import annotations
 
-import itertools
-
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from memory_service.block_manager import BlockManager, OutOfBlocks
+from memory_service.block_manager import Allocation, BlockManager, OutOfBlocks
 from pagedkv.errors import FailedPreconditionError
 
 NUM_BLOCKS = 12
 BLOCK_SIZE = 3
 TTL = 5.0
+#: Shared prompt prefixes (tokens from a tiny vocabulary, so contents repeat and the cache hits).
+PREFIXES = [(), (1, 2, 3, 1, 2, 3), (1, 2, 3, 3, 2, 1, 0), (2, 2, 2, 2, 2, 2, 2, 2, 2, 2)]
 
 
 class Clock:
@@ -42,7 +42,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.history: dict[int, tuple[str, list[int]]] = {}
         #: slot store: slot -> token, as a worker's KV cache would hold it
         self.slots: dict[int, int] = {}
-        self.tokens = itertools.count(1)
 
     # -- helpers
     def _write(self, seq_id: int, block_ids: list[int], start: int, tokens: list[int]) -> None:
@@ -60,22 +59,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     del self.history[s]
 
     # -- rules
-    @rule(lease=st.integers(0, 1), counts=st.lists(st.integers(1, 10), min_size=1, max_size=3))
-    def allocate(self, lease, counts):
+    @rule(lease=st.integers(0, 1), prompts=st.lists(
+        st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(0, 3), max_size=4)), min_size=1, max_size=3))
+    def allocate(self, lease, prompts):
         lease_id = self._live_lease(lease)
+        token_lists = [list(prefix) + tail for prefix, tail in prompts]
+        token_lists = [t or [0] for t in token_lists]
         try:
-            result = self.m.allocate(lease_id, counts)
+            result = self.m.allocate(lease_id, [Allocation(len(t), tuple(t)) for t in token_lists])
         except FailedPreconditionError:
             assert self.clock.now >= self.renewed[lease_id] + TTL
             return
-        need = sum(-(-n // BLOCK_SIZE) for n in counts)
         if isinstance(result, OutOfBlocks):
-            assert result.required == need > result.available
+            assert result.required > result.available
             return
-        for seq, n in zip(result, counts):
-            toks = [next(self.tokens) for _ in range(n)]
-            self._write(seq.seq_id, seq.block_ids, 0, toks)
+        for seq, toks in zip(result, token_lists):
+            assert seq.num_tokens == len(toks) and seq.num_cached_tokens < len(toks)
+            # The worker computes only what the cache does not hold.
+            self._write(seq.seq_id, seq.block_ids, seq.num_cached_tokens, toks[seq.num_cached_tokens:])
             self.history[seq.seq_id] = (lease_id, toks)
+        self.m.commit_computed(lease_id, [(seq.seq_id, seq.num_tokens) for seq in result])
 
     @precondition(lambda self: self.history)
     @rule(data=st.data())
@@ -84,8 +87,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         chosen = data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=3, unique=True))
         lease_id = self.history[chosen[0]][0]
         chosen = [s for s in chosen if self.history[s][0] == lease_id]
-        ks = [data.draw(st.integers(1, 4)) for _ in chosen]
-        result = self.m.append_slots(lease_id, list(zip(chosen, ks)))
+        news = [data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=4)) for _ in chosen]
+        result = self.m.append_slots(lease_id, [(s, len(t), t) for s, t in zip(chosen, news)])
         if isinstance(result, OutOfBlocks):
             return
         seqs, copies = result
@@ -94,11 +97,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for o in range(BLOCK_SIZE):
                 if src * BLOCK_SIZE + o in self.slots:
                     self.slots[dst * BLOCK_SIZE + o] = self.slots[src * BLOCK_SIZE + o]
-        for seq, k in zip(seqs, ks):
+        for seq, new in zip(seqs, news):
             lease, toks = self.history[seq.seq_id]
-            new = [next(self.tokens) for _ in range(k)]
             self._write(seq.seq_id, seq.block_ids, len(toks), new)
             toks.extend(new)
+        self.m.commit_computed(lease_id, [(seq.seq_id, seq.num_tokens) for seq in seqs])
 
     @precondition(lambda self: self.history)
     @rule(data=st.data(), copies=st.integers(1, 3))
@@ -147,6 +150,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert seq.num_tokens == len(toks)
             read = [self.slots[seq.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] for p in range(len(toks))]
             assert read == toks, f"sequence {sid} reads {read}, wrote {toks}"
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self):
+        for h, b in self.m.pool.cached.items():
+            written = tuple(self.slots.get(b * BLOCK_SIZE + o) for o in range(BLOCK_SIZE))
+            assert written == self.m.pool.block_tokens[b], f"cached block {b} holds {written}"
 
     def teardown(self):
         for lease in list(self.m.leases):

@@ -46,49 +46,67 @@ def _status_for(code: grpc.StatusCode, message: str, reason: str, metadata: dict
     return rpc_status.to_status(status)
 
 
+def _status_of(name: str, error: BaseException) -> grpc.Status:
+    """The status an exception from RPC ``name`` maps to (module docstring)."""
+    if isinstance(error, PagedKVError):
+        log.info("rpc_error", method=name, code=error.code.name, error=error.message)
+        return _status_for(error.code, error.message, error.reason, error.metadata)
+    if isinstance(error, AssertionError):
+        log.error("invariant_broken", method=name, error=str(error), exc_info=error)
+        return _status_for(
+            grpc.StatusCode.INTERNAL,
+            f"internal invariant broken in {name}: {error}; this is a bug, please report it with the service log",
+            "INTERNAL", {})
+    log.error("rpc_failed", method=name, error=repr(error), exc_info=error)
+    return _status_for(grpc.StatusCode.INTERNAL, f"{name} failed: {error!r}; see the service log", "INTERNAL", {})
+
+
 def map_errors(cls: type) -> type:
-    """Class decorator: wrap every public ``async def`` RPC method of a servicer.
+    """Class decorator: wrap every public ``async def`` RPC method (unary or streaming) of a servicer.
 
-    Each call is logged at debug (method, duration); errors become statuses as
-    the module docstring says. The wrapped service keeps running after any error.
+    Each call is logged at debug; errors become statuses as the module docstring
+    says. The service keeps running after any error.
     """
+    passthrough = (asyncio.CancelledError, grpc.aio.AbortError)
     for name, fn in list(vars(cls).items()):
-        if name.startswith("_") or not inspect.iscoroutinefunction(fn):
+        if name.startswith("_"):
             continue
+        if inspect.isasyncgenfunction(fn):
 
-        def make(fn: Callable[..., Awaitable], name: str = name) -> Callable[..., Awaitable]:
-            @functools.wraps(fn)
-            async def wrapper(self, request, context):
-                try:
-                    response = await fn(self, request, context)
-                    log.debug("rpc", method=name)
-                    return response
-                except PagedKVError as e:
-                    log.info("rpc_error", method=name, code=e.code.name, error=e.message)
-                    status = _status_for(e.code, e.message, e.reason, e.metadata)
-                except AssertionError as e:
-                    log.error("invariant_broken", method=name, error=str(e), exc_info=True)
-                    status = _status_for(
-                        grpc.StatusCode.INTERNAL,
-                        f"internal invariant broken in {name}: {e}; this is a bug, please report it with the service log",
-                        "INTERNAL",
-                        {},
-                    )
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as e:  # noqa: BLE001 - last line of defence: never crash the server
-                    log.error("rpc_failed", method=name, error=repr(e), exc_info=True)
-                    status = _status_for(
-                        grpc.StatusCode.INTERNAL,
-                        f"{name} failed: {e!r}; see the service log",
-                        "INTERNAL",
-                        {},
-                    )
-                await context.abort(status.code, status.details, status.trailing_metadata)
+            def make_stream(fn, name: str = name):
+                @functools.wraps(fn)
+                async def stream(self, request, context):
+                    log.debug("rpc_stream", method=name)
+                    try:
+                        async for item in fn(self, request, context):
+                            yield item
+                    except passthrough:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - never crash the server
+                        status = _status_of(name, e)
+                        await context.abort(status.code, status.details, status.trailing_metadata)
 
-            return wrapper
+                return stream
 
-        setattr(cls, name, make(fn))
+            setattr(cls, name, make_stream(fn))
+        elif inspect.iscoroutinefunction(fn):
+
+            def make_unary(fn, name: str = name):
+                @functools.wraps(fn)
+                async def unary(self, request, context):
+                    try:
+                        response = await fn(self, request, context)
+                        log.debug("rpc", method=name)
+                        return response
+                    except passthrough:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - never crash the server
+                        status = _status_of(name, e)
+                    await context.abort(status.code, status.details, status.trailing_metadata)
+
+                return unary
+
+            setattr(cls, name, make_unary(fn))
     return cls
 
 

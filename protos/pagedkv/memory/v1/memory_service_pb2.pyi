@@ -128,14 +128,16 @@ class GetPoolDescriptorResponse(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ...) -> None: ...
 
 class SequenceBlockTable(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "block_ids")
+    __slots__ = ("seq_id", "num_tokens", "block_ids", "num_cached_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
@@ -146,10 +148,16 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class SequenceAllocation(_message.Message):
-    __slots__ = ("num_tokens",)
+    __slots__ = ("num_tokens", "token_ids", "cache_salt", "model_id")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
-    def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    model_id: str
+    def __init__(self, num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class AllocateSequencesRequest(_message.Message):
     __slots__ = ("lease_id", "sequences")
@@ -166,12 +174,14 @@ class AllocateSequencesResponse(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ...) -> None: ...
 
 class SlotAppend(_message.Message):
-    __slots__ = ("seq_id", "num_tokens")
+    __slots__ = ("seq_id", "num_tokens", "token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AppendSlotsRequest(_message.Message):
     __slots__ = ("lease_id", "appends")
@@ -282,7 +292,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation")
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +309,8 @@ class GetStatsResponse(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     SHARED_BLOCK_REFS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     cached_blocks: int
@@ -315,4 +327,82 @@ class GetStatsResponse(_message.Message):
     prefix_cache_hits: int
     shared_block_refs: int
     generation: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    prefix_cache_evictions: int
+    prefix_caching: bool
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+
+class ComputedTokens(_message.Message):
+    __slots__ = ("seq_id", "num_computed_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_computed_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class CommitComputedTokensRequest(_message.Message):
+    __slots__ = ("lease_id", "sequences")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    sequences: _containers.RepeatedCompositeFieldContainer[ComputedTokens]
+    def __init__(self, lease_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[ComputedTokens, _Mapping]]] = ...) -> None: ...
+
+class CommitComputedTokensResponse(_message.Message):
+    __slots__ = ("blocks_registered", "skipped")
+    BLOCKS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    blocks_registered: int
+    skipped: int
+    def __init__(self, blocks_registered: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("blocks_cleared",)
+    BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    blocks_cleared: int
+    def __init__(self, blocks_cleared: _Optional[int] = ...) -> None: ...
+
+class StreamKvEventsRequest(_message.Message):
+    __slots__ = ("from_sequence_number",)
+    FROM_SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    from_sequence_number: int
+    def __init__(self, from_sequence_number: _Optional[int] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("sequence_number", "block_stored", "block_removed", "all_cleared")
+    SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    sequence_number: int
+    block_stored: BlockStored
+    block_removed: BlockRemoved
+    all_cleared: AllBlocksCleared
+    def __init__(self, sequence_number: _Optional[int] = ..., block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hash", "parent_block_hash", "block_id", "token_ids")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    parent_block_hash: bytes
+    block_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hash: _Optional[bytes] = ..., parent_block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hash", "block_id")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    block_id: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

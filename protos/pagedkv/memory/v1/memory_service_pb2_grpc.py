@@ -90,6 +90,21 @@ class MemoryServiceStub:
                 request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.CommitComputedTokens = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/CommitComputedTokens',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CommitComputedTokensRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CommitComputedTokensResponse.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/ResetPrefixCache',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+        self.StreamKvEvents = channel.unary_stream(
+                '/pagedkv.memory.v1.MemoryService/StreamKvEvents',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.StreamKvEventsRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.KvEvent.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -174,6 +189,27 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitComputedTokens(self, request, context):
+        """Reports tokens whose KV the worker has written; their full blocks enter the prefix cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """Drops every cached (refcount 0) block from the prefix cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamKvEvents(self, request, context):
+        """Streams prefix-cache events (block stored / removed / all cleared) in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +267,21 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.GetStatsRequest.FromString,
                     response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'CommitComputedTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitComputedTokens,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CommitComputedTokensRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CommitComputedTokensResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'StreamKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamKvEvents,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.StreamKvEventsRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.KvEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -531,6 +582,87 @@ class MemoryService:
             '/pagedkv.memory.v1.MemoryService/GetStats',
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.GetStatsRequest.SerializeToString,
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitComputedTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/CommitComputedTokens',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CommitComputedTokensRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CommitComputedTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/ResetPrefixCache',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ResetPrefixCacheRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/StreamKvEvents',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.StreamKvEventsRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.KvEvent.FromString,
             options,
             channel_credentials,
             insecure,
