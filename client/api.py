@@ -189,14 +189,18 @@ class Client:
         return self._engine.lease.lease_id
 
     # ---------------------------------------------------------------- submit
-    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestHandle:
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+               cache_salt: str | None = None) -> RequestHandle:
         """Queue one prompt (a string, or chat messages); returns its handle at once.
+
+        ``cache_salt`` isolates the request's prefix-cache entries: only requests with
+        the same salt share cached blocks (vLLM's cache_salt).
 
         Raises:
             ValueError: an empty prompt or one longer than the model's context.
         """
         params = sampling_params or SamplingParams()
-        req = Request(prompt, encode_prompt(self.tokenizer, prompt), params)
+        req = Request(prompt, encode_prompt(self.tokenizer, prompt), params, cache_salt=cache_salt or "")
         handle = RequestHandle(self, req)
         self._handles[req.request_id] = handle
         self._engine.add(req)
@@ -205,14 +209,14 @@ class Client:
         return handle
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 *, progress: bool = False) -> list[RequestOutput]:
+                 *, progress: bool = False, cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate for every prompt together (continuous batching); one output per prompt, in order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        handles = [self.submit(p, sp) for p, sp in zip(prompts, params)]
+        handles = [self.submit(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, params)]
         if progress:
             from rich.progress import Progress
 

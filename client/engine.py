@@ -15,6 +15,7 @@ One :meth:`Engine.step` (vLLM's scheduler + engine step, split across services):
                  block tables, sampling; the worker samples
     7. update    append sampled tokens, check stops, advance beams;
                  free finished sequences                          (1 FreeSequences)
+                 report blocks filled this step (prefix cache)    (1 CommitComputedTokens)
 
 so a step makes a constant number of memory-service calls (plus one per
 preemption) and one Step call per worker. Requests join between steps and
@@ -95,6 +96,9 @@ class Engine:
         self.num_blocks = pool.layout.num_blocks
         info = workers[0].model_info()
         self.model_info = info
+        #: Prefix-cache identity of this model's KV.
+        self.model_id = f"{info.model_name}:{info.model_source}"
+        self.prefix_caching = memory.stats().prefix_caching
         self.eos_ids = set(info.eos_token_ids)
         self.max_context = min(info.max_context or 1 << 30, self.num_blocks * self.block_size)
         self.lease = Lease(memory, lease_ttl)
@@ -151,7 +155,8 @@ class Engine:
         copies_by_worker: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
         # Appends for sequences with blocks; preempt on OUT_OF_BLOCKS.
         while True:
-            appends = [(s.seq_id, n) for r, s, n in scheduled if s.seq_id is not None]
+            appends = [(s.seq_id, n, s.tokens[s.num_computed:s.num_computed + n])
+                       for r, s, n in scheduled if s.seq_id is not None]
             if not appends:
                 break
             try:
@@ -343,10 +348,16 @@ class Engine:
         log.info("preempted", request_id=req.request_id, generated=[len(s.generated) for s in req.seqs])
 
     def _allocate(self, scheduled, admitted):
+        """Allocate the sequences without blocks; with prefix caching, skip what is cached."""
         new = [(r, s, n) for r, s, n in scheduled if s.seq_id is None]
         while new:
+            requests = []
+            for r, s, n in new:
+                known = s.tokens if s.compute_limit is None else s.tokens[:s.compute_limit]
+                requests.append(mpb.SequenceAllocation(num_tokens=n, token_ids=known, model_id=self.model_id,
+                                                       cache_salt=r.cache_salt))
             try:
-                tables = self.memory.allocate(self.lease.lease_id, [n for _, _, n in new])
+                tables = self.memory.allocate(self.lease.lease_id, requests)
             except OutOfBlocks:
                 last = admitted.pop() if admitted else None
                 if last is None:
@@ -358,8 +369,12 @@ class Engine:
                 scheduled = [x for x in scheduled if x[0] is not last]
                 new = [x for x in new if x[0] is not last]
                 continue
+            chunk = {}
             for (_, s, _), t in zip(new, tables):
                 s.seq_id, s.block_table = t.seq_id, list(t.block_ids)
+                s.num_computed = s.num_committed = t.num_cached_tokens
+                chunk[id(s)] = t.num_tokens - t.num_cached_tokens
+            scheduled = [(r, s, chunk.get(id(s), n)) for r, s, n in scheduled]
             break
         return scheduled
 
@@ -475,7 +490,21 @@ class Engine:
                 finished.append(req.request_id)
         if to_free:
             self.memory.free(self.lease.lease_id, to_free, mpb.FREE_REASON_FINISHED)
+        self._commit(scheduled)
         return finished
+
+    def _commit(self, scheduled) -> None:
+        """Report computed tokens of sequences that filled a block this step (prefix caching)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        commits = []
+        for _, s, _ in scheduled:
+            if s.seq_id is not None and s.num_computed // bs > s.num_committed // bs:
+                commits.append((s.seq_id, s.num_computed))
+                s.num_committed = s.num_computed
+        if commits:
+            self.memory.commit(self.lease.lease_id, commits)
 
     def _append_token(self, req: Request, seq: Seq, res: cpb.StepResult) -> None:
         p = req.params

@@ -57,6 +57,8 @@ class Seq:
     stop_reason: str | int | None = None
     #: Text after stop-string truncation (set when finished by a stop string).
     final_text: str | None = None
+    #: Tokens last reported to the memory service as computed (prefix caching).
+    num_committed: int = 0
 
     @property
     def generated(self) -> list[int]:
@@ -76,6 +78,7 @@ class Seq:
         self.seq_id = None
         self.block_table = []
         self.num_computed = 0
+        self.num_committed = 0
 
 
 @dataclass(slots=True)
@@ -118,6 +121,8 @@ class Request:
     beam: object = None
     #: Error that failed the request, if any.
     error: Exception | None = None
+    #: Prefix-cache isolation: only requests with equal salts share cached blocks.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if not self.seqs:

@@ -65,14 +65,25 @@ class MemoryClient:
         return self.stub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout).freed_sequences
 
     @_typed
-    def allocate(self, lease_id: str, token_counts: list[int]) -> list[mpb.SequenceBlockTable]:
-        req = mpb.AllocateSequencesRequest(lease_id=lease_id, sequences=[mpb.SequenceAllocation(num_tokens=n) for n in token_counts])
+    def allocate(self, lease_id: str, sequences: list[mpb.SequenceAllocation | int]) -> list[mpb.SequenceBlockTable]:
+        """Allocate sequences (token counts, or full ``SequenceAllocation`` messages for prefix caching)."""
+        seqs = [mpb.SequenceAllocation(num_tokens=s) if isinstance(s, int) else s for s in sequences]
+        req = mpb.AllocateSequencesRequest(lease_id=lease_id, sequences=seqs)
         return list(self.stub.AllocateSequences(req, timeout=self.timeout).sequences)
 
     @_typed
-    def append(self, lease_id: str, appends: list[tuple[int, int]]) -> mpb.AppendSlotsResponse:
-        req = mpb.AppendSlotsRequest(lease_id=lease_id, appends=[mpb.SlotAppend(seq_id=s, num_tokens=n) for s, n in appends])
+    def append(self, lease_id: str, appends: list[tuple[int, int] | tuple[int, int, list[int]]]) -> mpb.AppendSlotsResponse:
+        """Grow sequences by ``(seq_id, num_tokens[, token_ids])``."""
+        req = mpb.AppendSlotsRequest(lease_id=lease_id, appends=[
+            mpb.SlotAppend(seq_id=a[0], num_tokens=a[1], token_ids=a[2] if len(a) > 2 else ()) for a in appends])
         return self.stub.AppendSlots(req, timeout=self.timeout)
+
+    @_typed
+    def commit(self, lease_id: str, computed: list[tuple[int, int]]) -> mpb.CommitComputedTokensResponse:
+        """Report ``(seq_id, num_computed_tokens)``: full blocks enter the prefix cache."""
+        req = mpb.CommitComputedTokensRequest(lease_id=lease_id, sequences=[
+            mpb.ComputedTokens(seq_id=s, num_computed_tokens=n) for s, n in computed])
+        return self.stub.CommitComputedTokens(req, timeout=self.timeout)
 
     @_typed
     def fork(self, lease_id: str, parents: list[int]) -> list[mpb.SequenceBlockTable]:
