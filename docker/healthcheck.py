@@ -16,10 +16,16 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Exit 0 when ADDRESS answers SERVING on grpc.health.v1.")
+    p = argparse.ArgumentParser(
+        description="Exit 0 when ADDRESS answers SERVING on grpc.health.v1."
+    )
     p.add_argument("address", help="host:port of the server")
-    p.add_argument("--service", default="", help="service name to check (default: the whole server)")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    p.add_argument(
+        "--service", default="", help="service name to check (default: the whole server)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)"
+    )
     args = p.parse_args(argv)
 
     import grpc
@@ -28,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     with grpc.insecure_channel(args.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+            resp = stub.Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
         except grpc.RpcError as e:
             print(f"{args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

@@ -44,10 +44,17 @@ COMPOSE_ONLY_VARS = {
     "PAGEDKV_SHM_SIZE",
 }
 #: Container environment variables read by libraries rather than by pagedkv.
-FOREIGN_ENV_VARS = {"PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NVIDIA_TF32_OVERRIDE"}
+FOREIGN_ENV_VARS = {
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "NVIDIA_TF32_OVERRIDE",
+}
 
 _VAR = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
-_ENV_READ = re.compile(r"""os\.(?:environ\.get|environ\.setdefault|getenv|environ\[)\(?\s*["'](PAGEDKV_\w+)["']""")
+_ENV_READ = re.compile(
+    r"""os\.(?:environ\.get|environ\.setdefault|getenv|environ\[)\(?\s*["'](PAGEDKV_\w+)["']"""
+)
 
 
 def interpolate(value):
@@ -114,8 +121,13 @@ def service_port(svc: dict, monkeypatch) -> int:
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_valid_compose_spec(path):
     exe = BIN / "check-jsonschema"
-    r = subprocess.run([str(exe), "--builtin-schema", "vendor.compose-spec", str(path)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(exe), "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 0, f"{path.name} is not valid Compose:\n{r.stdout}\n{r.stderr}"
 
 
@@ -129,28 +141,43 @@ def test_commands_parse_with_the_cli(path, monkeypatch):
     assert {"memory", "compute", "client"} <= set(svcs)
     for name, svc in svcs.items():
         with monkeypatch.context() as mp:
-            sub, args = parse_command(svc["command"], svc.get("environment", {}), mp)
-        assert sub == name if name != "client" else sub == "generate", f"service {name} runs `pagedkv {sub}`"
+            sub, _ = parse_command(svc["command"], svc.get("environment", {}), mp)
+        assert sub == name if name != "client" else sub == "generate", (
+            f"service {name} runs `pagedkv {sub}`"
+        )
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_environment_variables_are_read_by_the_code(path):
     known = code_env_vars()
-    assert {"PAGEDKV_KV_CACHE_MEMORY", "PAGEDKV_BLOCK_SIZE", "PAGEDKV_MODEL", "PAGEDKV_MEMORY", "PAGEDKV_WORKERS"} <= known
+    assert {
+        "PAGEDKV_KV_CACHE_MEMORY",
+        "PAGEDKV_BLOCK_SIZE",
+        "PAGEDKV_MODEL",
+        "PAGEDKV_MEMORY",
+        "PAGEDKV_WORKERS",
+    } <= known
     for name, svc in load(path)["services"].items():
         for var in svc.get("environment", {}):
             assert var in known or var in FOREIGN_ENV_VARS, (
-                f"{path.name}: service {name} sets {var}, which no pagedkv code reads (known: {sorted(known)})")
+                f"{path.name}: service {name} sets {var}, which no pagedkv code reads (known: {sorted(known)})"
+            )
     for m in _VAR.finditer(path.read_text()):
         var = m["name"]
-        assert var in known or var in COMPOSE_ONLY_VARS, f"{path.name}: ${{{var}}} is neither read by the code nor a documented compose knob"
+        assert var in known or var in COMPOSE_ONLY_VARS, (
+            f"{path.name}: ${{{var}}} is neither read by the code nor a documented compose knob"
+        )
         assert not (var in known and var in COMPOSE_ONLY_VARS)
         assert m["op"] == ":-", f"{path.name}: ${{{var}}} needs a default (`${{{var}:-...}}`)"
 
 
 def test_compose_knobs_are_documented():
     doc = (ROOT / "docs" / "deploy.md").read_text()
-    for var in COMPOSE_ONLY_VARS | {"PAGEDKV_KV_CACHE_MEMORY", "PAGEDKV_BLOCK_SIZE", "PAGEDKV_MODEL"}:
+    for var in COMPOSE_ONLY_VARS | {
+        "PAGEDKV_KV_CACHE_MEMORY",
+        "PAGEDKV_BLOCK_SIZE",
+        "PAGEDKV_MODEL",
+    }:
         assert var in doc, f"docs/deploy.md does not mention {var}"
 
 
@@ -173,14 +200,21 @@ def test_addresses_ports_and_health_checks_agree(path, monkeypatch):
     for name in ("memory", "compute"):
         svc = svcs[name]
         cmd = svc["command"]
-        assert flag(cmd, "--host") == "0.0.0.0", f"{name} must bind every interface inside its container"
+        assert flag(cmd, "--host") == "0.0.0.0", (
+            f"{name} must bind every interface inside its container"
+        )
         assert flag(cmd, "--device") == device
         published = [str(p).rsplit(":", 1) for p in svc["ports"]]
-        assert any(int(target) == ports[name] for _, target in published), f"{name}: port {ports[name]} not published"
+        assert any(int(target) == ports[name] for _, target in published), (
+            f"{name}: port {ports[name]} not published"
+        )
         hc = svc["healthcheck"]
         assert hc["test"][0] == "CMD" and hc["test"][1] == "python"
         script = hc["test"][2]
-        assert script.startswith(IMAGE_ROOT + "/") and (ROOT / script.removeprefix(IMAGE_ROOT + "/")).is_file()
+        assert (
+            script.startswith(IMAGE_ROOT + "/")
+            and (ROOT / script.removeprefix(IMAGE_ROOT + "/")).is_file()
+        )
         assert hc["test"][3] == f"127.0.0.1:{ports[name]}"
         assert {"interval", "timeout", "retries", "start_period"} <= set(hc)
     assert flag(svcs["compute"]["command"], "--memory") == f"memory:{ports['memory']}"
@@ -196,7 +230,9 @@ def test_gpu_namespaces_and_reservation():
     svcs = services(GPU_FILE)
     for name in ("memory", "compute"):
         svc = svcs[name]
-        assert svc["ipc"] in ("host", "service:memory") or (name == "memory" and svc["ipc"] == "shareable"), name
+        assert svc["ipc"] in ("host", "service:memory") or (
+            name == "memory" and svc["ipc"] == "shareable"
+        ), name
         assert svc["pid"] in ("host", "service:memory") or name == "memory", name
         (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
@@ -212,8 +248,13 @@ def test_cpu_pool_directory_is_shared():
     svcs = services(CPU_FILE)
     shm = {name: svcs[name]["environment"].get("PAGEDKV_SHM_DIR") for name in ("memory", "compute")}
     assert shm["memory"] and shm["memory"] == shm["compute"], shm
-    mounts = {name: {v.split(":")[1]: v.split(":")[0] for v in svcs[name]["volumes"]} for name in ("memory", "compute")}
-    assert mounts["memory"][shm["memory"]] == mounts["compute"][shm["compute"]], "both must mount one volume at the pool directory"
+    mounts = {
+        name: {v.split(":")[1]: v.split(":")[0] for v in svcs[name]["volumes"]}
+        for name in ("memory", "compute")
+    }
+    assert mounts["memory"][shm["memory"]] == mounts["compute"][shm["compute"]], (
+        "both must mount one volume at the pool directory"
+    )
     volume = raw["volumes"][mounts["memory"][shm["memory"]]]
     assert volume["driver_opts"]["type"] == "tmpfs"
     for name in ("memory", "compute"):
@@ -228,7 +269,9 @@ def test_dockerfile_matches_the_compose_files():
     assert "nvidia/cuda:" in text
     build = load(CPU_FILE)["x-image"]["build"]["args"]
     for arg in build:
-        assert f"ARG {arg}=" in text, f"docker-compose.cpu.yml passes build arg {arg} that the Dockerfile lacks"
+        assert f"ARG {arg}=" in text, (
+            f"docker-compose.cpu.yml passes build arg {arg} that the Dockerfile lacks"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,12 +281,19 @@ def test_dockerfile_matches_the_compose_files():
 class Proc:
     """One compose service's command as a local process (address from its ready file)."""
 
-    def __init__(self, command: list[str], env: dict[str, str], tmp: Path, name: str, timeout: float = 180.0):
+    def __init__(
+        self, command: list[str], env: dict[str, str], tmp: Path, name: str, timeout: float = 180.0
+    ):
         self.ready = tmp / f"{name}.ready.json"
         self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([*command, "--ready-file", str(self.ready)], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open for the process's lifetime
+        self.proc = subprocess.Popen(
+            [*command, "--ready-file", str(self.ready)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp,
+        )
         deadline = time.monotonic() + timeout
         while not self.ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -290,29 +340,52 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
     mem_svc, comp_svc, client_svc = svcs["memory"], svcs["compute"], svcs["client"]
     started: list[Proc] = []
     try:
-        memory = Proc(local_command(mem_svc["command"], host="127.0.0.1", port="0"),
-                      local_env(mem_svc, tmp_path), tmp_path, "memory")
+        memory = Proc(
+            local_command(mem_svc["command"], host="127.0.0.1", port="0"),
+            local_env(mem_svc, tmp_path),
+            tmp_path,
+            "memory",
+        )
         started.append(memory)
         pool_files = list((tmp_path / "pool").glob("pagedkv-*.kv"))
         assert len(pool_files) == 1, "the memory service must put its pool in $PAGEDKV_SHM_DIR"
-        compute = Proc(local_command(comp_svc["command"], host="127.0.0.1", port="0", memory=memory.address),
-                       local_env(comp_svc, tmp_path), tmp_path, "compute")
+        compute = Proc(
+            local_command(comp_svc["command"], host="127.0.0.1", port="0", memory=memory.address),
+            local_env(comp_svc, tmp_path),
+            tmp_path,
+            "compute",
+        )
         started.append(compute)
 
         for svc, proc in ((mem_svc, memory), (comp_svc, compute)):
             test = svc["healthcheck"]["test"]
             script = ROOT / test[2].removeprefix(IMAGE_ROOT + "/")
-            r = subprocess.run([sys.executable, str(script), proc.address], capture_output=True, text=True, timeout=30)
+            r = subprocess.run(
+                [sys.executable, str(script), proc.address],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
             assert r.returncode == 0 and "SERVING" in r.stdout, r.stdout + r.stderr
 
         env = local_env(client_svc, tmp_path)
         env["PAGEDKV_MEMORY"] = memory.address
         env["PAGEDKV_WORKERS"] = compute.address
-        r = subprocess.run(local_command(client_svc["command"]), env=env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=240)
+        r = subprocess.run(
+            local_command(client_svc["command"]),
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.strip() == "The capital of France is Paris.", r.stdout + r.stderr
     finally:
         for p in reversed(started):
             p.stop()
-    assert not list((tmp_path / "pool").glob("pagedkv-*.kv")), "the memory service must remove its pool on SIGTERM"
+    assert not list((tmp_path / "pool").glob("pagedkv-*.kv")), (
+        "the memory service must remove its pool on SIGTERM"
+    )
