@@ -54,10 +54,31 @@ class EngineConfig:
     max_num_seqs: int = 64
     #: Token budget of one step (chunked prefill splits prompts to fit it).
     max_num_batched_tokens: int = 512
+    #: KV reservation policy: "paged" (blocks on demand, the default) or, to compare with
+    #: systems that reserve contiguous space per request (the vLLM paper's Orca baselines):
+    #: "max" (max_model_len tokens), "pow2" (final length rounded up to a power of two),
+    #: "oracle" (the true final length, prompt + max_tokens). Reserving policies allocate
+    #: the whole reservation at admission and never append; they take n=1 requests only.
+    reservation: str = "paged"
+    #: Tokens "max" reserves per request (the paper's Orca-Max: 2048).
+    max_model_len: int = 2048
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.reservation not in ("paged", "max", "pow2", "oracle"):
+            raise ValueError(f"reservation must be paged, max, pow2 or oracle, got {self.reservation!r}")
+
+    def reserve(self, prompt_len: int, max_tokens: int) -> int | None:
+        """Tokens to reserve at admission for a request (None: paged, allocate on demand)."""
+        final = prompt_len + max_tokens
+        if self.reservation == "paged":
+            return None
+        if self.reservation == "max":
+            return max(self.max_model_len, final)
+        if self.reservation == "pow2":
+            return 1 << (final - 1).bit_length()
+        return final
 
 
 @dataclass(slots=True)
@@ -117,6 +138,8 @@ class Engine:
     # ----------------------------------------------------------------- intake
     def add(self, request: Request) -> None:
         """Queue a request (thread-safe). Raises ValueError when it can never fit."""
+        if self.config.reservation != "paged" and (request.params.n > 1 or request.params.use_beam_search):
+            raise ValueError(f"the {self.config.reservation!r} reservation policy takes n=1 requests without beam search")
         if len(request.prompt_token_ids) >= self.max_context:
             raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens; the model and pool allow "
                              f"{self.max_context - 1} (max context {self.max_context})")
@@ -157,6 +180,8 @@ class Engine:
         while True:
             appends = [(s.seq_id, n, s.tokens[s.num_computed:s.num_computed + n])
                        for r, s, n in scheduled if s.seq_id is not None]
+            if self.config.reservation != "paged":  # slots were reserved at admission
+                appends = []
             if not appends:
                 break
             try:
@@ -291,7 +316,12 @@ class Engine:
                     n = min(seq.pending(), budget - sum(chunks))
                     if n > 0:
                         chunks.append(n)
-                need = sum(-(-n // self.block_size) for n in chunks)
+                reserve = self.config.reserve(len(req.prompt_token_ids), req.params.max_tokens)
+                if reserve is not None:
+                    chunks = chunks[:1]
+                    need = -(-min(reserve, self.max_context) // self.block_size)
+                else:
+                    need = sum(-(-n // self.block_size) for n in chunks)
                 if not chunks or need > free_blocks:
                     break
                 self.waiting.popleft()
@@ -353,6 +383,10 @@ class Engine:
         while new:
             requests = []
             for r, s, n in new:
+                reserve = self.config.reserve(len(r.prompt_token_ids), r.params.max_tokens)
+                if reserve is not None:  # contiguous reservation (baseline policies): no prefix cache
+                    requests.append(mpb.SequenceAllocation(num_tokens=min(reserve, self.max_context)))
+                    continue
                 known = s.tokens if s.compute_limit is None else s.tokens[:s.compute_limit]
                 requests.append(mpb.SequenceAllocation(num_tokens=n, token_ids=known, model_id=self.model_id,
                                                        cache_salt=r.cache_salt))
@@ -370,10 +404,10 @@ class Engine:
                 new = [x for x in new if x[0] is not last]
                 continue
             chunk = {}
-            for (_, s, _), t in zip(new, tables):
+            for (_, s, n), t in zip(new, tables):
                 s.seq_id, s.block_table = t.seq_id, list(t.block_ids)
                 s.num_computed = s.num_committed = t.num_cached_tokens
-                chunk[id(s)] = t.num_tokens - t.num_cached_tokens
+                chunk[id(s)] = min(n, t.num_tokens - t.num_cached_tokens)
             scheduled = [(r, s, chunk.get(id(s), n)) for r, s, n in scheduled]
             break
         return scheduled
