@@ -4,8 +4,9 @@ DESIGN.md, "The pool". Two backends, one descriptor:
 
 - ``cpu``: a file in shared memory (``$PAGEDKV_SHM_DIR``, default ``/dev/shm``)
   named ``pagedkv-<pool_id>-g<generation>-p<owner pid>.kv``; workers mmap it and
-  wrap it with ``torch.frombuffer``. A starting service removes stale files
-  whose owner pid is gone.
+  wrap it with ``torch.frombuffer``. The owner holds an exclusive ``flock`` on
+  it; a starting service removes pool files nobody holds (owner exited or
+  crashed, whatever its pid).
 - ``cuda``: plain ``cudaMalloc`` through CuPy (not a caching-allocator
   interior, not expandable segments), exported with ``cudaIpcGetMemHandle``
   (64 bytes) plus the byte offset and the GPU's UUID, which each worker
@@ -16,6 +17,7 @@ The memory service never reads or writes KV bytes; it only owns the memory.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
@@ -38,14 +40,24 @@ def shm_dir() -> Path:
     return Path(os.environ.get("PAGEDKV_SHM_DIR", "/dev/shm"))
 
 
-def _pid_alive(pid: int) -> bool:
+def _owner_gone(path: Path) -> bool:
+    """True when no process holds the pool file's lock (its owner exited or crashed).
+
+    The owner keeps an exclusive ``flock`` for its life; the kernel drops it when
+    the owner dies, whatever its pid (pids repeat across container restarts).
+    """
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    else:
         return True
-    return True
+    finally:
+        os.close(fd)
 
 
 def remove_stale_pool_files(directory: Path | None = None) -> list[Path]:
@@ -53,8 +65,7 @@ def remove_stale_pool_files(directory: Path | None = None) -> list[Path]:
     directory = directory or shm_dir()
     removed = []
     for path in directory.glob("pagedkv-*.kv"):
-        m = _POOL_FILE.fullmatch(path.name)
-        if m and not _pid_alive(int(m["pid"])):
+        if _POOL_FILE.fullmatch(path.name) and _owner_gone(path):
             path.unlink(missing_ok=True)
             removed.append(path)
     if removed:
@@ -126,9 +137,12 @@ class CpuPool(Pool):
         self.path = directory / f"pagedkv-{self.pool_id}-g{self.generation}-p{os.getpid()}.kv"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for the owner's life: marks the file live
             os.ftruncate(fd, layout.nbytes)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._lock_fd = fd
         log.info("pool_created", backend="cpu", path=str(self.path), nbytes=layout.nbytes,
                  num_blocks=layout.num_blocks, generation=self.generation)
 
@@ -141,8 +155,10 @@ class CpuPool(Pool):
             return mmap.mmap(f.fileno(), self.layout.nbytes, mmap.MAP_SHARED)
 
     def close(self) -> None:
-        if self.path.exists():
+        if self._lock_fd is not None:
             self.path.unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None
             log.info("pool_released", backend="cpu", path=str(self.path))
 
 

@@ -1,7 +1,8 @@
 """Shared fixtures and helpers for the model tests: the SmolLM2 GGUF, the transformers reference,
 our paged model, and a tiny paged-cache driver (block tables, slot mapping) for tests.
 
-Import the fixtures by name into a test module: `from model_fixtures import hf_model, ...`.
+tests/conftest.py registers the fixtures once for the whole session (one transformers model, one
+loaded GGUF); test modules import only the helpers.
 """
 
 from __future__ import annotations

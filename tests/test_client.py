@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from model_fixtures import gguf_dir, hf_model, hf_tokenizer  # noqa: F401
 
 from client import Client, SamplingParams
 from client.engine import Engine, EngineConfig

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-import model_fixtures as mf
 import pytest
 import torch
 from model_fixtures import PROMPT, PagedCache, chat_ids, hf_greedy
@@ -26,16 +25,6 @@ from compute_service.weights import (
     load_model_source,
     smollm2_gguf_path,
     unpermute_qk,
-)
-
-# Shared session fixtures (names resolved by pytest).
-gguf_dir, hf_model, hf_tokenizer, ours, paged_kernels, pagedkv_home = (
-    mf.gguf_dir,
-    mf.hf_model,
-    mf.hf_tokenizer,
-    mf.ours,
-    mf.paged_kernels,
-    mf.pagedkv_home,
 )
 
 DECODE_STEPS = 32

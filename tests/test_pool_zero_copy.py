@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -37,3 +38,20 @@ def test_second_process_writes_first_reads(memory_stub):
     assert k.shape == (64, 4, 3, 64) and torch.equal(k[7], expected[3, 0]) and torch.equal(v[7], expected[3, 1])
     mine.tensor[7].zero_()
     mine.close()
+
+
+def test_stale_pool_files_of_dead_owners_are_removed(tmp_path, monkeypatch):
+    from memory_service.layout import PoolLayout
+    from memory_service.pool import CpuPool
+
+    monkeypatch.setenv("PAGEDKV_SHM_DIR", str(tmp_path))
+    layout = PoolLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32", num_blocks=4)
+    live = CpuPool(layout, pool_id="live")
+    # A crashed owner leaves its file behind, unlocked (same pid: pids repeat in containers).
+    crashed = tmp_path / f"pagedkv-crashed-g1-p{os.getpid()}.kv"
+    crashed.write_bytes(b"\0" * 64)
+    other = CpuPool(layout, pool_id="new")
+    assert not crashed.exists() and live.path.exists() and other.path.exists()
+    live.close()
+    other.close()
+    assert not list(tmp_path.glob("*.kv"))

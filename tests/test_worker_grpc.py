@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from model_fixtures import PROMPT, chat_ids, gguf_dir, hf_greedy, hf_model, hf_tokenizer  # noqa: F401
+from model_fixtures import PROMPT, chat_ids, hf_greedy
 
 from client.errors import error_info
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
