@@ -4,7 +4,9 @@ One forward runs a *packed* batch: the new tokens of every sequence laid end to 
 for S sequences), whatever mix of prefill chunks and decode tokens it holds. Per layer, the new
 K/V are written into their slots (`kernels.reshape_and_cache`), then every new query attends
 causally over its sequence's paged context (`kernels.paged_prefill_attention`, PagedAttention,
-Kwon et al. SOSP 2023, §4.1). Only the logits the caller asks for are computed.
+Kwon et al. SOSP 2023, §4.1); the attention's host-side metadata (`kernels.plan_attention`) is
+built once per forward and shared by every layer. Only the logits the caller asks for are
+computed.
 
 Architecture as in Hugging Face `LlamaForCausalLM` (RMSNorm, RoPE with rotate-half, GQA, SwiGLU,
 optional tied embeddings); layout of the file after gpt-fast's model.py. Q/K/V and gate/up
@@ -78,6 +80,7 @@ class StepMeta:
     block_tables: torch.Tensor  # [S, max_blocks] int32
     query_start_loc: torch.Tensor  # [S + 1] int32
     seq_lens: torch.Tensor  # [S] int32, tokens in cache after this step
+    plan: kernels.AttentionPlan  # attention host work of this step, built once for all layers
 
 
 class Attention(nn.Module):
@@ -109,6 +112,7 @@ class Attention(nn.Module):
             meta.query_start_loc,
             meta.seq_lens,
             self.scale,
+            plan=meta.plan,
         )  # [T, Hq, Dh]
         return F.linear(o.reshape(t, self.hq * self.dh), self.wo)  # [T, D]
 
@@ -224,6 +228,7 @@ class LlamaForPagedLM(nn.Module):
             block_tables,
             query_start_loc,
             seq_lens,
+            kernels.plan_attention(block_tables, query_start_loc, seq_lens, kv_pool.shape[3]),
         )
         x = F.embedding(input_ids, self.embed)  # [T, D]
         for i, layer in enumerate(self.layers):

@@ -12,6 +12,8 @@ import torch
 
 from kernels import torch_impl
 from kernels._common import check_attention_args, check_host_lengths, choose_backend
+from kernels.plan import AttentionPlan, plan_attention
+from kernels.prefill import run_planned
 
 # Split-KV policy (Triton): below this context length one pass per (sequence, KV head) is used.
 SPLIT_KV_MIN_TOKENS = 1024
@@ -42,6 +44,7 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    plan: AttentionPlan | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
@@ -59,6 +62,9 @@ def paged_decode_attention(
             occupancy (`default_num_splits`); the torch path chunks the context by its memory
             budget. An int forces that many ranges on both paths (tests use it at short lengths).
         max_seq_len: max(seq_lens) if the caller knows it, saving a device-to-host sync on CUDA.
+        plan: a plan of this batch from `kernels.plan_attention` (with query_start_loc
+            `arange(num_seqs + 1)`), shared by every layer of a step; ignored when num_splits
+            is given.
         backend: None (Triton for CUDA tensors, torch otherwise), "triton" or "torch".
 
     Returns:
@@ -67,7 +73,8 @@ def paged_decode_attention(
 
     Raises:
         ValueError: bad shapes/dtypes/devices, num_q_heads not a multiple of num_kv_heads,
-            num_splits < 1; on the torch path also seq_lens < 1 or past the block table.
+            num_splits < 1, a plan from other tensors; on the torch path also seq_lens < 1 or
+            past the block table.
     """
     num_seqs = query.shape[0] if query.dim() == 3 else -1
     _, num_kv_heads, _, block_size, max_blocks = check_attention_args(
@@ -76,6 +83,22 @@ def paged_decode_attention(
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
     backend = choose_backend(backend, query, key_cache, value_cache, block_tables, seq_lens)
+    if plan is not None and num_splits is None:
+        plan.check_source(block_tables, None, seq_lens, num_seqs)
+        if plan.backend != backend or plan.block_size != block_size:
+            raise ValueError(
+                f"the plan is for backend {plan.backend!r} and block size {plan.block_size}, "
+                f"the call for {backend!r} and {block_size}"
+            )
+        if plan.decode_only is False:
+            raise ValueError("the plan has a sequence without exactly one new token: not decode")
+        if backend == "torch":
+            return run_planned(query, key_cache, value_cache, plan, scale)
+        max_seq_len = plan.max_seq_len
+    if backend == "torch" and num_splits is None:
+        query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
+        plan = plan_attention(block_tables, query_start_loc, seq_lens, block_size, backend="torch")
+        return run_planned(query, key_cache, value_cache, plan, scale)
     if backend == "torch":
         q_lens = torch.ones(num_seqs, dtype=torch.int64)
         check_host_lengths(seq_lens.to("cpu", torch.int64), q_lens, block_size, max_blocks)

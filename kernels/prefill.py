@@ -10,12 +10,8 @@ from __future__ import annotations
 import torch
 
 from kernels import torch_impl
-from kernels._common import (
-    check_attention_args,
-    check_host_lengths,
-    check_int_vector,
-    choose_backend,
-)
+from kernels._common import check_attention_args, check_int_vector, choose_backend
+from kernels.plan import AttentionPlan, plan_attention
 
 
 def paged_prefill_attention(
@@ -27,6 +23,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    plan: AttentionPlan | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged context.
@@ -47,24 +44,36 @@ def paged_prefill_attention(
             at total_new_tokens).
         seq_lens: [num_seqs] int32, tokens in the cache after this step (cached + new).
         scale: softmax scale, usually head_dim ** -0.5.
+        plan: `kernels.plan_attention(block_tables, query_start_loc, seq_lens, block_size)`,
+            built once per step and shared by every layer: the call then does no host work, no
+            sync and no value validation (the plan did it). None: planned inside the call.
         backend: None (Triton for CUDA tensors, torch otherwise), "triton" or "torch".
 
     Returns:
         [total_new_tokens, num_q_heads, head_dim] in the query's dtype; softmax in fp32.
 
     Raises:
-        ValueError: bad shapes/dtypes/devices, num_q_heads not a multiple of num_kv_heads; on
-            the torch path also query_start_loc not matching the query, new tokens > seq_len,
-            or seq_len past the block table.
+        ValueError: bad shapes/dtypes/devices, num_q_heads not a multiple of num_kv_heads, a
+            plan built from other tensors or for another backend; on the torch path also
+            query_start_loc not matching the query, new tokens > seq_len, or seq_len past the
+            block table.
     """
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    _, _, _, block_size, max_blocks = check_attention_args(
+    _, _, _, block_size, _ = check_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, num_seqs
     )
     check_int_vector("query_start_loc", query_start_loc, num_seqs + 1, (torch.int32, torch.int64))
     backend = choose_backend(
         backend, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens
     )
+    if plan is not None:
+        plan.check_source(block_tables, query_start_loc, seq_lens, query.shape[0])
+        if plan.backend != backend or plan.block_size != block_size:
+            raise ValueError(
+                f"the plan is for backend {plan.backend!r} and block size {plan.block_size}, "
+                f"the call for {backend!r} and {block_size}"
+            )
+        return run_planned(query, key_cache, value_cache, plan, scale)
     if backend == "torch":
         qsl = query_start_loc.to("cpu", torch.int64)
         if int(qsl[0]) != 0 or int(qsl[-1]) != query.shape[0]:
@@ -72,12 +81,8 @@ def paged_prefill_attention(
                 f"query_start_loc must run from 0 to total_new_tokens={query.shape[0]}, "
                 f"got {int(qsl[0])}..{int(qsl[-1])}"
             )
-        check_host_lengths(
-            seq_lens.to("cpu", torch.int64), qsl[1:] - qsl[:-1], block_size, max_blocks
-        )
-        return torch_impl.paged_attention(
-            query, key_cache, value_cache, block_tables, qsl, seq_lens, scale
-        )
+        plan = plan_attention(block_tables, query_start_loc, seq_lens, block_size, backend="torch")
+        return run_planned(query, key_cache, value_cache, plan, scale)
     if query.dtype != key_cache.dtype:
         raise ValueError(
             f"the triton backend needs query and cache of one dtype, got {query.dtype} "
@@ -90,5 +95,34 @@ def paged_prefill_attention(
         block_tables.to(torch.int32).contiguous(),
         query_start_loc.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(),
+        float(scale),
+    )  # fmt: skip
+
+
+def run_planned(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a planned batch on the plan's backend (arguments already checked)."""
+    if plan.backend == "torch":
+        out = torch_impl.planned_attention(query, key_cache, value_cache, plan, scale)
+        if out is None:  # no flat row view of this cache, or a huge group: chunked path
+            out = torch_impl.paged_attention(
+                query, key_cache, value_cache, plan.block_tables, plan.query_start_loc,
+                plan.seq_lens, scale,
+            )  # fmt: skip
+        return out
+    if query.dtype != key_cache.dtype:
+        raise ValueError(
+            f"the triton backend needs query and cache of one dtype, got {query.dtype} "
+            f"and {key_cache.dtype}"
+        )
+    from kernels import triton_prefill
+
+    return triton_prefill.paged_prefill_attention(
+        query, key_cache, value_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens,
         float(scale),
     )  # fmt: skip

@@ -15,6 +15,12 @@ Attention over a paged KV cache (vLLM paper §4.1) without a Python loop per tok
 Positions past a sequence's length are clamped to its last valid slot before gathering, so no
 byte outside a sequence's context (unused slots may hold NaN) reaches an output; the clamped
 duplicates are then masked out. Softmax and accumulation run in fp32.
+
+`planned_attention` is the fast path the model uses: the grouping and every index are built once
+per step by `kernels.plan.plan_attention`, and each layer gathers the groups' context rows from a
+flat row view of the pool into a reused workspace and runs one padded batched
+`scaled_dot_product_attention` per group. `paged_attention` (below) is the general path, used
+when a caller forces context chunks or the cache layout has no flat row view.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 # Query tokens of one sequence handled together (prefill).
 Q_TILE = 128
@@ -52,6 +59,88 @@ def copy_blocks(
     pairs = block_pairs.to(torch.int64)
     # Read every source before writing any destination.
     pool.index_copy_(0, pairs[:, 1], pool.index_select(0, pairs[:, 0]))
+
+
+# Largest workspace (gathered keys, per buffer) of the planned path, in elements; a plan whose
+# biggest group needs more runs on the chunked general path instead.
+PLANNED_MAX_GATHER_ELEMS = 1 << 24
+
+
+def row_view(cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """One layer's cache as rows: ([rows, num_kv_heads, head_dim] view, rows per block).
+
+    Row `block * rows_per_block + offset` is the slot (block, offset). Needs each block's
+    [block_size, num_kv_heads, head_dim] contiguous (true of the block-major pool); None if not.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    s0, s1, s2, s3 = cache.stride()
+    row = num_kv_heads * head_dim
+    if (
+        num_blocks == 0
+        or s3 != 1
+        or (num_kv_heads > 1 and s2 != head_dim)
+        or (block_size > 1 and s1 != row)
+        or s0 % row
+    ):
+        return None
+    per_block = s0 // row
+    rows = (num_blocks - 1) * per_block + block_size
+    return cache.as_strided((rows, num_kv_heads, head_dim), (row, head_dim, 1)), per_block
+
+
+def planned_attention(
+    query: torch.Tensor,  # [total_q, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    plan,  # kernels.plan.AttentionPlan built for this batch on the torch backend
+    scale: float,
+) -> torch.Tensor | None:  # [total_q, num_q_heads, head_dim], query dtype; None: not planable
+    """Causal (bottom-right aligned) paged attention of a planned batch: no host work, no sync.
+
+    Per group of the plan: gather its context rows (clamped to each sequence's length, so only
+    written slots are read) into the plan's workspace, then one padded batched SDPA with the
+    plan's visibility mask (GQA by `enable_gqa`). Returns None when the cache has no flat row view
+    or the largest group would exceed `PLANNED_MAX_GATHER_ELEMS`; the caller then uses
+    `paged_attention`.
+    """
+    _, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    kv = row_view(key_cache), row_view(value_cache)
+    if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1]:
+        return None
+    if plan.max_group_tokens * num_kv_heads * head_dim > PLANNED_MAX_GATHER_ELEMS:
+        return None
+    (k_rows, per_block), (v_rows, _) = kv
+    out = torch.empty_like(query)
+    key = (key_cache.dtype, num_kv_heads, head_dim)
+    ws = plan.workspace.get(key)
+    if ws is None:
+        shape = (plan.max_group_tokens, num_kv_heads, head_dim)
+        ws = plan.workspace[key] = tuple(
+            torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device) for _ in range(2)
+        )
+    gqa = num_q_heads != num_kv_heads
+    for g in plan.groups:
+        n, qp, lp = g.num_seqs, g.q_pad, g.ctx_pad
+        rows = g.rows(per_block)  # [n * L]
+        # k, v: [n, L, Hk, D]; q: [n, Q, Hq, D]
+        k = torch.index_select(k_rows, 0, rows, out=ws[0][: n * lp]).view(n, lp, -1, head_dim)
+        v = torch.index_select(v_rows, 0, rows, out=ws[1][: n * lp]).view(n, lp, -1, head_dim)
+        q = query.index_select(0, g.q_rows).view(n, qp, num_q_heads, head_dim)
+        if k.dtype != torch.float32:
+            k, v = k.float(), v.float()
+        if q.dtype != torch.float32:
+            q = q.float()
+        # o: [n, Hq, Q, D]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=g.mask, is_causal=g.is_causal, scale=scale, enable_gqa=gqa,
+        )  # fmt: skip
+        o = o.transpose(1, 2).reshape(n * qp, num_q_heads, head_dim)
+        if g.out_sel is not None:
+            o = o.index_select(0, g.out_sel)
+        out.index_copy_(0, g.out_rows, o.to(out.dtype))
+    return out
 
 
 def paged_attention(

@@ -17,6 +17,7 @@ from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
 
 import kernels
 from kernels import decode as decode_mod
+from kernels import plan as plan_mod
 from kernels import torch_impl
 
 
@@ -98,6 +99,8 @@ def test_prefill_equals_decode_for_one_token_each():
 
 def test_small_memory_budget_chunks_and_groups(monkeypatch):
     # A tiny budget forces many tile groups and context chunks: results must not change.
+    # (A planned workspace too large for its budget falls back to this chunked path.)
+    monkeypatch.setattr(torch_impl, "PLANNED_MAX_GATHER_ELEMS", 0)
     monkeypatch.setattr(torch_impl, "GATHER_BUDGET_ELEMS", 1 << 12)
     monkeypatch.setattr(torch_impl, "MIN_KV_CHUNK", 8)
     monkeypatch.setattr(torch_impl, "Q_TILE", 16)
@@ -108,6 +111,89 @@ def test_small_memory_budget_chunks_and_groups(monkeypatch):
         case.query_start_loc, case.seq_lens, case.scale,
     )  # fmt: skip
     check(out, reference(case), torch.float32, "prefill under a small gather budget")
+
+
+MIXED = [(70, 70), (90, 13), (33, 1), (3, 1), (200, 1), (200, 1), (17, 1), (64, 0), (41, 2)]
+
+
+@pytest.mark.parametrize("group_tokens", [1, 64, plan_mod.GROUP_TOKENS])
+def test_plan_shared_by_layers(monkeypatch, group_tokens):
+    # One plan, two layers of the pool (as the model uses it); sequence 7 has no new token;
+    # groups of one sequence each up to one group for all decode tokens.
+    monkeypatch.setattr(plan_mod, "GROUP_TOKENS", group_tokens)
+    lens, q_lens = [s for s, _ in MIXED], [n for _, n in MIXED]
+    case = make_case(lens, q_lens, 9, 3, 64, 16, torch.float32, seed=3)
+    plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
+    assert plan.backend == "torch" and plan.total_q == sum(q_lens)
+    for layer in (1, 0):
+        case.layer = layer
+        out = kernels.paged_prefill_attention(
+            case.query, case.key_cache, case.value_cache, case.block_tables,
+            case.query_start_loc, case.seq_lens, case.scale, plan=plan,
+        )  # fmt: skip
+        check(out, reference(case), torch.float32, f"planned layer {layer} batch={MIXED}")
+
+
+def test_plan_groups_pad_and_mask():
+    # Decode tokens of close lengths share a group; unequal lengths need a mask, equal ones not;
+    # a whole prompt alone is plain causal.
+    case = make_case([40, 41, 40, 300, 8], [1, 1, 1, 1, 8], 9, 3, 64, 16, torch.float32)
+    plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
+    shapes = [
+        (g.num_seqs, g.q_pad, g.ctx_pad, g.mask is not None, g.is_causal) for g in plan.groups
+    ]
+    assert shapes == [(3, 1, 41, True, False), (1, 1, 300, False, False), (1, 8, 8, False, True)]
+    assert plan.decode_only is False
+    # Sorted by length: sequences 0, 2 (40 tokens), 1 (41). Position 40 of a 40-token sequence
+    # is clamped to its position 39: a slot past a sequence's length is never gathered.
+    g = plan.groups[0]
+    assert g.q_rows.tolist() == [0, 2, 1]
+    last_block, last_off = g.blocks.view(3, 41)[:, -1], g.offsets.view(3, 41)[:, -1]
+    want = case.block_tables[[0, 2, 1], [39 // 16, 39 // 16, 40 // 16]].long()
+    assert torch.equal(last_block, want), (last_block, want)
+    assert last_off.tolist() == [39 % 16, 39 % 16, 40 % 16]
+
+
+def test_plan_decode_and_errors():
+    case = make_case([5, 40, 17], [1, 1, 1], 9, 3, 64, 8, torch.float32)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables)
+    plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 8)
+    assert plan.decode_only
+    out = kernels.paged_decode_attention(*args, case.seq_lens, case.scale, plan=plan)
+    check(out, reference(case), torch.float32, "planned decode")
+    with pytest.raises(ValueError, match="plan was built for other"):
+        kernels.paged_decode_attention(*args, case.seq_lens.clone(), case.scale, plan=plan)
+    with pytest.raises(ValueError, match="plan was built for other"):
+        kernels.paged_prefill_attention(
+            case.query[:2], *args[1:], case.query_start_loc, case.seq_lens, 1.0, plan=plan
+        )
+    with pytest.raises(ValueError, match="block size"):
+        other = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
+        kernels.paged_decode_attention(*args, case.seq_lens, 1.0, plan=other)
+    mixed = make_case([5, 9], [2, 0], 9, 3, 64, 8, torch.float32)
+    mplan = kernels.plan_attention(mixed.block_tables, mixed.query_start_loc, mixed.seq_lens, 8)
+    with pytest.raises(ValueError, match="not decode"):
+        kernels.paged_decode_attention(
+            mixed.query, mixed.key_cache, mixed.value_cache, mixed.block_tables,
+            mixed.seq_lens, 1.0, plan=mplan,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="new tokens"):
+        bad = torch.tensor([0, 2, 3], dtype=torch.int32)  # 2 new tokens, 1 in cache
+        kernels.plan_attention(case.block_tables[:2], bad, torch.tensor([1, 9]), 8)
+    with pytest.raises(ValueError, match="start at 0"):
+        kernels.plan_attention(case.block_tables[:2], bad + 1, torch.tensor([9, 9]), 8)
+
+
+def test_planned_path_without_row_view_falls_back():
+    # Caches whose blocks are not contiguous rows (heads outermost) take the chunked path.
+    case = make_case([5, 40, 17], [1, 3, 17], 8, 2, 64, 8, torch.float32)
+    kc = case.key_cache.transpose(1, 2).contiguous().transpose(1, 2)  # [NB, B, Hk, D] strided
+    vc = case.value_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch_impl.row_view(kc) is None
+    out = kernels.paged_prefill_attention(
+        case.query, kc, vc, case.block_tables, case.query_start_loc, case.seq_lens, case.scale
+    )
+    check(out, reference(case), torch.float32, "strided cache")
 
 
 def test_default_split_policy():
