@@ -1,0 +1,239 @@
+"""Throughput under one fixed KV budget, real model through the services (the vLLM paper, §6.2).
+
+The same requests run four ways on SmolLM2-135M on this CPU:
+
+- ``pagedkv``: continuous batching with blocks on demand (EngineConfig reservation="paged");
+- ``orca-max``: the same services and scheduler, but each request reserves ``--max-model-len``
+  tokens of contiguous KV at admission (the paper's Orca-Max);
+- ``orca-oracle``: each request reserves exactly prompt + max_tokens (Orca-Oracle);
+- ``hf-generate``: Hugging Face transformers ``generate`` (dense cache, greedy, fp32) in static
+  batches of the same max batch, in arrival order; a batch runs until its longest request is
+  done, and only the tokens each request asked for are counted.
+
+Requests: ``--num-requests`` prompts cut from the project's docs with ShareGPT-like length shape
+(log-normal, the paper's means 161 / 338) scaled by ``--scale`` (default 0.25, so mean ~40 prompt
+/ ~85 output tokens: the paper's lengths do not fit a few minutes on 2 CPU cores), prompt <= 256
+and output <= 256 tokens; greedy, ignore_eos, so every policy computes the same tokens. All
+requests arrive at t = 0 (offline throughput); TTFT therefore includes queueing.
+
+Budget (documented, not tuned per policy): the pool holds ``--max-num-seqs`` (16) requests of
+the trace's mean final length, i.e. just enough for pagedkv to run its batch cap on an average
+mix. Paged runs can still preempt when long requests meet. ``--max-model-len`` (512) is the
+largest prompt + output the trace allows (256 + 256), not the model's 8192-token context:
+reserving 8192 would be the flattering choice. The memory service runs with prefix caching off,
+so no policy reuses another's prompts.
+
+Goals (issue 7): pagedkv >= 2x the contiguous policy's throughput under the same budget, and
+ahead of transformers generate at equal batch.
+
+    python benchmarks/bench_throughput.py [--quick] [--num-requests 32] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import (
+    DATASETS,
+    Stack,
+    fmt,
+    machine,
+    median,
+    pct,
+    pyplot,
+    run_engine,
+    save_plot,
+    table,
+    write_result,
+)
+from prompts import trace_prompts
+
+from client.engine import EngineConfig
+from client.params import SamplingParams
+from client.request import Request
+from client.tokenizer import load_tokenizer
+
+POLICIES = [("pagedkv", "paged"), ("orca-max", "max"), ("orca-oracle", "oracle")]
+
+
+def summarize(name: str, wall: float, reqs: list[tuple[float, float, float, int]], batches: list[int]) -> dict:
+    """``reqs``: (ttft, tpot, e2e, output tokens) per request; ``batches``: requests per decode step."""
+    out_tokens = sum(r[3] for r in reqs)
+    return {"policy": name, "wall_s": wall, "requests_per_s": len(reqs) / wall, "output_tokens_per_s": out_tokens / wall,
+            "mean_batch": sum(batches) / len(batches) if batches else None,
+            "ttft_median_s": median([r[0] for r in reqs]), "ttft_p99_s": pct([r[0] for r in reqs], 0.99),
+            "tpot_median_s": median([r[1] for r in reqs]), "tpot_p99_s": pct([r[1] for r in reqs], 0.99),
+            "e2e_median_s": median([r[2] for r in reqs]), "output_tokens": out_tokens}
+
+
+def run_policy(stack: Stack, tok, prompts, policy: str, args) -> tuple[dict, dict]:
+    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512, reservation=policy,
+                       max_model_len=args.max_model_len)
+    engine = stack.engine(cfg, tok)
+    try:
+        w = prompts[0][0][:8]
+        run_engine(engine, [Request(w, w, SamplingParams(max_tokens=4, temperature=0))])  # warm up
+        engine.traces.clear()
+        preempt0 = engine.preemptions
+        reqs = [Request(ids, ids, SamplingParams(max_tokens=o, temperature=0, ignore_eos=True)) for ids, o in prompts]
+        wall = run_engine(engine, reqs)
+        for r in reqs:
+            assert r.error is None, r.error
+            assert len(r.seqs[0].generated) == r.params.max_tokens
+        rows = [(r.metrics.ttft, r.metrics.tpot(r.params.max_tokens), r.metrics.finished - r.metrics.arrival,
+                 r.params.max_tokens) for r in reqs]
+        # Batch size of steps that decode (one token per running request); prefill-only steps excluded.
+        batches = [len(t.request_ids) for t in engine.traces]
+        s = summarize(policy, wall, rows, batches)
+        s["max_batch"] = max(batches)
+        s["preemptions"] = engine.preemptions - preempt0
+        s["steps"] = len(engine.traces)
+        s["model_seconds"] = sum(t.model_seconds for t in engine.traces)
+        series = {"t": [t.step for t in engine.traces], "batch": batches}
+        return s, series
+    finally:
+        engine.close()
+
+
+def run_hf(prompts, args, pad_id: int) -> dict:
+    """transformers generate, static batches of ``max_num_seqs`` in order, left padding, greedy."""
+    import torch
+    from pagedkv.paths import smollm2_gguf_path
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    gguf = smollm2_gguf_path()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.eval()
+    load_s = time.perf_counter() - t0
+
+    class Clock(StoppingCriteria):
+        """Records when each generated token of the batch is ready."""
+
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores, **kw):
+            self.times.append(time.time())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def generate(batch):
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+        m = max(o for _, o in batch)
+        clock = Clock()
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m,
+                                 do_sample=False, pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList([clock]))
+        assert out.shape[1] == width + m
+        return clock.times
+
+    generate([(prompts[0][0][:8], 4)])  # warm up
+    start = time.time()
+    rows, batches = [], []
+    for i in range(0, len(prompts), args.max_num_seqs):
+        batch = prompts[i:i + args.max_num_seqs]
+        times = generate(batch)
+        for _, o in batch:
+            # A request is done when its own token o is out (it cannot leave the batch earlier).
+            tpot = (times[o - 1] - times[0]) / (o - 1) if o > 1 else None
+            rows.append((times[0] - start, tpot, times[o - 1] - start, o))
+        batches += [len(batch)] * len(times)
+    wall = time.time() - start
+    s = summarize("hf-generate", wall, rows, batches)
+    s["max_batch"] = max(batches)
+    s["load_s"] = load_s
+    s["computed_tokens"] = sum(len(b) * max(o for _, o in b) for b in
+                               (prompts[i:i + args.max_num_seqs] for i in range(0, len(prompts), args.max_num_seqs)))
+    return s
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="10 requests at scale 0.2")
+    ap.add_argument("--num-requests", type=int, default=None, help="requests (default 32; quick 10)")
+    ap.add_argument("--scale", type=float, default=None, help="length scale vs the paper's ShareGPT means (default 0.25)")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="batch cap for every policy and HF's static batch")
+    ap.add_argument("--max-model-len", type=int, default=512, help="tokens orca-max reserves per request")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, default=None, help="pool size (default: max_num_seqs x mean final length)")
+    ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    n = args.num_requests or (10 if args.quick else 32)
+    scale = args.scale or (0.2 if args.quick else 0.25)
+
+    tok = load_tokenizer("smollm2")
+    prompts = trace_prompts(tok, "sharegpt", n, args.seed, scale=scale, max_prompt=256, max_output=256)
+    mean_final = sum(len(p) + o for p, o in prompts) / len(prompts)
+    num_blocks = args.num_blocks or -(-round(args.max_num_seqs * mean_final) // args.block_size)
+    budget = num_blocks * args.block_size
+    print(f"{n} requests, mean prompt {sum(len(p) for p, _ in prompts) / n:.0f} / output "
+          f"{sum(o for _, o in prompts) / n:.0f} tokens; KV budget {num_blocks} blocks x {args.block_size} = {budget} "
+          f"tokens; batch cap {args.max_num_seqs}; orca-max reserves {args.max_model_len}", flush=True)
+    result = {"machine": machine(), "config": {
+        "num_requests": n, "scale": scale, "dataset_means": DATASETS["sharegpt"], "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len, "block_size": args.block_size, "num_blocks": num_blocks,
+        "budget_tokens": budget, "prompt_lens": [len(p) for p, _ in prompts], "output_lens": [o for _, o in prompts]},
+        "runs": {}}
+    series = {}
+    with Stack(["--num-blocks", str(num_blocks), "--block-size", str(args.block_size), "--no-prefix-caching"],
+               "throughput") as stack:
+        for name, policy in POLICIES:
+            s, series[name] = run_policy(stack, tok, prompts, policy, args)
+            result["runs"][name] = s
+            print(f"  {name:<12} {s['wall_s']:7.1f} s  {s['output_tokens_per_s']:7.1f} tok/s  mean batch "
+                  f"{s['mean_batch']:.1f}", flush=True)
+    if not args.skip_hf:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        s = run_hf(prompts, args, pad)
+        result["runs"]["hf-generate"] = s
+        print(f"  {'hf-generate':<12} {s['wall_s']:7.1f} s  {s['output_tokens_per_s']:7.1f} tok/s", flush=True)
+    rows = []
+    for name, s in result["runs"].items():
+        rows.append([name, f"{s['requests_per_s']:.3f}", f"{s['output_tokens_per_s']:.1f}", fmt(s["mean_batch"], ".1f"),
+                     s["max_batch"], fmt(s["ttft_median_s"]), fmt(s["ttft_p99_s"]),
+                     fmt(s["tpot_median_s"] and 1e3 * s["tpot_median_s"], ".0f"),
+                     fmt(s["tpot_p99_s"] and 1e3 * s["tpot_p99_s"], ".0f"), s.get("preemptions", "-"), f"{s['wall_s']:.1f}"])
+    table(f"Throughput, {n} ShareGPT-like requests (scale {scale}), KV budget {budget} tokens, batch cap "
+          f"{args.max_num_seqs}, SmolLM2-135M fp32 on {result['machine']['cores']} CPU cores",
+          ["policy", "req/s", "out tok/s", "mean batch", "max batch", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms",
+           "TPOT p99 ms", "preempt", "wall s"], rows)
+    runs = result["runs"]
+    paged = runs["pagedkv"]["output_tokens_per_s"]
+    goals = {"vs_orca_max": paged / runs["orca-max"]["output_tokens_per_s"],
+             "vs_orca_oracle": paged / runs["orca-oracle"]["output_tokens_per_s"]}
+    print(f"\ngoal: >= 2x the contiguous policy: {goals['vs_orca_max']:.2f}x orca-max "
+          f"({'met' if goals['vs_orca_max'] >= 2 else 'MISSED'}), {goals['vs_orca_oracle']:.2f}x orca-oracle")
+    if "hf-generate" in runs:
+        goals["vs_hf_generate"] = paged / runs["hf-generate"]["output_tokens_per_s"]
+        print(f"goal: ahead of transformers generate at batch {args.max_num_seqs}: {goals['vs_hf_generate']:.2f}x "
+              f"({'met' if goals['vs_hf_generate'] > 1 else 'MISSED'})")
+    result["goals"] = goals
+    write_result("bench_throughput", result)
+    plot(result, series)
+    return 0
+
+
+def plot(result: dict, series: dict) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    runs = result["runs"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(runs)
+    a.bar(names, [runs[k]["output_tokens_per_s"] for k in names], color=["tab:green", "tab:red", "tab:orange", "tab:gray"][:len(names)])
+    a.set_ylabel("output tokens / s")
+    a.set_title(f"KV budget {result['config']['budget_tokens']} tokens, batch cap {result['config']['max_num_seqs']}")
+    for k, v in series.items():
+        b.plot(v["batch"], label=k, lw=1)
+    b.set_xlabel("engine step")
+    b.set_ylabel("requests in the batch")
+    b.legend()
+    save_plot(fig, "bench_throughput")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

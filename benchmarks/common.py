@@ -1,0 +1,226 @@
+"""Shared pieces of the benchmark scripts: the machine record, service processes, traces, output.
+
+Every benchmark prints a table, writes ``benchmarks/results/<name>.json`` (with the machine it
+ran on) and a PNG plot beside it (PNGs are not committed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("PAGEDKV_LOG_LEVEL", "warning")
+
+
+# ------------------------------------------------------------------ machine
+def machine() -> dict:
+    """CPU model, cores, load and library versions, recorded with every result."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "load_avg_1m": os.getloadavg()[0]}
+    for mod in ("torch", "triton", "transformers", "grpc"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a missing optional library is recorded as such
+            info[mod] = None
+    return info
+
+
+# ----------------------------------------------------------------- services
+class Service:
+    """``python -m client.cli <args> --port 0 --ready-file F`` as a child process."""
+
+    def __init__(self, args: list[str], name: str, tmp: Path, timeout: float = 180.0):
+        self.ready = tmp / f"{name}.ready.json"
+        self.log_path = tmp / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "client.cli", *args, "--port", "0", "--ready-file", str(self.ready)],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ})
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{name} did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.address = json.loads(self.ready.read_text())["address"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class Stack:
+    """A memory service (``memory_args``) and one compute worker, each its own process."""
+
+    def __init__(self, memory_args: list[str], name: str = "stack"):
+        self._tmp = tempfile.TemporaryDirectory()
+        tmp = Path(self._tmp.name)
+        self.memory = Service(["memory", "--lease-ttl", "600", *memory_args], f"{name}-memory", tmp)
+        try:
+            self.worker = Service(["compute", "--memory", self.memory.address], f"{name}-worker", tmp)
+        except Exception:
+            self.memory.stop()
+            raise
+
+    def engine(self, config=None, tokenizer=None):
+        """A :class:`client.engine.Engine` on this stack (the caller closes it)."""
+        from client.engine import Engine
+        from client.services import MemoryClient, WorkerClient
+        from client.tokenizer import load_tokenizer
+
+        tok = tokenizer or load_tokenizer("smollm2")
+        return Engine(MemoryClient(self.memory.address), [WorkerClient(self.worker.address)], tok,
+                      config=config, lease_ttl=600)
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.memory.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def run_engine(engine, requests, timeout: float = 3600.0) -> float:
+    """Add ``requests``, step until all finish; returns wall seconds."""
+    t0 = time.perf_counter()
+    for r in requests:
+        engine.add(r)
+    while engine.has_work():
+        engine.step()
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"requests not done after {timeout:.0f} s")
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------- traces
+#: The vLLM paper's dataset means (Fig. 11): input / output tokens.
+DATASETS = {"sharegpt": (161.31, 337.99), "alpaca": (19.31, 58.45)}
+#: Log-normal shape (sigma of the log); the mean is kept by mu = ln(mean) - sigma^2 / 2.
+SIGMA = 0.8
+MAX_SEQ_LEN = 2048
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One request of a synthetic trace: arrival (s), prompt and output lengths (tokens)."""
+
+    arrival: float
+    prompt_len: int
+    output_len: int
+
+
+def lengths(dataset: str, n: int, rng: random.Random, max_total: int = MAX_SEQ_LEN) -> list[tuple[int, int]]:
+    """``n`` (prompt, output) lengths, log-normal with the dataset's means, total <= max_total."""
+    p_mean, o_mean = DATASETS[dataset]
+    out = []
+    for _ in range(n):
+        p = max(1, round(rng.lognormvariate(math.log(p_mean) - SIGMA ** 2 / 2, SIGMA)))
+        o = max(1, round(rng.lognormvariate(math.log(o_mean) - SIGMA ** 2 / 2, SIGMA)))
+        p = min(p, max_total // 2)
+        o = min(o, max_total - p)
+        out.append((p, o))
+    return out
+
+
+def poisson_trace(dataset: str, n: int, rate: float, seed: int) -> list[TraceRequest]:
+    """``n`` requests arriving as a Poisson process of ``rate`` requests per unit time."""
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    for p, o in lengths(dataset, n, rng):
+        t += rng.expovariate(rate)
+        out.append(TraceRequest(t, p, o))
+    return out
+
+
+# ------------------------------------------------------------------- output
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-quantile (nearest rank), None for an empty list."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fmt(v, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(title: str, header: list[str], rows: list[list], widths: list[int] | None = None) -> str:
+    """A plain text table; numbers are already formatted by the caller."""
+    widths = widths or [max(len(str(h)), *(len(str(r[i])) for r in rows)) + 2 for i, h in enumerate(header)]
+    lines = [title, "".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, w) in enumerate(zip(header, widths)))]
+    for r in rows:
+        lines.append("".join(f"{c!s:>{w}}" if i else f"{c!s:<{w}}" for i, (c, w) in enumerate(zip(r, widths))))
+    text = "\n".join(lines)
+    print("\n" + text)
+    return text
+
+
+def write_result(name: str, result: dict) -> Path:
+    """Write ``benchmarks/results/<name>.json``."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}.json"
+    out.write_text(json.dumps(result, indent=2, default=float))
+    print(f"wrote {out.relative_to(ROOT)}")
+    return out
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is missing (extra ``bench``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib missing (pip install -e '.[bench]'): no plot")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_plot(fig, name: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out.relative_to(ROOT)}")
