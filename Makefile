@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast protos bench clean
+.PHONY: install demo test test-fast protos bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +28,30 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-bench: $(STAMP)
+# Every benchmark, in one go (under 20 minutes on 2 CPU cores); each prints a table and writes
+# benchmarks/results/<name>.json and .png. The extra `bench` brings matplotlib for the plots.
+BENCH_STAMP := $(VENV)/.bench-installed
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_allocator.py
+	$(PY) benchmarks/bench_kernels.py --quick
+	$(PY) benchmarks/bench_memory.py
+	$(PY) benchmarks/bench_throughput.py
+	$(PY) benchmarks/bench_sharing.py
+	$(PY) benchmarks/bench_overhead.py
+	$(PY) benchmarks/bench_prefix.py
+
+# llama.cpp as a speed peer on the same GGUF: builds llama-cpp-python from source first (~7 min),
+# with portable CPU flags (a native build dies with "Illegal instruction" on some CPUs).
+bench-peers: $(BENCH_STAMP)
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install llama-cpp-python
+	$(PY) benchmarks/bench_peers.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
