@@ -1,7 +1,8 @@
-"""Benchmark prompts: token windows of the project's own docs, with lengths drawn from a trace.
+"""Benchmark prompts: token windows of a fixed English text, with lengths drawn from a trace.
 
-Prompts are real English text (README.md and docs/*.md, tokenized once) cut at random offsets to
-the drawn length, so every request has different content and an exact prompt length.
+Prompts are cut from ``benchmarks/corpus.txt`` (a frozen copy of the project's README and docs,
+so that editing the docs does not change the benchmarks' prompts) at random offsets to the drawn
+length: every request has different content and an exact prompt length.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ import random
 
 from common import ROOT, lengths
 
+CORPUS = ROOT / "benchmarks" / "corpus.txt"
+
 
 def corpus_ids(tokenizer) -> list[int]:
-    """Token ids of README.md followed by docs/*.md (sorted)."""
-    paths = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    text = "\n\n".join(p.read_text() for p in paths if p.exists())
-    return tokenizer.encode(text)
+    """Token ids of ``benchmarks/corpus.txt``."""
+    return tokenizer.encode(CORPUS.read_text())
 
 
 def trace_prompts(tokenizer, dataset: str, n: int, seed: int, scale: float = 1.0,
