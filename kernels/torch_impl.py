@@ -48,6 +48,14 @@ def reshape_and_cache(
     block_size = key_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
     blocks, offsets = slots // block_size, slots % block_size
+    views = row_view(key_cache), row_view(value_cache)
+    if views[0] is not None and views[1] is not None and views[0][1] == views[1][1]:
+        # One row copy per token into the flat row views (faster than a 2-index put).
+        (k_rows, per_block), (v_rows, _) = views
+        rows = blocks * per_block + offsets
+        k_rows.index_copy_(0, rows, key.to(key_cache.dtype))
+        v_rows.index_copy_(0, rows, value.to(value_cache.dtype))
+        return
     key_cache[blocks, offsets] = key.to(key_cache.dtype)
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
