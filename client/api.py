@@ -99,7 +99,7 @@ def build_output(req: Request, tokenizer) -> RequestOutput:
 class RequestHandle:
     """A submitted request: iterate for streaming outputs, or wait with :meth:`result`."""
 
-    def __init__(self, client: "Client", request: Request):
+    def __init__(self, client: Client, request: Request):
         self.client = client
         self.request = request
         self.request_id = request.request_id
@@ -296,7 +296,7 @@ class Client:
         for w in self.workers:
             w.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -313,7 +313,7 @@ class AsyncClient:
         self._client = client
 
     @classmethod
-    async def connect(cls, *args, **kwargs) -> "AsyncClient":
+    async def connect(cls, *args, **kwargs) -> AsyncClient:
         return cls(await asyncio.to_thread(Client, *args, **kwargs))
 
     async def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
@@ -339,7 +339,7 @@ class AsyncClient:
     async def close(self) -> None:
         await asyncio.to_thread(self._client.close)
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

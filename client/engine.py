@@ -476,7 +476,7 @@ class Engine:
         futures = {w: self._pool.submit(self.workers[w].step, req) for w, req in by_worker.items()}
         results: dict[int, cpb.StepResult] = {}
         model_seconds = 0.0
-        for w, f in futures.items():
+        for f in futures.values():
             resp = f.result()
             model_seconds = max(model_seconds, resp.model_seconds)
             for r in resp.results:

@@ -43,7 +43,6 @@ import torch
 from pagedkv.paths import SMOLLM2_GGUF, pagedkv_home, smollm2_gguf_path  # noqa: F401 (re-exported)
 
 
-
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """RoPE frequency scaling (Hugging Face `rope_scaling` / `rope_parameters`).

@@ -334,6 +334,7 @@ class Stack:
 
     def descriptor(self):
         import grpc
+
         from pagedkv.memory.v1 import memory_service_pb2 as mpb
         from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
 
@@ -346,6 +347,7 @@ class Stack:
 
     def used_blocks(self) -> int:
         import grpc
+
         from pagedkv.memory.v1 import memory_service_pb2 as mpb
         from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
 

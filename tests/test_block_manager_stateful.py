@@ -10,7 +10,8 @@ would fail here.
 
 from __future__ import annotations
 
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from memory_service.block_manager import Allocation, BlockManager, OutOfBlocks
@@ -153,7 +154,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):
-        for h, b in self.m.pool.cached.items():
+        for b in self.m.pool.cached.values():
             written = tuple(self.slots.get(b * BLOCK_SIZE + o) for o in range(BLOCK_SIZE))
             assert written == self.m.pool.block_tokens[b], f"cached block {b} holds {written}"
 

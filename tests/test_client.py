@@ -174,7 +174,7 @@ def test_preemption_gives_the_unconstrained_outputs(small_stack, llm):
 def test_cancelled_stream_frees_blocks_before_next_step(llm):
     keep = llm.submit(chat(CHATS[1]), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     stream = llm.stream(chat(CHATS[0]), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    for i, out in enumerate(stream):
+    for i, _ in enumerate(stream):
         if i == 2:
             break
     handle_req = [r for r in llm.engine.running if r.prompt == chat(CHATS[0])]
