@@ -420,48 +420,52 @@ class BlockManager:
         """
         lease = self._lease(lease_id)
         seqs = self._owned(lease, (a[0] for a in appends), "AppendSlots")
-        for a in appends:
-            if len(a) > 2 and a[2] and len(a[2]) != a[1]:
-                raise InvalidArgumentError(f"AppendSlots(sequence {a[0]}): {len(a[2])} token ids for {a[1]} tokens")
         bs = self.block_size
-        # Pass 1: count blocks, simulating the refcount drops of earlier copies in the batch.
+        pool = self.pool
+        ref_counts, fill = pool.ref_counts, pool.fill
+        # Pass 1: validate and count blocks, simulating the refcount drops of earlier copies.
         required = 0
         dropped: Counter[int] = Counter()
-        capacity = self.pool.num_blocks * bs
-        ref_counts = self.pool.ref_counts
-        for seq, (_, k, *_) in zip(seqs, appends):
-            if not (1 <= k and seq.num_tokens + k <= capacity):
+        capacity = pool.num_blocks * bs
+        for seq, a in zip(seqs, appends):
+            k, n = a[1], seq.num_tokens
+            if not (1 <= k and n + k <= capacity):
                 self._check_tokens(k, "AppendSlots")
-                self._check_tokens(seq.num_tokens + k, f"AppendSlots(sequence {seq.seq_id})")
+                self._check_tokens(n + k, f"AppendSlots(sequence {seq.seq_id})")
+            if len(a) > 2 and a[2] and len(a[2]) != k:
+                raise InvalidArgumentError(f"AppendSlots(sequence {a[0]}): {len(a[2])} token ids for {k} tokens")
             last = seq.block_ids[-1]
-            if seq.num_tokens % bs and ref_counts[last] - dropped[last] > 1:
+            if n % bs and ref_counts[last] > 1 and ref_counts[last] - dropped[last] > 1:
                 dropped[last] += 1
                 required += 1
-            required += blocks_for(seq.num_tokens + k, bs) - len(seq.block_ids)
-        if required > self.pool.num_available:
+            required += -(-(n + k) // bs) - len(seq.block_ids)
+        if required > pool.num_available:
             return self._refuse(required)
         # Pass 2: apply, in the same order.
         copies: list[tuple[int, int]] = []
-        for seq, (_, k, *toks) in zip(seqs, appends):
+        for seq, a in zip(seqs, appends):
+            k, n, table = a[1], seq.num_tokens, seq.block_ids
             if seq.token_ids is not None:
-                if toks and toks[0]:
-                    seq.token_ids.extend(toks[0])
+                if len(a) > 2 and a[2]:
+                    seq.token_ids.extend(a[2])
                 else:
                     seq.token_ids = None
-            n = seq.num_tokens
-            last = seq.block_ids[-1]
-            if n % bs and self.pool.ref_counts[last] > 1:
-                (dst,) = self.pool.allocate(1)
+            last = table[-1]
+            if n % bs and ref_counts[last] > 1:
+                (dst,) = pool.allocate(1)
                 copies.append((last, dst))
-                self.pool.decref([last])
-                seq.block_ids[-1] = dst
-                self.pool.set_fill(dst, n % bs)
-            grow = blocks_for(n + k, bs) - len(seq.block_ids)
+                pool.decref([last])
+                table[-1] = dst
+                pool.set_fill(dst, n % bs)
+            grow = -(-(n + k) // bs) - len(table)
             if grow:
-                seq.block_ids.extend(self.pool.allocate(grow))
+                table.extend(pool.allocate(grow))
             seq.num_tokens = n + k
-            if k == 1:  # the decode fast path
-                self.pool.set_fill(seq.block_ids[n // bs], n % bs + 1)
+            if k == 1:  # the decode fast path: one slot, one block
+                b = table[n // bs]
+                if fill[b] <= n % bs:
+                    pool.tokens_stored += n % bs + 1 - fill[b]
+                    fill[b] = n % bs + 1
             else:
                 self._write(seq, n, n + k)
         return seqs, copies

@@ -94,8 +94,9 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         for seq in seqs:
             old_len, old_last = before[seq.seq_id]
             first = old_len - 1 if seq.block_ids[old_len - 1] != old_last else old_len
-            updates.append(pb.BlockTableUpdate(
-                seq_id=seq.seq_id, num_tokens=seq.num_tokens, first_changed=first, block_ids=seq.block_ids[first:]))
+            if first < len(seq.block_ids):  # only tables that changed go back
+                updates.append(pb.BlockTableUpdate(
+                    seq_id=seq.seq_id, num_tokens=seq.num_tokens, first_changed=first, block_ids=seq.block_ids[first:]))
         return pb.AppendSlotsResponse(updates=updates, copies=[pb.BlockCopy(src=s, dst=d) for s, d in copies])
 
     async def ForkSequences(self, request, context):
