@@ -3,7 +3,9 @@
 CPU: the torch path (`backend="torch"`, the CPU production path) vs
 `torch.nn.functional.scaled_dot_product_attention` on a contiguous copy of the same keys and
 values, at SmolLM2-135M's layer shape (9 q heads, 3 KV heads, head_dim 64, fp32), batch
-1/16/64 x context 128/1k/4k. CUDA: achieved GB/s of the Triton decode kernel (K and V bytes read
+1/16/64 x context 128/1k/4k. `paged_ms` is one layer's call with the step's plan reused (as the
+model runs it), `plan_ms` the once-per-step `plan_attention`, `unplanned_ms` a call that plans
+for itself. Medians after a warm-up. CUDA: achieved GB/s of the Triton decode kernel (K and V bytes read
 / time) vs HBM peak and vs dense SDPA, at a Llama-3-8B-like layer (32/8/128, bf16, batch 64,
 context 4096) and at SmolLM2's shape.
 
@@ -59,13 +61,16 @@ def dense_sdpa(query, k_dense, v_dense, scale):
 
 
 def time_cpu(fn, reps: int) -> float:
+    """Median seconds of `reps` calls after two warm-up calls."""
     fn()
-    best = float("inf")
+    fn()
+    times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
 
 
 def time_cuda(fn, reps: int = 20) -> float:
@@ -94,12 +99,21 @@ def bench_cpu(quick: bool) -> list[dict]:
                 batch, ctx, hq, hkv, dim, 16, torch.float32, "cpu"
             )
             scale = dim**-0.5
-            reps = 3 if quick else 5
+            # Fewer repetitions for the big cases: their medians settle quickly.
+            reps = (5 if quick else 21) if batch * ctx <= 16384 else (3 if quick else 7)
+            qsl = torch.arange(batch + 1, dtype=torch.int32)
+            make_plan = partial(kernels.plan_attention, bt, qsl, sl, 16, backend="torch")
+            plan = make_plan()
             paged = partial(
+                kernels.paged_decode_attention, q, kc, vc, bt, sl, scale, plan=plan,
+                backend="torch",
+            )  # fmt: skip
+            unplanned = partial(
                 kernels.paged_decode_attention, q, kc, vc, bt, sl, scale, backend="torch"
             )
             dense = partial(dense_sdpa, q, kd, vd, scale)
             t_paged, t_dense = time_cpu(paged, reps), time_cpu(dense, reps)
+            t_plan, t_unplanned = time_cpu(make_plan, reps), time_cpu(unplanned, reps)
             err = (paged() - dense()).abs().max().item()
             rows.append(
                 {
@@ -110,6 +124,8 @@ def bench_cpu(quick: bool) -> list[dict]:
                     "paged_ms": t_paged * 1e3,
                     "dense_sdpa_ms": t_dense * 1e3,
                     "paged_over_dense": t_paged / t_dense,
+                    "plan_ms": t_plan * 1e3,
+                    "unplanned_ms": t_unplanned * 1e3,
                     "max_abs_diff": err,
                 }
             )

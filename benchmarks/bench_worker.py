@@ -1,0 +1,402 @@
+"""Compute worker decode speed on CPU, against transformers' dense forward (issue 4, "Speed").
+
+For each (batch, context): a real memory service and compute worker run as their own processes
+(as `pagedkv up` starts them). The benchmark allocates `batch` sequences through the memory
+service and fills their contexts: sequence 0 is prefilled with real Step calls, and its KV blocks
+are then copied into every other sequence's own blocks through the shared pool (the same bytes a
+prefill writes, without paying `batch` prefills; every sequence reads distinct memory). Then it
+times decode steps as a client runs them: AppendSlots (one token per sequence) + Step (greedy).
+
+Columns:
+- pagedkv tok/s: batch / median(AppendSlots + Step wall time), seen by the client.
+- transformers tok/s: batch / median(forward + argmax) of `LlamaForCausalLM` (same GGUF, fp32)
+  over a `DynamicCache` holding `context` positions per sequence, in this process.
+- model ms: the worker's reported model time; attention ms: attention's share of a model forward
+  (plan + cache writes + paged attention, timed in this process on the same batch and pool by
+  wrapping the kernels the model calls); RPC ms: Step wall - the worker's step_seconds (gRPC,
+  protobuf, the request's parsing and validation are inside step_seconds; this is the transport).
+
+Usage: `python benchmarks/bench_worker.py [--quick] [--out PATH] [--steps N]`. Prints a table and
+writes JSON (default benchmarks/results/bench_worker.json) with the machine (CPU, cores, torch).
+Timing on a shared machine is noisy: warm-up steps, then medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+from pagedkv.compute.v1 import compute_service_pb2 as cpb
+from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+
+import kernels
+from compute_service.pool_map import map_pool
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_worker.json"
+BLOCK_SIZE = 16
+PREFILL_CHUNK = 512  # tokens per prefill Step
+WARMUP_STEPS = 3
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+class Service:
+    """`python -m client.cli <args> --port 0 --ready-file F` as a child process."""
+
+    def __init__(
+        self, args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = 300.0
+    ):
+        ready = tmp / f"{name}.ready.json"
+        self.log_path = tmp / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (open for the child's lifetime)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "client.cli", *args, "--port", "0", "--ready-file", str(ready)],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{name} did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+        time.sleep(0.2)  # the file is written whole, but give the writer a moment
+        self.address = json.loads(ready.read_text())["address"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+class PagedRun:
+    """Sequences of one (batch, context) case in the memory service, driven through the worker."""
+
+    def __init__(self, memory, worker, pool, lease: str, batch: int, ctx: int, generation: int):
+        self.memory, self.worker, self.pool = memory, worker, pool
+        self.lease, self.batch, self.ctx, self.generation = lease, batch, ctx, generation
+        tables = memory.AllocateSequences(
+            mpb.AllocateSequencesRequest(
+                lease_id=lease, sequences=[mpb.SequenceAllocation(num_tokens=ctx)] * batch
+            )
+        ).sequences
+        self.seq_ids = [t.seq_id for t in tables]
+        self.tables = [list(t.block_ids) for t in tables]
+        self.lengths = [ctx] * batch
+        self.last_tokens = [0] * batch
+        self.step_no = 0
+
+    def fill(self) -> None:
+        """Prefill sequence 0 for real, copy its KV blocks into every other sequence's blocks."""
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(100, 40000, (self.ctx,), generator=gen).tolist()
+        for p0 in range(0, self.ctx, PREFILL_CHUNK):
+            chunk = prompt[p0 : p0 + PREFILL_CHUNK]
+            last = p0 + len(chunk) == self.ctx
+            seq = cpb.StepSequence(
+                seq_id=self.seq_ids[0], token_ids=chunk, positions=range(p0, p0 + len(chunk)),
+                block_ids=self.tables[0], skip_sampling=not last, output_index=0,
+            )  # fmt: skip
+            resp = self.worker.Step(
+                cpb.StepRequest(pool_generation=self.generation, sequences=[seq])
+            )
+        first = resp.results[0].token_id
+        src = self.tables[0][: -(-self.ctx // BLOCK_SIZE)]
+        for table in self.tables[1:]:
+            dst = table[: len(src)]
+            self.pool.tensor[dst] = self.pool.tensor[src]
+        self.last_tokens = [first] * self.batch
+
+    def decode_step(self) -> dict:
+        """AppendSlots + Step of one token per sequence; returns timings in seconds."""
+        t0 = time.perf_counter()
+        appends = [mpb.SlotAppend(seq_id=s, num_tokens=1) for s in self.seq_ids]
+        resp = self.memory.AppendSlots(mpb.AppendSlotsRequest(lease_id=self.lease, appends=appends))
+        for i, u in enumerate(resp.updates):
+            self.tables[i][u.first_changed :] = list(u.block_ids)
+        copies = [cpb.BlockCopy(src=c.src, dst=c.dst) for c in resp.copies]
+        t1 = time.perf_counter()
+        seqs = [
+            cpb.StepSequence(
+                seq_id=s,
+                token_ids=[self.last_tokens[i]],
+                positions=[self.lengths[i]],
+                block_ids=self.tables[i],
+                output_index=self.step_no,
+            )
+            for i, s in enumerate(self.seq_ids)
+        ]
+        req = cpb.StepRequest(pool_generation=self.generation, sequences=seqs, copies=copies)
+        t2 = time.perf_counter()
+        out = self.worker.Step(req)
+        t3 = time.perf_counter()
+        self.last_tokens = [r.token_id for r in out.results]
+        self.lengths = [n + 1 for n in self.lengths]
+        self.step_no += 1
+        self.last_request = req
+        return {
+            "append": t1 - t0,
+            "build": t2 - t1,
+            "step_wall": t3 - t2,
+            "model": out.model_seconds,
+            "step": out.step_seconds,
+        }
+
+    def free(self) -> None:
+        self.memory.FreeSequences(
+            mpb.FreeSequencesRequest(lease_id=self.lease, seq_ids=self.seq_ids)
+        )
+
+
+def attention_share(model, pool, request: cpb.StepRequest, reps: int) -> dict:
+    """Re-run the last decode Step's batch in this process (rewriting the same K/V into the same
+    slots) with the kernels the model calls wrapped by timers; medians in seconds."""
+    from compute_service.worker import Worker
+
+    class _Pool:  # the worker's view of a mapped pool
+        def __init__(self, mapped):
+            self.tensor, self.descriptor, self.generation = (
+                mapped.tensor, mapped.descriptor, mapped.generation,
+            )  # fmt: skip
+
+    worker = Worker(model, model.config, _Pool(pool))
+    batch = worker._prepare(request, worker.pool)
+    args = (
+        batch["input_ids"], batch["positions"], pool.tensor, batch["slot_mapping"],
+        batch["block_tables"], batch["query_start_loc"], batch["seq_lens"],
+        batch["logits_indices"],
+    )  # fmt: skip
+    spent = {"plan": 0.0, "cache_write": 0.0, "attention": 0.0}
+    originals = {
+        "plan": kernels.plan_attention,
+        "cache_write": kernels.reshape_and_cache,
+        "attention": kernels.paged_prefill_attention,
+    }
+    names = {"plan": "plan_attention", "cache_write": "reshape_and_cache",
+             "attention": "paged_prefill_attention"}  # fmt: skip
+
+    def timed(key):
+        fn = originals[key]
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            spent[key] += time.perf_counter() - t
+            return r
+
+        return wrapper
+
+    plain, wrapped = [], {k: [] for k in spent}
+    for _ in range(2):
+        model(*args)  # warm-up
+    for _ in range(reps):
+        t = time.perf_counter()
+        model(*args)
+        plain.append(time.perf_counter() - t)
+    try:
+        for key in spent:
+            setattr(kernels, names[key], timed(key))
+        for _ in range(reps):
+            for key in spent:
+                spent[key] = 0.0
+            model(*args)
+            for key, seconds in spent.items():
+                wrapped[key].append(seconds)
+    finally:
+        for key in spent:
+            setattr(kernels, names[key], originals[key])
+    res = {k: statistics.median(v) for k, v in wrapped.items()}
+    res["model_in_process"] = statistics.median(plain)
+    return res
+
+
+def hf_decode(hf, batch: int, ctx: int, steps: int) -> list[float]:
+    """Seconds per dense decode step (forward + greedy argmax) of `batch` sequences at `ctx`."""
+    from transformers import DynamicCache
+
+    cfg = hf.config
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    gen = torch.Generator().manual_seed(1)
+    cache = DynamicCache()
+    for layer in range(cfg.num_hidden_layers):
+        k = torch.randn(batch, heads, ctx, dim, generator=gen)
+        v = torch.randn(batch, heads, ctx, dim, generator=gen)
+        cache.update(k, v, layer)
+    tokens = torch.randint(100, 40000, (batch, 1), generator=gen)
+    times = []
+    with torch.inference_mode():
+        for i in range(WARMUP_STEPS + steps):
+            pos = torch.full((batch, 1), ctx + i, dtype=torch.int64)
+            t = time.perf_counter()
+            out = hf(
+                input_ids=tokens, position_ids=pos, past_key_values=cache, use_cache=True,
+                logits_to_keep=1,
+            )  # fmt: skip
+            tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - t)
+    return times[WARMUP_STEPS:]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="batches 1/32, context 128, few steps")
+    ap.add_argument("--steps", type=int, default=None, help="timed decode steps per case")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads of the worker and this process"
+    )
+    args = ap.parse_args(argv)
+    env = {}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    batches = [1, 32] if args.quick else [1, 8, 32, 64]
+    contexts = [128] if args.quick else [128, 512]
+    steps = args.steps or (5 if args.quick else 10)
+    longest = max(contexts) + WARMUP_STEPS + steps + 1
+    num_blocks = max(batches) * -(-longest // BLOCK_SIZE) + 16
+
+    from transformers import AutoModelForCausalLM
+
+    from compute_service.model import LlamaForPagedLM
+    from compute_service.weights import load_model_source, smollm2_gguf_path
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_worker_") as tmp:
+        tmp = Path(tmp)
+        memory = Service(
+            ["memory", "--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE),
+             "--lease-ttl", "600"], tmp, "memory",
+        )  # fmt: skip
+        worker = None
+        try:
+            worker = Service(["compute", "--memory", memory.address], tmp, "worker", env)
+            mch = grpc.insecure_channel(memory.address, options=_OPTIONS)
+            wch = grpc.insecure_channel(worker.address, options=_OPTIONS)
+            mstub, wstub = mpb_grpc.MemoryServiceStub(mch), cpb_grpc.ComputeServiceStub(wch)
+            desc = mstub.GetPoolDescriptor(mpb.GetPoolDescriptorRequest()).pool
+            pool = map_pool(desc)
+            lease = mstub.CreateLease(mpb.CreateLeaseRequest(ttl_seconds=600.0)).lease_id
+            config, weights = load_model_source("smollm2")
+            model = LlamaForPagedLM(config, weights)
+            del weights
+            gguf = smollm2_gguf_path()
+            hf = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            ).eval()
+            for ctx in contexts:
+                for batch in batches:
+                    run = PagedRun(mstub, wstub, pool, lease, batch, ctx, desc.generation)
+                    run.fill()
+                    timings = [run.decode_step() for _ in range(WARMUP_STEPS + steps)]
+                    timings = timings[WARMUP_STEPS:]
+                    share = attention_share(model, pool, run.last_request, reps=max(5, steps))
+                    run.free()
+                    hf_times = hf_decode(hf, batch, ctx, steps)
+                    rows.append(make_row(batch, ctx, timings, share, hf_times))
+                    print_row(rows[-1], header=len(rows) == 1)
+            mstub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease))
+            pool.close()
+        finally:
+            if worker is not None:
+                worker.stop()
+            memory.stop()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {**machine(), "steps": steps, "warmup_steps": WARMUP_STEPS, "block_size": BLOCK_SIZE}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"machine: {meta['cpu']}, {meta['cores']} cores, torch {meta['torch']}")
+    print(f"wrote {args.out}")
+    return rows
+
+
+def make_row(batch: int, ctx: int, timings: list[dict], share: dict, hf_times: list[float]):
+    col = {k: [t[k] for t in timings] for k in timings[0]}
+    client = [t["append"] + t["build"] + t["step_wall"] for t in timings]
+    rpc = [t["step_wall"] - t["step"] for t in timings]
+    step_wall = statistics.median(col["step_wall"])
+    attn = share["plan"] + share["cache_write"] + share["attention"]
+    paged_tps = batch / statistics.median(client)
+    hf_tps = batch / statistics.median(hf_times)
+    return {
+        "batch": batch,
+        "context": ctx,
+        "pagedkv_tok_s": paged_tps,
+        "transformers_tok_s": hf_tps,
+        "ratio": paged_tps / hf_tps,
+        "client_step_ms": median_ms(client),
+        "append_ms": median_ms(col["append"]),
+        "step_wall_ms": step_wall * 1e3,
+        "worker_step_ms": median_ms(col["step"]),
+        "model_ms": median_ms(col["model"]),
+        "model_in_process_ms": share["model_in_process"] * 1e3,
+        "attention_ms": attn * 1e3,
+        "attention_kernel_ms": share["attention"] * 1e3,
+        "cache_write_ms": share["cache_write"] * 1e3,
+        "plan_ms": share["plan"] * 1e3,
+        "attention_pct_of_model": 100 * attn / share["model_in_process"],
+        "rpc_ms": median_ms(rpc),
+        "rpc_pct_of_step": 100 * statistics.median(rpc) / step_wall,
+        "transformers_step_ms": median_ms(hf_times),
+    }
+
+
+TABLE = [
+    ("batch", "batch", "{:d}"), ("context", "ctx", "{:d}"),
+    ("pagedkv_tok_s", "pagedkv tok/s", "{:.1f}"), ("transformers_tok_s", "hf tok/s", "{:.1f}"),
+    ("ratio", "ratio", "{:.2f}"), ("model_ms", "model ms", "{:.1f}"),
+    ("attention_ms", "attn ms", "{:.2f}"), ("attention_pct_of_model", "attn %", "{:.1f}"),
+    ("rpc_ms", "RPC ms", "{:.2f}"), ("rpc_pct_of_step", "RPC %", "{:.1f}"),
+    ("append_ms", "append ms", "{:.2f}"),
+]  # fmt: skip
+
+
+def print_row(row: dict, header: bool) -> None:
+    if header:
+        print(" | ".join(f"{h:>13}" for _, h, _ in TABLE))
+    print(" | ".join(f"{f.format(row[k]):>13}" for k, _, f in TABLE), flush=True)
+
+
+if __name__ == "__main__":
+    main()
