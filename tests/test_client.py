@@ -224,3 +224,32 @@ def test_bad_sampling_params_raise_before_sending():
     for bad in (dict(temperature=-1), dict(top_p=0), dict(n=0), dict(max_tokens=0), dict(num_beams=50), dict(logprobs=99)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+async def test_async_client_generate_and_stream(stack):
+    from client import AsyncClient
+
+    async with await AsyncClient.connect(stack.memory.address, stack.worker_addresses) as llm:
+        (out,) = await llm.generate([chat(CHATS[0])], SamplingParams(temperature=0, max_tokens=12))
+        assert out.outputs[0].text == "The capital of France is Paris."
+        texts = [o.outputs[0].text async for o in llm.stream(chat(CHATS[0]), SamplingParams(temperature=0, max_tokens=12))]
+        assert texts[-1] == out.outputs[0].text and len(texts) > 3
+        assert (await llm.stats()).used_blocks == 0
+
+
+def test_cli_generate_and_stats(stack):
+    env = {**os.environ, "PAGEDKV_MEMORY": stack.memory.address, "PAGEDKV_WORKERS": ",".join(stack.worker_addresses),
+           "PAGEDKV_LOG_LEVEL": "error", "COLUMNS": "160"}
+    out = subprocess.run([sys.executable, "-m", "client.cli", "generate", CHATS[0], "--chat", "--max-tokens", "12"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "The capital of France is Paris."
+    out = subprocess.run([sys.executable, "-m", "client.cli", "generate", "Name a color.", "--chat", "--n", "2",
+                          "--temperature", "0.9", "--seed", "3", "--max-tokens", "6"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.count("--- [") == 2, out.stdout + out.stderr
+    stats = subprocess.run([sys.executable, "-m", "client.cli", "stats"], env=env, capture_output=True, text=True, timeout=120)
+    assert stats.returncode == 0 and "KV-cache pool" in stats.stdout and "512" in stats.stdout
+    bad = subprocess.run([sys.executable, "-m", "client.cli", "generate", "x", "--temperature", "-1"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "temperature" in bad.stderr
