@@ -2,14 +2,19 @@
 
 Beside the block manager it keeps a model of what a worker would hold: a slot
 store written through each block table, with copy-on-write copies applied
-before writes. After every step, DESIGN.md's invariants hold and every live
+before writes. Prompts share prefixes and every computed token is committed,
+so the prefix cache hits, evicts and re-registers blocks as it would in
+service. After every step, DESIGN.md's invariants hold and every live
 sequence reads back exactly its own token history through its block table:
-so a copy-on-write that was missing, misdirected or shared a written block
-would fail here.
+so a copy-on-write that was missing, misdirected or shared a written block,
+or a prefix-cache hit on the wrong content, would fail here.
 """
 
 from __future__ import annotations
 
+import os
+
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -165,5 +170,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert s.used_blocks == 0 and s.available_blocks == NUM_BLOCKS
 
 
-TestBlockManagerMachine = BlockManagerMachine.TestCase
-TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# `make test` runs a bounded search; `make test-full` (PAGEDKV_TEST_FULL=1) a long one.
+FULL = os.environ.get("PAGEDKV_TEST_FULL") == "1"
+TestBlockManagerMachine = pytest.mark.slow(BlockManagerMachine.TestCase)
+TestBlockManagerMachine.settings = settings(
+    max_examples=2000 if FULL else 150, stateful_step_count=60 if FULL else 40, deadline=None)
