@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast protos bench bench-peers clean
+.PHONY: install demo test test-full protos bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ protos: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The slow cases at full size (longer property-based searches).
+test-full: $(STAMP)
+	PAGEDKV_TEST_FULL=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
