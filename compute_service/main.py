@@ -105,8 +105,8 @@ async def watch_memory_service(address: str, worker: Worker, health) -> None:
                     await asyncio.to_thread(_remap, worker, desc)
                     await health.set("", health_pb2.HealthCheckResponse.SERVING)
                     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        except grpc.aio.AioRpcError:
-            pass
+        except grpc.aio.AioRpcError as e:
+            log.info("memory_service_unreachable", memory=address, code=e.code().name, error=e.details())
         if worker.pool is not None:
             log.warning("pool_lost", memory=address, generation=worker.pool.generation)
             await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -22,13 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 class ServiceProcess:
     """A pagedkv service started as its own process, address read from its ready file."""
 
-    def __init__(self, args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = 120.0):
+    def __init__(self, args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = 120.0,
+                 port: int = 0):
         self.ready_file = tmp / f"{name}.ready.json"
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "wb")
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "client.cli", *args, "--port", "0", "--ready-file", str(self.ready_file)],
+            [sys.executable, "-m", "client.cli", *args, "--port", str(port), "--ready-file", str(self.ready_file)],
             stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
         )
         deadline = time.monotonic() + timeout

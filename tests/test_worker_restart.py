@@ -1,0 +1,79 @@
+"""A memory-service restart: the worker drops the old pool, refuses stale steps and maps the new one."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import ServiceProcess
+from pagedkv.compute.v1 import compute_service_pb2 as cpb
+from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def memory_on(port: int, tmp_path, name: str) -> ServiceProcess:
+    return ServiceProcess(["memory", "--num-blocks", "16", "--grace", "0.5"], tmp_path, name, port=port)
+
+
+def step(stub, generation: int, memory) -> cpb.StepResponse:
+    lease = memory.CreateLease(mpb.CreateLeaseRequest()).lease_id
+    (seq,) = memory.AllocateSequences(mpb.AllocateSequencesRequest(
+        lease_id=lease, sequences=[mpb.SequenceAllocation(num_tokens=3)])).sequences
+    return stub.Step(cpb.StepRequest(pool_generation=generation, sequences=[cpb.StepSequence(
+        seq_id=seq.seq_id, token_ids=[1, 2, 3], positions=[0, 1, 2], block_ids=seq.block_ids)]))
+
+
+def wait_for(predicate, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not reached")
+
+
+def test_worker_follows_a_memory_service_restart(tmp_path):
+    port = free_port()
+    first = memory_on(port, tmp_path, "memory-a")
+    worker = ServiceProcess(["compute", "--memory", first.address], tmp_path, "worker")
+    try:
+        with grpc.insecure_channel(first.address) as mch, grpc.insecure_channel(worker.address) as wch:
+            memory, stub = mpb_grpc.MemoryServiceStub(mch), cpb_grpc.ComputeServiceStub(wch)
+            health = health_pb2_grpc.HealthStub(wch)
+            old = first.info["generation"]
+            assert step(stub, old, memory).results[0].HasField("token_id")
+
+            first.stop()  # NOT_SERVING, grace, pool released
+            wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING)
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.Step(cpb.StepRequest(pool_generation=old, sequences=[cpb.StepSequence(
+                    seq_id=0, token_ids=[1], positions=[0], block_ids=[0])]))
+            assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+            second = memory_on(port, tmp_path, "memory-b")
+            try:
+                new = second.info["generation"]
+                assert new > old
+                wait_for(lambda: stub.GetModelInfo(cpb.GetModelInfoRequest()).pool_generation == new)
+                with pytest.raises(grpc.RpcError) as exc:
+                    step(stub, old, memory)  # a client still holding the old generation
+                assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "generation" in exc.value.details()
+                assert step(stub, new, memory).results[0].HasField("token_id")
+                assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+            finally:
+                second.stop()
+    finally:
+        worker.stop()
+        first.stop()
