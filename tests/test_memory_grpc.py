@@ -166,3 +166,16 @@ def test_oversize_message_is_refused_by_grpc(memory_stub):
     assert err.code() == EXHAUSTED
     assert error_info(err)[0] == ""  # gRPC's own refusal, not OUT_OF_BLOCKS
     assert stats_without_failures(memory_stub) == before
+
+
+def test_sigterm_releases_the_pool(start_service, tmp_path):
+    shm = tmp_path / "shm"
+    svc = start_service(["memory", "--num-blocks", "8", "--grace", "0.2"], name="term", env={"PAGEDKV_SHM_DIR": str(shm)})
+    with grpc.insecure_channel(svc.address) as ch:
+        from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
+
+        path = pb_grpc.MemoryServiceStub(ch).GetPoolDescriptor(pb.GetPoolDescriptorRequest()).pool.shm_path
+    assert path.startswith(str(shm)) and list(shm.glob("*.kv"))
+    assert svc.stop() == 0  # SIGTERM: NOT_SERVING, grace, stop, release
+    assert not list(shm.glob("*.kv"))
+    assert '"event": "pool_released"' in svc.log()
