@@ -37,13 +37,13 @@ from pathlib import Path
 
 import grpc
 import torch
+
+import kernels
+from compute_service.pool_map import map_pool
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
-
-import kernels
-from compute_service.pool_map import map_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_worker.json"
@@ -59,9 +59,7 @@ _OPTIONS = [
 class Service:
     """`python -m client.cli <args> --port 0 --ready-file F` as a child process."""
 
-    def __init__(
-        self, args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = 300.0
-    ):
+    def __init__(self, args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = 300.0):
         ready = tmp / f"{name}.ready.json"
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (open for the child's lifetime)
@@ -118,9 +116,7 @@ class PagedRun:
         self.memory, self.worker, self.pool = memory, worker, pool
         self.lease, self.batch, self.ctx, self.generation = lease, batch, ctx, generation
         tables = memory.AllocateSequences(
-            mpb.AllocateSequencesRequest(
-                lease_id=lease, sequences=[mpb.SequenceAllocation(num_tokens=ctx)] * batch
-            )
+            mpb.AllocateSequencesRequest(lease_id=lease, sequences=[mpb.SequenceAllocation(num_tokens=ctx)] * batch)
         ).sequences
         self.seq_ids = [t.seq_id for t in tables]
         self.tables = [list(t.block_ids) for t in tables]
@@ -139,9 +135,7 @@ class PagedRun:
                 seq_id=self.seq_ids[0], token_ids=chunk, positions=range(p0, p0 + len(chunk)),
                 block_ids=self.tables[0], skip_sampling=not last, output_index=0,
             )  # fmt: skip
-            resp = self.worker.Step(
-                cpb.StepRequest(pool_generation=self.generation, sequences=[seq])
-            )
+            resp = self.worker.Step(cpb.StepRequest(pool_generation=self.generation, sequences=[seq]))
         first = resp.results[0].token_id
         src = self.tables[0][: -(-self.ctx // BLOCK_SIZE)]
         for table in self.tables[1:]:
@@ -185,9 +179,7 @@ class PagedRun:
         }
 
     def free(self) -> None:
-        self.memory.FreeSequences(
-            mpb.FreeSequencesRequest(lease_id=self.lease, seq_ids=self.seq_ids)
-        )
+        self.memory.FreeSequences(mpb.FreeSequencesRequest(lease_id=self.lease, seq_ids=self.seq_ids))
 
 
 def attention_share(model, pool, request: cpb.StepRequest, reps: int) -> dict:
@@ -284,9 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="batches 1/32, context 128, few steps")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps per case")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
-    ap.add_argument(
-        "--threads", type=int, default=None, help="torch threads of the worker and this process"
-    )
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the worker and this process")
     args = ap.parse_args(argv)
     env = {}
     if args.threads:
@@ -323,9 +313,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             model = LlamaForPagedLM(config, weights)
             del weights
             gguf = smollm2_gguf_path()
-            hf = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-            ).eval()
+            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
             for ctx in contexts:
                 for batch in batches:
                     run = PagedRun(mstub, wstub, pool, lease, batch, ctx, desc.generation)
@@ -339,6 +327,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     print_row(rows[-1], header=len(rows) == 1)
             mstub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease))
             pool.close()
+        except Exception:
+            for svc in (memory, worker):
+                if svc is not None:  # the services' logs go with the temporary directory
+                    print(f"--- {svc.log_path.name} ---\n{svc.log_path.read_text()[-3000:]}")
+            raise
         finally:
             if worker is not None:
                 worker.stop()
