@@ -148,8 +148,9 @@ class PagedRun:
         t0 = time.perf_counter()
         appends = [mpb.SlotAppend(seq_id=s, num_tokens=1) for s in self.seq_ids]
         resp = self.memory.AppendSlots(mpb.AppendSlotsRequest(lease_id=self.lease, appends=appends))
-        for i, u in enumerate(resp.updates):
-            self.tables[i][u.first_changed :] = list(u.block_ids)
+        index = {s: i for i, s in enumerate(self.seq_ids)}
+        for u in resp.updates:  # only the tables that changed come back
+            self.tables[index[u.seq_id]][u.first_changed :] = list(u.block_ids)
         copies = [cpb.BlockCopy(src=c.src, dst=c.dst) for c in resp.copies]
         t1 = time.perf_counter()
         seqs = [
