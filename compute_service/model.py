@@ -16,6 +16,7 @@ projections are fused into one matmul each.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,7 @@ class StepMeta:
     query_start_loc: torch.Tensor  # [S + 1] int32
     seq_lens: torch.Tensor  # [S] int32, tokens in cache after this step
     plan: kernels.AttentionPlan  # attention host work of this step, built once for all layers
+    attention_seconds: list[float] | None = None  # [total] when timing (CPU only: no device sync)
 
 
 class Attention(nn.Module):
@@ -103,6 +105,7 @@ class Attention(nn.Module):
         q = apply_rope(q.view(t, self.hq, self.dh), meta.cos, meta.sin)  # [T, Hq, Dh]
         k = apply_rope(k.view(t, self.hkv, self.dh), meta.cos, meta.sin)  # [T, Hkv, Dh]
         v = v.reshape(t, self.hkv, self.dh)  # [T, Hkv, Dh]
+        t0 = time.perf_counter() if meta.attention_seconds is not None else 0.0
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         o = kernels.paged_prefill_attention(
             q,
@@ -114,6 +117,8 @@ class Attention(nn.Module):
             self.scale,
             plan=meta.plan,
         )  # [T, Hq, Dh]
+        if meta.attention_seconds is not None:
+            meta.attention_seconds[0] += time.perf_counter() - t0
         return F.linear(o.reshape(t, self.hq * self.dh), self.wo)  # [T, D]
 
 
@@ -229,10 +234,13 @@ class LlamaForPagedLM(nn.Module):
             query_start_loc,
             seq_lens,
             kernels.plan_attention(block_tables, query_start_loc, seq_lens, kv_pool.shape[3]),
+            [0.0] if kv_pool.device.type == "cpu" else None,
         )
         x = F.embedding(input_ids, self.embed)  # [T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, kv_pool[:, i, 0], kv_pool[:, i, 1], meta)
+        #: Seconds the last forward spent writing K/V and in paged attention (0 on CUDA: not timed).
+        self.last_attention_seconds = meta.attention_seconds[0] if meta.attention_seconds else 0.0
         x = self.norm(x[logits_indices])  # [S', D]
         return F.linear(x, self.lm_head).float()  # [S', vocab]
 

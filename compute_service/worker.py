@@ -114,6 +114,7 @@ class Worker:
             return pb.StepResponse(
                 results=results,
                 model_seconds=t2 - t1,
+                attention_seconds=getattr(self.model, "last_attention_seconds", 0.0),
                 step_seconds=time.perf_counter() - t0,
                 num_tokens=int(batch["input_ids"].shape[0]),
             )

@@ -150,3 +150,12 @@ def test_bad_step_gets_its_code_and_worker_stays_healthy(driver, stack, name, mu
     # And it still computes.
     seq = driver.allocate(3)
     assert driver.step(0, {seq: [1, 2, 3]})[seq].HasField("token_id")
+
+
+def test_step_reports_its_time_split(driver):
+    seq = driver.allocate(40)
+    req = cpb.StepRequest(pool_generation=driver.pool.generation, sequences=[cpb.StepSequence(
+        seq_id=seq, token_ids=list(range(1, 41)), positions=range(40), block_ids=driver.tables[seq])])
+    resp = driver.workers[0].Step(req)
+    assert resp.num_tokens == 40
+    assert 0 < resp.attention_seconds < resp.model_seconds < resp.step_seconds
