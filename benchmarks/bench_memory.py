@@ -33,7 +33,7 @@ lower bound of what a contiguous allocator would have.
 Goals (issue 7): ShareGPT-like utilization >= 96% at block size 16 (Alpaca-like beside it), and
 >= 2x the largest concurrent batch of orca-max.
 
-    python benchmarks/bench_memory.py [--quick] [--budget 16384] [--steps 2000]
+    python benchmarks/bench_memory.py [--quick] [--budget 16384] [--steps 1500]
 """
 
 from __future__ import annotations
@@ -202,15 +202,15 @@ def summarize(run: dict, budget: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="600 steps instead of 2000")
+    ap.add_argument("--quick", action="store_true", help="600 steps instead of 1500")
     ap.add_argument("--budget", type=int, default=16384, help="KV budget in token slots (default 16384)")
-    ap.add_argument("--steps", type=int, default=None, help="steps replayed per policy (default 2000)")
+    ap.add_argument("--steps", type=int, default=None, help="steps replayed per policy (default 1500)")
     ap.add_argument("--overload", type=float, default=1.5, help="arrival rate / ideal service rate (default 1.5)")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="running-request cap for every policy (default 256)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--datasets", default="sharegpt,alpaca")
     args = ap.parse_args()
-    steps = args.steps or (600 if args.quick else 2000)
+    steps = args.steps or (600 if args.quick else 1500)
     result = {"machine": machine(), "config": {"budget_tokens": args.budget, "steps": steps, "overload": args.overload,
                                                "max_num_seqs": args.max_num_seqs, "seed": args.seed, "sigma": SIGMA,
                                                "max_seq_len": 2048, "dataset_means": DATASETS}, "runs": {}}

@@ -23,10 +23,10 @@ import time
 
 from bench_throughput import run_policy, summarize
 from common import Stack, fmt, machine, pyplot, save_plot, table, write_result
-from pagedkv.paths import smollm2_gguf_path
 from prompts import trace_prompts
 
 from client.tokenizer import load_tokenizer
+from pagedkv.paths import smollm2_gguf_path
 
 
 def run_llama_cpp(prompts, threads: int) -> dict:
@@ -67,14 +67,14 @@ def main() -> int:
     n = args.num_requests or (10 if args.quick else 32)
     scale = 0.2 if args.quick else 0.25
     tok = load_tokenizer("smollm2")
-    prompts = trace_prompts(tok, "sharegpt", n, args.seed, scale=scale, max_prompt=256, max_output=256)
+    prompts = trace_prompts(tok, "sharegpt", n, args.seed, scale=scale, max_prompt=128, max_output=128)
     result = {"machine": machine(), "config": {"num_requests": n, "scale": scale}, "runs": {}}
     threads = os.cpu_count() or 1
     result["runs"]["llama.cpp (1 stream)"] = run_llama_cpp(prompts, threads)
-    num_blocks = 16 * (512 // 16) + 64  # room for 16 requests of the trace's longest shape: memory is not the limit
+    num_blocks = 16 * (256 // 16) + 64  # room for 16 requests of the trace's longest shape: memory is not the limit
     with Stack(["--num-blocks", str(num_blocks), "--block-size", "16", "--no-prefix-caching"], "peers") as stack:
         for cap in (1, 16):
-            ns = argparse.Namespace(max_num_seqs=cap, max_model_len=512)
+            ns = argparse.Namespace(max_num_seqs=cap, max_model_len=256)
             s, _ = run_policy(stack, tok, prompts, "paged", ns)
             result["runs"][f"pagedkv (batch cap {cap})"] = s
     rows = [[k, f"{s['requests_per_s']:.3f}", f"{s['output_tokens_per_s']:.1f}", fmt(s["mean_batch"], ".1f"),

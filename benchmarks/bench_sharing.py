@@ -66,11 +66,11 @@ def measure(stack: Stack, tok, prompts, kind: str, width: int, max_tokens: int, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 prompts per dataset, 24 new tokens, widths 2 and 6")
-    ap.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 4; quick 2)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 3; quick 2)")
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per sequence (default 64; quick 24)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    n_prompts = args.num_prompts or (2 if args.quick else 4)
+    n_prompts = args.num_prompts or (2 if args.quick else 3)
     max_tokens = args.max_tokens or (24 if args.quick else 64)
     widths = (2, 6) if args.quick else (2, 4, 6)
     tok = load_tokenizer("smollm2")

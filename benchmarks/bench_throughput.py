@@ -12,16 +12,18 @@ The same requests run four ways on SmolLM2-135M on this CPU:
 
 Requests: ``--num-requests`` prompts cut from the project's docs with ShareGPT-like length shape
 (log-normal, the paper's means 161 / 338) scaled by ``--scale`` (default 0.25, so mean ~40 prompt
-/ ~85 output tokens: the paper's lengths do not fit a few minutes on 2 CPU cores), prompt <= 256
-and output <= 256 tokens; greedy, ignore_eos, so every policy computes the same tokens. All
+/ ~85 output tokens: the paper's lengths do not fit a few minutes on 2 CPU cores), prompt <= 128
+and output <= 128 tokens; greedy, ignore_eos, so every policy computes the same tokens. All
 requests arrive at t = 0 (offline throughput); TTFT therefore includes queueing.
 
 Budget (documented, not tuned per policy): the pool holds ``--max-num-seqs`` (16) requests of
 the trace's mean final length, i.e. just enough for pagedkv to run its batch cap on an average
-mix. Paged runs can still preempt when long requests meet. ``--max-model-len`` (512) is the
-largest prompt + output the trace allows (256 + 256), not the model's 8192-token context:
+mix. Paged runs can still preempt when long requests meet. ``--max-model-len`` (256) is the
+largest prompt + output the trace allows (128 + 128), not the model's 8192-token context:
 reserving 8192 would be the flattering choice. The memory service runs with prefix caching off,
-so no policy reuses another's prompts.
+so no policy reuses another's prompts. ``--threads`` sets the torch threads of the worker and of
+the transformers run alike (default: torch's default, one per core); when other jobs load the
+machine, OpenMP threads that spin on oversubscribed cores slow both a lot, and 1 is fairer.
 
 Goals (issue 7): pagedkv >= 2x the contiguous policy's throughput under the same budget, and
 ahead of transformers generate at equal batch.
@@ -32,6 +34,7 @@ ahead of transformers generate at equal batch.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from common import (
@@ -99,13 +102,16 @@ def run_policy(stack: Stack, tok, prompts, policy: str, args) -> tuple[dict, dic
 def run_hf(prompts, args, pad_id: int) -> dict:
     """transformers generate, static batches of ``max_num_seqs`` in order, left padding, greedy."""
     import torch
-    from pagedkv.paths import smollm2_gguf_path
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    from pagedkv.paths import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.eval()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load_s = time.perf_counter() - t0
 
     class Clock(StoppingCriteria):
@@ -156,9 +162,10 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=None, help="requests (default 32; quick 10)")
     ap.add_argument("--scale", type=float, default=None, help="length scale vs the paper's ShareGPT means (default 0.25)")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="batch cap for every policy and HF's static batch")
-    ap.add_argument("--max-model-len", type=int, default=512, help="tokens orca-max reserves per request")
+    ap.add_argument("--max-model-len", type=int, default=256, help="tokens orca-max reserves per request")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=None, help="pool size (default: max_num_seqs x mean final length)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the worker and of transformers")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -166,7 +173,7 @@ def main() -> int:
     scale = args.scale or (0.2 if args.quick else 0.25)
 
     tok = load_tokenizer("smollm2")
-    prompts = trace_prompts(tok, "sharegpt", n, args.seed, scale=scale, max_prompt=256, max_output=256)
+    prompts = trace_prompts(tok, "sharegpt", n, args.seed, scale=scale, max_prompt=128, max_output=128)
     mean_final = sum(len(p) + o for p, o in prompts) / len(prompts)
     num_blocks = args.num_blocks or -(-round(args.max_num_seqs * mean_final) // args.block_size)
     budget = num_blocks * args.block_size
@@ -176,9 +183,11 @@ def main() -> int:
     result = {"machine": machine(), "config": {
         "num_requests": n, "scale": scale, "dataset_means": DATASETS["sharegpt"], "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len, "block_size": args.block_size, "num_blocks": num_blocks,
-        "budget_tokens": budget, "prompt_lens": [len(p) for p, _ in prompts], "output_lens": [o for _, o in prompts]},
+        "budget_tokens": budget, "threads": args.threads, "prompt_lens": [len(p) for p, _ in prompts], "output_lens": [o for _, o in prompts]},
         "runs": {}}
     series = {}
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the worker process inherits it
     with Stack(["--num-blocks", str(num_blocks), "--block-size", str(args.block_size), "--no-prefix-caching"],
                "throughput") as stack:
         for name, policy in POLICIES:
