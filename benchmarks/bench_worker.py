@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             mstub, wstub = mpb_grpc.MemoryServiceStub(mch), cpb_grpc.ComputeServiceStub(wch)
             desc = mstub.GetPoolDescriptor(mpb.GetPoolDescriptorRequest()).pool
             pool = map_pool(desc)
-            lease = mstub.CreateLease(mpb.CreateLeaseRequest(ttl_seconds=600.0)).lease_id
+            lease = mstub.CreateLease(mpb.CreateLeaseRequest(ttl_seconds=86400.0)).lease_id
             config, weights = load_model_source("smollm2")
             model = LlamaForPagedLM(config, weights)
             del weights
