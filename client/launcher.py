@@ -82,24 +82,74 @@ def wait_healthy(address: str, timeout: float) -> None:
     raise TimeoutError(f"{address} was not healthy within {timeout:.0f} s")
 
 
-def _spawn(args: list[str], name: str, run_dir: Path, timeout: float) -> dict:
-    ready = run_dir / f"{name}.ready.json"
-    ready.unlink(missing_ok=True)
-    log_path = run_dir / f"{name}.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "client.cli", *args, "--ready-file", str(ready)],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}:\n{log_path.read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            proc.terminate()
-            raise TimeoutError(f"{name} did not start within {timeout:.0f} s; see {log_path}")
-        time.sleep(0.1)
-    info = json.loads(ready.read_text())
-    wait_healthy(info["address"], timeout)
-    return {"address": info["address"], "pid": proc.pid, "log": str(log_path)}
+class ServiceProcess:
+    """A pagedkv service run as its own process; its address comes from its ready file.
+
+    Args:
+        command: the full command line, without ``--ready-file`` (added here).
+        ready_file: where the service writes {"address", "port", "pid", ...} once serving.
+        log_path: stdout and stderr of the process.
+        env: its environment (default: this process's).
+        cwd: its working folder.
+        timeout: seconds to wait for the ready file.
+        detach: start it in a session of its own (it outlives this process).
+
+    Raises:
+        RuntimeError: it exited or did not get ready in time (with its log's tail).
+    """
+
+    def __init__(self, command: list[str], ready_file: Path, log_path: Path, *, env: dict | None = None,
+                 cwd: Path | None = None, timeout: float = 180.0, detach: bool = False):
+        self.ready_file, self.log_path = Path(ready_file), Path(log_path)
+        self.ready_file.unlink(missing_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([*command, "--ready-file", str(self.ready_file)], stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                                         start_new_session=detach)
+        deadline = time.monotonic() + timeout
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.log_path.stem} did not start (see {self.log_path}):\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+        #: The ready file's contents.
+        self.info: dict = json.loads(self.ready_file.read_text())
+        #: host:port it serves on.
+        self.address: str = self.info["address"]
+
+    @classmethod
+    def pagedkv(cls, args: list[str], run_dir: Path, name: str, *, port: int = 0, env: dict | None = None,
+                **kwargs) -> ServiceProcess:
+        """``pagedkv <args> --port <port>`` from this Python, logging to ``run_dir/<name>.log``."""
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return cls([sys.executable, "-m", "client.cli", *args, "--port", str(port)], run_dir / f"{name}.ready.json",
+                   run_dir / f"{name}.log", env={**os.environ, **(env or {})}, **kwargs)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        """Its output so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (graceful shutdown), SIGKILL after ``timeout`` seconds; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _spawn(args: list[str], name: str, run_dir: Path, timeout: float, port: int) -> dict:
+    svc = ServiceProcess.pagedkv(args, run_dir, name, port=port, timeout=timeout, detach=True)
+    wait_healthy(svc.address, timeout)
+    return {"address": svc.address, "pid": svc.pid, "log": str(svc.log_path)}
 
 
 def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 50051, worker_port: int = 50052,
@@ -116,16 +166,15 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
     device = device or default_device()
     run_dir = pagedkv_home() / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    mem_args = ["memory", "--host", "127.0.0.1", "--port", str(memory_port), "--device", device,
-                "--block-size", str(block_size), "--model", model]
+    mem_args = ["memory", "--host", "127.0.0.1", "--device", device, "--block-size", str(block_size), "--model", model]
     if num_blocks is not None:
         mem_args += ["--num-blocks", str(num_blocks)]
     elif kv_cache_memory:
         mem_args += ["--kv-cache-memory", kv_cache_memory]
-    memory = _spawn(mem_args, "memory", run_dir, timeout)
+    memory = _spawn(mem_args, "memory", run_dir, timeout, memory_port)
     try:
-        worker = _spawn(["compute", "--memory", memory["address"], "--host", "127.0.0.1", "--port", str(worker_port),
-                         "--device", device, "--model", model], "worker", run_dir, timeout)
+        worker = _spawn(["compute", "--memory", memory["address"], "--host", "127.0.0.1", "--device", device,
+                         "--model", model], "worker", run_dir, timeout, worker_port)
     except Exception:
         _stop(memory["pid"])
         raise

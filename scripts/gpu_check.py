@@ -36,7 +36,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -240,52 +239,11 @@ def save_smollm2_tokenizer(dest: Path) -> None:
 # Services
 
 
-class Service:
-    """`python -m client.cli <args>` on a free port; address from its ready file."""
+def Service(args: list[str], env: dict[str, str], work: Path, name: str):  # noqa: N802 - reads as a class
+    """`python -m client.cli <args>` on a free loopback port; address from its ready file."""
+    from client.launcher import ServiceProcess  # imported once the source tree is on sys.path
 
-    def __init__(
-        self, args: list[str], env: dict[str, str], work: Path, name: str, timeout: float = 180.0
-    ):
-        self.name, self.ready = name, work / f"{name}.ready.json"
-        self.log_path = work / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open for the process's lifetime
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "client.cli",
-                *args,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--ready-file",
-                str(self.ready),
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-        )
-        deadline = time.monotonic() + timeout
-        while not self.ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{name} did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
-        self.info = json.loads(self.ready.read_text())
-        self.address = self.info["address"]
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+    return ServiceProcess.pagedkv([*args, "--host", "127.0.0.1"], work, name, env=env, cwd=ROOT)
 
 
 class Stack:

@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -16,53 +10,24 @@ import pytest
 # Session fixtures shared by every module: one reference model and one loaded GGUF per run.
 from model_fixtures import gguf_dir, hf_model, hf_tokenizer, ours, paged_kernels, pagedkv_home  # noqa: F401
 
+from client import launcher
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class ServiceProcess:
-    """A pagedkv service started as its own process, address read from its ready file."""
-
-    def __init__(self, args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = 120.0,
-                 port: int = 0):
-        self.ready_file = tmp / f"{name}.ready.json"
-        self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        full_env = {**os.environ, **(env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "client.cli", *args, "--port", str(port), "--ready-file", str(self.ready_file)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
-        )
-        deadline = time.monotonic() + timeout
-        while not self.ready_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{name} did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.05)
-        self.info = json.loads(self.ready_file.read_text())
-        self.address = self.info["address"]
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+def pagedkv_process(args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = 120.0,
+                    port: int = 0) -> launcher.ServiceProcess:
+    """``pagedkv <args>`` on ``port`` (0: a free one) as its own process, logging under ``tmp``."""
+    return launcher.ServiceProcess.pagedkv(args, tmp, name, port=port, env=env, timeout=timeout, cwd=ROOT)
 
 
 @pytest.fixture
 def start_service(tmp_path):
     """Factory: ``start_service(["memory", "--num-blocks", "64"], name="memory")``; stopped at teardown."""
-    started: list[ServiceProcess] = []
+    started: list[launcher.ServiceProcess] = []
 
-    def start(args: list[str], name: str = "service", env: dict | None = None) -> ServiceProcess:
-        svc = ServiceProcess(args, tmp_path, f"{name}{len(started)}", env)
+    def start(args: list[str], name: str = "service", env: dict | None = None) -> launcher.ServiceProcess:
+        svc = pagedkv_process(args, tmp_path, f"{name}{len(started)}", env)
         started.append(svc)
         return svc
 
@@ -74,7 +39,7 @@ def start_service(tmp_path):
 @pytest.fixture(scope="module")
 def memory_service(tmp_path_factory):
     """One memory service for a test module: 64 blocks of 4 tokens, SmolLM2 layout."""
-    svc = ServiceProcess(
+    svc = pagedkv_process(
         ["memory", "--num-blocks", "64", "--block-size", "4", "--lease-ttl", "30"],
         tmp_path_factory.mktemp("memory"), "memory",
     )
@@ -94,11 +59,11 @@ class Stack:
     """A memory service and one or more workers as separate processes."""
 
     def __init__(self, tmp: Path, memory_args: list[str], num_workers: int = 1, name: str = "stack"):
-        self.memory = ServiceProcess(["memory", *memory_args], tmp, f"{name}-memory")
-        self.workers: list[ServiceProcess] = []
+        self.memory = pagedkv_process(["memory", *memory_args], tmp, f"{name}-memory")
+        self.workers: list[launcher.ServiceProcess] = []
         try:
             for i in range(num_workers):
-                self.workers.append(ServiceProcess(["compute", "--memory", self.memory.address], tmp, f"{name}-worker{i}"))
+                self.workers.append(pagedkv_process(["compute", "--memory", self.memory.address], tmp, f"{name}-worker{i}"))
         except Exception:
             self.stop()
             raise

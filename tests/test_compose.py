@@ -15,17 +15,16 @@ No Docker engine is needed. Three kinds of checks:
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+from client.launcher import ServiceProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_FILE = ROOT / "docker-compose.yml"
@@ -278,40 +277,9 @@ def test_dockerfile_matches_the_compose_files():
 # 3. The CPU stack's exact commands as processes
 
 
-class Proc:
+def run_service(command: list[str], env: dict[str, str], tmp: Path, name: str) -> ServiceProcess:
     """One compose service's command as a local process (address from its ready file)."""
-
-    def __init__(
-        self, command: list[str], env: dict[str, str], tmp: Path, name: str, timeout: float = 180.0
-    ):
-        self.ready = tmp / f"{name}.ready.json"
-        self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open for the process's lifetime
-        self.proc = subprocess.Popen(
-            [*command, "--ready-file", str(self.ready)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=tmp,
-        )
-        deadline = time.monotonic() + timeout
-        while not self.ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{name} did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.05)
-        self.address = json.loads(self.ready.read_text())["address"]
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+    return ServiceProcess(command, tmp / f"{name}.ready.json", tmp / f"{name}.log", env=env, cwd=tmp)
 
 
 def local_command(command: list[str], **replace: str) -> list[str]:
@@ -338,9 +306,9 @@ def local_env(svc: dict, tmp: Path) -> dict[str, str]:
 def test_cpu_stack_runs_the_compose_commands(tmp_path):
     svcs = services(CPU_FILE)
     mem_svc, comp_svc, client_svc = svcs["memory"], svcs["compute"], svcs["client"]
-    started: list[Proc] = []
+    started: list[ServiceProcess] = []
     try:
-        memory = Proc(
+        memory = run_service(
             local_command(mem_svc["command"], host="127.0.0.1", port="0"),
             local_env(mem_svc, tmp_path),
             tmp_path,
@@ -349,7 +317,7 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
         started.append(memory)
         pool_files = list((tmp_path / "pool").glob("pagedkv-*.kv"))
         assert len(pool_files) == 1, "the memory service must put its pool in $PAGEDKV_SHM_DIR"
-        compute = Proc(
+        compute = run_service(
             local_command(comp_svc["command"], host="127.0.0.1", port="0", memory=memory.address),
             local_env(comp_svc, tmp_path),
             tmp_path,

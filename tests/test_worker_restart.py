@@ -7,9 +7,10 @@ import time
 
 import grpc
 import pytest
+from conftest import pagedkv_process
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import ServiceProcess
+from client.launcher import ServiceProcess
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
@@ -23,7 +24,7 @@ def free_port() -> int:
 
 
 def memory_on(port: int, tmp_path, name: str) -> ServiceProcess:
-    return ServiceProcess(["memory", "--num-blocks", "16", "--grace", "0.5"], tmp_path, name, port=port)
+    return pagedkv_process(["memory", "--num-blocks", "16", "--grace", "0.5"], tmp_path, name, port=port)
 
 
 def step(stub, generation: int, memory) -> cpb.StepResponse:
@@ -47,7 +48,7 @@ def wait_for(predicate, timeout: float = 60.0):
 def test_worker_follows_a_memory_service_restart(tmp_path):
     port = free_port()
     first = memory_on(port, tmp_path, "memory-a")
-    worker = ServiceProcess(["compute", "--memory", first.address], tmp_path, "worker")
+    worker = pagedkv_process(["compute", "--memory", first.address], tmp_path, "worker")
     try:
         with grpc.insecure_channel(first.address) as mch, grpc.insecure_channel(worker.address) as wch:
             memory, stub = mpb_grpc.MemoryServiceStub(mch), cpb_grpc.ComputeServiceStub(wch)
