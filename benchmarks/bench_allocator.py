@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+from common import Service, machine  # noqa: E402
 
 from memory_service.block_manager import BlockManager  # noqa: E402
 from pagedkv.memory.v1 import memory_service_pb2 as pb  # noqa: E402
@@ -94,21 +92,6 @@ def append_latency_grpc(stub, batch: int, iters: int) -> list[float]:
     return times
 
 
-def start_memory_service(tmp: Path) -> tuple[subprocess.Popen, str]:
-    ready = tmp / "memory.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "memory", "--port", "0", "--ready-file", str(ready),
-         "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--lease-ttl", "3600"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PAGEDKV_LOG_LEVEL": "warning"},
-    )
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("memory service did not start")
-        time.sleep(0.05)
-    return proc, json.loads(ready.read_text())["address"]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=300, help="appends per batch size")
@@ -116,8 +99,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("PAGEDKV_LOG_LEVEL", "warning")
 
-    result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                                "python": platform.python_version(), "grpc": grpc.__version__}}
+    result: dict = {"machine": machine()}
     ops = ops_per_second(args.ops)
     result["ops_per_second"] = ops
     print("\nIn-process block-manager operations (one sequence per call)")
@@ -126,9 +108,10 @@ def main() -> int:
         print(f"{name:<12}{v:>12,.0f}")
 
     with tempfile.TemporaryDirectory() as tmp:
-        proc, address = start_memory_service(Path(tmp))
+        svc = Service(["memory", "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+                       "--lease-ttl", "3600"], "memory", Path(tmp))
         try:
-            with grpc.insecure_channel(address) as ch:
+            with grpc.insecure_channel(svc.address) as ch:
                 stub = pb_grpc.MemoryServiceStub(ch)
                 rows = []
                 for batch in (1, 32, 256):
@@ -138,8 +121,7 @@ def main() -> int:
                                  "inprocess_median_us": statistics.median(local), "inprocess_p99_us": pct(local, 0.99),
                                  "grpc_median_us": statistics.median(remote), "grpc_p99_us": pct(remote, 0.99)})
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+            svc.stop()
     result["batched_append"] = rows
     print("\nBatched AppendSlots (1 token per sequence), microseconds")
     print(f"{'sequences':>10}{'in-proc p50':>14}{'in-proc p99':>14}{'gRPC p50':>12}{'gRPC p99':>12}")

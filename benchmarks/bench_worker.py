@@ -25,18 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import torch
+from common import Service, machine
 
 import kernels
 from compute_service.pool_map import map_pool
@@ -56,57 +52,8 @@ _OPTIONS = [
 ]
 
 
-class Service:
-    """`python -m client.cli <args> --port 0 --ready-file F` as a child process."""
-
-    def __init__(self, args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = 300.0):
-        ready = tmp / f"{name}.ready.json"
-        self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 (open for the child's lifetime)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "client.cli", *args, "--port", "0", "--ready-file", str(ready)],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{name} did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
-        time.sleep(0.2)  # the file is written whole, but give the writer a moment
-        self.address = json.loads(ready.read_text())["address"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
 def median_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-    }
 
 
 class PagedRun:
@@ -299,11 +246,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tmp = Path(tmp)
         memory = Service(
             ["memory", "--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE),
-             "--lease-ttl", "600"], tmp, "memory",
+             "--lease-ttl", "600"], "memory", tmp,
         )  # fmt: skip
         worker = None
         try:
-            worker = Service(["compute", "--memory", memory.address], tmp, "worker", env)
+            worker = Service(["compute", "--memory", memory.address], "worker", tmp, env=env)
             mch = grpc.insecure_channel(memory.address, options=_OPTIONS)
             wch = grpc.insecure_channel(worker.address, options=_OPTIONS)
             mstub, wstub = mpb_grpc.MemoryServiceStub(mch), cpb_grpc.ComputeServiceStub(wch)
@@ -338,7 +285,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 worker.stop()
             memory.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {**machine(), "steps": steps, "warmup_steps": WARMUP_STEPS, "block_size": BLOCK_SIZE}
+    meta = {**machine(), "torch_threads": torch.get_num_threads(), "steps": steps, "warmup_steps": WARMUP_STEPS, "block_size": BLOCK_SIZE}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"machine: {meta['cpu']}, {meta['cores']} cores, torch {meta['torch']}")
     print(f"wrote {args.out}")

@@ -11,9 +11,7 @@ import math
 import os
 import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,33 +48,11 @@ def machine() -> dict:
 
 
 # ----------------------------------------------------------------- services
-class Service:
-    """``python -m client.cli <args> --port 0 --ready-file F`` as a child process."""
+def Service(args: list[str], name: str, tmp: Path, timeout: float = 180.0, env: dict | None = None):  # noqa: N802
+    """``python -m client.cli <args>`` on a free port as a child process (a :class:`ServiceProcess`)."""
+    from client.launcher import ServiceProcess
 
-    def __init__(self, args: list[str], name: str, tmp: Path, timeout: float = 180.0):
-        self.ready = tmp / f"{name}.ready.json"
-        self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "client.cli", *args, "--port", "0", "--ready-file", str(self.ready)],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ})
-        deadline = time.monotonic() + timeout
-        while not self.ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{name} did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.05)
-        self.address = json.loads(self.ready.read_text())["address"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    return ServiceProcess.pagedkv(args, tmp, name, env=env, timeout=timeout, cwd=ROOT)
 
 
 class Stack:
