@@ -45,6 +45,7 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_allocator.py
 	$(PY) benchmarks/bench_kernels.py --quick
+	$(PY) benchmarks/bench_worker.py --quick
 	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_throughput.py --threads 1
 	$(PY) benchmarks/bench_sharing.py
