@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PAGEDKV_LOG_LEVEL", "warning")
 
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from client import launcher  # noqa: E402
@@ -123,7 +124,7 @@ def main() -> int:
                 for o in out.outputs:
                     total_out += len(o.token_ids)
                     answers.add_row(name, str(o.index), str(len(out.prompt_token_ids)), str(len(o.token_ids)),
-                                    f"{out.metrics['ttft']:.2f}", o.text.strip())
+                                    f"{out.metrics['ttft']:.2f}", escape(o.text.strip()))
             console.print(answers)
             steps = llm.engine.traces
             console.print(f"[bold]{total_out} output tokens in {elapsed:.1f} s = {total_out / elapsed:.1f} tokens/s[/] "
