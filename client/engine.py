@@ -171,17 +171,17 @@ class Engine:
         updated: dict[str, Request] = {}
         self._handle_aborts(updated)
         self._do_forks()
-        scheduled, admitted, preempted = self._schedule()
+        scheduled, admitted = self._schedule()
+        preempted: list[str] = []
         if not scheduled:
             self._fail_unschedulable(updated)
             return list(updated.values())
         copies_by_worker: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
         # Appends for sequences with blocks; preempt on OUT_OF_BLOCKS.
         while True:
-            appends = [(s.seq_id, n, s.tokens[s.num_computed:s.num_computed + n])
-                       for r, s, n in scheduled if s.seq_id is not None]
-            if self.config.reservation != "paged":  # slots were reserved at admission
-                appends = []
+            reserved = self.config.reservation != "paged"  # slots were reserved at admission
+            appends = [] if reserved else [(s.seq_id, n, s.tokens[s.num_computed:s.num_computed + n])
+                                           for _, s, n in scheduled if s.seq_id is not None]
             if not appends:
                 break
             try:
@@ -293,7 +293,8 @@ class Engine:
             for s in req.seqs:
                 s.compute_limit = None
 
-    def _schedule(self) -> tuple[list[tuple[Request, Seq, int]], list[Request], list[str]]:
+    def _schedule(self) -> tuple[list[tuple[Request, Seq, int]], list[Request]]:
+        """(request, sequence, tokens to compute) for this step, and the requests admitted in it."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, Seq, int]] = []
         # Decode tokens first (one each), then the rest of chunked prefills.
@@ -340,7 +341,7 @@ class Engine:
                     if seq.pending() > 0:
                         scheduled.append((req, seq, next(it, 0)))
                 scheduled = [x for x in scheduled if x[2] > 0]
-        return scheduled, admitted, []
+        return scheduled, admitted
 
     def _estimate_free_blocks(self, scheduled) -> int:
         """Blocks the pool will have after this step's appends (from the last known stats)."""
