@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_paged import load_kv_tile
+
 # Context positions processed per loop iteration.
 TILE = 32
 
@@ -76,19 +78,11 @@ def kernel_paged_decode(
     for t0 in range(start, end, TILE):
         pos = t0 + tl.arange(0, TILE)  # [TILE] context positions
         p_mask = pos < end
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)  # [TILE]
-        off = (pos % BLOCK_SIZE).to(tl.int64)  # [TILE]
-        kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            key_cache_ptr + blk[:, None] * stride_kc_blk + off[:, None] * stride_kc_off
-            + kv_head * stride_kc_head + d[None, :],
-            mask=kv_mask, other=0.0,
-        )  # [TILE, DIM_PAD]  # fmt: skip
-        v = tl.load(
-            value_cache_ptr + blk[:, None] * stride_vc_blk + off[:, None] * stride_vc_off
-            + kv_head * stride_vc_head + d[None, :],
-            mask=kv_mask, other=0.0,
-        )  # [TILE, DIM_PAD]  # fmt: skip
+        k, v = load_kv_tile(
+            key_cache_ptr, value_cache_ptr, bt_row, pos, p_mask, d, d_mask, kv_head,
+            stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
+            BLOCK_SIZE,
+        )  # [TILE, DIM_PAD] each  # fmt: skip
         if IEEE:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [G_PAD, TILE]
         else:
