@@ -25,17 +25,17 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick the next token of one sequence. Raises ValueError on a bad value."""
+    """How the worker picks the next token of one sequence. Raises ValueError on a bad value.
+
+    Request-level settings (max_tokens, n, stops, ignore_eos) belong to the client
+    (`client.params.SamplingParams`): the worker only draws one token per step.
+    """
 
     temperature: float = 1.0  # 0 = greedy (argmax); > 0 divides the logits
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p; in (0, 1]
     seed: int | None = None  # draw seed; None = fresh entropy each draw (not reproducible)
-    max_tokens: int = 16  # new tokens to generate (>= 1)
-    n: int = 1  # samples per request; sample i uses seed + i
     logprobs: int | None = None  # top logprobs per output token (0..MAX_LOGPROBS); None = off
-    ignore_eos: bool = False  # keep generating past the end-of-sequence token
-    stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the sequence (kept in output)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0 or self.temperature == float("inf"):
@@ -48,17 +48,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed <= _MASK64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(
                 f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"
             )
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
-        self.stop_token_ids = tuple(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -221,7 +221,8 @@ def test_killed_client_blocks_freed_when_lease_expires(stack):
 
 
 def test_bad_sampling_params_raise_before_sending():
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(n=0), dict(max_tokens=0), dict(num_beams=50), dict(logprobs=99)):
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(n=0), dict(max_tokens=0), dict(num_beams=50), dict(logprobs=99),
+                dict(stop_token_ids=[3, -2])):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 
