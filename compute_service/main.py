@@ -32,7 +32,7 @@ from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
-from pagedkv.service import ServerSpec, run_server
+from pagedkv.service import ServerSpec, run_server, serve_main
 
 log = get_logger("compute_service")
 
@@ -155,13 +155,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv compute``."""
     args = build_parser().parse_args(argv)
-    try:
-        asyncio.run(serve(args))
-    except (ValueError, RuntimeError, OSError, LookupError) as e:
-        log.error("startup_failed", error=str(e))
-        print(f"pagedkv compute: error: {e}")
-        return 2
-    return 0
+    return serve_main("compute", lambda: serve(args), (ValueError, RuntimeError, OSError, LookupError))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
-from pagedkv.service import ServerSpec, run_server
+from pagedkv.service import ServerSpec, run_server, serve_main
 
 log = get_logger("memory_service")
 
@@ -118,13 +118,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv memory``."""
     args = build_parser().parse_args(argv)
-    try:
-        asyncio.run(serve(args))
-    except (ValueError, RuntimeError, OSError) as e:
-        log.error("startup_failed", error=str(e))
-        print(f"pagedkv memory: error: {e}")
-        return 2
-    return 0
+    return serve_main("memory", lambda: serve(args), (ValueError, RuntimeError, OSError))
 
 
 if __name__ == "__main__":

@@ -193,3 +193,14 @@ async def run_server(spec: ServerSpec) -> None:
         if spec.on_stopped is not None:
             await spec.on_stopped()
         log.info("stopped", address=address)
+
+
+def serve_main(name: str, serve: Callable[[], Awaitable[None]], errors: tuple[type[BaseException], ...]) -> int:
+    """Run a service's ``serve()`` coroutine; a start-up error in ``errors`` prints and returns 2."""
+    try:
+        asyncio.run(serve())
+    except errors as e:
+        log.error("startup_failed", service=name, error=str(e))
+        print(f"pagedkv {name}: error: {e}")
+        return 2
+    return 0
