@@ -10,7 +10,8 @@ times decode steps as a client runs them: AppendSlots (one token per sequence) +
 Columns:
 - pagedkv tok/s: batch / median(AppendSlots + Step wall time), seen by the client.
 - transformers tok/s: batch / median(forward + argmax) of `LlamaForCausalLM` (same GGUF, fp32)
-  over a `DynamicCache` holding `context` positions per sequence, in this process.
+  over a `DynamicCache` holding `context` positions per sequence, in this process. Its steps
+  alternate with the worker's (one each, in turn), so drift in the machine's speed hits both.
 - model ms: the worker's reported model time; attention ms: attention's share of a model forward
   (plan + cache writes + paged attention, timed in this process on the same batch and pool by
   wrapping the kernels the model calls); RPC ms: Step wall - the worker's step_seconds (gRPC,
@@ -192,31 +193,36 @@ def attention_share(model, pool, request: cpb.StepRequest, reps: int) -> dict:
     return res
 
 
-def hf_decode(hf, batch: int, ctx: int, steps: int) -> list[float]:
-    """Seconds per dense decode step (forward + greedy argmax) of `batch` sequences at `ctx`."""
-    from transformers import DynamicCache
+class HfRun:
+    """Dense decode steps of transformers' `LlamaForCausalLM`: `batch` sequences at `ctx`."""
 
-    cfg = hf.config
-    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    gen = torch.Generator().manual_seed(1)
-    cache = DynamicCache()
-    for layer in range(cfg.num_hidden_layers):
-        k = torch.randn(batch, heads, ctx, dim, generator=gen)
-        v = torch.randn(batch, heads, ctx, dim, generator=gen)
-        cache.update(k, v, layer)
-    tokens = torch.randint(100, 40000, (batch, 1), generator=gen)
-    times = []
-    with torch.inference_mode():
-        for i in range(WARMUP_STEPS + steps):
-            pos = torch.full((batch, 1), ctx + i, dtype=torch.int64)
+    def __init__(self, hf, batch: int, ctx: int):
+        from transformers import DynamicCache
+
+        cfg = hf.config
+        heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+        gen = torch.Generator().manual_seed(1)
+        self.hf, self.batch, self.ctx, self.step_no = hf, batch, ctx, 0
+        self.cache = DynamicCache()
+        for layer in range(cfg.num_hidden_layers):
+            k = torch.randn(batch, heads, ctx, dim, generator=gen)
+            v = torch.randn(batch, heads, ctx, dim, generator=gen)
+            self.cache.update(k, v, layer)
+        self.tokens = torch.randint(100, 40000, (batch, 1), generator=gen)
+
+    def decode_step(self) -> float:
+        """Seconds of one forward + greedy argmax."""
+        pos = torch.full((self.batch, 1), self.ctx + self.step_no, dtype=torch.int64)
+        with torch.inference_mode():
             t = time.perf_counter()
-            out = hf(
-                input_ids=tokens, position_ids=pos, past_key_values=cache, use_cache=True,
+            out = self.hf(
+                input_ids=self.tokens, position_ids=pos, past_key_values=self.cache, use_cache=True,
                 logits_to_keep=1,
             )  # fmt: skip
-            tokens = out.logits[:, -1].argmax(-1, keepdim=True)
-            times.append(time.perf_counter() - t)
-    return times[WARMUP_STEPS:]
+            self.tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+            seconds = time.perf_counter() - t
+        self.step_no += 1
+        return seconds
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -266,11 +272,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for batch in batches:
                     run = PagedRun(mstub, wstub, pool, lease, batch, ctx, desc.generation)
                     run.fill()
-                    timings = [run.decode_step() for _ in range(WARMUP_STEPS + steps)]
-                    timings = timings[WARMUP_STEPS:]
+                    dense = HfRun(hf, batch, ctx)
+                    # Interleaved step by step, so a machine that slows down or speeds up during
+                    # the case weighs on both columns alike.
+                    timings, hf_times = [], []
+                    for _ in range(WARMUP_STEPS + steps):
+                        timings.append(run.decode_step())
+                        hf_times.append(dense.decode_step())
+                    timings, hf_times = timings[WARMUP_STEPS:], hf_times[WARMUP_STEPS:]
+                    del dense
                     share = attention_share(model, pool, run.last_request, reps=max(5, steps))
                     run.free()
-                    hf_times = hf_decode(hf, batch, ctx, steps)
                     rows.append(make_row(batch, ctx, timings, share, hf_times))
                     print_row(rows[-1], header=len(rows) == 1)
             mstub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease))

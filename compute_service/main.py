@@ -18,11 +18,13 @@ import argparse
 import asyncio
 import os
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import kernels
 from compute_service.model import LlamaForPagedLM
 from compute_service.pool_map import TORCH_DTYPES, MappedPool, map_pool
 from compute_service.server import SERVICE_NAME, ComputeServicer
@@ -90,8 +92,12 @@ def _torch_device(device: str, desc: mpb.PoolDescriptor) -> str:
     return "cpu"
 
 
-async def watch_memory_service(address: str, worker: Worker, health) -> None:
-    """Follow the memory service: drop the pool when it stops, map the new one when it is back."""
+async def watch_memory_service(address: str, worker: Worker, health, compute: Executor) -> None:
+    """Follow the memory service: drop the pool when it stops, map the new one when it is back.
+
+    Mapping and dropping run on `compute`, the worker's one compute thread.
+    """
+    loop = asyncio.get_running_loop()
     channel = grpc.aio.insecure_channel(address)
     stub = health_pb2_grpc.HealthStub(channel)
     memory = mpb_grpc.MemoryServiceStub(channel)
@@ -102,7 +108,7 @@ async def watch_memory_service(address: str, worker: Worker, health) -> None:
                     break
                 desc = (await memory.GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=5)).pool
                 if worker.pool is None or desc.generation != worker.pool.generation:
-                    await asyncio.to_thread(_remap, worker, desc)
+                    await loop.run_in_executor(compute, _remap, worker, desc)
                     await health.set("", health_pb2.HealthCheckResponse.SERVING)
                     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         except grpc.aio.AioRpcError as e:
@@ -111,7 +117,7 @@ async def watch_memory_service(address: str, worker: Worker, health) -> None:
             log.warning("pool_lost", memory=address, generation=worker.pool.generation)
             await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-            await asyncio.to_thread(worker.set_pool, None)
+            await loop.run_in_executor(compute, worker.set_pool, None)
         await asyncio.sleep(0.5)
 
 
@@ -122,20 +128,32 @@ def _remap(worker: Worker, desc: mpb.PoolDescriptor) -> None:
              num_blocks=desc.layout.num_blocks)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    desc = await asyncio.to_thread(fetch_descriptor, args.memory, args.memory_timeout)
-    device = _torch_device(args.device, desc)
+def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str) -> tuple[Worker, str]:
+    """Load the model, map the pool and check that they fit; returns the worker and its device."""
     t = time.perf_counter()
-    config, weights = await asyncio.to_thread(load_model_source, args.model)
+    config, weights = load_model_source(args.model)
     check_layout(desc, config)
     pool: MappedPool = map_pool(desc)
     model_device = str(pool.tensor.device) if desc.backend == mpb.POOL_BACKEND_CUDA else device
     model = LlamaForPagedLM(config, weights, device=model_device, dtype=TORCH_DTYPES[desc.layout.dtype])
     del weights
+    native = model_device == "cpu" and kernels.cpu_decode.available()
     log.info("model_loaded", model=config.name, seconds=round(time.perf_counter() - t, 2), device=model_device,
-             threads=torch.get_num_threads())
-    worker = Worker(model, config, pool)
-    servicer = ComputeServicer(worker, args.model, model_device)
+             threads=torch.get_num_threads(),
+             cpu_decode_kernel="native" if native else f"torch ({kernels.cpu_decode.unavailable_reason})")
+    return Worker(model, config, pool), model_device
+
+
+async def serve(args: argparse.Namespace) -> None:
+    desc = await asyncio.to_thread(fetch_descriptor, args.memory, args.memory_timeout)
+    device = _torch_device(args.device, desc)
+    # Every torch call of this process runs on one thread: torch's OpenMP runtime then keeps one
+    # team of worker threads, which hand work over quickly; a second calling thread would add a
+    # second team, and with more threads than cores each parallel region goes through futex sleeps.
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+    worker, model_device = await asyncio.get_running_loop().run_in_executor(compute, _load, args, desc, device)
+    pool = worker.pool
+    servicer = ComputeServicer(worker, args.model, model_device, compute)
     from grpc_health.v1 import health
 
     health_servicer = health.aio.HealthServicer()
@@ -146,7 +164,7 @@ async def serve(args: argparse.Namespace) -> None:
         port=args.port,
         ready_file=args.ready_file,
         ready_info={"memory": args.memory, "model": args.model, "device": model_device, "generation": pool.generation},
-        background=[lambda: watch_memory_service(args.memory, worker, health_servicer)],
+        background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute)],
         health=health_servicer,
     )
     await run_server(spec)

@@ -53,9 +53,12 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, H, Dh]; cos, sin: [T, 1, Dh // 2] -> [T, H, Dh]."""
+    """Rotate-half RoPE, as transformers' `apply_rotary_pos_emb`: x * cos + rotate_half(x) * sin.
+
+    x: [T, H, Dh] (any strides); cos, sin: [T, 1, Dh], each frequency twice -> [T, H, Dh].
+    """
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -66,6 +69,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]; statistics in fp32, as in transformers' LlamaRMSNorm
+        if x.dtype == torch.float32:  # one fused op, the same arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -75,8 +80,8 @@ class RMSNorm(nn.Module):
 class StepMeta:
     """Per-forward attention metadata shared by every layer."""
 
-    cos: torch.Tensor  # [T, 1, head_dim // 2] fp32->model dtype
-    sin: torch.Tensor  # [T, 1, head_dim // 2]
+    cos: torch.Tensor  # [T, 1, head_dim] model dtype, each frequency twice
+    sin: torch.Tensor  # [T, 1, head_dim]
     slot_mapping: torch.Tensor  # [T] int64, pool slot of each new token
     block_tables: torch.Tensor  # [S, max_blocks] int32
     query_start_loc: torch.Tensor  # [S + 1] int32
@@ -100,11 +105,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [T, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, Dh] views of the pool
         t = x.shape[0]
-        qkv = F.linear(x, self.wqkv)  # [T, (Hq + 2 Hkv) Dh]
-        q, k, v = qkv.split([self.hq * self.dh, self.hkv * self.dh, self.hkv * self.dh], dim=-1)
-        q = apply_rope(q.view(t, self.hq, self.dh), meta.cos, meta.sin)  # [T, Hq, Dh]
-        k = apply_rope(k.view(t, self.hkv, self.dh), meta.cos, meta.sin)  # [T, Hkv, Dh]
-        v = v.reshape(t, self.hkv, self.dh)  # [T, Hkv, Dh]
+        qkv = F.linear(x, self.wqkv).view(t, self.hq + 2 * self.hkv, self.dh)  # [T, Hq + 2 Hkv, Dh]
+        qk = apply_rope(qkv[:, : self.hq + self.hkv], meta.cos, meta.sin)  # queries and keys at once
+        q, k = qk.split([self.hq, self.hkv], dim=1)  # [T, Hq, Dh], [T, Hkv, Dh] (row-strided views)
+        v = qkv[:, self.hq + self.hkv :]  # [T, Hkv, Dh]
         t0 = time.perf_counter() if meta.attention_seconds is not None else 0.0
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         o = kernels.paged_prefill_attention(
@@ -224,8 +228,9 @@ class LlamaForPagedLM(nn.Module):
                 f"kv_pool shape {tuple(kv_pool.shape)} does not match the model: expected "
                 f"[num_blocks, {c.num_layers}, 2, block_size, {c.num_kv_heads}, {c.head_dim}]"
             )
-        # positions: [T] -> cos, sin: [T, 1, Dh/2]
+        # positions: [T] -> cos, sin: [T, 1, Dh]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
+        freqs = torch.cat((freqs, freqs), dim=-1)
         meta = StepMeta(
             freqs.cos()[:, None].to(self.dtype),
             freqs.sin()[:, None].to(self.dtype),

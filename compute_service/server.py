@@ -1,12 +1,14 @@
 """The compute worker's gRPC API (``pagedkv.compute.v1.ComputeService``).
 
-``Step`` runs on a worker thread (the forward releases the GIL), so health
-checks and GetModelInfo answer while a step computes; steps run one at a time.
+``Step`` runs on the worker's one compute thread (the forward releases the GIL),
+so health checks and GetModelInfo answer while a step computes; steps run one at
+a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Executor
 from pathlib import Path
 
 from compute_service.weights import smollm2_gguf_path
@@ -22,8 +24,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
 class ComputeServicer(pb_grpc.ComputeServiceServicer):
     """Serves one :class:`Worker`."""
 
-    def __init__(self, worker: Worker, model_source: str, device: str):
+    def __init__(self, worker: Worker, model_source: str, device: str, compute: Executor | None = None):
         self.worker = worker
+        #: Where steps run (None: asyncio's default executor).
+        self.compute = compute
         self.model_source = model_source
         self.device = device
         if model_source == "smollm2":
@@ -32,7 +36,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             self.model_name, self.weights_path = worker.config.name, str(Path(model_source).resolve())
 
     async def Step(self, request, context):
-        return await asyncio.to_thread(self.worker.step, request)
+        return await asyncio.get_running_loop().run_in_executor(self.compute, self.worker.step, request)
 
     async def GetModelInfo(self, request, context):
         c = self.worker.config

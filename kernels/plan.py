@@ -10,7 +10,10 @@ context position (positions past a sequence's length are clamped to its last val
 no byte outside a sequence's context is ever gathered), and, when lengths differ inside the
 group, the causal bottom-right aligned visibility mask. A layer then runs, per group, two
 `index_select`s (keys, values) into a reused workspace and one batched
-`scaled_dot_product_attention` (padded batched SDPA, GQA).
+`scaled_dot_product_attention` (padded batched SDPA, GQA). When the native CPU decode kernel is
+available (`kernels.cpu_decode`), sequences with one new token are not grouped: the plan lists
+them (`decode`) and the kernel reads their blocks in place; their gather groups are built only
+if a call cannot use the kernel (a non-fp32 cache).
 
 Triton path (CUDA): the plan holds int32 contiguous copies of the metadata and max(seq_lens),
 so the per-layer launch needs no conversion and no sync.
@@ -18,10 +21,12 @@ so the per-layer launch needs no conversion and no sync.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from kernels import cpu_decode
 from kernels._common import check_host_lengths, check_int_vector, choose_backend
 
 # Gathered context positions per group (keys of all its sequences, padded): 4096 positions of
@@ -61,6 +66,22 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class DecodeRows:
+    """Sequences with one new token each, attended in place by the native CPU decode kernel."""
+
+    seq_index: torch.Tensor  # [n] int64 sequence (row of block_tables / seq_lens)
+    q_index: torch.Tensor  # [n] int64 packed query row of each
+    _build_groups: Callable[[], list[AttentionGroup]]  # their gather groups (torch path)
+    _groups: list[AttentionGroup] | None = None
+
+    def gather_groups(self) -> list[AttentionGroup]:
+        """The same rows as gather groups, for a call the native kernel cannot serve (built once)."""
+        if self._groups is None:
+            self._groups = self._build_groups()
+        return self._groups
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     """Metadata of one step's batch, shared by every layer's attention call.
 
@@ -75,11 +96,13 @@ class AttentionPlan:
     max_seq_len: int | None  # max(seq_lens) (triton decode); None if not computed
     decode_only: bool | None  # every sequence has exactly one new token; None: not computed
     source_ptrs: tuple[int, int, int]  # data_ptr of block_tables, query_start_loc, seq_lens
-    groups: list[AttentionGroup]  # torch path: padded batches covering every query row
-    max_group_tokens: int  # torch path: largest n * ctx_pad (workspace rows)
+    groups: list[AttentionGroup]  # torch path: padded batches covering every query row not in decode
+    max_group_tokens: int  # torch path: largest n * ctx_pad of `groups` (workspace rows)
     block_tables: torch.Tensor  # [S, max_blocks] int32 contiguous
     query_start_loc: torch.Tensor  # [S + 1] int32 contiguous
     seq_lens: torch.Tensor  # [S] int32 contiguous
+    # Torch path with the native CPU decode kernel: the one-new-token sequences; else None.
+    decode: DecodeRows | None = None
     # Gather buffers reused by every layer, keyed by (dtype, num_kv_heads, head_dim).
     workspace: dict = field(default_factory=dict)
 
@@ -154,13 +177,14 @@ def plan_attention(
         raise ValueError(f"query_start_loc must start at 0, got {int(qsl[0])}")
     q_lens = qsl[1:] - qsl[:-1]
     check_host_lengths(lens, q_lens, block_size, block_tables.shape[1])
-    groups = _make_groups(block_tables, qsl, q_lens, lens, block_size)
+    native = block_tables.device.type == "cpu" and cpu_decode.available()
+    groups, decode = _make_groups(block_tables, qsl, q_lens, lens, block_size, native)
     max_tokens = max((g.num_seqs * g.ctx_pad for g in groups), default=0)
     max_len = int(lens.max()) if num_seqs else 0
     decode_only = bool((q_lens == 1).all())
     return AttentionPlan(
         "torch", num_seqs, int(qsl[-1]), block_size, max_len, decode_only, ptrs, groups,
-        max_tokens, bt32, qsl32, sl32,
+        max_tokens, bt32, qsl32, sl32, decode,
     )  # fmt: skip
 
 
@@ -170,10 +194,34 @@ def _make_groups(
     q_lens: torch.Tensor,  # [S] int64
     lens: torch.Tensor,  # [S] int64
     block_size: int,
-) -> list[AttentionGroup]:
+    native_decode: bool,
+) -> tuple[list[AttentionGroup], DecodeRows | None]:
+    """Gather groups of the sequences with new tokens; with `native_decode`, the one-token ones
+    are left out of them and returned as DecodeRows instead."""
     q_list, len_list = q_lens.tolist(), lens.tolist()
     active = [s for s in range(len(q_list)) if q_list[s] > 0]
     active.sort(key=lambda s: (q_list[s], len_list[s]))
+    tables = block_tables.to("cpu", torch.int64)
+    dev = block_tables.device
+
+    def build(seqs: list[int]) -> list[AttentionGroup]:
+        return [
+            _group(tables, qsl, q_lens, lens, block_size, m, dev)
+            for m in _pack(seqs, q_list, len_list)
+        ]
+
+    decode = None
+    if native_decode:
+        ones = [s for s in active if q_list[s] == 1]
+        if ones:
+            active = [s for s in active if q_list[s] != 1]
+            sel = torch.tensor(ones, dtype=torch.int64)
+            decode = DecodeRows(sel.to(dev), qsl[sel].to(dev), lambda: build(ones))
+    return build(active), decode
+
+
+def _pack(active: list[int], q_list: list[int], len_list: list[int]) -> list[list[int]]:
+    """Cut sequences sorted by (new tokens, length) into groups of similar shape."""
     members: list[list[int]] = []
     for s in active:
         if members:
@@ -188,9 +236,7 @@ def _make_groups(
                 grp.append(s)
                 continue
         members.append([s])
-    tables = block_tables.to("cpu", torch.int64)
-    dev = block_tables.device
-    return [_group(tables, qsl, q_lens, lens, block_size, m, dev) for m in members]
+    return members
 
 
 def _group(tables, qsl, q_lens, lens, block_size: int, members: list[int], dev) -> AttentionGroup:

@@ -19,7 +19,8 @@ duplicates are then masked out. Softmax and accumulation run in fp32.
 `planned_attention` is the fast path the model uses: the grouping and every index are built once
 per step by `kernels.plan.plan_attention`, and each layer gathers the groups' context rows from a
 flat row view of the pool into a reused workspace and runs one padded batched
-`scaled_dot_product_attention` per group. `paged_attention` (below) is the general path, used
+`scaled_dot_product_attention` per group; decode rows go to the native CPU kernel when it is
+built (`kernels.cpu_decode`), which reads their blocks in place instead. `paged_attention` (below) is the general path, used
 when a caller forces context chunks or the cache layout has no flat row view.
 """
 
@@ -29,6 +30,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_decode
 
 # Query tokens of one sequence handled together (prefill).
 Q_TILE = 128
@@ -105,30 +108,44 @@ def planned_attention(
 ) -> torch.Tensor | None:  # [total_q, num_q_heads, head_dim], query dtype; None: not planable
     """Causal (bottom-right aligned) paged attention of a planned batch: no host work, no sync.
 
-    Per group of the plan: gather its context rows (clamped to each sequence's length, so only
-    written slots are read) into the plan's workspace, then one padded batched SDPA with the
-    plan's visibility mask (GQA by `enable_gqa`). Returns None when the cache has no flat row view
-    or the largest group would exceed `PLANNED_MAX_GATHER_ELEMS`; the caller then uses
-    `paged_attention`.
+    The plan's decode rows (if any) go to the native CPU kernel, which reads their blocks in
+    place (`kernels.cpu_decode`); when these tensors do not suit it, those rows are gathered like
+    the rest. Per gather group of the plan: gather its context rows (clamped to each sequence's
+    length, so only written slots are read) into the plan's workspace, then one padded batched
+    SDPA with the plan's visibility mask (GQA by `enable_gqa`). Returns None when a group is to
+    be gathered but the cache has no flat row view, or the largest group would exceed
+    `PLANNED_MAX_GATHER_ELEMS`; the caller then uses `paged_attention`.
     """
     _, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    kv = row_view(key_cache), row_view(value_cache)
-    if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1]:
-        return None
-    if plan.max_group_tokens * num_kv_heads * head_dim > PLANNED_MAX_GATHER_ELEMS:
-        return None
-    (k_rows, per_block), (v_rows, _) = kv
-    out = torch.empty_like(query)
+    groups, decode = plan.groups, plan.decode
+    if decode is not None and not cpu_decode.supports(query, key_cache, value_cache):
+        groups, decode = groups + decode.gather_groups(), None
+    if groups:
+        kv = row_view(key_cache), row_view(value_cache)
+        if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1]:
+            return None
+        max_tokens = max(g.num_seqs * g.ctx_pad for g in groups)
+        if max_tokens * num_kv_heads * head_dim > PLANNED_MAX_GATHER_ELEMS:
+            return None
+        (k_rows, per_block), (v_rows, _) = kv
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if decode is not None:
+        cpu_decode.paged_decode(
+            query, key_cache, value_cache, plan.block_tables, plan.seq_lens, decode.seq_index,
+            decode.q_index, scale, out,
+        )  # fmt: skip
+    if not groups:
+        return out
     key = (key_cache.dtype, num_kv_heads, head_dim)
     ws = plan.workspace.get(key)
-    if ws is None:
-        shape = (plan.max_group_tokens, num_kv_heads, head_dim)
+    if ws is None or ws[0].shape[0] < max_tokens:
+        shape = (max_tokens, num_kv_heads, head_dim)
         ws = plan.workspace[key] = tuple(
             torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device) for _ in range(2)
         )
     gqa = num_q_heads != num_kv_heads
-    for g in plan.groups:
+    for g in groups:
         n, qp, lp = g.num_seqs, g.q_pad, g.ctx_pad
         rows = g.rows(per_block)  # [n * L]
         # k, v: [n, L, Hk, D]; q: [n, Q, Hq, D]

@@ -8,6 +8,7 @@ NaN in every unused slot, block and table entry.
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import sys
 
@@ -16,9 +17,9 @@ import torch
 from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
 
 import kernels
+from kernels import cpu_decode, torch_impl
 from kernels import decode as decode_mod
 from kernels import plan as plan_mod
-from kernels import torch_impl
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -55,11 +56,21 @@ def reference(case) -> torch.Tensor:
     )  # fmt: skip
 
 
+@pytest.fixture(params=[True, False], ids=["native", "gather"])
+def native(request):
+    """Both CPU decode paths: the native kernel (when built) and the gather + SDPA path. With a
+    non-fp32 cache the native plan falls back to gathering its decode rows."""
+    if request.param and not cpu_decode.available():
+        pytest.skip(f"native CPU decode kernel unavailable: {cpu_decode.unavailable_reason}")
+    with cpu_decode.use_native(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
-def test_decode_torch(heads, head_dim, block_size, dtype):
+def test_decode_torch(heads, head_dim, block_size, dtype, native):
     lens = context_lengths(block_size)
     case = make_case(lens, [1] * len(lens), *heads, head_dim, block_size, dtype, seed=block_size)
     ref = reference(case)
@@ -75,7 +86,7 @@ def test_decode_torch(heads, head_dim, block_size, dtype):
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
-def test_prefill_mixed_batch_torch(heads, head_dim, block_size, dtype):
+def test_prefill_mixed_batch_torch(heads, head_dim, block_size, dtype, native):
     b = block_size
     # (seq_len, new tokens): cached prefix + chunk; prompt without prefix (3 query tiles);
     # decode tokens at and around block boundaries; a chunk ending exactly on a block.
@@ -138,7 +149,9 @@ def test_plan_groups_pad_and_mask():
     # Decode tokens of close lengths share a group; unequal lengths need a mask, equal ones not;
     # a whole prompt alone is plain causal.
     case = make_case([40, 41, 40, 300, 8], [1, 1, 1, 1, 8], 9, 3, 64, 16, torch.float32)
-    plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
+    with cpu_decode.use_native(False):
+        plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
+    assert plan.decode is None
     shapes = [
         (g.num_seqs, g.q_pad, g.ctx_pad, g.mask is not None, g.is_causal) for g in plan.groups
     ]
@@ -152,6 +165,81 @@ def test_plan_groups_pad_and_mask():
     want = case.block_tables[[0, 2, 1], [39 // 16, 39 // 16, 40 // 16]].long()
     assert torch.equal(last_block, want), (last_block, want)
     assert last_off.tolist() == [39 % 16, 39 % 16, 40 % 16]
+
+
+def test_native_kernel_builds_where_a_compiler_exists():
+    # A broken build must not hide behind the torch fallback on a machine that can build it.
+    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler on this machine")
+    assert cpu_decode.available(), cpu_decode.unavailable_reason
+
+
+@pytest.fixture
+def native_only():
+    if not cpu_decode.available():
+        pytest.skip(f"native CPU decode kernel unavailable: {cpu_decode.unavailable_reason}")
+
+
+def test_plan_native_decode_rows(native_only):
+    # With the native kernel, one-token sequences are listed, not grouped; the prompt still is.
+    case = make_case([40, 41, 40, 300, 8], [1, 1, 1, 1, 8], 9, 3, 64, 16, torch.float32)
+    plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
+    assert plan.decode.seq_index.tolist() == [0, 2, 1, 3]  # sorted by length, as groups are
+    assert plan.decode.q_index.tolist() == [0, 2, 1, 3]
+    shapes = [(g.num_seqs, g.q_pad, g.ctx_pad, g.is_causal) for g in plan.groups]
+    assert shapes == [(1, 8, 8, True)]
+    out = kernels.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, case.scale, plan=plan,
+    )  # fmt: skip
+    check(out, reference(case), torch.float32, "native decode rows + gathered prompt")
+    # An fp16 call with the same plan gathers the decode rows instead (built on demand).
+    half = make_case([40, 41, 40, 300, 8], [1, 1, 1, 1, 8], 9, 3, 64, 16, torch.float16)
+    hplan = kernels.plan_attention(half.block_tables, half.query_start_loc, half.seq_lens, 16)
+    assert hplan.decode is not None
+    out = kernels.paged_prefill_attention(
+        half.query, half.key_cache, half.value_cache, half.block_tables,
+        half.query_start_loc, half.seq_lens, half.scale, plan=hplan,
+    )  # fmt: skip
+    check(out, reference(half), torch.float16, "fp16 through a native plan")
+    assert [g.num_seqs for g in hplan.decode.gather_groups()] == [3, 1]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_seqs", [1, 3, 9])
+def test_native_decode_threads_and_odd_head_dim(native_only, threads, num_seqs):
+    # head_dim 20: the 8-wide vector loops' scalar tails; 1 sequence: work split by KV head;
+    # 9 sequences: whole sequences per item; 2 threads: the OpenMP team.
+    lens = [1, 7, 8, 9, 33, 130, 2, 64, 65][:num_seqs]
+    case = make_case(lens, [1] * num_seqs, 12, 4, 20, 8, torch.float32, seed=num_seqs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.paged_decode_attention(
+            case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+            case.scale,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    check(out, reference(case), torch.float32, f"native decode lens={lens} threads={threads}")
+
+
+def test_native_decode_strided_query_and_bad_block(native_only):
+    # The model passes query rows that are views into its fused QKV output.
+    case = make_case([5, 40, 17], [1, 1, 1], 9, 3, 64, 8, torch.float32)
+    wide = torch.randn(3, 15, 64)
+    wide[:, :9] = case.query
+    q = wide[:, :9]
+    assert not q.is_contiguous()
+    args = (case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale)
+    out = kernels.paged_decode_attention(q, *args)
+    check(out, reference(case), torch.float32, "row-strided query")
+    bad = case.block_tables.clone()
+    bad[1, 0] = case.key_cache.shape[0]  # one past the last block
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernels.paged_decode_attention(
+            case.query, case.key_cache, case.value_cache, bad, case.seq_lens, case.scale
+        )
 
 
 def test_plan_decode_and_errors():

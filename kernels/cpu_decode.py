@@ -1,0 +1,191 @@
+"""Native CPU paged decode attention: a small C kernel built on first use with the host's compiler.
+
+The torch path's decode gathers every sequence's context rows out of the pool into a dense
+buffer and runs a dense attention on the copy: the context crosses memory three times. The C
+kernel in `csrc/paged_decode_cpu.c` reads each (sequence, KV head)'s blocks in place, once for
+the scores and once for the values, for all query heads of its GQA group at once (PagedAttention,
+Kwon et al., SOSP 2023, §4.1; vLLM's CPU backend has its own C++ kernel for the same reason).
+It runs on torch's OpenMP threads when torch's runtime is the one loaded.
+
+The build is `cc -O3 -fopenmp` (plus `-mavx2 -mfma` where /proc/cpuinfo lists both), cached
+under `$PAGEDKV_HOME/kernels/` by a hash of the source, flags and compiler, and loaded with
+ctypes. Without a C compiler, when the build fails, or with `PAGEDKV_NATIVE_DECODE=0`, the
+torch path runs instead (`available()` is False); nothing else changes. Only fp32 is native.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from pagedkv.paths import pagedkv_home
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
+ENV_SWITCH = "PAGEDKV_NATIVE_DECODE"
+_BUILD_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_fn = None  # the loaded entry point, once built
+_tried = False
+#: Why the native kernel is not in use (None while it is, or before the first try).
+unavailable_reason: str | None = None
+_forced: bool | None = None  # set by `use_native`
+
+
+def _arch_flags() -> list[str]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build() -> Path:
+    """Compile the kernel (or find it built); return the shared library's path.
+
+    Raises:
+        RuntimeError: no C compiler, or the build failed (its stderr is in the message).
+    """
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = SOURCE.read_bytes()
+    errors = []
+    for openmp in (["-fopenmp"], []):  # a compiler without OpenMP still gives a 1-thread kernel
+        flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", *openmp, *_arch_flags()]
+        key = hashlib.sha256(source + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
+        out_dir = pagedkv_home() / "kernels"
+        target = out_dir / f"paged_decode_cpu-{key}.so"
+        if target.is_file():
+            return target
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            proc = subprocess.run(
+                [cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+            )
+            if proc.returncode == 0:
+                os.replace(tmp, target)  # atomic: concurrent builders each write their own tmp
+                return target
+            errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-500:]}")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    raise RuntimeError("building the CPU decode kernel failed: " + " | ".join(errors))
+
+
+def _load():
+    global _fn, _tried, unavailable_reason
+    with _lock:
+        if _tried:
+            return _fn
+        _tried = True
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            unavailable_reason = f"disabled by {ENV_SWITCH}=0"
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            unavailable_reason = str(e)
+            return None
+        fn = lib.paged_decode_f32
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr] * 8 + [i64] * 15 + [ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _fn = fn
+        return _fn
+
+
+def available() -> bool:
+    """True when the native kernel is built and loaded (builds it on the first call)."""
+    if _forced is False:
+        return False
+    return _load() is not None
+
+
+@contextlib.contextmanager
+def use_native(enabled: bool):
+    """Force the native kernel off (False) or back to its default (True) inside the block (tests,
+    benchmarks). Plans built inside the block keep the choice they were built with."""
+    global _forced
+    before, _forced = _forced, None if enabled else False
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether these tensors can go to the native kernel: fp32 CPU, head_dim contiguous, each query
+    row's [num_q_heads, head_dim] dense (rows may be strided), both caches with the same strides."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+        and query.stride(2) == 1
+        and query.stride(1) == query.shape[2]
+        and key_cache.stride(3) == 1
+        and key_cache.stride() == value_cache.stride()
+    )
+
+
+def paged_decode(
+    query: torch.Tensor,  # [rows, num_q_heads, head_dim] fp32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32
+    value_cache: torch.Tensor,  # same shape and strides as key_cache
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 contiguous
+    seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, cached + new tokens (>= 1)
+    seq_index: torch.Tensor,  # [n] int64 contiguous, sequence of each decode row
+    q_index: torch.Tensor,  # [n] int64 contiguous, query row of each decode row
+    scale: float,
+    out: torch.Tensor,  # [rows, num_q_heads, head_dim] fp32 (row stride free), rows q_index written
+) -> None:
+    """Decode attention of rows `q_index` (sequence `seq_index`) over the paged cache, into `out`.
+
+    Callers check shapes and lengths first (`kernels.plan_attention` does): seq_lens within the
+    block tables, supports() true, out laid out as the query. The kernel itself checks that every
+    block it reads is inside the cache.
+
+    Raises:
+        RuntimeError: the native kernel is not available.
+        ValueError: a block table names a block outside [0, num_blocks).
+        MemoryError: a thread could not allocate its score buffer.
+    """
+    fn = _load()
+    if fn is None:
+        raise RuntimeError(f"the native CPU decode kernel is not available: {unavailable_reason}")
+    if out.shape != query.shape or out.dtype != torch.float32 or out.stride()[1:] != query.stride()[1:]:
+        raise ValueError("out must be fp32, shaped as the query, each row's heads dense")
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    rc = fn(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
+        block_tables.data_ptr(), seq_lens.data_ptr(), seq_index.data_ptr(), q_index.data_ptr(),
+        seq_index.numel(), query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0),
+        query.stride(0), out.stride(0), num_blocks, *key_cache.stride()[:3], *value_cache.stride()[:3],
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == 2:
+        raise ValueError(f"a block table names a block outside the cache [0, {num_blocks})")
+    if rc:
+        raise MemoryError("the CPU decode kernel could not allocate its score buffers")
