@@ -137,10 +137,10 @@ def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str) -> tu
     model_device = str(pool.tensor.device) if desc.backend == mpb.POOL_BACKEND_CUDA else device
     model = LlamaForPagedLM(config, weights, device=model_device, dtype=TORCH_DTYPES[desc.layout.dtype])
     del weights
-    native = model_device == "cpu" and kernels.cpu_decode.available()
+    native = model_device == "cpu" and kernels.cpu_native.available()
     log.info("model_loaded", model=config.name, seconds=round(time.perf_counter() - t, 2), device=model_device,
              threads=torch.get_num_threads(),
-             cpu_decode_kernel="native" if native else f"torch ({kernels.cpu_decode.unavailable_reason})")
+             cpu_kernels="native" if native else f"torch ({kernels.cpu_native.unavailable_reason})")
     return Worker(model, config, pool), model_device
 
 

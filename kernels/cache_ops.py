@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import torch_impl
+from kernels import cpu_native, torch_impl
 from kernels._common import check_cache, check_int_vector, choose_backend
 
 
@@ -35,9 +35,11 @@ def reshape_and_cache(
             Slots must be distinct and in range; there is no padding sentinel.
         backend: None (Triton for CUDA tensors, torch otherwise), "triton" or "torch".
 
+    On CPU with fp32 tensors the write is one native call (`kernels.cpu_native`) when built.
+
     Raises:
         ValueError: shapes, dtypes or devices disagree; on the torch path also a slot out of
-            range.
+            range (then nothing is written).
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
     want = (key.shape[0], num_kv_heads, head_dim)
@@ -49,6 +51,13 @@ def reshape_and_cache(
     check_int_vector("slot_mapping", slot_mapping, key.shape[0], (torch.int64,))
     backend = choose_backend(backend, key, value, key_cache, value_cache, slot_mapping)
     if backend == "torch":
+        if (
+            slot_mapping.is_contiguous()
+            and cpu_native.supports(key, key_cache, value_cache)
+            and cpu_native.available()
+        ):
+            cpu_native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+            return
         if slot_mapping.numel() and (
             int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= num_blocks * block_size
         ):

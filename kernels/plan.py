@@ -11,7 +11,7 @@ no byte outside a sequence's context is ever gathered), and, when lengths differ
 group, the causal bottom-right aligned visibility mask. A layer then runs, per group, two
 `index_select`s (keys, values) into a reused workspace and one batched
 `scaled_dot_product_attention` (padded batched SDPA, GQA). When the native CPU decode kernel is
-available (`kernels.cpu_decode`), sequences with one new token are not grouped: the plan lists
+available (`kernels.cpu_native`), sequences with one new token are not grouped: the plan lists
 them (`decode`) and the kernel reads their blocks in place; their gather groups are built only
 if a call cannot use the kernel (a non-fp32 cache).
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_decode
+from kernels import cpu_native
 from kernels._common import check_host_lengths, check_int_vector, choose_backend
 
 # Gathered context positions per group (keys of all its sequences, padded): 4096 positions of
@@ -177,7 +177,7 @@ def plan_attention(
         raise ValueError(f"query_start_loc must start at 0, got {int(qsl[0])}")
     q_lens = qsl[1:] - qsl[:-1]
     check_host_lengths(lens, q_lens, block_size, block_tables.shape[1])
-    native = block_tables.device.type == "cpu" and cpu_decode.available()
+    native = block_tables.device.type == "cpu" and cpu_native.available()
     groups, decode = _make_groups(block_tables, qsl, q_lens, lens, block_size, native)
     max_tokens = max((g.num_seqs * g.ctx_pad for g in groups), default=0)
     max_len = int(lens.max()) if num_seqs else 0

@@ -20,7 +20,7 @@ duplicates are then masked out. Softmax and accumulation run in fp32.
 per step by `kernels.plan.plan_attention`, and each layer gathers the groups' context rows from a
 flat row view of the pool into a reused workspace and runs one padded batched
 `scaled_dot_product_attention` per group; decode rows go to the native CPU kernel when it is
-built (`kernels.cpu_decode`), which reads their blocks in place instead. `paged_attention` (below) is the general path, used
+built (`kernels.cpu_native`), which reads their blocks in place instead. `paged_attention` (below) is the general path, used
 when a caller forces context chunks or the cache layout has no flat row view.
 """
 
@@ -31,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode
+from kernels import cpu_native
 
 # Query tokens of one sequence handled together (prefill).
 Q_TILE = 128
@@ -109,7 +109,7 @@ def planned_attention(
     """Causal (bottom-right aligned) paged attention of a planned batch: no host work, no sync.
 
     The plan's decode rows (if any) go to the native CPU kernel, which reads their blocks in
-    place (`kernels.cpu_decode`); when these tensors do not suit it, those rows are gathered like
+    place (`kernels.cpu_native`); when these tensors do not suit it, those rows are gathered like
     the rest. Per gather group of the plan: gather its context rows (clamped to each sequence's
     length, so only written slots are read) into the plan's workspace, then one padded batched
     SDPA with the plan's visibility mask (GQA by `enable_gqa`). Returns None when a group is to
@@ -119,7 +119,7 @@ def planned_attention(
     _, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     groups, decode = plan.groups, plan.decode
-    if decode is not None and not cpu_decode.supports(query, key_cache, value_cache):
+    if decode is not None and not cpu_native.supports(query, key_cache, value_cache):
         groups, decode = groups + decode.gather_groups(), None
     if groups:
         kv = row_view(key_cache), row_view(value_cache)
@@ -131,7 +131,7 @@ def planned_attention(
         (k_rows, per_block), (v_rows, _) = kv
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if decode is not None:
-        cpu_decode.paged_decode(
+        cpu_native.paged_decode(
             query, key_cache, value_cache, plan.block_tables, plan.seq_lens, decode.seq_index,
             decode.q_index, scale, out,
         )  # fmt: skip

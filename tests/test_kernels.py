@@ -17,7 +17,7 @@ import torch
 from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
 
 import kernels
-from kernels import cpu_decode, torch_impl
+from kernels import cpu_native, torch_impl
 from kernels import decode as decode_mod
 from kernels import plan as plan_mod
 
@@ -60,9 +60,9 @@ def reference(case) -> torch.Tensor:
 def native(request):
     """Both CPU decode paths: the native kernel (when built) and the gather + SDPA path. With a
     non-fp32 cache the native plan falls back to gathering its decode rows."""
-    if request.param and not cpu_decode.available():
-        pytest.skip(f"native CPU decode kernel unavailable: {cpu_decode.unavailable_reason}")
-    with cpu_decode.use_native(request.param):
+    if request.param and not cpu_native.available():
+        pytest.skip(f"native CPU decode kernel unavailable: {cpu_native.unavailable_reason}")
+    with cpu_native.use_native(request.param):
         yield request.param
 
 
@@ -149,7 +149,7 @@ def test_plan_groups_pad_and_mask():
     # Decode tokens of close lengths share a group; unequal lengths need a mask, equal ones not;
     # a whole prompt alone is plain causal.
     case = make_case([40, 41, 40, 300, 8], [1, 1, 1, 1, 8], 9, 3, 64, 16, torch.float32)
-    with cpu_decode.use_native(False):
+    with cpu_native.use_native(False):
         plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
     assert plan.decode is None
     shapes = [
@@ -171,13 +171,13 @@ def test_native_kernel_builds_where_a_compiler_exists():
     # A broken build must not hide behind the torch fallback on a machine that can build it.
     if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
         pytest.skip("no C compiler on this machine")
-    assert cpu_decode.available(), cpu_decode.unavailable_reason
+    assert cpu_native.available(), cpu_native.unavailable_reason
 
 
 @pytest.fixture
 def native_only():
-    if not cpu_decode.available():
-        pytest.skip(f"native CPU decode kernel unavailable: {cpu_decode.unavailable_reason}")
+    if not cpu_native.available():
+        pytest.skip(f"native CPU decode kernel unavailable: {cpu_native.unavailable_reason}")
 
 
 def test_plan_native_decode_rows(native_only):
@@ -294,14 +294,20 @@ def test_default_split_policy():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_size", [1, 16, 24])
-def test_reshape_and_cache_round_trip_torch(block_size, dtype):
+def test_reshape_and_cache_round_trip_torch(block_size, dtype, native):
     gen = torch.Generator().manual_seed(block_size)
     num_blocks, heads, dim = 12, 3, 80
     pool = torch.full((num_blocks, 2, 2, block_size, heads, dim), math.nan, dtype=dtype)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:9].to(torch.int64)
-    key = torch.randn(9, heads, dim, generator=gen)  # fp32, cast on write
+    # fp32, cast on write; keys are row-strided views (as the model's fused QKV output gives)
+    key = torch.randn(9, heads + 2, dim, generator=gen)[:, 1 : heads + 1]
     value = torch.randn(9, heads, dim, generator=gen)
     before = pool.clone()
+    bad = slots.clone()
+    bad[4] = num_blocks * block_size
+    with pytest.raises(ValueError, match="slot_mapping values"):
+        kernels.reshape_and_cache(key, value, pool[:, 1, 0], pool[:, 1, 1], bad, backend="torch")
+    assert torch.equal(pool.isnan(), before.isnan()), "a rejected write changed the cache"
     kernels.reshape_and_cache(key, value, pool[:, 1, 0], pool[:, 1, 1], slots, backend="torch")
     blocks, offs = slots // block_size, slots % block_size
     assert torch.equal(pool[blocks, 1, 0, offs], key.to(dtype)), "keys not in their slots"

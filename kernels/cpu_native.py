@@ -1,15 +1,17 @@
-"""Native CPU paged decode attention: a small C kernel built on first use with the host's compiler.
+"""Native CPU kernels (fp32): paged decode attention and the KV cache write, in a small C file
+built on first use with the host's compiler.
 
 The torch path's decode gathers every sequence's context rows out of the pool into a dense
 buffer and runs a dense attention on the copy: the context crosses memory three times. The C
-kernel in `csrc/paged_decode_cpu.c` reads each (sequence, KV head)'s blocks in place, once for
-the scores and once for the values, for all query heads of its GQA group at once (PagedAttention,
-Kwon et al., SOSP 2023, §4.1; vLLM's CPU backend has its own C++ kernel for the same reason).
-It runs on torch's OpenMP threads when torch's runtime is the one loaded.
+kernel in `csrc/paged_cpu.c` reads each sequence's blocks in place, once, for all query heads of
+its GQA groups at once (PagedAttention, Kwon et al., SOSP 2023, §4.1; vLLM's CPU backend has its
+own C++ kernels for the same reason). It runs on torch's OpenMP threads when torch's runtime is
+the one loaded. `reshape_and_cache` writes a step's new rows with one call per layer instead of
+a handful of torch ops.
 
 The build is `cc -O3 -fopenmp` (plus `-mavx2 -mfma` where /proc/cpuinfo lists both), cached
 under `$PAGEDKV_HOME/kernels/` by a hash of the source, flags and compiler, and loaded with
-ctypes. Without a C compiler, when the build fails, or with `PAGEDKV_NATIVE_DECODE=0`, the
+ctypes. Without a C compiler, when the build fails, or with `PAGEDKV_NATIVE_CPU=0`, the
 torch path runs instead (`available()` is False); nothing else changes. Only fp32 is native.
 """
 
@@ -30,12 +32,12 @@ import torch
 
 from pagedkv.paths import pagedkv_home
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
-ENV_SWITCH = "PAGEDKV_NATIVE_DECODE"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_cpu.c"
+ENV_SWITCH = "PAGEDKV_NATIVE_CPU"
 _BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
-_fn = None  # the loaded entry point, once built
+_lib = None  # the loaded library, once built
 _tried = False
 #: Why the native kernel is not in use (None while it is, or before the first try).
 unavailable_reason: str | None = None
@@ -76,7 +78,7 @@ def _build() -> Path:
         flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", *openmp, *_arch_flags()]
         key = hashlib.sha256(source + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
         out_dir = pagedkv_home() / "kernels"
-        target = out_dir / f"paged_decode_cpu-{key}.so"
+        target = out_dir / f"paged_cpu-{key}.so"
         if target.is_file():
             return target
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,10 +99,10 @@ def _build() -> Path:
 
 
 def _load():
-    global _fn, _tried, unavailable_reason
+    global _lib, _tried, unavailable_reason
     with _lock:
         if _tried:
-            return _fn
+            return _lib
         _tried = True
         if os.environ.get(ENV_SWITCH, "1") == "0":
             unavailable_reason = f"disabled by {ENV_SWITCH}=0"
@@ -110,12 +112,13 @@ def _load():
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             unavailable_reason = str(e)
             return None
-        fn = lib.paged_decode_f32
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr] * 8 + [i64] * 15 + [ctypes.c_float, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _fn = fn
-        return _fn
+        lib.paged_decode_f32.argtypes = [ptr] * 8 + [i64] * 15 + [ctypes.c_float, ctypes.c_int]
+        lib.paged_decode_f32.restype = ctypes.c_int
+        lib.reshape_and_cache_f32.argtypes = [ptr] * 5 + [i64] * 11
+        lib.reshape_and_cache_f32.restype = ctypes.c_int
+        _lib = lib
+        return _lib
 
 
 def available() -> bool:
@@ -137,15 +140,17 @@ def use_native(enabled: bool):
         _forced = before
 
 
-def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether these tensors can go to the native kernel: fp32 CPU, head_dim contiguous, each query
-    row's [num_q_heads, head_dim] dense (rows may be strided), both caches with the same strides."""
+def supports(rows: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether these tensors can go to the native kernels: fp32 CPU; `rows` (queries, or new keys
+    / values) [n, heads, head_dim] with each row's heads dense (rows may be strided); both caches
+    with the same strides and head_dim contiguous."""
     return (
-        query.device.type == "cpu"
-        and query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
-        and query.stride(2) == 1
-        and query.stride(1) == query.shape[2]
+        rows.device.type == "cpu"
+        and rows.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+        and rows.stride(2) == 1
+        and (rows.stride(1) == rows.shape[2] or rows.shape[1] == 1)
         and key_cache.stride(3) == 1
+        and (key_cache.stride(2) == key_cache.shape[3] or key_cache.shape[2] == 1)
         and key_cache.stride() == value_cache.stride()
     )
 
@@ -172,13 +177,13 @@ def paged_decode(
         ValueError: a block table names a block outside [0, num_blocks).
         MemoryError: a thread could not allocate its score buffer.
     """
-    fn = _load()
-    if fn is None:
-        raise RuntimeError(f"the native CPU decode kernel is not available: {unavailable_reason}")
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are not available: {unavailable_reason}")
     if out.shape != query.shape or out.dtype != torch.float32 or out.stride()[1:] != query.stride()[1:]:
         raise ValueError("out must be fp32, shaped as the query, each row's heads dense")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    rc = fn(
+    rc = lib.paged_decode_f32(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(), seq_index.data_ptr(), q_index.data_ptr(),
         seq_index.numel(), query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0),
@@ -189,3 +194,35 @@ def paged_decode(
         raise ValueError(f"a block table names a block outside the cache [0, {num_blocks})")
     if rc:
         raise MemoryError("the CPU decode kernel could not allocate its score buffers")
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [n, num_kv_heads, head_dim] fp32, each row's heads dense
+    value: torch.Tensor,  # like key
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32
+    value_cache: torch.Tensor,  # same shape and strides as key_cache
+    slot_mapping: torch.Tensor,  # [n] int64 contiguous, block * block_size + offset
+) -> None:
+    """Write each token's key and value rows into its slot (the caller checked shapes, supports()).
+
+    Raises:
+        RuntimeError: the native kernels are not available.
+        ValueError: a slot outside [0, num_blocks * block_size); nothing is written then.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are not available: {unavailable_reason}")
+    if not supports(value, key_cache, value_cache) or not slot_mapping.is_contiguous():
+        raise ValueError("value rows must be fp32 with dense heads and slot_mapping contiguous")
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    rc = lib.reshape_and_cache_f32(
+        key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        slot_mapping.data_ptr(), slot_mapping.numel(), num_kv_heads, head_dim, block_size, num_blocks,
+        key.stride(0), value.stride(0), key_cache.stride(0), key_cache.stride(1),
+        value_cache.stride(0), value_cache.stride(1),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(
+            f"slot_mapping values must lie in [0, {num_blocks * block_size}) "
+            f"({num_blocks} blocks x {block_size} tokens)"
+        )

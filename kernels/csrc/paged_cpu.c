@@ -12,11 +12,11 @@
  *   block_tables   [num_seqs, table_stride] int32
  *   seq_lens       [num_seqs] int32, tokens in cache including the new one
  *   seq_index      [n] int64 sequence of each work row; q_index [n] int64 its query row
- * Softmax is exact (two passes: scores and their max, then exp and sum), accumulated in fp32.
+ * Softmax is online (running max and sum per query head, rescaled block by block), in fp32.
  * Work items (row, KV head) are handed out dynamically to the threads of an OpenMP team; loaded
  * into a process that already runs torch, the team comes from torch's own OpenMP runtime.
  *
- * Built by kernels/cpu_decode.py with the host's C compiler. Vectors use GCC/Clang vector
+ * Built by kernels/cpu_native.py with the host's C compiler. Vectors use GCC/Clang vector
  * extensions, so the same source builds with or without AVX2 (the compiler splits the vectors).
  */
 #include <math.h>
@@ -87,56 +87,62 @@ typedef struct {
 } job_t;
 
 /* One work item: a row's KV heads [h0, h0 + heads_per_item) with their query-head groups, over
- * the sequence's context. Each block is read front to back (its rows hold every KV head), once
- * for the scores and once for the values.
- * scratch: [heads * round_up(len, W)] scores, then probabilities; m, l: [heads] (query heads).
+ * the sequence's context, block by block in one pass (flash-decoding's online softmax: a block's
+ * scores raise the running max, the accumulator is rescaled, then the block's values are added).
+ * A block's keys and values for one layer sit next to each other in the block-major pool, so the
+ * pass streams each block's bytes front to back.
+ * scratch: [heads * block_size] scores, then probabilities; m, l: [heads] (query heads).
  * Returns 0, or 2 when the block table names a block outside the cache (nothing is read). */
 static int attend(const job_t *j, int64_t item, float *scratch, float *m, float *l) {
   const int64_t items_per_row = j->hk / j->heads_per_item;
   const int64_t row = item / items_per_row, h0 = item % items_per_row * j->heads_per_item;
-  const int64_t group = j->hq / j->hk, heads = j->heads_per_item * group, d = j->d;
+  const int64_t group = j->hq / j->hk, heads = j->heads_per_item * group, d = j->d, bs = j->bs;
   const int64_t s = j->seq_index[row], len = j->lens[s];
   const int32_t *table = j->tables + s * j->table_stride;
   const float *q = j->q + j->q_index[row] * j->q_stride + h0 * group * d;  /* [heads, d] */
   float *out = j->out + j->q_index[row] * j->out_stride + h0 * group * d;  /* [heads, d] */
-  const int64_t len_w = (len + W - 1) / W * W;
-  const int64_t num_table_blocks = (len + j->bs - 1) / j->bs;
+  const int64_t num_table_blocks = (len + bs - 1) / bs;
+  const int64_t bs_w = (bs + W - 1) / W * W;
   for (int64_t b = 0; b < num_table_blocks; b++)
     if (table[b] < 0 || table[b] >= j->num_blocks) return 2;
 
-  for (int64_t x = 0; x < heads; x++) m[x] = -INFINITY;
-  for (int64_t b = 0, p0 = 0; b < num_table_blocks; b++, p0 += j->bs) {
-    const float *kb = j->k + (int64_t)table[b] * j->k_s0 + h0 * j->k_s2;
-    if (b + 1 < num_table_blocks) __builtin_prefetch(j->k + (int64_t)table[b + 1] * j->k_s0);
-    const int64_t end = len - p0 < j->bs ? len - p0 : j->bs;
-    for (int64_t o = 0; o < end; o++) {
-      for (int64_t x = 0; x < heads; x++) {  /* query head x reads KV head h0 + x / group */
-        const float sc = dot(q + x * d, kb + o * j->k_s1 + (x / group) * j->k_s2, d) * j->scale;
-        scratch[x * len_w + p0 + o] = sc;
-        m[x] = sc > m[x] ? sc : m[x];
-      }
-    }
-  }
   for (int64_t x = 0; x < heads; x++) {
-    float *p = scratch + x * len_w;
-    for (int64_t i = len; i < len_w; i++) p[i] = -INFINITY;  /* exp8 gives 0 there */
-    const v8f mx = splat(m[x]);
-    v8f sum = splat(0.0f);
-    for (int64_t i = 0; i < len_w; i += W) {
-      const v8f e = exp8(*(v8f *)(p + i) - mx);
-      *(v8f *)(p + i) = e;
-      sum += e;
-    }
-    l[x] = hsum(sum);
+    m[x] = -INFINITY;
+    l[x] = 0.0f;
     memset(out + x * d, 0, (size_t)d * sizeof(float));
   }
-  for (int64_t b = 0, p0 = 0; b < num_table_blocks; b++, p0 += j->bs) {
+  for (int64_t b = 0, p0 = 0; b < num_table_blocks; b++, p0 += bs) {
+    const float *kb = j->k + (int64_t)table[b] * j->k_s0 + h0 * j->k_s2;
     const float *vb = j->v + (int64_t)table[b] * j->v_s0 + h0 * j->v_s2;
-    if (b + 1 < num_table_blocks) __builtin_prefetch(j->v + (int64_t)table[b + 1] * j->v_s0);
-    const int64_t end = len - p0 < j->bs ? len - p0 : j->bs;
+    if (b + 1 < num_table_blocks) {
+      __builtin_prefetch(j->k + (int64_t)table[b + 1] * j->k_s0);
+      __builtin_prefetch(j->v + (int64_t)table[b + 1] * j->v_s0);
+    }
+    const int64_t end = len - p0 < bs ? len - p0 : bs;
+    for (int64_t o = 0; o < end; o++)
+      for (int64_t x = 0; x < heads; x++)  /* query head x reads KV head h0 + x / group */
+        scratch[x * bs_w + o] = dot(q + x * d, kb + o * j->k_s1 + (x / group) * j->k_s2, d) * j->scale;
+    for (int64_t x = 0; x < heads; x++) {
+      float *p = scratch + x * bs_w;
+      for (int64_t o = end; o < bs_w; o++) p[o] = -INFINITY;  /* exp8 gives 0 there */
+      float mb = m[x];
+      for (int64_t o = 0; o < end; o++) mb = p[o] > mb ? p[o] : mb;
+      const float alpha = expf(m[x] - mb);  /* 0 on the first block (m = -inf) */
+      const v8f mv = splat(mb);
+      v8f sum = splat(0.0f);
+      for (int64_t o = 0; o < bs_w; o += W) {
+        const v8f e = exp8(*(v8f *)(p + o) - mv);
+        *(v8f *)(p + o) = e;
+        sum += e;
+      }
+      l[x] = l[x] * alpha + hsum(sum);
+      m[x] = mb;
+      if (alpha != 1.0f)
+        for (int64_t i = 0; i < d; i++) out[x * d + i] *= alpha;
+    }
     for (int64_t o = 0; o < end; o++)
       for (int64_t x = 0; x < heads; x++)
-        axpy(out + x * d, scratch[x * len_w + p0 + o], vb + o * j->v_s1 + (x / group) * j->v_s2, d);
+        axpy(out + x * d, scratch[x * bs_w + o], vb + o * j->v_s1 + (x / group) * j->v_s2, d);
   }
   for (int64_t x = 0; x < heads; x++) {
     const float inv = 1.0f / l[x];
@@ -161,20 +167,18 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
                      table_stride, q_stride, out_stride, num_blocks, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
                      heads_per_item, scale};
   const int64_t items = n * (hk / heads_per_item), heads = heads_per_item * (hq / hk);
-  int64_t max_len = 0, next = 0;
+  const int64_t bs_w = (bs + W - 1) / W * W;
+  int64_t next = 0;
   int failed = 0;
   if (items == 0) return 0;
-  for (int64_t r = 0; r < n; r++)
-    if (lens[seq_index[r]] > max_len) max_len = lens[seq_index[r]];
-  const int64_t padded_len = (max_len + W - 1) / W * W;
   if (num_threads > items) num_threads = (int)items;
 #pragma omp parallel num_threads(num_threads)
   {
-    float *scratch = (float *)malloc(sizeof(float) * (size_t)(heads * (padded_len + 2)));
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(heads * (bs_w + 2)));
     if (scratch == NULL) {
       __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
     } else {
-      float *m = scratch + heads * padded_len, *l = m + heads;
+      float *m = scratch + heads * bs_w, *l = m + heads;
       for (;;) {
         const int64_t item = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
         if (item >= items) break;
@@ -185,4 +189,23 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
     }
   }
   return failed;
+}
+
+/* reshape_and_cache for fp32: token t's key and value rows [num_kv_heads, head_dim] go to slot
+ * slots[t] = block * block_size + offset (vLLM paper §4.1). key/value rows may be strided (row
+ * strides k_stride, v_stride; heads dense). Returns 0, or 2 when a slot is outside
+ * [0, num_blocks * block_size) (checked for every token before anything is written). */
+int reshape_and_cache_f32(const float *key, const float *value, float *k_cache, float *v_cache,
+                          const int64_t *slots, int64_t n, int64_t hk, int64_t d, int64_t bs,
+                          int64_t num_blocks, int64_t k_stride, int64_t v_stride, int64_t kc_s0,
+                          int64_t kc_s1, int64_t vc_s0, int64_t vc_s1) {
+  const int64_t row = hk * d;
+  for (int64_t t = 0; t < n; t++)
+    if (slots[t] < 0 || slots[t] >= num_blocks * bs) return 2;
+  for (int64_t t = 0; t < n; t++) {
+    const int64_t b = slots[t] / bs, o = slots[t] % bs;
+    memcpy(k_cache + b * kc_s0 + o * kc_s1, key + t * k_stride, (size_t)row * sizeof(float));
+    memcpy(v_cache + b * vc_s0 + o * vc_s1, value + t * v_stride, (size_t)row * sizeof(float));
+  }
+  return 0;
 }
