@@ -10,12 +10,14 @@ computed.
 
 Architecture as in Hugging Face `LlamaForCausalLM` (RMSNorm, RoPE with rotate-half, GQA, SwiGLU,
 optional tied embeddings); layout of the file after gpt-fast's model.py. Q/K/V and gate/up
-projections are fused into one matmul each.
+projections are fused into one matmul each; on CPU in fp32 the projections use oneDNN's
+prepacked matmul (`Linear`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -61,6 +63,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+PACKED_LINEAR_ENV = "PAGEDKV_PACKED_LINEAR"
+
+
+def packed_linear_wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `Linear` packs its weight: CPU, fp32, oneDNN in this torch build, and not turned off
+    with `PAGEDKV_PACKED_LINEAR=0`."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and os.environ.get(PACKED_LINEAR_ENV, "1") != "0"
+    )
+
+
+class Linear(nn.Module):
+    """y = x W^T for a frozen weight W [out_features, in_features].
+
+    With `packed`, W is reordered once into oneDNN's blocked layout and applied by oneDNN's fp32
+    matmul (`torch.ops.mkldnn`, the prepacked path torch.compile's CPU backend uses for frozen
+    linear weights); only the packed copy is kept. At the few rows of a decode step this is much
+    faster on CPU than `F.linear`'s MKL call (see docs/benchmarks.md), and the sums are ordered
+    differently (results agree to fp32 rounding). Otherwise, or if oneDNN refuses the weight,
+    `F.linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor, packed: bool) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = None
+        if packed:
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            except RuntimeError:
+                self.packed = None
+        self.weight = None if self.packed is not None else nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] -> [T, out_features]
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
@@ -92,11 +137,17 @@ class StepMeta:
 
 class Attention(nn.Module):
     def __init__(
-        self, c: ModelConfig, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor
+        self,
+        c: ModelConfig,
+        wq: torch.Tensor,
+        wk: torch.Tensor,
+        wv: torch.Tensor,
+        wo: torch.Tensor,
+        packed: bool,
     ) -> None:
         super().__init__()
-        self.wqkv = nn.Parameter(torch.cat([wq, wk, wv]), requires_grad=False)
-        self.wo = nn.Parameter(wo, requires_grad=False)
+        self.wqkv = Linear(torch.cat([wq, wk, wv]), packed)
+        self.wo = Linear(wo, packed)
         self.hq, self.hkv, self.dh = c.num_q_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim**-0.5
 
@@ -105,7 +156,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [T, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, Dh] views of the pool
         t = x.shape[0]
-        qkv = F.linear(x, self.wqkv).view(t, self.hq + 2 * self.hkv, self.dh)  # [T, Hq + 2 Hkv, Dh]
+        qkv = self.wqkv(x).view(t, self.hq + 2 * self.hkv, self.dh)  # [T, Hq + 2 Hkv, Dh]
         qk = apply_rope(qkv[:, : self.hq + self.hkv], meta.cos, meta.sin)  # queries and keys at once
         q, k = qk.split([self.hq, self.hkv], dim=1)  # [T, Hq, Dh], [T, Hkv, Dh] (row-strided views)
         v = qkv[:, self.hq + self.hkv :]  # [T, Hkv, Dh]
@@ -123,29 +174,29 @@ class Attention(nn.Module):
         )  # [T, Hq, Dh]
         if meta.attention_seconds is not None:
             meta.attention_seconds[0] += time.perf_counter() - t0
-        return F.linear(o.reshape(t, self.hq * self.dh), self.wo)  # [T, D]
+        return self.wo(o.reshape(t, self.hq * self.dh))  # [T, D]
 
 
 class MLP(nn.Module):
-    def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, packed: bool) -> None:
         super().__init__()
-        self.w_gate_up = nn.Parameter(torch.cat([w_gate, w_up]), requires_grad=False)
-        self.w_down = nn.Parameter(w_down, requires_grad=False)
+        self.w_gate_up = Linear(torch.cat([w_gate, w_up]), packed)
+        self.w_down = Linear(w_down, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
-        gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)  # [T, I] each
-        return F.linear(F.silu(gate) * up, self.w_down)  # [T, D]
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # [T, I] each
+        return self.w_down(F.silu(gate) * up)  # [T, D]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, w: Weights, i: int) -> None:
+    def __init__(self, c: ModelConfig, w: Weights, i: int, packed: bool) -> None:
         super().__init__()
         p = f"layers.{i}."
         self.attn_norm = RMSNorm(w[p + "attn_norm"], c.rms_norm_eps)
-        self.attn = Attention(c, w[p + "wq"], w[p + "wk"], w[p + "wv"], w[p + "wo"])
+        self.attn = Attention(c, w[p + "wq"], w[p + "wk"], w[p + "wv"], w[p + "wo"], packed)
         self.mlp_norm = RMSNorm(w[p + "mlp_norm"], c.rms_norm_eps)
-        self.mlp = MLP(w[p + "w_gate"], w[p + "w_up"], w[p + "w_down"])
+        self.mlp = MLP(w[p + "w_gate"], w[p + "w_up"], w[p + "w_down"], packed)
 
     def forward(
         self, x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: StepMeta
@@ -183,14 +234,14 @@ class LlamaForPagedLM(nn.Module):
             for k, v in weights.items()
             if k != "rope_freqs"
         }
+        packed = packed_linear_wanted(self.device, dtype)
         self.embed = nn.Parameter(w["embed"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, w, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(w["norm"], config.rms_norm_eps)
-        self.lm_head = (
-            self.embed
-            if config.tie_word_embeddings
-            else nn.Parameter(w["lm_head"], requires_grad=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, w, i, packed) for i in range(config.num_layers)
         )
+        self.norm = RMSNorm(w["norm"], config.rms_norm_eps)
+        # Tied: the head shares the embedding's values (a packed copy when packing).
+        self.lm_head = Linear(w["embed"] if config.tie_word_embeddings else w["lm_head"], packed)
         self.register_buffer(
             "inv_freq",
             rope_inv_freq(config, weights.get("rope_freqs")).to(self.device),
@@ -247,7 +298,7 @@ class LlamaForPagedLM(nn.Module):
         #: Seconds the last forward spent writing K/V and in paged attention (0 on CUDA: not timed).
         self.last_attention_seconds = meta.attention_seconds[0] if meta.attention_seconds else 0.0
         x = self.norm(x[logits_indices])  # [S', D]
-        return F.linear(x, self.lm_head).float()  # [S', vocab]
+        return self.lm_head(x).float()  # [S', vocab]
 
 
 def _check_shapes(c: ModelConfig, w: Weights) -> None:

@@ -30,6 +30,7 @@ from compute_service.weights import (
 DECODE_STEPS = 32
 REL_ATOL = 1e-3
 TIE_MARGIN = 1e-4
+BATCH_REL_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +138,11 @@ def test_batch_matches_solo_runs(ours, hf_tokenizer):
     for s in range(4):
         toks, logits = solo[s]
         assert got[s][0] == toks, f"seq {s}: batched tokens differ from its solo run"
+        # Same arithmetic, but a matmul over more rows may order its sums differently: equal to
+        # fp32 rounding accumulated over 30 layers: within 1e-5 of the largest logit.
+        atol = BATCH_REL_ATOL * float(logits.abs().max())
         torch.testing.assert_close(
-            torch.stack(got[s][1]), logits, atol=1e-4, rtol=0, msg=lambda m, s=s: f"seq {s}: {m}"
+            torch.stack(got[s][1]), logits, atol=atol, rtol=0, msg=lambda m, s=s: f"seq {s}: {m}"
         )
 
 
