@@ -17,6 +17,10 @@ Columns:
   wrapping the kernels the model calls); RPC ms: Step wall - the worker's step_seconds (gRPC,
   protobuf, the request's parsing and validation are inside step_seconds; this is the transport).
 
+The worker's projections run through oneDNN's packed matmul and its decode attention through the
+native CPU kernel; `--no-packed-linear` (F.linear, as transformers) and `--no-native` (gather +
+SDPA) turn each off in the worker and in this process, to show what each is worth.
+
 Usage: `python benchmarks/bench_worker.py [--quick] [--out PATH] [--steps N]`. Prints a table and
 writes JSON (default benchmarks/results/bench_worker.json) with the machine (CPU, cores, torch).
 Timing on a shared machine is noisy: warm-up steps, then medians.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -231,8 +236,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps per case")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the worker and this process")
+    ap.add_argument("--no-packed-linear", action="store_true",
+                    help="the worker's projections through F.linear (MKL), as transformers', not oneDNN's packed matmul")
+    ap.add_argument("--no-native", action="store_true", help="the worker's CPU attention on the torch path (gather + SDPA)")
     args = ap.parse_args(argv)
     env = {}
+    if args.no_packed_linear:
+        env["PAGEDKV_PACKED_LINEAR"] = os.environ["PAGEDKV_PACKED_LINEAR"] = "0"
+    if args.no_native:
+        env["PAGEDKV_NATIVE_CPU"] = os.environ["PAGEDKV_NATIVE_CPU"] = "0"
     if args.threads:
         torch.set_num_threads(args.threads)
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -297,7 +309,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 worker.stop()
             memory.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {**machine(), "torch_threads": torch.get_num_threads(), "steps": steps, "warmup_steps": WARMUP_STEPS, "block_size": BLOCK_SIZE}
+    meta = {**machine(), "torch_threads": torch.get_num_threads(), "steps": steps, "warmup_steps": WARMUP_STEPS,
+            "block_size": BLOCK_SIZE, "packed_linear": not args.no_packed_linear,
+            "native_cpu_kernels": not args.no_native and kernels.cpu_native.available()}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"machine: {meta['cpu']}, {meta['cores']} cores, torch {meta['torch']}")
     print(f"wrote {args.out}")
