@@ -47,7 +47,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_kernels.py --quick
 	$(PY) benchmarks/bench_worker.py --quick
 	$(PY) benchmarks/bench_memory.py
-	$(PY) benchmarks/bench_throughput.py --threads 1
+	$(PY) benchmarks/bench_throughput.py
 	$(PY) benchmarks/bench_sharing.py
 	$(PY) benchmarks/bench_overhead.py
 	$(PY) benchmarks/bench_prefix.py
