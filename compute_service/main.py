@@ -95,7 +95,8 @@ def _torch_device(device: str, desc: mpb.PoolDescriptor) -> str:
 async def watch_memory_service(address: str, worker: Worker, health, compute: Executor) -> None:
     """Follow the memory service: drop the pool when it stops, map the new one when it is back.
 
-    Mapping and dropping run on `compute`, the worker's one compute thread.
+    Mapping and dropping run on `compute`, the worker's one compute thread, so they wait for a
+    step in flight; `pool_lost` is set first, from here, so that step's results are void.
     """
     loop = asyncio.get_running_loop()
     channel = grpc.aio.insecure_channel(address)
@@ -108,6 +109,7 @@ async def watch_memory_service(address: str, worker: Worker, health, compute: Ex
                     break
                 desc = (await memory.GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=5)).pool
                 if worker.pool is None or desc.generation != worker.pool.generation:
+                    worker.pool_lost.set()  # now, not when the compute thread gets to it: voids a step in flight
                     await loop.run_in_executor(compute, _remap, worker, desc)
                     await health.set("", health_pb2.HealthCheckResponse.SERVING)
                     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -117,6 +119,7 @@ async def watch_memory_service(address: str, worker: Worker, health, compute: Ex
             log.warning("pool_lost", memory=address, generation=worker.pool.generation)
             await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            worker.pool_lost.set()  # a step in flight returns no results computed on the dropped pool
             await loop.run_in_executor(compute, worker.set_pool, None)
         await asyncio.sleep(0.5)
 

@@ -39,7 +39,7 @@ _BUILD_TIMEOUT_S = 120
 _lock = threading.Lock()
 _lib = None  # the loaded library, once built
 _tried = False
-#: Why the native kernel is not in use (None while it is, or before the first try).
+#: Why the native kernels are not in use (None while it is, or before the first try).
 unavailable_reason: str | None = None
 _forced: bool | None = None  # set by `use_native`
 
@@ -95,7 +95,7 @@ def _build() -> Path:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-    raise RuntimeError("building the CPU decode kernel failed: " + " | ".join(errors))
+    raise RuntimeError("building the native CPU kernels failed: " + " | ".join(errors))
 
 
 def _load():
@@ -122,7 +122,7 @@ def _load():
 
 
 def available() -> bool:
-    """True when the native kernel is built and loaded (builds it on the first call)."""
+    """True when the native kernels are built and loaded (builds them on the first call)."""
     if _forced is False:
         return False
     return _load() is not None
@@ -130,7 +130,7 @@ def available() -> bool:
 
 @contextlib.contextmanager
 def use_native(enabled: bool):
-    """Force the native kernel off (False) or back to its default (True) inside the block (tests,
+    """Force the native kernels off (False) or back to their default (True) inside the block (tests,
     benchmarks). Plans built inside the block keep the choice they were built with."""
     global _forced
     before, _forced = _forced, None if enabled else False
@@ -173,7 +173,7 @@ def paged_decode(
     block it reads is inside the cache.
 
     Raises:
-        RuntimeError: the native kernel is not available.
+        RuntimeError: the native kernels are not available.
         ValueError: a block table names a block outside [0, num_blocks).
         MemoryError: a thread could not allocate its score buffer.
     """

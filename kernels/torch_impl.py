@@ -20,8 +20,9 @@ duplicates are then masked out. Softmax and accumulation run in fp32.
 per step by `kernels.plan.plan_attention`, and each layer gathers the groups' context rows from a
 flat row view of the pool into a reused workspace and runs one padded batched
 `scaled_dot_product_attention` per group; decode rows go to the native CPU kernel when it is
-built (`kernels.cpu_native`), which reads their blocks in place instead. `paged_attention` (below) is the general path, used
-when a caller forces context chunks or the cache layout has no flat row view.
+built (`kernels.cpu_native`), which reads their blocks in place instead. `paged_attention`
+(below) is the general path, used when a caller forces context chunks or the cache layout has no
+flat row view.
 """
 
 from __future__ import annotations
