@@ -1,7 +1,8 @@
 """Paged KV-cache kernels: attention that reads keys and values through a block table.
 
 PagedAttention (Kwon et al., SOSP 2023, §4.1). Triton kernels on CUDA; the same ops as vectorized
-torch on CPU. Every op takes `backend=None|"triton"|"torch"`; None picks Triton for CUDA tensors.
+torch on CPU, where fp32 decode attention and cache writes go to small native C kernels when the
+host can build them (`kernels.cpu_native`). Every op takes `backend=None|"triton"|"torch"`; None picks Triton for CUDA tensors.
 Triton is imported only when a Triton op runs. `plan_attention` does a step's host work once
 (grouping, gather indices, checks) for every layer's attention call (FlashInfer's plan/run).
 
