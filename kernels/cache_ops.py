@@ -54,6 +54,7 @@ def reshape_and_cache(
         if (
             slot_mapping.is_contiguous()
             and cpu_native.supports(key, key_cache, value_cache)
+            and cpu_native.supports(value, key_cache, value_cache)
             and cpu_native.available()
         ):
             cpu_native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)

@@ -174,14 +174,23 @@ def paged_decode(
 
     Raises:
         RuntimeError: the native kernels are not available.
-        ValueError: a block table names a block outside [0, num_blocks).
+        ValueError: tensors of the wrong dtype or layout; a block table names a block outside
+            [0, num_blocks); a seq_len needs more blocks than its table row holds.
         MemoryError: a thread could not allocate its score buffer.
     """
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the native CPU kernels are not available: {unavailable_reason}")
-    if out.shape != query.shape or out.dtype != torch.float32 or out.stride()[1:] != query.stride()[1:]:
+    if out.shape != query.shape or not supports(out, key_cache, value_cache):
         raise ValueError("out must be fp32, shaped as the query, each row's heads dense")
+    if (
+        block_tables.dtype != torch.int32
+        or seq_lens.dtype != torch.int32
+        or seq_index.dtype != torch.int64
+        or q_index.dtype != torch.int64
+        or not all(t.is_contiguous() and t.device.type == "cpu" for t in (block_tables, seq_lens, seq_index, q_index))
+    ):
+        raise ValueError("block_tables and seq_lens must be int32, seq_index and q_index int64, all contiguous on cpu")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     rc = lib.paged_decode_f32(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
@@ -192,6 +201,8 @@ def paged_decode(
     )  # fmt: skip
     if rc == 2:
         raise ValueError(f"a block table names a block outside the cache [0, {num_blocks})")
+    if rc == 3:
+        raise ValueError(f"a seq_len needs more blocks than a block table row holds ({block_tables.shape[1]})")
     if rc:
         raise MemoryError("the CPU decode kernel could not allocate its score buffers")
 

@@ -145,7 +145,8 @@ def plan_attention(
 
     Raises:
         ValueError: bad shapes/dtypes/devices; on the torch path also new tokens > seq_len,
-            query_start_loc not starting at 0, or a seq_len past the block table.
+            query_start_loc not starting at 0, a seq_len past the block table, or an int64
+            block id to be read that does not fit in int32.
     """
     if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -177,6 +178,17 @@ def plan_attention(
         raise ValueError(f"query_start_loc must start at 0, got {int(qsl[0])}")
     q_lens = qsl[1:] - qsl[:-1]
     check_host_lengths(lens, q_lens, block_size, block_tables.shape[1])
+    if block_tables.dtype == torch.int64 and block_tables.numel():
+        # The int32 copy must not wrap an id that will be read into another, valid one.
+        read = torch.arange(block_tables.shape[1])[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+        ids = block_tables.to("cpu")[read]
+        if ids.numel() and (int(ids.min()) < -(2**31) or int(ids.max()) >= 2**31):
+            raise ValueError("block ids must fit in int32")
+    # The plan keeps its own copies: a caller changing its tensors in place cannot desync it.
+    bt32, qsl32, sl32 = (
+        t.clone() if t.data_ptr() == src.data_ptr() else t
+        for t, src in ((bt32, block_tables), (qsl32, query_start_loc), (sl32, seq_lens))
+    )
     native = block_tables.device.type == "cpu" and cpu_native.available()
     groups, decode = _make_groups(block_tables, qsl, q_lens, lens, block_size, native)
     max_tokens = max((g.num_seqs * g.ctx_pad for g in groups), default=0)

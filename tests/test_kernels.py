@@ -377,3 +377,39 @@ def test_kernels_import_without_triton():
         "kernels.paged_decode_attention(q, kc, kc, bt, sl, 0.125)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_native_edges_fall_back_or_match_the_torch_path(native_only):
+    # Inputs the native kernels must not mishandle: each gives the torch path's answer or its error.
+    gen = torch.Generator().manual_seed(11)
+    pool = torch.randn(6, 1, 2, 4, 2, 8, generator=gen)
+    kc, vc = pool[:, 0, 0], pool[:, 0, 1]
+    # Values whose heads are not dense: the cache write falls back to the torch path.
+    key = torch.randn(3, 2, 8, generator=gen)
+    value = torch.randn(3, 2, 2, 8, generator=gen)[:, :, 0]
+    slots = torch.tensor([0, 5, 22])
+    kernels.reshape_and_cache(key, value, kc, vc, slots)
+    assert torch.equal(vc[slots // 4, slots % 4], value)
+    # One query head with a transposed head stride.
+    one = make_case([6, 3], [1, 1], 1, 1, 8, 4, torch.float32, seed=2)
+    q = torch.empty_strided((2, 1, 8), (8, 16, 1)).copy_(one.query)
+    assert q.stride(1) != q.shape[2]
+    args = (one.key_cache, one.value_cache, one.block_tables, one.seq_lens, one.scale)
+    out = kernels.paged_decode_attention(q, *args)
+    check(out, reference(one), torch.float32, "single head, strided")
+    # An int64 block id that an int32 copy would wrap onto a valid block.
+    bt = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    sl = torch.tensor([6, 3], dtype=torch.int32)
+    wide = bt.long()
+    wide[0, 0] = 2**32 + 1
+    with pytest.raises(ValueError, match="int32"):
+        kernels.paged_decode_attention(torch.randn(2, 2, 8), kc, vc, wide, sl, 0.5)
+    # A first block whose scores all overflow to -inf weighs 0 (no NaN), as on the torch path.
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2[1] = -1e30
+    q = torch.full((2, 2, 8), 1e30)
+    got = kernels.paged_decode_attention(q, kc2, vc2, bt, sl, 1.0)
+    with cpu_native.use_native(False):
+        want = kernels.paged_decode_attention(q, kc2, vc2, bt, sl, 1.0)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want)

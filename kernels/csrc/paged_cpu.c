@@ -92,7 +92,8 @@ typedef struct {
  * A block's keys and values for one layer sit next to each other in the block-major pool, so the
  * pass streams each block's bytes front to back.
  * scratch: [heads * block_size] scores, then probabilities; m, l: [heads] (query heads).
- * Returns 0, or 2 when the block table names a block outside the cache (nothing is read). */
+ * Returns 0; 2 when the block table names a block outside the cache, 3 when the sequence is
+ * longer than its table row (nothing is read then). block_tables rows are table_stride wide. */
 static int attend(const job_t *j, int64_t item, float *scratch, float *m, float *l) {
   const int64_t items_per_row = j->hk / j->heads_per_item;
   const int64_t row = item / items_per_row, h0 = item % items_per_row * j->heads_per_item;
@@ -103,6 +104,7 @@ static int attend(const job_t *j, int64_t item, float *scratch, float *m, float 
   float *out = j->out + j->q_index[row] * j->out_stride + h0 * group * d;  /* [heads, d] */
   const int64_t num_table_blocks = (len + bs - 1) / bs;
   const int64_t bs_w = (bs + W - 1) / W * W;
+  if (num_table_blocks > j->table_stride) return 3;
   for (int64_t b = 0; b < num_table_blocks; b++)
     if (table[b] < 0 || table[b] >= j->num_blocks) return 2;
 
@@ -127,8 +129,10 @@ static int attend(const job_t *j, int64_t item, float *scratch, float *m, float 
       for (int64_t o = end; o < bs_w; o++) p[o] = -INFINITY;  /* exp8 gives 0 there */
       float mb = m[x];
       for (int64_t o = 0; o < end; o++) mb = p[o] > mb ? p[o] : mb;
-      const float alpha = expf(m[x] - mb);  /* 0 on the first block (m = -inf) */
-      const v8f mv = splat(mb);
+      /* Scores of -inf so far (fp32 overflow): subtract 0 instead, so they weigh 0, not NaN. */
+      const float msub = mb == -INFINITY ? 0.0f : mb;
+      const float alpha = m[x] == -INFINITY ? 0.0f : expf(m[x] - msub);
+      const v8f mv = splat(msub);
       v8f sum = splat(0.0f);
       for (int64_t o = 0; o < bs_w; o += W) {
         const v8f e = exp8(*(v8f *)(p + o) - mv);
@@ -145,14 +149,15 @@ static int attend(const job_t *j, int64_t item, float *scratch, float *m, float 
         axpy(out + x * d, scratch[x * bs_w + o], vb + o * j->v_s1 + (x / group) * j->v_s2, d);
   }
   for (int64_t x = 0; x < heads; x++) {
-    const float inv = 1.0f / l[x];
+    const float inv = l[x] > 0.0f ? 1.0f / l[x] : 0.0f;  /* every score -inf: 0, as the torch path */
     for (int64_t i = 0; i < d; i++) out[x * d + i] *= inv;
   }
   return 0;
 }
 
 /* Returns 0; 1 when a thread could not allocate its scratch; 2 when a block table names a
- * block outside [0, num_blocks). On an error some rows of out are left unwritten. */
+ * block outside [0, num_blocks); 3 when a seq_len needs more blocks than a table row holds. On an
+ * error some rows of out are left unwritten. */
 int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
                      const int32_t *tables, const int32_t *lens, const int64_t *seq_index,
                      const int64_t *q_index, int64_t n, int64_t hq, int64_t hk, int64_t d,
