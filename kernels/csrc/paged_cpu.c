@@ -91,7 +91,7 @@ typedef struct {
  * scores raise the running max, the accumulator is rescaled, then the block's values are added).
  * A block's keys and values for one layer sit next to each other in the block-major pool, so the
  * pass streams each block's bytes front to back.
- * scratch: [heads * block_size] scores, then probabilities; m, l: [heads] (query heads).
+ * scratch: [heads * round_up(block_size, W)] scores, then probabilities; m, l: [heads] (query heads).
  * Returns 0; 2 when the block table names a block outside the cache, 3 when the sequence is
  * longer than its table row (nothing is read then). block_tables rows are table_stride wide. */
 static int attend(const job_t *j, int64_t item, float *scratch, float *m, float *l) {
