@@ -95,10 +95,8 @@ def _torch_device(device: str, desc: mpb.PoolDescriptor) -> str:
 async def watch_memory_service(address: str, worker: Worker, health, compute: Executor) -> None:
     """Follow the memory service: drop the pool when it stops, map the new one when it is back.
 
-    Mapping and dropping run on `compute`, the worker's one compute thread, so they wait for a
-    step in flight; `pool_lost` is set first, from here, so that step's results are void.
+    Mapping and dropping run on `compute`, the worker's one compute thread (see `swap_pool`).
     """
-    loop = asyncio.get_running_loop()
     channel = grpc.aio.insecure_channel(address)
     stub = health_pb2_grpc.HealthStub(channel)
     memory = mpb_grpc.MemoryServiceStub(channel)
@@ -109,8 +107,7 @@ async def watch_memory_service(address: str, worker: Worker, health, compute: Ex
                     break
                 desc = (await memory.GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=5)).pool
                 if worker.pool is None or desc.generation != worker.pool.generation:
-                    worker.pool_lost.set()  # now, not when the compute thread gets to it: voids a step in flight
-                    await loop.run_in_executor(compute, _remap, worker, desc)
+                    await swap_pool(worker, compute, _remap, worker, desc)
                     await health.set("", health_pb2.HealthCheckResponse.SERVING)
                     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         except grpc.aio.AioRpcError as e:
@@ -119,9 +116,18 @@ async def watch_memory_service(address: str, worker: Worker, health, compute: Ex
             log.warning("pool_lost", memory=address, generation=worker.pool.generation)
             await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-            worker.pool_lost.set()  # a step in flight returns no results computed on the dropped pool
-            await loop.run_in_executor(compute, worker.set_pool, None)
+            await swap_pool(worker, compute, worker.set_pool, None)
         await asyncio.sleep(0.5)
+
+
+async def swap_pool(worker: Worker, compute: Executor, fn, *args) -> None:
+    """Run `fn(*args)`, a pool drop or remap, on the compute thread, after the step in flight there.
+
+    `pool_lost` is set first, from the caller's thread: that step then returns no results computed
+    on the pool being dropped (it fails with FAILED_PRECONDITION); `Worker.set_pool` clears it.
+    """
+    worker.pool_lost.set()
+    await asyncio.get_running_loop().run_in_executor(compute, fn, *args)
 
 
 def _remap(worker: Worker, desc: mpb.PoolDescriptor) -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
 import time
+import types
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 from conftest import pagedkv_process
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -78,3 +83,46 @@ def test_worker_follows_a_memory_service_restart(tmp_path):
     finally:
         worker.stop()
         first.stop()
+
+
+class _SlowModel:
+    """Stands in for the decoder: sleeps through its forward, returns fixed logits."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, seconds: float, vocab: int):
+        self.seconds, self.vocab, self.started = seconds, vocab, threading.Event()
+
+    def __call__(self, input_ids, positions, pool, slots, tables, qsl, seq_lens, logits_indices):
+        self.started.set()
+        time.sleep(self.seconds)
+        logits = torch.zeros(len(logits_indices), self.vocab)
+        logits[:, 7] = 1.0
+        return logits
+
+
+async def test_pool_drop_voids_the_step_in_flight():
+    # The memory service goes away while a step computes: the drop waits for the step (one compute
+    # thread), and the step must not return tokens computed on the pool being dropped.
+    from compute_service.main import swap_pool
+    from compute_service.worker import Worker
+    from pagedkv.errors import FailedPreconditionError
+
+    layout = mpb.PoolLayout(block_size=4, num_blocks=8)
+    pool = types.SimpleNamespace(
+        descriptor=mpb.PoolDescriptor(layout=layout), generation=3, tensor=None, close=lambda: None
+    )
+    model = _SlowModel(1.0, vocab=32)
+    worker = Worker(model, types.SimpleNamespace(vocab_size=32), pool)
+    request = cpb.StepRequest(pool_generation=3, sequences=[cpb.StepSequence(
+        seq_id=0, token_ids=[1, 2], positions=[0, 1], block_ids=[5])])
+    with ThreadPoolExecutor(max_workers=1) as compute:
+        loop = asyncio.get_running_loop()
+        assert (await loop.run_in_executor(compute, worker.step, request)).results[0].token_id == 7
+        model.started.clear()
+        in_flight = loop.run_in_executor(compute, worker.step, request)
+        await loop.run_in_executor(None, model.started.wait, 10)
+        await swap_pool(worker, compute, worker.set_pool, None)
+        with pytest.raises(FailedPreconditionError, match="went away during this step"):
+            await in_flight
+    assert worker.pool is None and not worker.pool_lost.is_set()
