@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-full protos bench bench-peers clean
+.PHONY: install demo test test-full protos bench bench-paper bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_sharing.py
 	$(PY) benchmarks/bench_overhead.py
 	$(PY) benchmarks/bench_prefix.py
+
+# Throughput in the vLLM paper's own setting (full ShareGPT-like lengths, sequences of at most
+# 2048 tokens, Orca-Max reserving 2048): about 10 minutes on 2 cores, so not part of `make bench`.
+bench-paper: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_throughput.py --scale 1 --max-prompt 1024 --max-output 1024 --skip-hf \
+		--result-name bench_throughput_paper
 
 # llama.cpp as a speed peer on the same GGUF: builds llama-cpp-python from source first (~7 min),
 # with portable CPU flags (a native build dies with "Illegal instruction" on some CPUs).
