@@ -193,6 +193,12 @@ def main() -> int:
                     help="policies to run, in this order (comma-separated; default all: %(default)s)")
     ap.add_argument("--result-name", default="bench_throughput", help="results file stem (benchmarks/results/NAME.json)")
     args = ap.parse_args()
+    if args.max_prompt < 4 or args.max_output < 2:
+        ap.error("--max-prompt must be >= 4 and --max-output >= 2 (the trace's shortest request)")
+    if (args.num_requests is not None and args.num_requests < 1) or (args.scale is not None and args.scale <= 0):
+        ap.error("--num-requests must be >= 1 and --scale > 0")
+    if not args.result_name or Path(args.result_name).name != args.result_name:
+        ap.error(f"--result-name is a file stem, not a path: {args.result_name!r}")
     if args.max_model_len is None:
         args.max_model_len = args.max_prompt + args.max_output
     known = dict(POLICIES)
