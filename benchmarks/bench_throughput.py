@@ -23,7 +23,8 @@ mix. Paged runs can still preempt when long requests meet. ``--max-model-len`` (
 ``--max-prompt`` + ``--max-output``, 256) is the largest prompt + output the trace allows, not the
 model's 8192-token context: reserving 8192 would be the flattering choice. The paper's own setting,
 full ShareGPT lengths in sequences of at most 2048 tokens with Orca-Max reserving 2048, is
-``--scale 1 --max-prompt 1024 --max-output 1024`` (for a GPU: hours on 2 CPU cores). The memory service runs with prefix caching off,
+``--scale 1 --max-prompt 1024 --max-output 1024`` (``make bench-paper``, with ``--skip-hf``: about
+10 minutes on 2 CPU cores). The memory service runs with prefix caching off,
 so no policy reuses another's prompts. ``--threads`` sets the torch threads of the worker and of
 the transformers run alike (default: torch's default, one per core); when other jobs load the
 machine, OpenMP threads that spin on oversubscribed cores slow both a lot, and 1 is fairer.
