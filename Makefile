@@ -55,8 +55,7 @@ bench: $(BENCH_STAMP)
 # Throughput in the vLLM paper's own setting (full ShareGPT-like lengths, sequences of at most
 # 2048 tokens, Orca-Max reserving 2048): about 10 minutes on 2 cores, so not part of `make bench`.
 bench-paper: $(BENCH_STAMP)
-	$(PY) benchmarks/bench_throughput.py --scale 1 --max-prompt 1024 --max-output 1024 --skip-hf \
-		--result-name bench_throughput_paper
+	$(PY) benchmarks/bench_throughput.py --paper --skip-hf --result-name bench_throughput_paper
 
 # llama.cpp as a speed peer on the same GGUF: builds llama-cpp-python from source first (~7 min),
 # with portable CPU flags (a native build dies with "Illegal instruction" on some CPUs).

@@ -4,8 +4,9 @@ llama.cpp runs the Q4_1 weights with its own quantized arithmetic, so its greedy
 the fp32 reference: this is a speed comparison only, never a correctness reference. Its Python API
 serves one stream at a time, so it runs the requests one after another; pagedkv runs the same
 requests single-stream (batch cap 1) and with continuous batching (batch cap 16, in a pool large
-enough that memory is not the limit, unlike bench_throughput's budget). Same requests as bench_throughput (ShareGPT-like lengths scaled by 0.25,
-greedy, exactly max_tokens new tokens each: llama.cpp's end-of-sequence token is not honoured).
+enough that memory is not the limit, unlike bench_throughput's budget). Same requests as
+bench_throughput (ShareGPT-like lengths scaled by 0.25, greedy, exactly max_tokens new tokens each:
+llama.cpp's end-of-sequence token is not honoured).
 
 Not part of ``make bench``: ``make bench-peers`` builds llama-cpp-python first (about 7 minutes on
 2 cores) with portable CPU flags, since a native build dies with "Illegal instruction" here:

@@ -23,8 +23,8 @@ mix. Paged runs can still preempt when long requests meet. ``--max-model-len`` (
 ``--max-prompt`` + ``--max-output``, 256) is the largest prompt + output the trace allows, not the
 model's 8192-token context: reserving 8192 would be the flattering choice. The paper's own setting,
 full ShareGPT lengths in sequences of at most 2048 tokens with Orca-Max reserving 2048, is
-``--scale 1 --max-prompt 1024 --max-output 1024`` (``make bench-paper``, with ``--skip-hf``: about
-10 minutes on 2 CPU cores). The memory service runs with prefix caching off,
+``--paper`` (``--scale 1 --max-prompt 1024 --max-output 1024``; ``make bench-paper`` adds
+``--skip-hf``: about 10 minutes on 2 CPU cores). The memory service runs with prefix caching off,
 so no policy reuses another's prompts. ``--threads`` sets the torch threads of the worker and of
 the transformers run alike (default: torch's default, one per core); when other jobs load the
 machine, OpenMP threads that spin on oversubscribed cores slow both a lot, and 1 is fairer.
@@ -177,10 +177,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10 requests at scale 0.2")
     ap.add_argument("--num-requests", type=int, default=None, help="requests (default 32; quick 10)")
-    ap.add_argument("--scale", type=float, default=None, help="length scale vs the paper's ShareGPT means (default 0.25)")
+    ap.add_argument("--scale", type=float, default=None,
+                    help="length scale vs the paper's ShareGPT means (default 0.25; quick 0.2; --paper 1)")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="batch cap for every policy and HF's static batch")
-    ap.add_argument("--max-prompt", type=int, default=128, help="prompt length cap (tokens)")
-    ap.add_argument("--max-output", type=int, default=128, help="output length cap (tokens)")
+    ap.add_argument("--max-prompt", type=int, default=None, help="prompt length cap, tokens (default 128; --paper 1024)")
+    ap.add_argument("--max-output", type=int, default=None, help="output length cap, tokens (default 128; --paper 1024)")
+    ap.add_argument("--paper", action="store_true",
+                    help="the vLLM paper's setting: full lengths, sequences <= 2048 tokens, Orca-Max reserving 2048")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="tokens orca-max reserves per request (default max-prompt + max-output)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -194,6 +197,9 @@ def main() -> int:
                     help="policies to run, in this order (comma-separated; default all: %(default)s)")
     ap.add_argument("--result-name", default="bench_throughput", help="results file stem (benchmarks/results/NAME.json)")
     args = ap.parse_args()
+    cap = 1024 if args.paper else 128
+    args.max_prompt = cap if args.max_prompt is None else args.max_prompt
+    args.max_output = cap if args.max_output is None else args.max_output
     if args.max_prompt < 4 or args.max_output < 2:
         ap.error("--max-prompt must be >= 4 and --max-output >= 2 (the trace's shortest request)")
     if (args.num_requests is not None and args.num_requests < 1) or (args.scale is not None and args.scale <= 0):
@@ -207,7 +213,7 @@ def main() -> int:
     if not policies or any(x not in known for x in policies):
         ap.error(f"--policies takes a comma-separated subset of {', '.join(known)}, got {args.policies!r}")
     n = args.num_requests or (10 if args.quick else 32)
-    scale = args.scale or (0.2 if args.quick else 0.25)
+    scale = args.scale or (1.0 if args.paper else 0.2 if args.quick else 0.25)
 
     tok = load_tokenizer(args.model)
     prompts = trace_prompts(tok, "sharegpt", n, args.seed, scale=scale, max_prompt=args.max_prompt,

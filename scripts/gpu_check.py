@@ -515,7 +515,7 @@ THROUGHPUT_RUNS = {
     "quick": [("scale 0.25 (the CPU table's setting)", [])],
     "full": [
         ("scale 0.25 (the CPU table's setting)", []),
-        ("the paper's setting", ["--scale", "1", "--max-prompt", "1024", "--max-output", "1024"]),
+        ("the paper's setting", ["--paper"]),
     ],
 }
 
