@@ -185,12 +185,17 @@ def table(title: str, header: list[str], rows: list[list], widths: list[int] | N
     return text
 
 
+def shown(path: Path) -> Path:
+    """``path`` relative to the repository when it lies inside it (for messages)."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def write_result(name: str, result: dict) -> Path:
     """Write ``benchmarks/results/<name>.json``."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(result, indent=2, default=float))
-    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    print(f"wrote {shown(out)}")
     return out
 
 
@@ -212,4 +217,4 @@ def save_plot(fig, name: str) -> None:
     out = RESULTS / f"{name}.png"
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    print(f"wrote {shown(out)}")
