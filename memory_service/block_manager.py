@@ -29,7 +29,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from memory_service.block_pool import BlockPool
-from memory_service.prefix_cache import CacheKey, block_hash, chain_hashes
+from memory_service.block_hash import CacheKey, block_hash, chain_hashes
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from pagedkv.logs import get_logger
 

@@ -11,7 +11,7 @@ import asyncio
 
 from memory_service.block_manager import Allocation, BlockManager, KvEvent, OutOfBlocks, Sequence
 from memory_service.pool import Pool
-from memory_service.prefix_cache import CacheKey
+from memory_service.block_hash import CacheKey
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, OutOfBlocksError
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
