@@ -22,23 +22,21 @@ from __future__ import annotations
 
 import itertools
 import time
-import uuid
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from memory_service.block_pool import BlockPool
 from memory_service.block_hash import CacheKey, block_hash, chain_hashes
-from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from memory_service.block_pool import BlockPool
+from memory_service.leases import Lease, LeaseTable
+from pagedkv.errors import InvalidArgumentError, NotFoundError
 from pagedkv.logs import get_logger
 
 log = get_logger("block_manager")
 
 #: Most sequences one batched call may name (a bigger batch is malformed).
 MAX_BATCH = 65_536
-#: Expired lease ids remembered, so a late call says "expired" rather than "unknown".
-EXPIRED_LEASES_REMEMBERED = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,22 +99,6 @@ class KvEvent:
     token_ids: tuple[int, ...] = ()
 
 
-@dataclass(slots=True)
-class Lease:
-    """A client session owning sequences."""
-
-    #: Opaque id (uuid4 hex).
-    lease_id: str
-    #: Lifetime without keep-alive, seconds.
-    ttl: float
-    #: Clock time at which it expires.
-    expires_at: float
-    #: Free-form owner label.
-    owner: str = ""
-    #: Ids of its live sequences.
-    seq_ids: set[int] = field(default_factory=set)
-
-
 @dataclass(frozen=True, slots=True)
 class Stats:
     """Counters of :meth:`BlockManager.stats` (GetStats)."""
@@ -170,15 +152,10 @@ class BlockManager:
         prefix_caching: bool = True,
         max_events: int = 10_000,
     ):
-        if lease_ttl <= 0:
-            raise ValueError(f"lease_ttl must be > 0 seconds, got {lease_ttl}")
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
-        self.lease_ttl = lease_ttl
-        self.clock = clock
         self.sequences: dict[int, Sequence] = {}
-        self.leases: dict[str, Lease] = {}
-        self._expired: OrderedDict[str, float] = OrderedDict()
+        self.leases = LeaseTable(lease_ttl, self._free_lease_sequences, clock)
         self._next_seq_id = itertools.count()
         self._seq_high_water = 0
         self.allocation_failures = 0
@@ -193,66 +170,26 @@ class BlockManager:
 
     # ------------------------------------------------------------------ leases
     def create_lease(self, ttl: float | None = None, owner: str = "") -> Lease:
-        """Open a lease with ``ttl`` seconds (default: the manager's).
-
-        Raises:
-            InvalidArgumentError: ttl not in (0, 86400].
-        """
-        ttl = self.lease_ttl if ttl is None else ttl
-        if not 0 < ttl <= 86_400:
-            raise InvalidArgumentError(f"ttl_seconds must be in (0, 86400], got {ttl}")
-        self.expire_leases()
-        lease = Lease(uuid.uuid4().hex, ttl, self.clock() + ttl, owner)
-        self.leases[lease.lease_id] = lease
-        log.info("lease_created", lease_id=lease.lease_id, ttl=ttl, owner=owner)
-        return lease
+        """Open a lease (:meth:`LeaseTable.create`)."""
+        return self.leases.create(ttl, owner)
 
     def keep_alive(self, lease_id: str) -> float:
-        """Renew a lease for another TTL; returns seconds until it expires."""
-        lease = self._lease(lease_id)
-        lease.expires_at = self.clock() + lease.ttl
-        return lease.ttl
+        """Renew a lease (:meth:`LeaseTable.keep_alive`); returns seconds until it expires."""
+        return self.leases.keep_alive(lease_id)
 
     def release_lease(self, lease_id: str) -> int:
-        """Free every sequence of the lease and forget it; returns sequences freed."""
-        lease = self._lease(lease_id)
-        n = self._drop_lease(lease)
-        log.info("lease_released", lease_id=lease_id, freed_sequences=n)
-        return n
+        """Release a lease (:meth:`LeaseTable.release`); returns sequences freed."""
+        return self.leases.release(lease_id)
 
     def expire_leases(self) -> list[str]:
-        """Free the sequences of every lease past its TTL; returns their ids."""
-        now = self.clock()
-        expired = [lease for lease in self.leases.values() if lease.expires_at <= now]
-        for lease in expired:
-            n = self._drop_lease(lease)
-            self._expired[lease.lease_id] = now
-            if len(self._expired) > EXPIRED_LEASES_REMEMBERED:
-                self._expired.popitem(last=False)
-            log.info("lease_expired", lease_id=lease.lease_id, freed_sequences=n, owner=lease.owner)
-        return [lease.lease_id for lease in expired]
+        """Free the sequences of every lease past its TTL (:meth:`LeaseTable.expire`); returns their ids."""
+        return self.leases.expire()
 
-    def _drop_lease(self, lease: Lease) -> int:
+    def _free_lease_sequences(self, lease: Lease) -> int:
         seqs = [self.sequences[s] for s in sorted(lease.seq_ids)]
         for seq in seqs:
             self._free_one(seq)
-        del self.leases[lease.lease_id]
         return len(seqs)
-
-    def _lease(self, lease_id: str) -> Lease:
-        """The live lease ``lease_id`` (after expiring overdue ones)."""
-        if not lease_id:
-            raise InvalidArgumentError("lease_id is empty; call CreateLease first and pass its lease_id")
-        self.expire_leases()
-        lease = self.leases.get(lease_id)
-        if lease is not None:
-            return lease
-        if lease_id in self._expired:
-            raise FailedPreconditionError(
-                f"lease {lease_id} expired (no keep-alive within its TTL) and its sequences were "
-                "freed; create a new lease and allocate again"
-            )
-        raise NotFoundError(f"unknown lease {lease_id!r}; call CreateLease first")
 
     # ------------------------------------------------------------- sequences
     def get_sequence(self, seq_id: int) -> Sequence:
@@ -275,7 +212,7 @@ class BlockManager:
     def list_sequences(self, lease_id: str | None = None) -> list[Sequence]:
         """Live sequences by id, optionally only those of one lease."""
         if lease_id is not None:
-            return [self.sequences[s] for s in sorted(self._lease(lease_id).seq_ids)]
+            return [self.sequences[s] for s in sorted(self.leases.lookup(lease_id).seq_ids)]
         self.expire_leases()
         return [self.sequences[s] for s in sorted(self.sequences)]
 
@@ -338,7 +275,7 @@ class BlockManager:
                 token ids outside int32.
             NotFoundError / FailedPreconditionError: unknown / expired lease.
         """
-        lease = self._lease(lease_id)
+        lease = self.leases.lookup(lease_id)
         _check_batch(len(requests), "AllocateSequences")
         reqs = [r if isinstance(r, Allocation) else Allocation(r) for r in requests]
         bs = self.block_size
@@ -418,7 +355,7 @@ class BlockManager:
             InvalidArgumentError: empty batch, duplicate ids, a count < 1, growth past pool capacity.
             NotFoundError / FailedPreconditionError: unknown sequence or lease, expired lease.
         """
-        lease = self._lease(lease_id)
+        lease = self.leases.lookup(lease_id)
         seqs = self._owned(lease, (a[0] for a in appends), "AppendSlots")
         bs = self.block_size
         pool = self.pool
@@ -480,7 +417,7 @@ class BlockManager:
             InvalidArgumentError: empty or oversized batch.
             NotFoundError / FailedPreconditionError: unknown parent or lease, expired lease.
         """
-        lease = self._lease(lease_id)
+        lease = self.leases.lookup(lease_id)
         _check_batch(len(parent_ids), "ForkSequences")
         unique = list(dict.fromkeys(parent_ids))
         by_id = dict(zip(unique, self._owned(lease, unique, "ForkSequences")))
@@ -507,7 +444,7 @@ class BlockManager:
             NotFoundError: a sequence never allocated, or of another lease.
             FailedPreconditionError: the lease expired.
         """
-        lease = self._lease(lease_id)
+        lease = self.leases.lookup(lease_id)
         _check_batch(len(entries), "CommitComputedTokens")
         if len({s for s, _ in entries}) != len(entries):
             raise InvalidArgumentError("CommitComputedTokens: a sequence appears more than once in the batch")
@@ -568,7 +505,7 @@ class BlockManager:
             NotFoundError: a sequence unknown, already freed, or of another lease (nothing freed).
             FailedPreconditionError: the lease expired.
         """
-        lease = self._lease(lease_id)
+        lease = self.leases.lookup(lease_id)
         seqs = self._owned(lease, seq_ids, "FreeSequences")
         freed = sum(self._free_one(seq) for seq in seqs)
         if preempted:

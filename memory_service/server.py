@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
+from memory_service.block_hash import CacheKey
 from memory_service.block_manager import Allocation, BlockManager, KvEvent, OutOfBlocks, Sequence
 from memory_service.pool import Pool
-from memory_service.block_hash import CacheKey
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, OutOfBlocksError
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb

@@ -176,7 +176,7 @@ def test_double_free_is_an_error(m: BlockManager):
 
 
 def test_lease_expiry_frees_everything(m: BlockManager):
-    clock = m.clock
+    clock = m.leases.clock
     lease = m.create_lease(ttl=5).lease_id
     keep = m.create_lease(ttl=5).lease_id
     (a,) = m.allocate(lease, [10])

@@ -1,0 +1,146 @@
+"""Leases: client sessions that own sequences, each renewed by keep-alive within its TTL.
+
+A lease that is released, or that sees no keep-alive within its TTL, is
+dropped: the table calls ``on_drop(lease)``, which frees every sequence the
+lease owns (the block manager passes its own), so no client crash leaks
+blocks. Expiry is lazy (checked at each lookup) plus periodic
+(:meth:`LeaseTable.expire` from a background task). Recently expired ids are
+remembered so a late call says "expired" rather than "unknown". Time comes
+from an injectable ``clock`` (seconds, monotonic), so tests can advance it by
+hand.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from pagedkv.logs import get_logger
+
+log = get_logger("block_manager")
+
+#: Expired lease ids remembered, so a late call says "expired" rather than "unknown".
+EXPIRED_LEASES_REMEMBERED = 4096
+#: Longest TTL a lease may ask for, seconds.
+MAX_TTL = 86_400
+
+
+@dataclass(slots=True)
+class Lease:
+    """A client session owning sequences."""
+
+    #: Opaque id (uuid4 hex).
+    lease_id: str
+    #: Lifetime without keep-alive, seconds.
+    ttl: float
+    #: Clock time at which it expires.
+    expires_at: float
+    #: Free-form owner label.
+    owner: str = ""
+    #: Ids of its live sequences.
+    seq_ids: set[int] = field(default_factory=set)
+
+
+class LeaseTable(Mapping[str, Lease]):
+    """Live leases by id (a read-only mapping), with create / keep-alive / expiry / release.
+
+    Args:
+        default_ttl: TTL of a lease created without one, seconds (> 0).
+        on_drop: called with a lease about to be forgotten (released or expired); frees its
+            sequences and returns how many it freed (logged).
+        clock: monotonic time source in seconds.
+
+    Raises:
+        ValueError: ``default_ttl`` <= 0.
+    """
+
+    def __init__(self, default_ttl: float, on_drop: Callable[[Lease], int],
+                 clock: Callable[[], float] = time.monotonic):
+        if default_ttl <= 0:
+            raise ValueError(f"lease_ttl must be > 0 seconds, got {default_ttl}")
+        #: TTL of a lease created without one, seconds.
+        self.default_ttl = default_ttl
+        #: Time source, seconds.
+        self.clock = clock
+        self._on_drop = on_drop
+        self._live: dict[str, Lease] = {}
+        #: Recently expired lease id -> clock time of expiry, oldest first.
+        self._expired: OrderedDict[str, float] = OrderedDict()
+
+    def __getitem__(self, lease_id: str) -> Lease:
+        return self._live[lease_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def create(self, ttl: float | None = None, owner: str = "") -> Lease:
+        """Open a lease with ``ttl`` seconds (default: the table's).
+
+        Raises:
+            InvalidArgumentError: ttl not in (0, 86400].
+        """
+        ttl = self.default_ttl if ttl is None else ttl
+        if not 0 < ttl <= MAX_TTL:
+            raise InvalidArgumentError(f"ttl_seconds must be in (0, {MAX_TTL}], got {ttl}")
+        self.expire()
+        lease = Lease(uuid.uuid4().hex, ttl, self.clock() + ttl, owner)
+        self._live[lease.lease_id] = lease
+        log.info("lease_created", lease_id=lease.lease_id, ttl=ttl, owner=owner)
+        return lease
+
+    def keep_alive(self, lease_id: str) -> float:
+        """Renew a lease for another TTL; returns seconds until it expires (errors as :meth:`lookup`)."""
+        lease = self.lookup(lease_id)
+        lease.expires_at = self.clock() + lease.ttl
+        return lease.ttl
+
+    def release(self, lease_id: str) -> int:
+        """Free every sequence of the lease and forget it; returns sequences freed (errors as :meth:`lookup`)."""
+        n = self._drop(self.lookup(lease_id))
+        log.info("lease_released", lease_id=lease_id, freed_sequences=n)
+        return n
+
+    def expire(self) -> list[str]:
+        """Drop every lease past its TTL (freeing its sequences); returns their ids."""
+        now = self.clock()
+        expired = [lease for lease in self._live.values() if lease.expires_at <= now]
+        for lease in expired:
+            n = self._drop(lease)
+            self._expired[lease.lease_id] = now
+            if len(self._expired) > EXPIRED_LEASES_REMEMBERED:
+                self._expired.popitem(last=False)
+            log.info("lease_expired", lease_id=lease.lease_id, freed_sequences=n, owner=lease.owner)
+        return [lease.lease_id for lease in expired]
+
+    def lookup(self, lease_id: str) -> Lease:
+        """The live lease ``lease_id``, after expiring overdue ones.
+
+        Raises:
+            InvalidArgumentError: an empty id.
+            FailedPreconditionError: the lease expired (recently enough to be remembered).
+            NotFoundError: an id never issued, released, or expired long ago.
+        """
+        if not lease_id:
+            raise InvalidArgumentError("lease_id is empty; call CreateLease first and pass its lease_id")
+        self.expire()
+        lease = self._live.get(lease_id)
+        if lease is not None:
+            return lease
+        if lease_id in self._expired:
+            raise FailedPreconditionError(
+                f"lease {lease_id} expired (no keep-alive within its TTL) and its sequences were "
+                "freed; create a new lease and allocate again"
+            )
+        raise NotFoundError(f"unknown lease {lease_id!r}; call CreateLease first")
+
+    def _drop(self, lease: Lease) -> int:
+        n = self._on_drop(lease)
+        del self._live[lease.lease_id]
+        return n
