@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from memory_service.block_hash import CacheKey, block_hash, chain_hashes
+from memory_service.block_hash import CacheKey
 from memory_service.block_pool import BlockPool
 from memory_service.leases import Lease, LeaseTable
+from memory_service.prefix_cache import PrefixCache
+from memory_service.sequence import Sequence, blocks_for
 from pagedkv.errors import InvalidArgumentError, NotFoundError
 from pagedkv.logs import get_logger
 
@@ -49,30 +51,6 @@ class OutOfBlocks:
     available: int
 
 
-@dataclass(slots=True)
-class Sequence:
-    """One sequence's block table."""
-
-    #: Unique id for the manager's life, assigned in increasing order from 0.
-    seq_id: int
-    #: Lease that owns it.
-    lease_id: str
-    #: Tokens whose slots are reserved (prompt + generated).
-    num_tokens: int
-    #: Physical block ids in logical order; len == ceil(num_tokens / block_size).
-    block_ids: list[int]
-    #: The sequence it was forked from, if any.
-    parent_seq_id: int | None = None
-    #: Its token ids when the client sent them (prefix caching); None = unknown.
-    token_ids: list[int] | None = None
-    #: Hashes of its leading full blocks that were looked up or committed (a chain).
-    block_hashes: list[bytes] = field(default_factory=list)
-    #: Extra keys of its cache entries.
-    cache_key: CacheKey = CacheKey()
-    #: Leading tokens found in the prefix cache at allocation.
-    num_cached_tokens: int = 0
-
-
 @dataclass(frozen=True, slots=True)
 class Allocation:
     """One sequence to allocate."""
@@ -83,20 +61,6 @@ class Allocation:
     token_ids: tuple[int, ...] | None = None
     #: Extra cache keys.
     cache_key: CacheKey = CacheKey()
-
-
-@dataclass(frozen=True, slots=True)
-class KvEvent:
-    """A prefix-cache change (for routers following the cache)."""
-
-    #: Position in the stream, from 1, no gaps.
-    sequence_number: int
-    #: "stored", "removed" or "cleared".
-    kind: str
-    block_id: int = 0
-    block_hash: bytes = b""
-    parent_hash: bytes = b""
-    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +84,6 @@ class Stats:
     shared_block_refs: int
     prefix_cache_evictions: int
     prefix_caching: bool
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
-    return -(-num_tokens // block_size)
 
 
 class BlockManager:
@@ -160,13 +119,7 @@ class BlockManager:
         self._seq_high_water = 0
         self.allocation_failures = 0
         self.preemptions = 0
-        self.prefix_caching = prefix_caching
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        #: Retained KV events, oldest first.
-        self.events: deque[KvEvent] = deque(maxlen=max_events)
-        self._event_numbers = itertools.count(1)
-        self.pool.on_evict = lambda b, h: self._emit("removed", block_id=b, block_hash=h)
+        self.prefix_cache = PrefixCache(self.pool, enabled=prefix_caching, max_events=max_events)
 
     # ------------------------------------------------------------------ leases
     def create_lease(self, ttl: float | None = None, owner: str = "") -> Lease:
@@ -284,7 +237,8 @@ class BlockManager:
         required = 0
         for r in reqs:
             self._check_tokens(r.num_tokens, "AllocateSequences")
-            hits, hashes = self._lookup(r)
+            prefix = self.prefix_cache.lookup(r.token_ids, r.cache_key)
+            hits, hashes = prefix.block_ids, prefix.block_hashes
             cached = len(hits) * bs
             total = cached + (min(r.num_tokens, len(r.token_ids) - cached) if r.token_ids else r.num_tokens)
             self._check_tokens(total, "AllocateSequences")
@@ -302,33 +256,11 @@ class BlockManager:
             seq.token_ids = list(r.token_ids) if r.token_ids is not None else None
             seq.block_hashes, seq.cache_key, seq.num_cached_tokens = hashes, r.cache_key, len(hits) * bs
             self._write(seq, 0, total)
-            if r.token_ids and self.prefix_caching:
-                self.prefix_cache_queries += len(r.token_ids)
-                self.prefix_cache_hits += len(hits) * bs
+            if r.token_ids:
+                self.prefix_cache.record_lookup(len(r.token_ids), len(hits))
             out.append(seq)
         log.debug("allocated", lease_id=lease_id, num_sequences=len(out), num_blocks=required)
         return out
-
-    def _lookup(self, r: Allocation) -> tuple[list[int], list[bytes]]:
-        """Leading cached blocks of ``r`` (ids, hashes): read-only."""
-        if not (self.prefix_caching and r.token_ids):
-            return [], []
-        if any(not -(2**31) <= t < 2**31 for t in r.token_ids):
-            raise InvalidArgumentError("AllocateSequences: token ids must fit in int32")
-        bs = self.block_size
-        tokens = r.token_ids
-        hits: list[int] = []
-        hashes: list[bytes] = []
-        parent = None
-        for i in range((len(tokens) - 1) // bs):  # never the block holding the last token
-            chunk = tokens[i * bs:(i + 1) * bs]
-            parent = block_hash(parent, chunk, r.cache_key)
-            b = self.pool.cached.get(parent)
-            if b is None or self.pool.block_tokens[b] != tuple(chunk):
-                break
-            hits.append(b)
-            hashes.append(parent)
-        return hits, hashes
 
     def append_slots(
         self, lease_id: str, appends: Seq[tuple[int, int] | tuple[int, int, Seq[int]]]
@@ -459,43 +391,15 @@ class BlockManager:
                 raise InvalidArgumentError(
                     f"CommitComputedTokens(sequence {seq_id}): num_computed_tokens must be in [0, {seq.num_tokens}], got {n}")
             live.append((seq, n))
-        registered = 0
-        if self.prefix_caching:
-            bs = self.block_size
-            for seq, n in live:
-                if seq.token_ids is None:
-                    continue
-                full = min(n, len(seq.token_ids)) // bs
-                start = len(seq.block_hashes)
-                if full <= start:
-                    continue
-                parent = seq.block_hashes[-1] if seq.block_hashes else None
-                new = chain_hashes(seq.token_ids[start * bs:full * bs], bs, seq.cache_key, full - start, parent)
-                for i, h in enumerate(new, start):
-                    b = seq.block_ids[i]
-                    tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                    if self.pool.register(b, h, tokens):
-                        registered += 1
-                        self._emit("stored", block_id=b, block_hash=h, parent_hash=parent or b"", token_ids=tokens)
-                    parent = h
-                seq.block_hashes.extend(new)
+        registered = sum(self.prefix_cache.commit(seq, n) for seq, n in live)
         return registered, len(entries) - len(live)
 
     def reset_prefix_cache(self) -> int:
         """Drop the whole prefix cache; returns refcount-0 blocks cleared."""
-        self.pool.on_evict = None
-        try:
-            cleared = self.pool.reset_cache()
-        finally:
-            self.pool.on_evict = lambda b, h: self._emit("removed", block_id=b, block_hash=h)
+        cleared = self.prefix_cache.reset()
         for seq in self.sequences.values():
             seq.block_hashes = []  # the next commit re-registers its full blocks
-        self._emit("cleared")
-        log.info("prefix_cache_reset", blocks_cleared=cleared)
         return cleared
-
-    def _emit(self, kind: str, **fields) -> None:
-        self.events.append(KvEvent(next(self._event_numbers), kind, **fields))
 
     def free(self, lease_id: str, seq_ids: Seq[int], *, preempted: bool = False) -> int:
         """Free a batch of sequences; returns blocks whose refcount reached zero.
@@ -537,16 +441,17 @@ class BlockManager:
             num_leases=len(self.leases),
             allocation_failures=self.allocation_failures,
             preemptions=self.preemptions,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_queries=self.prefix_cache.queries,
+            prefix_cache_hits=self.prefix_cache.hits,
             shared_block_refs=p.shared_refs,
-            prefix_cache_evictions=p.evictions,
-            prefix_caching=self.prefix_caching,
+            prefix_cache_evictions=self.prefix_cache.evictions,
+            prefix_caching=self.prefix_cache.enabled,
         )
 
     def check_invariants(self) -> None:
         """Assert DESIGN.md's invariants (O(blocks + table entries))."""
         self.pool.check()
+        self.prefix_cache.check()
         refs: Counter[int] = Counter()
         for seq in self.sequences.values():
             assert len(seq.block_ids) == blocks_for(seq.num_tokens, self.block_size), (

@@ -3,17 +3,21 @@
 Follows vLLM v1's ``BlockPool`` / ``FreeKVCacheBlockQueue``
 (vllm/v1/core/block_pool.py, kv_cache_utils.py): every block with refcount 0
 sits in one intrusive doubly linked queue. Allocation pops from the head. A
-freed block that holds prefix-cache content ("cached") goes to the tail, a
-sequence's blocks in reverse order, so the head is the least recently used
-leaf and eviction is LRU, leaves before parents; a freed block without content
-goes to the head, to be reused before any cached block is evicted.
+freed block that keeps content for the prefix cache ("cached") goes to the
+tail, a sequence's blocks in reverse order, so the head is the least recently
+used leaf and eviction is LRU, leaves before parents; a freed block without
+content goes to the head, to be reused before any cached block is evicted.
+
+The pool knows nothing of hashes: the prefix cache marks a block as keeping
+content (:meth:`BlockPool.keep_content`), drops the mark on reset
+(:meth:`BlockPool.drop_content`), and hears through ``on_evict`` when a cached
+block is popped for reuse.
 
 NOTE: invariants (checked by :meth:`BlockPool.check`):
   * a block is in the free queue  <=>  its refcount is 0;
   * ``num_free + num_cached + num_used == num_blocks``;
-  * a refcount-0 block is cached  <=>  it has a hash; ``cached[hash] == block``
-    for every block with a hash;
-  * ``fill[b] == 0`` for every free block without cached content;
+  * a refcount-0 block is cached  <=>  ``has_content[b]``;
+  * ``fill[b] == 0`` for every refcount-0 block without content;
   * ``tokens_stored == sum(fill[b] for used b)``;
   * ``shared_refs == sum(ref_counts[b] for b with refcount > 1)``.
 """
@@ -114,16 +118,10 @@ class BlockPool:
         self.tokens_stored = 0
         #: Sum of refcounts over blocks with refcount > 1 (table entries pointing at a shared block).
         self.shared_refs = 0
-        #: block_hash[b]: content hash of block b when it is in the prefix cache.
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        #: block_tokens[b]: token ids of a cached block (a hit re-checks them).
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        #: Prefix cache: content hash -> the block holding it.
-        self.cached: dict[bytes, int] = {}
-        #: Cached blocks evicted to make room.
-        self.evictions = 0
-        #: Called as ``on_evict(block_id, block_hash)`` whenever a block leaves the cache.
-        self.on_evict: Callable[[int, bytes], None] | None = None
+        #: has_content[b]: block b keeps its KV for the prefix cache (cached once its refcount is 0).
+        self.has_content = [False] * num_blocks
+        #: Called as ``on_evict(block_id)`` when a cached block is popped for reuse.
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_available(self) -> int:
@@ -147,41 +145,28 @@ class BlockPool:
         for _ in range(n):
             b = self.free_queue.popleft()
             assert self.ref_counts[b] == 0, f"block {b} popped while in use"
-            if self.block_hash[b] is not None:
-                self._uncache(b)
+            if self.has_content[b]:  # evict: its content goes
+                self.has_content[b] = False
+                self.fill[b] = 0
                 self.num_cached -= 1
-                self.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(b)
             assert self.fill[b] == 0, f"block {b} popped with {self.fill[b]} stale slots"
             self.ref_counts[b] = 1
             out.append(b)
         return out
 
-    def _uncache(self, b: int) -> None:
-        h = self.block_hash[b]
-        del self.cached[h]
-        self.block_hash[b] = None
-        self.block_tokens[b] = None
-        if self.ref_counts[b] == 0:
-            self.fill[b] = 0
-        if self.on_evict is not None:
-            self.on_evict(b, h)
-
-    def register(self, block_id: int, block_hash: bytes, tokens: tuple[int, ...]) -> bool:
-        """Enter a used, full block into the prefix cache; False when that content is cached already."""
+    def keep_content(self, block_id: int) -> None:
+        """Mark a used, full block as keeping its KV for the prefix cache (cached once freed)."""
         assert self.ref_counts[block_id] > 0 and self.fill[block_id] == self.block_size, (
             f"only a used, full block can be cached (block {block_id})")
-        if block_hash in self.cached or self.block_hash[block_id] is not None:
-            return False
-        self.cached[block_hash] = block_id
-        self.block_hash[block_id] = block_hash
-        self.block_tokens[block_id] = tokens
-        return True
+        self.has_content[block_id] = True
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference to prefix-cache hits: a refcount-0 cached block leaves the free queue."""
         for b in block_ids:
             if self.ref_counts[b] == 0:
-                assert self.block_hash[b] is not None, f"hit on block {b} without content"
+                assert self.has_content[b], f"hit on block {b} without content"
                 self.free_queue.remove(b)
                 self.num_cached -= 1
                 self.ref_counts[b] = 1
@@ -189,19 +174,17 @@ class BlockPool:
             else:
                 self.incref([b])
 
-    def reset_cache(self) -> int:
-        """Forget every cached content hash; refcount-0 cached blocks become free. Returns blocks cleared."""
-        cleared = 0
-        for b in list(self.cached.values()):
-            if self.ref_counts[b] == 0:
-                self.free_queue.remove(b)
-                self._uncache(b)
-                self.free_queue.appendleft(b)
-                self.num_cached -= 1
-                cleared += 1
-            else:
-                self._uncache(b)
-        return cleared
+    def drop_content(self, block_id: int) -> bool:
+        """Unmark a block's content; a cached (refcount-0) one becomes free. True if it was cached."""
+        assert self.has_content[block_id], f"block {block_id} keeps no content"
+        self.has_content[block_id] = False
+        if self.ref_counts[block_id]:
+            return False
+        self.free_queue.remove(block_id)
+        self.fill[block_id] = 0
+        self.free_queue.appendleft(block_id)
+        self.num_cached -= 1
+        return True
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a fork shares them)."""
@@ -228,7 +211,7 @@ class BlockPool:
                 self.shared_refs -= 2 if rc == 2 else 1
             elif rc == 1:
                 self.tokens_stored -= self.fill[b]
-                if self.block_hash[b] is None:
+                if not self.has_content[b]:
                     self.fill[b] = 0
                     self.free_queue.appendleft(b)
                 else:  # keeps its content: cached, evictable, most recently used
@@ -254,9 +237,7 @@ class BlockPool:
                 f"block {b}: refcount {self.ref_counts[b]} but in_free_queue={b in queued}"
             )
         assert self.num_free + self.num_cached + self.num_used == self.num_blocks
-        assert self.num_cached == sum(1 for b in queued if self.block_hash[b] is not None)
-        assert all(self.block_hash[b] == h for h, b in self.cached.items())
-        assert sum(h is not None for h in self.block_hash) == len(self.cached)
-        assert all(self.fill[b] == 0 for b in queued if self.block_hash[b] is None)
+        assert self.num_cached == sum(1 for b in queued if self.has_content[b])
+        assert all(self.fill[b] == 0 for b in queued if not self.has_content[b])
         assert self.tokens_stored == sum(f for b, f in enumerate(self.fill) if self.ref_counts[b] > 0)
         assert self.shared_refs == sum(rc for rc in self.ref_counts if rc > 1)

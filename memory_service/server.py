@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 
 from memory_service.block_hash import CacheKey
-from memory_service.block_manager import Allocation, BlockManager, KvEvent, OutOfBlocks, Sequence
+from memory_service.block_manager import Allocation, BlockManager, OutOfBlocks
 from memory_service.pool import Pool
+from memory_service.prefix_cache import KvEvent
+from memory_service.sequence import Sequence
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, OutOfBlocksError
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
@@ -131,7 +133,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def StreamKvEvents(self, request, context):
         """Server streaming: replay retained events from a sequence number, then follow."""
-        events = self.manager.events
+        events = self.manager.prefix_cache.events
         if request.HasField("from_sequence_number"):
             nxt = request.from_sequence_number
             oldest = events[0].sequence_number if events else nxt

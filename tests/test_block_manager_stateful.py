@@ -159,9 +159,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):
-        for b in self.m.pool.cached.values():
+        for b in self.m.prefix_cache.cached.values():
             written = tuple(self.slots.get(b * BLOCK_SIZE + o) for o in range(BLOCK_SIZE))
-            assert written == self.m.pool.block_tokens[b], f"cached block {b} holds {written}"
+            assert written == self.m.prefix_cache.block_tokens[b], f"cached block {b} holds {written}"
 
     def teardown(self):
         for lease in list(self.m.leases):

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from memory_service.block_manager import Allocation, BlockManager, OutOfBlocks
 from memory_service.block_hash import CacheKey, block_hash, chain_hashes
+from memory_service.block_manager import Allocation, BlockManager, OutOfBlocks
 from pagedkv.errors import InvalidArgumentError, NotFoundError
 
 B = 4
@@ -119,10 +119,10 @@ def test_failed_allocation_evicts_nothing(m, lease):
     m.free(lease, [a.seq_id])
     filler = alloc(m, lease, list(range(500, 536)))  # the 9 free blocks taken: 3 left, all cached
     assert m.stats().free_blocks == 0 and m.stats().cached_blocks == 3
-    before = (list(m.pool.free_queue), dict(m.pool.cached), m.stats())
+    before = (list(m.pool.free_queue), dict(m.prefix_cache.cached), m.stats())
     result = m.allocate(lease, [Allocation(20, tuple(range(900, 920)))])
     assert isinstance(result, OutOfBlocks)
-    assert (list(m.pool.free_queue), dict(m.pool.cached)) == before[:2]
+    assert (list(m.pool.free_queue), dict(m.prefix_cache.cached)) == before[:2]
     assert m.stats().prefix_cache_evictions == 0 and m.stats().cached_blocks == 3
     del filler
 
@@ -143,7 +143,7 @@ def test_commit_after_free_registers_nothing(m, lease):
     a = alloc(m, lease, list(range(9)))
     m.free(lease, [a.seq_id])
     assert m.commit_computed(lease, [(a.seq_id, 9)]) == (0, 1)
-    assert m.stats().cached_blocks == 0 and not m.pool.cached
+    assert m.stats().cached_blocks == 0 and not m.prefix_cache.cached
     with pytest.raises(NotFoundError):
         m.commit_computed(lease, [(10**6, 1)])
     b = alloc(m, lease, list(range(9)))
@@ -167,12 +167,12 @@ def test_decode_tokens_extend_the_cache_chain(m, lease):
 def test_events_in_order(m, lease):
     a = run(m, lease, list(range(9)))
     h0, h1 = chain_hashes(list(range(9)), B, CacheKey(), 2)
-    stored = [(e.kind, e.block_id, e.block_hash, e.parent_hash) for e in m.events]
+    stored = [(e.kind, e.block_id, e.block_hash, e.parent_hash) for e in m.prefix_cache.events]
     assert stored == [("stored", a.block_ids[0], h0, b""), ("stored", a.block_ids[1], h1, h0)]
     m.free(lease, [a.seq_id])
     assert m.reset_prefix_cache() == 2
-    assert [e.kind for e in m.events][-1] == "cleared"
-    assert [e.sequence_number for e in m.events] == list(range(1, len(m.events) + 1))
+    assert [e.kind for e in m.prefix_cache.events][-1] == "cleared"
+    assert [e.sequence_number for e in m.prefix_cache.events] == list(range(1, len(m.prefix_cache.events) + 1))
     assert m.stats().cached_blocks == 0 and m.stats().free_blocks == 12
 
 
@@ -181,7 +181,7 @@ def test_prefix_caching_off(lease):
     lease = m.create_lease().lease_id
     run(m, lease, list(range(9)))
     assert alloc(m, lease, list(range(9))).num_cached_tokens == 0
-    assert not m.pool.cached and m.stats().prefix_cache_queries == 0
+    assert not m.prefix_cache.cached and m.stats().prefix_cache_queries == 0
 
 
 def test_batch_pins_every_hit_before_any_eviction(m, lease):

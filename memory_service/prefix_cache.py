@@ -1,0 +1,214 @@
+"""Automatic prefix caching: which pool blocks hold which content, for reuse by later sequences.
+
+Follows vLLM v1's automatic prefix caching (vllm/v1/core/kv_cache_manager.py,
+block_pool.py): once the client reports a full block's KV computed, the block
+is registered under its chain hash (:mod:`memory_service.block_hash`); a later
+sequence whose leading full blocks have the same hashes, and the same token ids
+(re-checked), shares those blocks instead of allocating and computing them.
+The pool keeps a freed cached block at the tail of its free queue and, when it
+reuses the block, calls back here (``BlockPool.on_evict``): the block loses its
+hash. Every change is logged as a :class:`KvEvent` ("stored", "removed",
+"cleared"), numbered from 1 without gaps, for routers that follow the cache
+(StreamKvEvents); the log keeps the last ``max_events``.
+
+NOTE: invariants (checked by :meth:`PrefixCache.check`):
+  * ``cached[h] == b``  <=>  ``block_hash[b] == h``;
+  * ``block_hash[b] is not None``  <=>  ``block_tokens[b] is not None``  <=>  ``pool.has_content[b]``;
+  * retained events are numbered consecutively, the newest ``next_event_number() - 1``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from memory_service.block_hash import CacheKey, block_hash, chain_hashes
+from memory_service.block_pool import BlockPool
+from memory_service.sequence import Sequence
+from pagedkv.errors import FailedPreconditionError, InvalidArgumentError
+from pagedkv.logs import get_logger
+
+log = get_logger("block_manager")
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    """A prefix-cache change (for routers following the cache)."""
+
+    #: Position in the stream, from 1, no gaps.
+    sequence_number: int
+    #: "stored", "removed" or "cleared".
+    kind: str
+    #: The block stored or removed (0 for "cleared").
+    block_id: int = 0
+    #: Its content hash (empty for "cleared").
+    block_hash: bytes = b""
+    #: Hash of the previous block of its chain ("stored"; empty for a first block).
+    parent_hash: bytes = b""
+    #: The block's token ids ("stored").
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """The leading cached blocks of a token list (:meth:`PrefixCache.lookup`)."""
+
+    #: Cached block ids, in logical order.
+    block_ids: list[int]
+    #: Their chain hashes, one per block.
+    block_hashes: list[bytes]
+
+
+class PrefixCache:
+    """Content hashes of the blocks of one :class:`BlockPool`, the lookup over them, and the KV event log.
+
+    Args:
+        pool: the pool whose blocks are cached; this cache registers itself as its ``on_evict``.
+        enabled: False turns caching off (lookups miss, commits register nothing).
+        max_events: KV events retained for replay.
+    """
+
+    def __init__(self, pool: BlockPool, *, enabled: bool = True, max_events: int = 10_000):
+        #: The pool whose blocks are cached.
+        self.pool = pool
+        #: Automatic prefix caching is on.
+        self.enabled = enabled
+        #: block_hash[b]: content hash of block b when it is in the prefix cache.
+        self.block_hash: list[bytes | None] = [None] * pool.num_blocks
+        #: block_tokens[b]: token ids of a cached block (a hit re-checks them).
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * pool.num_blocks
+        #: Content hash -> the block holding it.
+        self.cached: dict[bytes, int] = {}
+        #: Prompt tokens looked up.
+        self.queries = 0
+        #: Prompt tokens found cached.
+        self.hits = 0
+        #: Cached blocks evicted to make room.
+        self.evictions = 0
+        #: Retained KV events, oldest first.
+        self.events: deque[KvEvent] = deque(maxlen=max_events)
+        self._next_event = 1
+        pool.on_evict = self._evicted
+
+    def lookup(self, token_ids: Seq[int] | None, key: CacheKey) -> CachedPrefix:
+        """The leading full blocks of ``token_ids`` that are cached (read-only).
+
+        Never the block holding the last token, so the worker always has a
+        query to compute. A hit needs the same chain hash and the same token ids.
+
+        Raises:
+            InvalidArgumentError: a token id outside int32 (only checked when caching is on).
+        """
+        if not (self.enabled and token_ids):
+            return CachedPrefix([], [])
+        if any(not -(2**31) <= t < 2**31 for t in token_ids):
+            raise InvalidArgumentError("AllocateSequences: token ids must fit in int32")
+        bs = self.pool.block_size
+        hits = CachedPrefix([], [])
+        parent = None
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = token_ids[i * bs:(i + 1) * bs]
+            parent = block_hash(parent, chunk, key)
+            b = self.cached.get(parent)
+            if b is None or self.block_tokens[b] != tuple(chunk):
+                break
+            hits.block_ids.append(b)
+            hits.block_hashes.append(parent)
+        return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
+        """Count a granted lookup of ``num_tokens`` prompt tokens that hit ``num_hit_blocks`` blocks."""
+        if self.enabled:
+            self.queries += num_tokens
+            self.hits += num_hit_blocks * self.pool.block_size
+
+    def commit(self, seq: Sequence, num_computed: int) -> int:
+        """Register the full blocks among the first ``num_computed`` tokens of ``seq`` (KV written).
+
+        Extends ``seq.block_hashes`` along the chain; a block whose content is
+        cached already (in another block) is skipped. Returns blocks newly
+        cached, each logged as a "stored" event.
+        """
+        if not self.enabled or seq.token_ids is None:
+            return 0
+        bs = self.pool.block_size
+        full = min(num_computed, len(seq.token_ids)) // bs
+        start = len(seq.block_hashes)
+        if full <= start:
+            return 0
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        new = chain_hashes(seq.token_ids[start * bs:full * bs], bs, seq.cache_key, full - start, parent)
+        registered = 0
+        for i, h in enumerate(new, start):
+            b = seq.block_ids[i]
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            if h not in self.cached and self.block_hash[b] is None:
+                self.pool.keep_content(b)
+                self.cached[h] = b
+                self.block_hash[b] = h
+                self.block_tokens[b] = tokens
+                registered += 1
+                self._emit("stored", block_id=b, block_hash=h, parent_hash=parent or b"", token_ids=tokens)
+            parent = h
+        seq.block_hashes.extend(new)
+        return registered
+
+    def reset(self) -> int:
+        """Forget every content hash (one "cleared" event); returns refcount-0 blocks made free."""
+        cleared = 0
+        for b in list(self.cached.values()):
+            self._forget(b)
+            cleared += self.pool.drop_content(b)
+        self._emit("cleared")
+        log.info("prefix_cache_reset", blocks_cleared=cleared)
+        return cleared
+
+    def _evicted(self, block_id: int) -> None:
+        """The pool reused cached block ``block_id``: it leaves the cache."""
+        h = self._forget(block_id)
+        self.evictions += 1
+        self._emit("removed", block_id=block_id, block_hash=h)
+
+    def _forget(self, block_id: int) -> bytes:
+        h = self.block_hash[block_id]
+        del self.cached[h]
+        self.block_hash[block_id] = None
+        self.block_tokens[block_id] = None
+        return h
+
+    # ------------------------------------------------------------------ events
+    def _emit(self, kind: str, **fields) -> None:
+        self.events.append(KvEvent(self._next_event, kind, **fields))
+        self._next_event += 1
+
+    def next_event_number(self) -> int:
+        """The sequence number the next event will carry (1 before any)."""
+        return self._next_event
+
+    def events_since(self, first: int) -> list[KvEvent]:
+        """Retained events numbered ``first`` and on, oldest first (empty when none is that new).
+
+        Raises:
+            FailedPreconditionError: events from ``first`` on were dropped (the log keeps ``max_events``).
+        """
+        events = self.events
+        if not events or events[-1].sequence_number < first:
+            return []
+        oldest = events[0].sequence_number
+        if first < oldest:
+            raise FailedPreconditionError(
+                f"events before {oldest} are no longer retained; resubscribe from {oldest} and resync the cache")
+        return list(itertools.islice(events, first - oldest, None))
+
+    def check(self) -> None:
+        """Assert the module's invariants (O(num_blocks + events))."""
+        assert all(self.block_hash[b] == h for h, b in self.cached.items())
+        assert sum(h is not None for h in self.block_hash) == len(self.cached)
+        for b, h in enumerate(self.block_hash):
+            assert (h is not None) == (self.block_tokens[b] is not None) == self.pool.has_content[b], (
+                f"block {b}: hash {h is not None}, tokens {self.block_tokens[b] is not None}, "
+                f"content {self.pool.has_content[b]}")
+        numbers = [e.sequence_number for e in self.events]
+        assert numbers == list(range(self._next_event - len(numbers), self._next_event)), "event numbers have a gap"
