@@ -30,6 +30,7 @@ import grpc  # noqa: E402
 from common import Service, machine  # noqa: E402
 
 from memory_service.block_manager import BlockManager  # noqa: E402
+from memory_service.requests import Append  # noqa: E402
 from pagedkv.memory.v1 import memory_service_pb2 as pb  # noqa: E402
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -44,14 +45,14 @@ def pct(xs: list[float], q: float) -> float:
 
 def ops_per_second(n: int) -> dict[str, float]:
     m = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
-    lease = m.create_lease(ttl=3600).lease_id
+    lease = m.leases.create(ttl=3600).lease_id
     out = {}
     t = time.perf_counter()
     seqs = [m.allocate(lease, [16])[0].seq_id for _ in range(n)]
     out["allocate"] = n / (time.perf_counter() - t)
     t = time.perf_counter()
     for s in seqs:
-        m.append_slots(lease, [(s, 1)])
+        m.append_slots(lease, [Append(s, 1)])
     out["append"] = n / (time.perf_counter() - t)
     t = time.perf_counter()
     children = [m.fork(lease, [s])[0].seq_id for s in seqs]
@@ -65,9 +66,9 @@ def ops_per_second(n: int) -> dict[str, float]:
 
 def append_latency_inprocess(batch: int, iters: int) -> list[float]:
     m = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
-    lease = m.create_lease(ttl=3600).lease_id
+    lease = m.leases.create(ttl=3600).lease_id
     seqs = [s.seq_id for s in m.allocate(lease, [100] * batch)]
-    appends = [(s, 1) for s in seqs]
+    appends = [Append(s, 1) for s in seqs]
     times = []
     for _ in range(iters):
         t = time.perf_counter()

@@ -228,6 +228,18 @@ class BlockPool:
             self.fill[block_id] = tokens
             self.tokens_stored += tokens - old
 
+    def fill_tokens(self, block_ids: Sequence[int], start: int, end: int) -> None:
+        """Record that token positions [start, end) of a block table (block ids in logical order) are written."""
+        bs = self.block_size
+        if end - start == 1:  # the decode fast path: one slot of one block
+            b, slot = block_ids[start // bs], start % bs
+            if self.fill[b] <= slot:
+                self.tokens_stored += slot + 1 - self.fill[b]
+                self.fill[b] = slot + 1
+            return
+        for idx in range(start // bs, -(-end // bs)):
+            self.set_fill(block_ids[idx], min(bs, end - idx * bs))
+
     def check(self) -> None:
         """Assert the module's invariants (O(num_blocks); tests call it after every step)."""
         queued = set(self.free_queue)

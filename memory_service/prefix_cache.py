@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -155,8 +156,13 @@ class PrefixCache:
         seq.block_hashes.extend(new)
         return registered
 
-    def reset(self) -> int:
-        """Forget every content hash (one "cleared" event); returns refcount-0 blocks made free."""
+    def reset(self, live: Iterable[Sequence]) -> int:
+        """Forget every content hash (one "cleared" event); returns refcount-0 blocks made free.
+
+        The ``live`` sequences forget their hash chains too: their next commit re-registers their full blocks.
+        """
+        for seq in live:
+            seq.block_hashes = []
         cleared = 0
         for b in list(self.cached.values()):
             self._forget(b)

@@ -1,4 +1,4 @@
-"""A sequence's block table, and the read-only view of it the API reports.
+"""Sequences: a sequence's block table, the table of live sequences, and the view the API reports.
 
 PagedAttention (Kwon et al., SOSP 2023), section 4.2: a sequence's logical KV
 blocks map to physical blocks through its block table; logical block ``i``
@@ -7,9 +7,15 @@ holds token positions ``[i * block_size, (i + 1) * block_size)``.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from memory_service.block_hash import CacheKey
+from memory_service.leases import Lease
+from memory_service.requests import check_batch
+from pagedkv.errors import InvalidArgumentError, NotFoundError
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -40,6 +46,14 @@ class Sequence:
     #: Leading tokens found in the prefix cache at allocation.
     num_cached_tokens: int = 0
 
+    def extend_tokens(self, token_ids: Seq[int] | None) -> None:
+        """Record the ids of appended tokens; an append without them makes the sequence's tokens unknown."""
+        if self.token_ids is not None:
+            if token_ids:
+                self.token_ids.extend(token_ids)
+            else:
+                self.token_ids = None
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceInfo:
@@ -57,3 +71,96 @@ class SequenceInfo:
     ref_counts: tuple[int, ...]
     #: The sequence it was forked from, if any.
     parent_seq_id: int | None
+
+    @classmethod
+    def of(cls, seq: Sequence, ref_counts: Seq[int]) -> SequenceInfo:
+        """The view of ``seq``; ``ref_counts[b]`` is block ``b``'s refcount in the pool."""
+        return cls(seq.seq_id, seq.lease_id, seq.num_tokens, tuple(seq.block_ids),
+                   tuple(ref_counts[b] for b in seq.block_ids), seq.parent_seq_id)
+
+
+class SequenceTable(Mapping[int, Sequence]):
+    """Live sequences by id (a read-only mapping); ids are assigned in increasing order from 0.
+
+    Because ids are never reused, a lookup tells a freed sequence apart from
+    one never allocated, so errors can say which.
+    """
+
+    def __init__(self) -> None:
+        self._live: dict[int, Sequence] = {}
+        self._next_id = 0  # ids below it were allocated
+
+    def __getitem__(self, seq_id: int) -> Sequence:
+        return self._live[seq_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def add(self, lease: Lease, num_tokens: int, block_ids: list[int], parent: int | None = None) -> Sequence:
+        """A new sequence of ``lease`` with the next id (entered in ``lease.seq_ids``)."""
+        seq = Sequence(self._next_id, lease.lease_id, num_tokens, block_ids, parent)
+        self._next_id += 1
+        self._live[seq.seq_id] = seq
+        lease.seq_ids.add(seq.seq_id)
+        return seq
+
+    def fork(self, lease: Lease, parent: Sequence) -> Sequence:
+        """A child of ``parent`` with a copy of its block table and prefix-cache state (the caller increfs)."""
+        child = self.add(lease, parent.num_tokens, list(parent.block_ids), parent.seq_id)
+        child.token_ids = list(parent.token_ids) if parent.token_ids is not None else None
+        child.block_hashes, child.cache_key = list(parent.block_hashes), parent.cache_key
+        return child
+
+    def remove(self, seq: Sequence, lease: Lease) -> None:
+        """Forget a live sequence of ``lease`` (its id is never reused)."""
+        del self._live[seq.seq_id]
+        lease.seq_ids.discard(seq.seq_id)
+
+    def was_allocated(self, seq_id: int) -> bool:
+        """True if ``seq_id`` was ever handed out (live or freed)."""
+        return 0 <= seq_id < self._next_id
+
+    def lookup(self, seq_id: int) -> Sequence:
+        """The live sequence ``seq_id``.
+
+        Raises:
+            NotFoundError: never allocated, or already freed.
+        """
+        seq = self._live.get(seq_id)
+        if seq is None:
+            if self.was_allocated(seq_id):
+                raise NotFoundError(f"sequence {seq_id} was already freed (or its lease expired)")
+            raise NotFoundError(f"unknown sequence {seq_id}; it was never allocated")
+        return seq
+
+    def owned(self, lease_id: str, seq_ids: Iterable[int], what: str) -> list[Sequence]:
+        """Resolve a batch of sequence ids, each live and owned by ``lease_id``, for call ``what``.
+
+        Raises:
+            InvalidArgumentError: an empty or oversized batch, or an id named twice.
+            NotFoundError: an id unknown, freed, or of another lease.
+        """
+        ids = list(seq_ids)
+        check_batch(len(ids), what)
+        if len(set(ids)) != len(ids):
+            dup = next(s for s, c in Counter(ids).items() if c > 1)
+            raise InvalidArgumentError(f"{what}: sequence {dup} appears more than once in the batch")
+        seqs = [self._live.get(s) for s in ids]
+        for s, seq in zip(ids, seqs):
+            if seq is None:
+                self.lookup(s)  # raises the precise NotFoundError
+            if seq.lease_id != lease_id:
+                raise NotFoundError(f"{what}: sequence {s} is not owned by lease {lease_id}")
+        return seqs
+
+    def check(self, leases: Mapping[str, Lease], block_size: int) -> None:
+        """Assert each table's length fits its tokens and the tables agree with ``leases``' ``seq_ids``."""
+        for seq in self._live.values():
+            assert len(seq.block_ids) == blocks_for(seq.num_tokens, block_size), (
+                f"sequence {seq.seq_id}: {len(seq.block_ids)} blocks for {seq.num_tokens} tokens")
+            assert seq.seq_id in leases[seq.lease_id].seq_ids, f"sequence {seq.seq_id} not in its lease"
+        for lease in leases.values():
+            assert all(s in self._live for s in lease.seq_ids), f"lease {lease.lease_id} names a freed sequence"

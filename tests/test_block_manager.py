@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from memory_service.block_manager import BlockManager, OutOfBlocks
+from memory_service.block_manager import BlockManager
+from memory_service.requests import Append, BlockCopy, BlockTableUpdate, OutOfBlocks
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 
@@ -37,17 +38,17 @@ def m() -> BlockManager:
 
 
 def test_allocate_append_fork_cow_free_step_by_step(m: BlockManager):
-    lease = m.create_lease().lease_id
+    lease = m.leases.create().lease_id
     (a,) = m.allocate(lease, [6])
     assert (a.seq_id, a.block_ids, a.num_tokens) == (0, [0, 1], 6)
     assert m.pool.ref_counts[:3] == [1, 1, 0] and m.stats().free_blocks == 8
     assert m.stats().tokens_stored == 6
 
     # Append inside the last block: no new block.
-    (a,), copies = m.append_slots(lease, [(a.seq_id, 2)])
+    copies = m.append_slots(lease, [Append(a.seq_id, 2)]).copies
     assert a.block_ids == [0, 1] and copies == [] and m.stats().free_blocks == 8
     # Append across the boundary: one new block, id 2.
-    (a,), copies = m.append_slots(lease, [(a.seq_id, 1)])
+    copies = m.append_slots(lease, [Append(a.seq_id, 1)]).copies
     assert a.block_ids == [0, 1, 2] and a.num_tokens == 9 and m.stats().free_blocks == 7
 
     # Fork twice: children share every block.
@@ -58,14 +59,14 @@ def test_allocate_append_fork_cow_free_step_by_step(m: BlockManager):
     assert m.stats().shared_block_refs == 9
 
     # Copy-on-write on each child: last block 2 is partly filled (1 of 4) and shared.
-    (b,), copies = m.append_slots(lease, [(b.seq_id, 1)])
-    assert copies == [(2, 3)] and b.block_ids == [0, 1, 3]
+    copies = m.append_slots(lease, [Append(b.seq_id, 1)]).copies
+    assert copies == [BlockCopy(2, 3)] and b.block_ids == [0, 1, 3]
     assert m.pool.ref_counts[:5] == [3, 3, 2, 1, 0]
-    (c,), copies = m.append_slots(lease, [(c.seq_id, 1)])
-    assert copies == [(2, 4)] and c.block_ids == [0, 1, 4]
+    copies = m.append_slots(lease, [Append(c.seq_id, 1)]).copies
+    assert copies == [BlockCopy(2, 4)] and c.block_ids == [0, 1, 4]
     assert m.pool.ref_counts[:5] == [3, 3, 1, 1, 1]
     # The parent is now alone on block 2: it writes in place.
-    (a,), copies = m.append_slots(lease, [(a.seq_id, 1)])
+    copies = m.append_slots(lease, [Append(a.seq_id, 1)]).copies
     assert copies == [] and a.block_ids == [0, 1, 2]
     assert m.stats().free_blocks == 5 and m.stats().used_blocks == 5
     # Stored tokens: blocks 0, 1 full (8) + block 2, 3, 4 with 2 each.
@@ -84,11 +85,11 @@ def test_allocate_append_fork_cow_free_step_by_step(m: BlockManager):
 
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
 def test_free_in_every_order(m: BlockManager, order):
-    lease = m.create_lease().lease_id
+    lease = m.leases.create().lease_id
     (a,) = m.allocate(lease, [9])  # blocks 0, 1, 2
     b, c = m.fork(lease, [a.seq_id, a.seq_id])
-    m.append_slots(lease, [(b.seq_id, 1)])  # b -> [0, 1, 3]
-    m.append_slots(lease, [(c.seq_id, 4)])  # c -> [0, 1, 4, 5]
+    m.append_slots(lease, [Append(b.seq_id, 1)])  # b -> [0, 1, 3]
+    m.append_slots(lease, [Append(c.seq_id, 4)])  # c -> [0, 1, 4, 5]
     seqs = [a.seq_id, b.seq_id, c.seq_id]
     exclusive = {a.seq_id: {2}, b.seq_id: {3}, c.seq_id: {4, 5}}
     live = set(seqs)
@@ -103,27 +104,29 @@ def test_free_in_every_order(m: BlockManager, order):
 
 def test_batched_append_copies_in_order(m: BlockManager):
     """Two children and the parent append in one call: two copies, the parent stays in place."""
-    lease = m.create_lease().lease_id
+    lease = m.leases.create().lease_id
     (a,) = m.allocate(lease, [5])  # [0, 1]
     b, c = m.fork(lease, [0, 0])
-    seqs, copies = m.append_slots(lease, [(b.seq_id, 1), (c.seq_id, 1), (a.seq_id, 1)])
-    assert copies == [(1, 2), (1, 3)]
-    assert [s.block_ids for s in seqs] == [[0, 2], [0, 3], [0, 1]]
+    result = m.append_slots(lease, [Append(b.seq_id, 1), Append(c.seq_id, 1), Append(a.seq_id, 1)])
+    assert result.copies == [BlockCopy(1, 2), BlockCopy(1, 3)]
+    assert [s.block_ids for s in (b, c, a)] == [[0, 2], [0, 3], [0, 1]]
+    # Only the copied tables changed, from their last entry on; the parent's is not reported.
+    assert result.updates == [BlockTableUpdate(b.seq_id, 6, 1, (2,)), BlockTableUpdate(c.seq_id, 6, 1, (3,))]
     assert m.pool.ref_counts[:4] == [3, 1, 1, 1]
     m.check_invariants()
 
 
 def test_block_aligned_fork_needs_no_copy(m: BlockManager):
-    lease = m.create_lease().lease_id
+    lease = m.leases.create().lease_id
     (a,) = m.allocate(lease, [8])  # [0, 1], both full
     (b,) = m.fork(lease, [a.seq_id])
-    (b,), copies = m.append_slots(lease, [(b.seq_id, 1)])
+    copies = m.append_slots(lease, [Append(b.seq_id, 1)]).copies
     assert copies == [] and b.block_ids == [0, 1, 2]
     assert m.pool.ref_counts[:3] == [2, 2, 1]
 
 
 def test_out_of_blocks_changes_nothing(m: BlockManager):
-    lease = m.create_lease().lease_id
+    lease = m.leases.create().lease_id
     (a,) = m.allocate(lease, [30])  # 8 blocks, 2 left
     (b,) = m.fork(lease, [a.seq_id])
     before = snapshot(m)
@@ -133,7 +136,7 @@ def test_out_of_blocks_changes_nothing(m: BlockManager):
     assert snapshot(m) == before
     # a: copy-on-write of shared block 7 (1 block); b, now alone on 7: 30 -> 37 tokens
     # needs 2 more blocks. 3 > 2: refused whole, a's copy is not half-applied.
-    result = m.append_slots(lease, [(a.seq_id, 2), (b.seq_id, 7)])
+    result = m.append_slots(lease, [Append(a.seq_id, 2), Append(b.seq_id, 7)])
     assert result == OutOfBlocks(required=3, available=2)
     assert snapshot(m) == before
     assert m.stats().allocation_failures == 2
@@ -141,24 +144,24 @@ def test_out_of_blocks_changes_nothing(m: BlockManager):
 
 
 def test_bad_input_changes_nothing(m: BlockManager):
-    lease = m.create_lease().lease_id
+    lease = m.leases.create().lease_id
     (a,) = m.allocate(lease, [5])
-    other = m.create_lease().lease_id
+    other = m.leases.create().lease_id
     before = snapshot(m)
     cases = [
         (InvalidArgumentError, lambda: m.allocate(lease, [])),
         (InvalidArgumentError, lambda: m.allocate(lease, [0])),
         (InvalidArgumentError, lambda: m.allocate(lease, [-3])),
         (InvalidArgumentError, lambda: m.allocate(lease, [4, 41])),  # more than the pool could ever hold
-        (InvalidArgumentError, lambda: m.append_slots(lease, [(a.seq_id, 0)])),
-        (InvalidArgumentError, lambda: m.append_slots(lease, [(a.seq_id, 1), (a.seq_id, 1)])),
-        (NotFoundError, lambda: m.append_slots(lease, [(a.seq_id, 1), (999, 1)])),
+        (InvalidArgumentError, lambda: m.append_slots(lease, [Append(a.seq_id, 0)])),
+        (InvalidArgumentError, lambda: m.append_slots(lease, [Append(a.seq_id, 1), Append(a.seq_id, 1)])),
+        (NotFoundError, lambda: m.append_slots(lease, [Append(a.seq_id, 1), Append(999, 1)])),
         (NotFoundError, lambda: m.free(lease, [a.seq_id, 77])),
         (NotFoundError, lambda: m.free(other, [a.seq_id])),
         (NotFoundError, lambda: m.fork(lease, [12345])),
         (NotFoundError, lambda: m.allocate("nope", [4])),
         (InvalidArgumentError, lambda: m.allocate("", [4])),
-        (InvalidArgumentError, lambda: m.create_lease(ttl=-1)),
+        (InvalidArgumentError, lambda: m.leases.create(ttl=-1)),
     ]
     for error, call in cases:
         with pytest.raises(error):
@@ -167,7 +170,7 @@ def test_bad_input_changes_nothing(m: BlockManager):
 
 
 def test_double_free_is_an_error(m: BlockManager):
-    lease = m.create_lease().lease_id
+    lease = m.leases.create().lease_id
     (a,) = m.allocate(lease, [5])
     m.free(lease, [a.seq_id])
     with pytest.raises(NotFoundError, match="already freed"):
@@ -177,13 +180,13 @@ def test_double_free_is_an_error(m: BlockManager):
 
 def test_lease_expiry_frees_everything(m: BlockManager):
     clock = m.leases.clock
-    lease = m.create_lease(ttl=5).lease_id
-    keep = m.create_lease(ttl=5).lease_id
+    lease = m.leases.create(ttl=5).lease_id
+    keep = m.leases.create(ttl=5).lease_id
     (a,) = m.allocate(lease, [10])
     m.fork(lease, [a.seq_id])
     (k,) = m.allocate(keep, [3])
     clock.now += 4
-    m.keep_alive(keep)
+    m.leases.keep_alive(keep)
     clock.now += 2  # lease is 6 s old, keep renewed 2 s ago
     s = m.stats()
     assert (s.num_leases, s.num_sequences, s.used_blocks) == (1, 1, 1)
@@ -191,13 +194,13 @@ def test_lease_expiry_frees_everything(m: BlockManager):
         m.allocate(lease, [1])
     with pytest.raises(NotFoundError, match="already freed"):
         m.get_sequence(a.seq_id)
-    assert m.release_lease(keep) == 1
+    assert m.leases.release(keep) == 1
     assert m.stats().used_blocks == 0 and m.stats().num_leases == 0
     m.check_invariants()
 
 
 def test_utilization_counts_shared_blocks_once(m: BlockManager):
-    lease = m.create_lease().lease_id
+    lease = m.leases.create().lease_id
     (a,) = m.allocate(lease, [6])  # 6 tokens in 2 blocks of 4
     m.fork(lease, [a.seq_id, a.seq_id])
     s = m.stats()

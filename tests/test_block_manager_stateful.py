@@ -19,7 +19,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from memory_service.block_manager import Allocation, BlockManager, OutOfBlocks
+from memory_service.block_manager import BlockManager
+from memory_service.requests import Allocation, Append, Commit, OutOfBlocks
 from pagedkv.errors import FailedPreconditionError
 
 NUM_BLOCKS = 12
@@ -42,7 +43,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = Clock()
         self.m = BlockManager(NUM_BLOCKS, BLOCK_SIZE, lease_ttl=TTL, clock=self.clock)
-        self.leases = [self.m.create_lease().lease_id, self.m.create_lease().lease_id]
+        self.leases = [self.m.leases.create().lease_id, self.m.leases.create().lease_id]
         self.renewed = {lease: 0.0 for lease in self.leases}
         #: seq_id -> (lease, token history)
         self.history: dict[int, tuple[str, list[int]]] = {}
@@ -84,7 +85,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             # The worker computes only what the cache does not hold.
             self._write(seq.seq_id, seq.block_ids, seq.num_cached_tokens, toks[seq.num_cached_tokens:])
             self.history[seq.seq_id] = (lease_id, toks)
-        self.m.commit_computed(lease_id, [(seq.seq_id, seq.num_tokens) for seq in result])
+        self.m.commit_computed(lease_id, [Commit(seq.seq_id, seq.num_tokens) for seq in result])
 
     @precondition(lambda self: self.history)
     @rule(data=st.data())
@@ -94,20 +95,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
         lease_id = self.history[chosen[0]][0]
         chosen = [s for s in chosen if self.history[s][0] == lease_id]
         news = [data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=4)) for _ in chosen]
-        result = self.m.append_slots(lease_id, [(s, len(t), t) for s, t in zip(chosen, news)])
+        tables = {s: list(self.m.get_sequence(s).block_ids) for s in chosen}  # a client's copy
+        result = self.m.append_slots(lease_id, [Append(s, len(t), tuple(t)) for s, t in zip(chosen, news)])
         if isinstance(result, OutOfBlocks):
             return
-        seqs, copies = result
+        seqs = [self.m.get_sequence(s) for s in chosen]
+        # The deltas bring the client's copy of each table up to date.
+        for u in result.updates:
+            tables[u.seq_id][u.first_changed:] = u.block_ids
+        assert [tables[s.seq_id] for s in seqs] == [s.block_ids for s in seqs]
         # The worker does every copy before any write.
-        for src, dst in copies:
+        for c in result.copies:
             for o in range(BLOCK_SIZE):
-                if src * BLOCK_SIZE + o in self.slots:
-                    self.slots[dst * BLOCK_SIZE + o] = self.slots[src * BLOCK_SIZE + o]
+                if c.src * BLOCK_SIZE + o in self.slots:
+                    self.slots[c.dst * BLOCK_SIZE + o] = self.slots[c.src * BLOCK_SIZE + o]
         for seq, new in zip(seqs, news):
             lease, toks = self.history[seq.seq_id]
             self._write(seq.seq_id, seq.block_ids, len(toks), new)
             toks.extend(new)
-        self.m.commit_computed(lease_id, [(seq.seq_id, seq.num_tokens) for seq in seqs])
+        self.m.commit_computed(lease_id, [Commit(seq.seq_id, seq.num_tokens) for seq in seqs])
 
     @precondition(lambda self: self.history)
     @rule(data=st.data(), copies=st.integers(1, 3))
@@ -129,16 +135,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def advance_clock(self, seconds):
         self.clock.now += seconds
         self._forget_expired()
-        self.m.expire_leases()
+        self.m.leases.expire()
         for i, lease in enumerate(self.leases):
             if lease not in self.m.leases:
-                self.leases[i] = self.m.create_lease().lease_id
+                self.leases[i] = self.m.leases.create().lease_id
                 self.renewed[self.leases[i]] = self.clock.now
 
     @rule(lease=st.integers(0, 1))
     def keep_alive(self, lease):
         lease_id = self._live_lease(lease)
-        self.m.keep_alive(lease_id)
+        self.m.leases.keep_alive(lease_id)
         self.renewed[lease_id] = self.clock.now
 
     # -- invariants
@@ -165,7 +171,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         for lease in list(self.m.leases):
-            self.m.release_lease(lease)
+            self.m.leases.release(lease)
         s = self.m.stats()
         assert s.used_blocks == 0 and s.available_blocks == NUM_BLOCKS
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from memory_service.block_hash import CacheKey, block_hash, chain_hashes
-from memory_service.block_manager import Allocation, BlockManager, OutOfBlocks
+from memory_service.block_manager import BlockManager
+from memory_service.requests import Allocation, Append, Commit, CommitResult, OutOfBlocks
 from pagedkv.errors import InvalidArgumentError, NotFoundError
 
 B = 4
@@ -23,7 +24,7 @@ def alloc(m, lease, tokens, key=CacheKey(), n=None):
 def run(m, lease, tokens, key=CacheKey()):
     """Allocate, 'compute' everything, commit: what a client does for one prompt."""
     seq = alloc(m, lease, tokens, key)
-    m.commit_computed(lease, [(seq.seq_id, seq.num_tokens)])
+    m.commit_computed(lease, [Commit(seq.seq_id, seq.num_tokens)])
     return seq
 
 
@@ -34,7 +35,7 @@ def m():
 
 @pytest.fixture
 def lease(m):
-    return m.create_lease().lease_id
+    return m.leases.create().lease_id
 
 
 def test_same_prompt_twice_hits_every_full_block_but_the_last_token(m, lease):
@@ -142,25 +143,25 @@ def test_hits_are_pinned_before_eviction_in_the_same_call(m, lease):
 def test_commit_after_free_registers_nothing(m, lease):
     a = alloc(m, lease, list(range(9)))
     m.free(lease, [a.seq_id])
-    assert m.commit_computed(lease, [(a.seq_id, 9)]) == (0, 1)
+    assert m.commit_computed(lease, [Commit(a.seq_id, 9)]) == CommitResult(blocks_registered=0, skipped=1)
     assert m.stats().cached_blocks == 0 and not m.prefix_cache.cached
     with pytest.raises(NotFoundError):
-        m.commit_computed(lease, [(10**6, 1)])
+        m.commit_computed(lease, [Commit(10**6, 1)])
     b = alloc(m, lease, list(range(9)))
     with pytest.raises(InvalidArgumentError):
-        m.commit_computed(lease, [(b.seq_id, 10)])
+        m.commit_computed(lease, [Commit(b.seq_id, 10)])
 
 
 def test_only_committed_blocks_are_shared(m, lease):
     a = alloc(m, lease, list(range(10)))
-    m.commit_computed(lease, [(a.seq_id, 5)])  # only the first block's KV is written
+    m.commit_computed(lease, [Commit(a.seq_id, 5)])  # only the first block's KV is written
     assert alloc(m, lease, list(range(10))).num_cached_tokens == 4
 
 
 def test_decode_tokens_extend_the_cache_chain(m, lease):
     a = run(m, lease, [1, 2, 3, 4, 5, 6])
-    (a,), _ = m.append_slots(lease, [(a.seq_id, 2, [7, 8])])
-    m.commit_computed(lease, [(a.seq_id, 8)])
+    m.append_slots(lease, [Append(a.seq_id, 2, (7, 8))])
+    m.commit_computed(lease, [Commit(a.seq_id, 8)])
     assert alloc(m, lease, [1, 2, 3, 4, 5, 6, 7, 8, 9]).num_cached_tokens == 8
 
 
@@ -178,7 +179,7 @@ def test_events_in_order(m, lease):
 
 def test_prefix_caching_off(lease):
     m = BlockManager(12, B, prefix_caching=False)
-    lease = m.create_lease().lease_id
+    lease = m.leases.create().lease_id
     run(m, lease, list(range(9)))
     assert alloc(m, lease, list(range(9))).num_cached_tokens == 0
     assert not m.prefix_cache.cached and m.stats().prefix_cache_queries == 0

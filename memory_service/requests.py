@@ -1,0 +1,158 @@
+"""Typed requests and results of the block manager's calls, and the batch size limit.
+
+Each batched call takes a list of small request dataclasses and returns a
+result dataclass, so no meaning hangs on a tuple position. Copy-on-write is
+data, as in vLLM v0 (``vllm/core/block/common.py``): :class:`BlockCopy` pairs
+the worker copies before it writes. A capacity shortfall is the typed result
+:class:`OutOfBlocks` (-> RESOURCE_EXHAUSTED), never an exception.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memory_service.block_hash import CacheKey
+from pagedkv.errors import InvalidArgumentError
+
+#: Most entries one batched call may carry (a bigger batch is malformed).
+MAX_BATCH = 65_536
+
+
+def check_batch(n: int, what: str) -> None:
+    """Check the size of a batch of ``n`` entries for call ``what``.
+
+    Raises:
+        InvalidArgumentError: an empty batch, or more than :data:`MAX_BATCH` entries.
+    """
+    if n == 0:
+        raise InvalidArgumentError(f"{what}: the batch is empty; send at least one entry")
+    if n > MAX_BATCH:
+        raise InvalidArgumentError(f"{what}: {n} entries is more than the {MAX_BATCH} one call may carry")
+
+
+@dataclass(frozen=True, slots=True)
+class OutOfBlocks:
+    """Typed result of a request the pool cannot satisfy now (-> RESOURCE_EXHAUSTED)."""
+
+    #: Blocks the whole batch needs.
+    required: int
+    #: Blocks available (free + cached) when it was refused.
+    available: int
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One sequence to allocate."""
+
+    #: Tokens to reserve slots for; with ``token_ids``, beyond the cached prefix.
+    num_tokens: int
+    #: The sequence's known tokens: enables prefix-cache lookup and registration.
+    token_ids: tuple[int, ...] | None = None
+    #: Extra cache keys.
+    cache_key: CacheKey = CacheKey()
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """Slots to add to one sequence (a decode step, or a chunk of a chunked prefill)."""
+
+    #: The sequence.
+    seq_id: int
+    #: Tokens to reserve slots for (>= 1).
+    num_tokens: int
+    #: Ids of the appended tokens (prefix caching); None or empty ends caching for the sequence.
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTableUpdate:
+    """How one sequence's block table changed: entries from ``first_changed`` on are replaced."""
+
+    #: The sequence.
+    seq_id: int
+    #: Its token count after the change.
+    num_tokens: int
+    #: Index of the first block-table entry that changed (a copied last block, or the first new one).
+    first_changed: int
+    #: The table's entries from ``first_changed`` to its end.
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """A copy-on-write the worker does before writing: block ``src``'s KV into block ``dst``."""
+
+    #: Shared block to read.
+    src: int
+    #: Fresh block to write.
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """Result of :meth:`BlockManager.append_slots`."""
+
+    #: Tables that changed, in request order (a sequence whose table did not change is absent).
+    updates: list[BlockTableUpdate]
+    #: Copies to do before any write, in order.
+    copies: list[BlockCopy]
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """A sequence's progress: its first ``num_computed_tokens`` tokens have KV written."""
+
+    #: The sequence.
+    seq_id: int
+    #: Tokens whose KV is computed (0..num_tokens).
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """Result of :meth:`BlockManager.commit_computed`."""
+
+    #: Blocks newly entered into the prefix cache.
+    blocks_registered: int
+    #: Entries naming a sequence freed or preempted meanwhile.
+    skipped: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Counters of :meth:`BlockManager.stats` (GetStats; fields as in ``GetStatsResponse``)."""
+
+    #: Blocks in the pool.
+    total_blocks: int
+    #: Blocks with no content.
+    free_blocks: int
+    #: Refcount-0 blocks kept for the prefix cache (evictable).
+    cached_blocks: int
+    #: Blocks with refcount > 0.
+    used_blocks: int
+    #: free + cached: what an allocation may take now.
+    available_blocks: int
+    #: Tokens per block.
+    block_size: int
+    #: Token slots written in used blocks.
+    tokens_stored: int
+    #: tokens_stored / token capacity of used blocks (0 when none is used).
+    utilization: float
+    #: Live sequences.
+    num_sequences: int
+    #: Live leases.
+    num_leases: int
+    #: Requests refused with OutOfBlocks.
+    allocation_failures: int
+    #: Sequences freed as preempted.
+    preemptions: int
+    #: Prompt tokens looked up in the prefix cache.
+    prefix_cache_queries: int
+    #: Prompt tokens found there.
+    prefix_cache_hits: int
+    #: Block-table entries pointing at a shared block.
+    shared_block_refs: int
+    #: Cached blocks evicted.
+    prefix_cache_evictions: int
+    #: Automatic prefix caching is on.
+    prefix_caching: bool
