@@ -15,9 +15,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from memory_service.live_table import LiveTable
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from pagedkv.logs import get_logger
 
@@ -45,7 +46,7 @@ class Lease:
     seq_ids: set[int] = field(default_factory=set)
 
 
-class LeaseTable(Mapping[str, Lease]):
+class LeaseTable(LiveTable[str, Lease]):
     """Live leases by id (a read-only mapping), with create / keep-alive / expiry / release.
 
     Args:
@@ -62,23 +63,14 @@ class LeaseTable(Mapping[str, Lease]):
                  clock: Callable[[], float] = time.monotonic):
         if default_ttl <= 0:
             raise ValueError(f"lease_ttl must be > 0 seconds, got {default_ttl}")
+        super().__init__()
         #: TTL of a lease created without one, seconds.
         self.default_ttl = default_ttl
         #: Time source, seconds.
         self.clock = clock
         self._on_drop = on_drop
-        self._live: dict[str, Lease] = {}
         #: Recently expired lease id -> clock time of expiry, oldest first.
         self._expired: OrderedDict[str, float] = OrderedDict()
-
-    def __getitem__(self, lease_id: str) -> Lease:
-        return self._live[lease_id]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._live)
-
-    def __len__(self) -> int:
-        return len(self._live)
 
     def create(self, ttl: float | None = None, owner: str = "") -> Lease:
         """Open a lease with ``ttl`` seconds (default: the table's).

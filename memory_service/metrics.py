@@ -11,6 +11,24 @@ from prometheus_client.registry import REGISTRY, Collector
 
 from memory_service.block_manager import BlockManager
 
+#: Exported metrics: name -> (family, help, the :class:`Stats` attribute it reads).
+METRICS = {
+    "pagedkv_kv_cache_usage_perc": (GaugeMetricFamily, "Fraction of KV blocks in use (0-1).", "usage"),
+    "pagedkv_kv_cache_utilization": (GaugeMetricFamily, "Token states stored / token capacity of used blocks.", "utilization"),
+    "pagedkv_num_blocks_total": (GaugeMetricFamily, "Blocks in the pool.", "total_blocks"),
+    "pagedkv_num_blocks_used": (GaugeMetricFamily, "Blocks with refcount > 0.", "used_blocks"),
+    "pagedkv_num_blocks_free": (GaugeMetricFamily, "Blocks with no content.", "free_blocks"),
+    "pagedkv_num_blocks_cached": (GaugeMetricFamily, "Refcount-0 blocks kept for the prefix cache.", "cached_blocks"),
+    "pagedkv_num_sequences": (GaugeMetricFamily, "Live sequences.", "num_sequences"),
+    "pagedkv_num_leases": (GaugeMetricFamily, "Live leases.", "num_leases"),
+    "pagedkv_tokens_stored": (GaugeMetricFamily, "Token states held in used blocks.", "tokens_stored"),
+    "pagedkv_prefix_cache_queries": (CounterMetricFamily, "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    "pagedkv_prefix_cache_hits": (CounterMetricFamily, "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    "pagedkv_prefix_cache_evictions": (CounterMetricFamily, "Cached blocks evicted.", "prefix_cache_evictions"),
+    "pagedkv_num_preemptions": (CounterMetricFamily, "Sequences freed as preempted by clients.", "preemptions"),
+    "pagedkv_allocation_failures": (CounterMetricFamily, "Requests refused with OUT_OF_BLOCKS.", "allocation_failures"),
+}
+
 
 class BlockManagerCollector(Collector):
     """Exports a :class:`BlockManager`'s counters."""
@@ -20,28 +38,8 @@ class BlockManagerCollector(Collector):
 
     def collect(self):
         s = self.manager.stats()
-        gauges = {
-            "pagedkv_kv_cache_usage_perc": ("Fraction of KV blocks in use (0-1).", s.used_blocks / s.total_blocks),
-            "pagedkv_kv_cache_utilization": ("Token states stored / token capacity of used blocks.", s.utilization),
-            "pagedkv_num_blocks_total": ("Blocks in the pool.", s.total_blocks),
-            "pagedkv_num_blocks_used": ("Blocks with refcount > 0.", s.used_blocks),
-            "pagedkv_num_blocks_free": ("Blocks with no content.", s.free_blocks),
-            "pagedkv_num_blocks_cached": ("Refcount-0 blocks kept for the prefix cache.", s.cached_blocks),
-            "pagedkv_num_sequences": ("Live sequences.", s.num_sequences),
-            "pagedkv_num_leases": ("Live leases.", s.num_leases),
-            "pagedkv_tokens_stored": ("Token states held in used blocks.", s.tokens_stored),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = {
-            "pagedkv_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-            "pagedkv_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-            "pagedkv_prefix_cache_evictions": ("Cached blocks evicted.", s.prefix_cache_evictions),
-            "pagedkv_num_preemptions": ("Sequences freed as preempted by clients.", s.preemptions),
-            "pagedkv_allocation_failures": ("Requests refused with OUT_OF_BLOCKS.", s.allocation_failures),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
+        for name, (family, doc, field) in METRICS.items():
+            yield family(name, doc, value=getattr(s, field))
 
 
 def start_metrics_server(manager: BlockManager, host: str, port: int) -> int:

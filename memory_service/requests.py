@@ -39,6 +39,9 @@ class OutOfBlocks:
     #: Blocks available (free + cached) when it was refused.
     available: int
 
+    def __post_init__(self) -> None:
+        assert 0 <= self.available < self.required, f"refused {self.required} blocks with {self.available} available"
+
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
@@ -77,6 +80,9 @@ class BlockTableUpdate:
     #: The table's entries from ``first_changed`` to its end.
     block_ids: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        assert self.first_changed >= 0 and self.block_ids, f"empty update of sequence {self.seq_id}"
+
 
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
@@ -86,6 +92,9 @@ class BlockCopy:
     src: int
     #: Fresh block to write.
     dst: int
+
+    def __post_init__(self) -> None:
+        assert self.src != self.dst, f"copy of block {self.src} onto itself"
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +125,9 @@ class CommitResult:
     blocks_registered: int
     #: Entries naming a sequence freed or preempted meanwhile.
     skipped: int
+
+    def __post_init__(self) -> None:
+        assert self.blocks_registered >= 0 and self.skipped >= 0, self
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,3 +168,8 @@ class Stats:
     prefix_cache_evictions: int
     #: Automatic prefix caching is on.
     prefix_caching: bool
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0-1 (vLLM's KV cache usage)."""
+        return self.used_blocks / self.total_blocks

@@ -8,12 +8,13 @@ holds token positions ``[i * block_size, (i + 1) * block_size)``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from memory_service.block_hash import CacheKey
 from memory_service.leases import Lease
+from memory_service.live_table import LiveTable
 from memory_service.requests import check_batch
 from pagedkv.errors import InvalidArgumentError, NotFoundError
 
@@ -63,23 +64,26 @@ class SequenceInfo:
     seq_id: int
     #: Lease that owns it.
     lease_id: str
+    #: The sequence it was forked from, if any.
+    parent_seq_id: int | None
     #: Tokens whose slots are reserved.
     num_tokens: int
     #: Physical block ids in logical order.
     block_ids: tuple[int, ...]
     #: ref_counts[i]: refcount of block_ids[i] (> 1 = shared with a fork or a prefix-cache hit).
     ref_counts: tuple[int, ...]
-    #: The sequence it was forked from, if any.
-    parent_seq_id: int | None
+
+    def __post_init__(self) -> None:
+        assert len(self.ref_counts) == len(self.block_ids) and all(rc > 0 for rc in self.ref_counts), self
 
     @classmethod
     def of(cls, seq: Sequence, ref_counts: Seq[int]) -> SequenceInfo:
         """The view of ``seq``; ``ref_counts[b]`` is block ``b``'s refcount in the pool."""
-        return cls(seq.seq_id, seq.lease_id, seq.num_tokens, tuple(seq.block_ids),
-                   tuple(ref_counts[b] for b in seq.block_ids), seq.parent_seq_id)
+        return cls(seq.seq_id, seq.lease_id, seq.parent_seq_id, seq.num_tokens, tuple(seq.block_ids),
+                   tuple(ref_counts[b] for b in seq.block_ids))
 
 
-class SequenceTable(Mapping[int, Sequence]):
+class SequenceTable(LiveTable[int, Sequence]):
     """Live sequences by id (a read-only mapping); ids are assigned in increasing order from 0.
 
     Because ids are never reused, a lookup tells a freed sequence apart from
@@ -87,17 +91,8 @@ class SequenceTable(Mapping[int, Sequence]):
     """
 
     def __init__(self) -> None:
-        self._live: dict[int, Sequence] = {}
+        super().__init__()
         self._next_id = 0  # ids below it were allocated
-
-    def __getitem__(self, seq_id: int) -> Sequence:
-        return self._live[seq_id]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._live)
-
-    def __len__(self) -> int:
-        return len(self._live)
 
     def add(self, lease: Lease, num_tokens: int, block_ids: list[int], parent: int | None = None) -> Sequence:
         """A new sequence of ``lease`` with the next id (entered in ``lease.seq_ids``)."""
