@@ -14,7 +14,7 @@ hash. Every change is logged as a :class:`KvEvent` ("stored", "removed",
 NOTE: invariants (checked by :meth:`PrefixCache.check`):
   * ``cached[h] == b``  <=>  ``block_hash[b] == h``;
   * ``block_hash[b] is not None``  <=>  ``block_tokens[b] is not None``  <=>  ``pool.has_content[b]``;
-  * retained events are numbered consecutively, the newest ``next_event_number() - 1``.
+  * retained events are numbered consecutively, the newest one less than the next to be emitted.
 """
 
 from __future__ import annotations
@@ -189,24 +189,20 @@ class PrefixCache:
         self.events.append(KvEvent(self._next_event, kind, **fields))
         self._next_event += 1
 
-    def next_event_number(self) -> int:
-        """The sequence number the next event will carry (1 before any)."""
-        return self._next_event
-
-    def events_since(self, first: int) -> list[KvEvent]:
-        """Retained events numbered ``first`` and on, oldest first (empty when none is that new).
+    def subscribe(self, first: int | None = None) -> KvEventCursor:
+        """A cursor on the event log at event ``first`` (None: only events from now on), for StreamKvEvents.
 
         Raises:
-            FailedPreconditionError: events from ``first`` on were dropped (the log keeps ``max_events``).
+            FailedPreconditionError: the log already dropped events before ``first`` (it keeps ``max_events``).
         """
         events = self.events
-        if not events or events[-1].sequence_number < first:
-            return []
-        oldest = events[0].sequence_number
+        if first is None:
+            return KvEventCursor(events, self._next_event)
+        oldest = events[0].sequence_number if events else first
         if first < oldest:
             raise FailedPreconditionError(
                 f"events before {oldest} are no longer retained; resubscribe from {oldest} and resync the cache")
-        return list(itertools.islice(events, first - oldest, None))
+        return KvEventCursor(events, first)
 
     def check(self) -> None:
         """Assert the module's invariants (O(num_blocks + events))."""
@@ -218,3 +214,26 @@ class PrefixCache:
                 f"content {self.pool.has_content[b]}")
         numbers = [e.sequence_number for e in self.events]
         assert numbers == list(range(self._next_event - len(numbers), self._next_event)), "event numbers have a gap"
+
+
+class KvEventCursor:
+    """A subscriber's place in the KV event log (:meth:`PrefixCache.subscribe`)."""
+
+    __slots__ = ("_events", "next_number")
+
+    def __init__(self, events: deque[KvEvent], next_number: int):
+        self._events = events
+        #: Sequence number of the next event :meth:`poll` returns.
+        self.next_number = next_number
+
+    def poll(self) -> list[KvEvent]:
+        """Retained events numbered :attr:`next_number` and on, oldest first, and move past them.
+
+        A cursor that fell more than ``max_events`` behind skips what the log dropped meanwhile.
+        """
+        events = self._events
+        if not events or events[-1].sequence_number < self.next_number:
+            return []
+        out = list(itertools.islice(events, max(0, self.next_number - events[0].sequence_number), None))
+        self.next_number = events[-1].sequence_number + 1
+        return out

@@ -5,6 +5,10 @@ result dataclass, so no meaning hangs on a tuple position. Copy-on-write is
 data, as in vLLM v0 (``vllm/core/block/common.py``): :class:`BlockCopy` pairs
 the worker copies before it writes. A capacity shortfall is the typed result
 :class:`OutOfBlocks` (-> RESOURCE_EXHAUSTED), never an exception.
+
+Requests are checked by the call that takes them, after its lease, so an
+expired lease is reported before a malformed entry and messages can name the
+pool's capacity; results assert their invariants in ``__post_init__``.
 """
 
 from __future__ import annotations

@@ -122,14 +122,11 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def StreamKvEvents(self, request, context):
         """Server streaming: replay retained events from a sequence number, then follow."""
-        cache = self.manager.prefix_cache
-        nxt = request.from_sequence_number if request.HasField("from_sequence_number") else cache.next_event_number()
+        first = request.from_sequence_number if request.HasField("from_sequence_number") else None
+        cursor = self.manager.prefix_cache.subscribe(first)
         while True:
-            events = cache.events_since(nxt)
-            for e in events:
+            for e in cursor.poll():
                 yield _event(e)
-            if events:
-                nxt = events[-1].sequence_number + 1
             await asyncio.sleep(0.05)
 
 

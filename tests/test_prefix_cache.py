@@ -10,7 +10,7 @@ import pytest
 from memory_service.block_hash import CacheKey, block_hash, chain_hashes
 from memory_service.block_manager import BlockManager
 from memory_service.requests import Allocation, Append, Commit, CommitResult, OutOfBlocks
-from pagedkv.errors import InvalidArgumentError, NotFoundError
+from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 B = 4
 
@@ -175,6 +175,20 @@ def test_events_in_order(m, lease):
     assert [e.kind for e in m.prefix_cache.events][-1] == "cleared"
     assert [e.sequence_number for e in m.prefix_cache.events] == list(range(1, len(m.prefix_cache.events) + 1))
     assert m.stats().cached_blocks == 0 and m.stats().free_blocks == 12
+
+
+def test_event_cursor_replays_follows_and_refuses_dropped_events():
+    m = BlockManager(12, B, max_events=3)
+    lease = m.leases.create().lease_id
+    cursor = m.prefix_cache.subscribe()  # only events from now on
+    run(m, lease, list(range(9)))  # events 1, 2: two blocks stored
+    assert [e.sequence_number for e in cursor.poll()] == [1, 2] and cursor.poll() == []
+    for _ in range(3):
+        m.reset_prefix_cache()  # events 3, 4, 5; the log keeps the last 3
+    assert [e.kind for e in cursor.poll()] == ["cleared"] * 3
+    with pytest.raises(FailedPreconditionError, match="resubscribe from 3"):
+        m.prefix_cache.subscribe(2)
+    assert [e.sequence_number for e in m.prefix_cache.subscribe(3).poll()] == [3, 4, 5]
 
 
 def test_prefix_caching_off(lease):
