@@ -8,13 +8,13 @@ while keeping creation and removal to their own methods.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
 
 
-class LiveTable(Mapping[K, V], Generic[K, V]):
+class LiveTable(Mapping[K, V]):
     """Live entries by key; subclasses add and remove entries in ``_live``."""
 
     def __init__(self) -> None:
