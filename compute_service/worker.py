@@ -24,7 +24,7 @@ import torch
 import kernels
 from compute_service.model import LlamaForPagedLM
 from compute_service.pool_map import MappedPool
-from compute_service.sampling import MAX_LOGPROBS, SamplingParams, sample
+from compute_service.sampling import SamplingParams, sample
 from compute_service.weights import ModelConfig
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError
@@ -225,5 +225,3 @@ class Worker:
                 res.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(top_ids[r][:k], top_lp[r][:k]))
         return results
 
-
-__all__ = ["Worker", "MAX_LOGPROBS", "sampling_from_proto"]
