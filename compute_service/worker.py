@@ -20,11 +20,13 @@ import threading
 import time
 
 import torch
+from torch import nn
 
 import kernels
 from compute_service.model import LlamaForPagedLM
 from compute_service.pool_map import MappedPool
 from compute_service.sampling import SamplingParams, sample
+from compute_service.timing import AttentionClock
 from compute_service.weights import ModelConfig
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError
@@ -68,6 +70,8 @@ class Worker:
         self.device = model.device
         self._lock = threading.Lock()
         self.pool = pool
+        # A stand-in model (not an nn.Module) is not timed: its attention_seconds is 0.
+        self.attention_clock = AttentionClock(model) if isinstance(model, nn.Module) else None
         #: Set when the memory service went away during a step: its results are dropped.
         self.pool_lost = threading.Event()
 
@@ -114,7 +118,7 @@ class Worker:
             return pb.StepResponse(
                 results=results,
                 model_seconds=t2 - t1,
-                attention_seconds=getattr(self.model, "last_attention_seconds", 0.0),
+                attention_seconds=self.attention_clock.seconds if self.attention_clock else 0.0,
                 step_seconds=time.perf_counter() - t0,
                 num_tokens=int(batch["input_ids"].shape[0]),
             )
