@@ -1,5 +1,6 @@
 """Shared fixtures and helpers for the model tests: the SmolLM2 GGUF, the transformers reference,
-our paged model, and a tiny paged-cache driver (block tables, slot mapping) for tests.
+our paged model, and a tiny paged-cache driver (block tables; its step inputs come from the
+worker's own `build_step_inputs`) for tests.
 
 tests/conftest.py registers the fixtures once for the whole session (one transformers model, one
 loaded GGUF); test modules import only the helpers.
@@ -17,7 +18,9 @@ import torch
 
 import kernels
 from compute_service.model import LlamaForPagedLM
+from compute_service.step_inputs import build_step_inputs
 from compute_service.weights import SMOLLM2_GGUF, load_model_source, smollm2_gguf_path
+from pagedkv.compute.v1 import compute_service_pb2 as pb
 
 PROMPT = "What is the capital of France?"
 
@@ -152,32 +155,16 @@ class PagedCache:
 
     def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """Run one forward with `chunks[seq] = new token ids`; returns each seq's last logits."""
-        ids, pos, slots, qsl, lens, rows = [], [], [], [0], [], []
+        request = pb.StepRequest()
         for seq, toks in chunks.items():
             start = self.lens.get(seq, 0)
             table = self.tables.setdefault(seq, [])
-            for p in range(start, start + len(toks)):
-                if p // self.block_size >= len(table):
-                    table.append(self.free.pop())
-                pos.append(p)
-                slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
-            ids += toks
+            while len(table) * self.block_size < start + len(toks):
+                table.append(self.free.pop())
+            request.sequences.append(pb.StepSequence(
+                seq_id=seq, token_ids=toks, positions=range(start, start + len(toks)), block_ids=table))
             self.lens[seq] = start + len(toks)
-            qsl.append(qsl[-1] + len(toks))
-            lens.append(self.lens[seq])
-            rows.append(qsl[-1] - 1)
-        width = max(len(self.tables[s]) for s in chunks)
-        bt = torch.zeros(len(chunks), width, dtype=torch.int32)
-        for r, s in enumerate(chunks):
-            bt[r, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.int64),
-            torch.tensor(pos, dtype=torch.int64),
-            self.pool,
-            torch.tensor(slots, dtype=torch.int64),
-            bt,
-            torch.tensor(qsl, dtype=torch.int32),
-            torch.tensor(lens, dtype=torch.int32),
-            torch.tensor(rows, dtype=torch.int64),
-        )
+        inputs = build_step_inputs(request, block_size=self.block_size, num_blocks=self.num_blocks,
+                                   vocab_size=self.model.config.vocab_size, device=self.model.device)
+        logits = self.model(*inputs.model_args(self.pool))
         return {s: logits[r] for r, s in enumerate(chunks)}
