@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import load_kv_tile
+from kernels.triton_paged import attend_context
 
 # Context positions processed per loop iteration.
 TILE = 32
@@ -64,39 +64,15 @@ def kernel_paged_decode(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [G_PAD, DIM_PAD]
-    if IEEE:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, DIM_PAD], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # log2(e): use exp2
-
+    q_pos = tl.zeros([G_PAD], tl.int32) + seq_len - 1  # [G_PAD] the new token is the last position
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     bt_row = block_tables_ptr + seq * stride_bt_seq
-    for t0 in range(start, end, TILE):
-        pos = t0 + tl.arange(0, TILE)  # [TILE] context positions
-        p_mask = pos < end
-        k, v = load_kv_tile(
-            key_cache_ptr, value_cache_ptr, bt_row, pos, p_mask, d, d_mask, kv_head,
-            stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
-            BLOCK_SIZE,
-        )  # [TILE, DIM_PAD] each  # fmt: skip
-        if IEEE:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [G_PAD, TILE]
-        else:
-            s = tl.dot(q, tl.trans(k))  # [G_PAD, TILE]
-        s = tl.where(p_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [G_PAD], finite: each tile has a position
-        p = tl.math.exp2(s - m_new[:, None])  # [G_PAD, TILE]
-        alpha = tl.math.exp2(m_i - m_new)  # [G_PAD]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = attend_context(
+        q, q_pos, start, end, scale, key_cache_ptr, value_cache_ptr, bt_row, kv_head, d, d_mask,
+        stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
+        G_PAD, DIM_PAD, BLOCK_SIZE, TILE, IEEE,
+    )  # [G_PAD], [G_PAD], [G_PAD, DIM_PAD]  # fmt: skip
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:

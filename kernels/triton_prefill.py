@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import load_kv_tile
+from kernels.triton_paged import attend_context
 
 # Context positions processed per loop iteration, and rows per program.
 TILE = 32
@@ -90,41 +90,14 @@ def kernel_paged_prefill(
         mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, DIM_PAD]
-    if IEEE:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # log2(e): use exp2
-
     # Context needed by this program: up to its last valid token's position.
     ctx_end = seq_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for t0 in range(0, ctx_end, TILE):
-        pos = t0 + tl.arange(0, TILE)  # [TILE] context positions
-        p_mask = pos < ctx_end
-        k, v = load_kv_tile(
-            key_cache_ptr, value_cache_ptr, bt_row, pos, p_mask, d, d_mask, kv_head,
-            stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
-            BLOCK_SIZE,
-        )  # [TILE, DIM_PAD] each  # fmt: skip
-        if IEEE:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_M, TILE]
-        else:
-            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, TILE]
-        causal = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]  # [BLOCK_M, TILE]
-        s = tl.where(causal, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]; -inf for a fully masked row
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, TILE]
-        alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = attend_context(
+        q, q_pos, 0, ctx_end, scale, key_cache_ptr, value_cache_ptr, bt_row, kv_head, d, d_mask,
+        stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
+        BLOCK_M, DIM_PAD, BLOCK_SIZE, TILE, IEEE,
+    )  # [BLOCK_M], [BLOCK_M], [BLOCK_M, DIM_PAD]  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = out_ptr + tok[:, None] * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
