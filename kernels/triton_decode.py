@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import attend_context
+from kernels.triton_paged import attend_context, attention_strides
 
 # Context positions processed per loop iteration.
 TILE = 32
@@ -37,8 +37,7 @@ def kernel_paged_decode(
     tokens_per_split,  # context positions per split (multiple of TILE)
     stride_q_seq, stride_q_head,  # query strides
     stride_o_seq, stride_o_head,  # out strides
-    stride_kc_blk, stride_kc_off, stride_kc_head,  # key_cache strides
-    stride_vc_blk, stride_vc_off, stride_vc_head,  # value_cache strides
+    stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # key_cache, value_cache strides
     stride_bt_seq,  # block_tables row stride
     GROUP: tl.constexpr,  # query heads per KV head
     G_PAD: tl.constexpr,  # >= max(16, GROUP), power of two (tl.dot minimum)
@@ -123,22 +122,22 @@ def kernel_reduce_splits(
 
 
 def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_splits: int,
-    max_seq_len: int,
-) -> torch.Tensor:
+    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim], head_dim contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, rows contiguous
+    seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, tokens in cache including the new one
+    scale: float,  # softmax scale
+    num_splits: int,  # split-KV ranges per sequence (>= 1); > 1 adds the reduce kernel
+    max_seq_len: int,  # max(seq_lens): sizes the splits without a device-to-host sync
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim], query dtype
+    """Launch `kernel_paged_decode` (and `kernel_reduce_splits` when split); the arguments were
+    checked by `kernels.paged_decode_attention`."""
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
-    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
-    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     out = torch.empty_like(query)
+    strides = attention_strides(query, out, key_cache, value_cache, block_tables, seq_lens)
     if num_seqs == 0:
         return out
     tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), TILE) * TILE
@@ -153,12 +152,7 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused
     kernel_paged_decode[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        scale, tokens_per_split,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        scale, tokens_per_split, *strides,
         GROUP=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,

@@ -1,12 +1,38 @@
-"""Device helpers shared by the Triton attention kernels: K/V through a block table, online softmax.
+"""Helpers shared by the Triton attention kernels: K/V through a block table, online softmax, and
+the host-side layout checks and strides of a launch.
 
 Imported by `kernels.triton_decode` and `kernels.triton_prefill` (this module imports triton).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def attention_strides(
+    query: torch.Tensor,  # [tokens, num_q_heads, head_dim]
+    out: torch.Tensor,  # [tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+) -> tuple[int, ...]:
+    """The strides an attention kernel takes, in its argument order: query (token, head), out
+    (token, head), key_cache (block, offset, head), value_cache (block, offset, head),
+    block_tables (row). Asserts the layout the kernels assume: head_dim contiguous, block-table
+    rows and seq_lens contiguous, int32 metadata."""
+    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    return (
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+    )  # fmt: skip
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import attend_context
+from kernels.triton_paged import attend_context, attention_strides
 
 # Context positions processed per loop iteration, and rows per program.
 TILE = 32
@@ -55,8 +55,7 @@ def kernel_paged_prefill(
     scale,  # softmax scale (fp32)
     stride_q_tok, stride_q_head,  # query strides
     stride_o_tok, stride_o_head,  # out strides
-    stride_kc_blk, stride_kc_off, stride_kc_head,  # key_cache strides
-    stride_vc_blk, stride_vc_off, stride_vc_head,  # value_cache strides
+    stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # key_cache, value_cache strides
     stride_bt_seq,  # block_tables row stride
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_Q: tl.constexpr,  # new tokens per program (BLOCK_M // GROUP)
@@ -105,23 +104,22 @@ def kernel_paged_prefill(
 
 
 def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+    query: torch.Tensor,  # [total_q, num_q_heads, head_dim], head_dim contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, rows contiguous
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32 contiguous, cumulative new tokens
+    seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, cached + new tokens
+    scale: float,  # softmax scale
+) -> torch.Tensor:  # [total_q, num_q_heads, head_dim], query dtype
+    """Launch `kernel_paged_prefill`; the arguments were checked by `kernels.paged_prefill_attention`."""
     total_q, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
-    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
     assert query_start_loc.is_contiguous() and query_start_loc.dtype == torch.int32
-    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     out = torch.empty_like(query)
+    strides = attention_strides(query, out, key_cache, value_cache, block_tables, seq_lens)
     if total_q == 0 or num_seqs == 0:
         return out
     block_m = max(BLOCK_M, triton.next_power_of_2(group))
@@ -129,12 +127,7 @@ def paged_prefill_attention(
     grid = (total_q // block_q + num_seqs, num_kv_heads)
     kernel_paged_prefill[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        num_seqs, scale,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        num_seqs, scale, *strides,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
