@@ -16,57 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
 from compute_service.model import LlamaForPagedLM
 from compute_service.step_inputs import build_step_inputs
 from compute_service.weights import SMOLLM2_GGUF, load_model_source, smollm2_gguf_path
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 
 PROMPT = "What is the capital of France?"
-
-
-def _fallback_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
-    block_size = key_cache.shape[1]
-    b, o = slot_mapping // block_size, slot_mapping % block_size
-    key_cache[b, o] = key.to(key_cache.dtype)
-    value_cache[b, o] = value.to(value_cache.dtype)
-
-
-def _fallback_paged_prefill_attention(
-    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
-):
-    # Dense, one sequence at a time: gather the context, causal bottom-right mask.
-    out = torch.empty_like(query)
-    bs, hkv = key_cache.shape[1], key_cache.shape[2]
-    group = query.shape[1] // hkv
-    for s in range(block_tables.shape[0]):
-        q0, q1, n_ctx = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(seq_lens[s])
-        pos = torch.arange(n_ctx)
-        blocks = block_tables[s].long()[pos // bs]
-        k = key_cache[blocks, pos % bs].float().repeat_interleave(group, 1)  # [C, Hq, D]
-        v = value_cache[blocks, pos % bs].float().repeat_interleave(group, 1)
-        q = query[q0:q1].float()  # [n, Hq, D]
-        qpos = torch.arange(n_ctx - (q1 - q0), n_ctx)
-        sc = torch.einsum("nhd,chd->hnc", q, k) * scale
-        sc.masked_fill_(pos[None, None, :] > qpos[None, :, None], float("-inf"))
-        out[q0:q1] = torch.einsum("hnc,chd->nhd", sc.softmax(-1), v).to(query.dtype)
-    return out
-
-
-@pytest.fixture(scope="session", autouse=False)
-def paged_kernels():
-    """Use kernels' ops; install a private dense fallback only while kernels lacks them."""
-    missing = {}
-    for name, fn in (
-        ("reshape_and_cache", _fallback_reshape_and_cache),
-        ("paged_prefill_attention", _fallback_paged_prefill_attention),
-    ):
-        if not hasattr(kernels, name):
-            missing[name] = fn
-            setattr(kernels, name, fn)
-    yield sorted(missing)
-    for name in missing:
-        delattr(kernels, name)
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +36,7 @@ def pagedkv_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ours(pagedkv_home, paged_kernels):
+def ours(pagedkv_home):
     """(config, weights, model) from our GGUF loader, cached under `pagedkv_home`."""
     mp = pytest.MonkeyPatch()
     mp.setenv("PAGEDKV_HOME", str(pagedkv_home))
