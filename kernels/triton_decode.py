@@ -37,7 +37,7 @@ def kernel_paged_decode(
     tokens_per_split,  # context positions per split (multiple of TILE)
     stride_q_seq, stride_q_head,  # query strides
     stride_o_seq, stride_o_head,  # out strides
-    stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # key_cache, value_cache strides
+    stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # cache strides
     stride_bt_seq,  # block_tables row stride
     GROUP: tl.constexpr,  # query heads per KV head
     G_PAD: tl.constexpr,  # >= max(16, GROUP), power of two (tl.dot minimum)

@@ -55,7 +55,7 @@ def kernel_paged_prefill(
     scale,  # softmax scale (fp32)
     stride_q_tok, stride_q_head,  # query strides
     stride_o_tok, stride_o_head,  # out strides
-    stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # key_cache, value_cache strides
+    stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # cache strides
     stride_bt_seq,  # block_tables row stride
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_Q: tl.constexpr,  # new tokens per program (BLOCK_M // GROUP)
