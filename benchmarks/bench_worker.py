@@ -139,21 +139,14 @@ class PagedRun:
 def attention_share(model, pool, request: cpb.StepRequest, reps: int) -> dict:
     """Re-run the last decode Step's batch in this process (rewriting the same K/V into the same
     slots) with the kernels the model calls wrapped by timers; medians in seconds."""
-    from compute_service.worker import Worker
+    from compute_service.step_inputs import build_step_inputs
 
-    class _Pool:  # the worker's view of a mapped pool
-        def __init__(self, mapped):
-            self.tensor, self.descriptor, self.generation = (
-                mapped.tensor, mapped.descriptor, mapped.generation,
-            )  # fmt: skip
-
-    worker = Worker(model, model.config, _Pool(pool))
-    batch = worker._prepare(request, worker.pool)
-    args = (
-        batch["input_ids"], batch["positions"], pool.tensor, batch["slot_mapping"],
-        batch["block_tables"], batch["query_start_loc"], batch["seq_lens"],
-        batch["logits_indices"],
+    lay = pool.descriptor.layout
+    inputs = build_step_inputs(
+        request, block_size=lay.block_size, num_blocks=lay.num_blocks,
+        vocab_size=model.config.vocab_size, device=model.device,
     )  # fmt: skip
+    args = inputs.model_args(pool.tensor)
     spent = {"plan": 0.0, "cache_write": 0.0, "attention": 0.0}
     originals = {
         "plan": kernels.plan_attention,

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-#: Most top log-probabilities a request may ask for (the worker's limit).
-MAX_LOGPROBS = 20
+from pagedkv.limits import MAX_LOGPROBS
 
 
 @dataclass(slots=True)

@@ -166,12 +166,8 @@ async def serve(args: argparse.Namespace) -> None:
     from grpc_health.v1 import health
 
     health_servicer = health.aio.HealthServicer()
-    spec = ServerSpec(
-        service_names=[SERVICE_NAME],
-        add_servicers=lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
-        host=args.host,
-        port=args.port,
-        ready_file=args.ready_file,
+    spec = ServerSpec.from_flags(
+        args, SERVICE_NAME, lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
         ready_info={"memory": args.memory, "model": args.model, "device": model_device, "generation": pool.generation},
         background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute)],
         health=health_servicer,

@@ -9,16 +9,15 @@ built once per forward and shared by every layer. Only the logits the caller ask
 computed.
 
 Architecture as in Hugging Face `LlamaForCausalLM` (RMSNorm, RoPE with rotate-half, GQA, SwiGLU,
-optional tied embeddings); layout of the file after gpt-fast's model.py. Q/K/V and gate/up
-projections are fused into one matmul each; on CPU in fp32 the projections use oneDNN's
-prepacked matmul (`Linear`).
+optional tied embeddings); layout of the file after gpt-fast's model.py: the architecture only.
+Q/K/V and gate/up projections are fused into one matmul each; the projections are
+`compute_service.linear.Linear` (oneDNN's prepacked matmul on CPU in fp32). Timing hooks in
+from outside (`compute_service.timing`).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from compute_service.linear import Linear, packed_linear_wanted
 from compute_service.weights import ModelConfig, Weights
 
 
@@ -63,49 +63,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-PACKED_LINEAR_ENV = "PAGEDKV_PACKED_LINEAR"
-
-
-def packed_linear_wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `Linear` packs its weight: CPU, fp32, oneDNN in this torch build, and not turned off
-    with `PAGEDKV_PACKED_LINEAR=0`."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and os.environ.get(PACKED_LINEAR_ENV, "1") != "0"
-    )
-
-
-class Linear(nn.Module):
-    """y = x W^T for a frozen weight W [out_features, in_features].
-
-    With `packed`, W is reordered once into oneDNN's blocked layout and applied by oneDNN's fp32
-    matmul (`torch.ops.mkldnn`, the prepacked path torch.compile's CPU backend uses for frozen
-    linear weights); only the packed copy is kept. At the few rows of a decode step this is much
-    faster on CPU than `F.linear`'s MKL call (see docs/benchmarks.md), and the sums are ordered
-    differently (results agree to fp32 rounding). Otherwise, or if oneDNN refuses the weight,
-    `F.linear`.
-    """
-
-    def __init__(self, weight: torch.Tensor, packed: bool) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.packed = None
-        if packed:
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-            except RuntimeError:
-                self.packed = None
-        self.weight = None if self.packed is not None else nn.Parameter(weight, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in_features] -> [T, out_features]
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
@@ -132,7 +89,40 @@ class StepMeta:
     query_start_loc: torch.Tensor  # [S + 1] int32
     seq_lens: torch.Tensor  # [S] int32, tokens in cache after this step
     plan: kernels.AttentionPlan  # attention host work of this step, built once for all layers
-    attention_seconds: list[float] | None = None  # [total] when timing (CPU only: no device sync)
+
+
+class PagedAttention(nn.Module):
+    """Write this step's K/V into their slots, then attend each query over its paged context.
+
+    No weights: the paged KV cache itself (vLLM's `Attention` layer over its backend, PagedAttention
+    §4.1). A module of its own so that `compute_service.timing` can hook it.
+    """
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: StepMeta,
+    ) -> torch.Tensor:
+        # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; key_cache, value_cache: [num_blocks, block_size, Hkv, Dh]
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        return kernels.paged_prefill_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            plan=meta.plan,
+        )  # [T, Hq, Dh]
 
 
 class Attention(nn.Module):
@@ -149,7 +139,7 @@ class Attention(nn.Module):
         self.wqkv = Linear(torch.cat([wq, wk, wv]), packed)
         self.wo = Linear(wo, packed)
         self.hq, self.hkv, self.dh = c.num_q_heads, c.num_kv_heads, c.head_dim
-        self.scale = c.head_dim**-0.5
+        self.paged = PagedAttention(c.head_dim**-0.5)
 
     def forward(
         self, x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: StepMeta
@@ -160,20 +150,7 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : self.hq + self.hkv], meta.cos, meta.sin)  # queries and keys at once
         q, k = qk.split([self.hq, self.hkv], dim=1)  # [T, Hq, Dh], [T, Hkv, Dh] (row-strided views)
         v = qkv[:, self.hq + self.hkv :]  # [T, Hkv, Dh]
-        t0 = time.perf_counter() if meta.attention_seconds is not None else 0.0
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = kernels.paged_prefill_attention(
-            q,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            self.scale,
-            plan=meta.plan,
-        )  # [T, Hq, Dh]
-        if meta.attention_seconds is not None:
-            meta.attention_seconds[0] += time.perf_counter() - t0
+        o = self.paged(q, k, v, key_cache, value_cache, meta)  # [T, Hq, Dh]
         return self.wo(o.reshape(t, self.hq * self.dh))  # [T, D]
 
 
@@ -268,6 +245,7 @@ class LlamaForPagedLM(nn.Module):
         the model's device; the pool may be any dtype the kernels accept. Raises ValueError when
         the pool's layout does not match the model.
         """
+        # input_ids, positions, slot_mapping: [T]; kv_pool: [N, L, 2, B, Hkv, Dh] -> [S', vocab]
         c = self.config
         if (
             kv_pool.dim() != 6
@@ -290,13 +268,10 @@ class LlamaForPagedLM(nn.Module):
             query_start_loc,
             seq_lens,
             kernels.plan_attention(block_tables, query_start_loc, seq_lens, kv_pool.shape[3]),
-            [0.0] if kv_pool.device.type == "cpu" else None,
         )
         x = F.embedding(input_ids, self.embed)  # [T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, kv_pool[:, i, 0], kv_pool[:, i, 1], meta)
-        #: Seconds the last forward spent writing K/V and in paged attention (0 on CUDA: not timed).
-        self.last_attention_seconds = meta.attention_seconds[0] if meta.attention_seconds else 0.0
         x = self.norm(x[logits_indices])  # [S', D]
         return self.lm_head(x).float()  # [S', vocab]
 

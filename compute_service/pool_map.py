@@ -40,10 +40,6 @@ class MappedPool:
     def generation(self) -> int:
         return self.descriptor.generation
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_cache, value_cache) views of one layer: [num_blocks, block_size, num_kv_heads, head_dim]."""
-        return self.tensor[:, index, 0], self.tensor[:, index, 1]
-
     def close(self) -> None:
         """Drop the mapping (the tensor must not be used afterwards)."""
         self.tensor = None  # type: ignore[assignment]

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 20  # most top logprobs one sequence may ask for (vLLM's default max_logprobs)
+from pagedkv.limits import MAX_LOGPROBS
+
 _MASK64 = (1 << 64) - 1
 
 

@@ -121,6 +121,20 @@ class ModelConfig:
 
 Weights = dict[str, torch.Tensor]
 
+#: Each layer's tensors: our name -> (GGUF name, Hugging Face name), between the layer prefix
+#: (`layers.{i}.` / `blk.{i}.` / `model.layers.{i}.`) and the `.weight` suffix.
+LAYER_TENSORS = {
+    "attn_norm": ("attn_norm", "input_layernorm"),
+    "wq": ("attn_q", "self_attn.q_proj"),
+    "wk": ("attn_k", "self_attn.k_proj"),
+    "wv": ("attn_v", "self_attn.v_proj"),
+    "wo": ("attn_output", "self_attn.o_proj"),
+    "mlp_norm": ("ffn_norm", "post_attention_layernorm"),
+    "w_gate": ("ffn_gate", "mlp.gate_proj"),
+    "w_up": ("ffn_up", "mlp.up_proj"),
+    "w_down": ("ffn_down", "mlp.down_proj"),
+}
+
 
 def load_model_source(source: str, cache: bool = True) -> tuple[ModelConfig, Weights]:
     """Load "smollm2", a `.gguf` file or a Hugging Face directory; returns (config, fp32 weights).
@@ -254,19 +268,8 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, Weights]:
         w["lm_head"] = raw["output.weight"]
     if "rope_freqs.weight" in raw:
         w["rope_freqs"] = raw["rope_freqs.weight"]
-    names = {
-        "attn_norm": "attn_norm",
-        "attn_q": "wq",
-        "attn_k": "wk",
-        "attn_v": "wv",
-        "attn_output": "wo",
-        "ffn_norm": "mlp_norm",
-        "ffn_gate": "w_gate",
-        "ffn_up": "w_up",
-        "ffn_down": "w_down",
-    }
     for i in range(config.num_layers):
-        for g, ours in names.items():
+        for ours, (g, _) in LAYER_TENSORS.items():
             key = f"blk.{i}.{g}.weight"
             if key not in raw:
                 raise ValueError(f"{path}: tensor {key} missing")
@@ -362,18 +365,7 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, Weights]:
     w: Weights = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
     if not tie:
         w["lm_head"] = get("lm_head.weight")
-    names = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "wq",
-        "self_attn.k_proj": "wk",
-        "self_attn.v_proj": "wv",
-        "self_attn.o_proj": "wo",
-        "post_attention_layernorm": "mlp_norm",
-        "mlp.gate_proj": "w_gate",
-        "mlp.up_proj": "w_up",
-        "mlp.down_proj": "w_down",
-    }
     for i in range(config.num_layers):
-        for hf, ours in names.items():
+        for ours, (_, hf) in LAYER_TENSORS.items():
             w[f"layers.{i}.{ours}"] = get(f"model.layers.{i}.{hf}.weight")
     return config, w

@@ -35,11 +35,11 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> in
 
 
 def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     *,
     num_splits: int | None = None,

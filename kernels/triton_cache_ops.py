@@ -45,12 +45,14 @@ def kernel_reshape_and_cache(
 
 
 def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], head_dim contiguous
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], head_dim contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 contiguous, block * block_size + offset
 ) -> None:
+    """Launch `kernel_reshape_and_cache`, one program per token; the arguments were checked by
+    `kernels.reshape_and_cache`."""
     num_tokens, num_kv_heads, head_dim = key.shape
     block_size = key_cache.shape[1]
     assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"
@@ -92,6 +94,8 @@ def kernel_copy_blocks(
 
 
 def copy_blocks(pool: torch.Tensor, block_pairs: torch.Tensor) -> None:
+    """Launch `kernel_copy_blocks` over pool [num_blocks, ...] (each block contiguous) and
+    block_pairs [num_pairs, 2] int64 (src, dst); checked by `kernels.copy_blocks`."""
     num_pairs = block_pairs.shape[0]
     block_numel = pool[0].numel()
     assert pool[0].is_contiguous(), "each block must be one contiguous range"

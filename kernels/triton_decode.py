@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import load_kv_tile
+from kernels.triton_paged import attend_context, attention_strides
 
 # Context positions processed per loop iteration.
 TILE = 32
@@ -37,8 +37,7 @@ def kernel_paged_decode(
     tokens_per_split,  # context positions per split (multiple of TILE)
     stride_q_seq, stride_q_head,  # query strides
     stride_o_seq, stride_o_head,  # out strides
-    stride_kc_blk, stride_kc_off, stride_kc_head,  # key_cache strides
-    stride_vc_blk, stride_vc_off, stride_vc_head,  # value_cache strides
+    stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # cache strides
     stride_bt_seq,  # block_tables row stride
     GROUP: tl.constexpr,  # query heads per KV head
     G_PAD: tl.constexpr,  # >= max(16, GROUP), power of two (tl.dot minimum)
@@ -64,39 +63,15 @@ def kernel_paged_decode(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [G_PAD, DIM_PAD]
-    if IEEE:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, DIM_PAD], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # log2(e): use exp2
-
+    q_pos = tl.zeros([G_PAD], tl.int32) + seq_len - 1  # [G_PAD] the new token is the last position
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     bt_row = block_tables_ptr + seq * stride_bt_seq
-    for t0 in range(start, end, TILE):
-        pos = t0 + tl.arange(0, TILE)  # [TILE] context positions
-        p_mask = pos < end
-        k, v = load_kv_tile(
-            key_cache_ptr, value_cache_ptr, bt_row, pos, p_mask, d, d_mask, kv_head,
-            stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
-            BLOCK_SIZE,
-        )  # [TILE, DIM_PAD] each  # fmt: skip
-        if IEEE:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [G_PAD, TILE]
-        else:
-            s = tl.dot(q, tl.trans(k))  # [G_PAD, TILE]
-        s = tl.where(p_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [G_PAD], finite: each tile has a position
-        p = tl.math.exp2(s - m_new[:, None])  # [G_PAD, TILE]
-        alpha = tl.math.exp2(m_i - m_new)  # [G_PAD]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = attend_context(
+        q, q_pos, start, end, scale, key_cache_ptr, value_cache_ptr, bt_row, kv_head, d, d_mask,
+        stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
+        G_PAD, DIM_PAD, BLOCK_SIZE, TILE, IEEE,
+    )  # [G_PAD], [G_PAD], [G_PAD, DIM_PAD]  # fmt: skip
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -147,22 +122,22 @@ def kernel_reduce_splits(
 
 
 def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_splits: int,
-    max_seq_len: int,
-) -> torch.Tensor:
+    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim], head_dim contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, rows contiguous
+    seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, tokens in cache including the new one
+    scale: float,  # softmax scale
+    num_splits: int,  # split-KV ranges per sequence (>= 1); > 1 adds the reduce kernel
+    max_seq_len: int,  # max(seq_lens): sizes the splits without a device-to-host sync
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim], query dtype
+    """Launch `kernel_paged_decode` (and `kernel_reduce_splits` when split); the arguments were
+    checked by `kernels.paged_decode_attention`."""
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
-    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
-    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     out = torch.empty_like(query)
+    strides = attention_strides(query, out, key_cache, value_cache, block_tables, seq_lens)
     if num_seqs == 0:
         return out
     tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), TILE) * TILE
@@ -177,12 +152,7 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused
     kernel_paged_decode[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        scale, tokens_per_split,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        scale, tokens_per_split, *strides,
         GROUP=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,

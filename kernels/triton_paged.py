@@ -1,12 +1,38 @@
-"""Device helpers shared by the Triton attention kernels: reading K/V through a block table.
+"""Helpers shared by the Triton attention kernels: K/V through a block table, online softmax, and
+the host-side layout checks and strides of a launch.
 
 Imported by `kernels.triton_decode` and `kernels.triton_prefill` (this module imports triton).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def attention_strides(
+    query: torch.Tensor,  # [tokens, num_q_heads, head_dim]
+    out: torch.Tensor,  # [tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+) -> tuple[int, ...]:
+    """The strides an attention kernel takes, in its argument order: query (token, head), out
+    (token, head), key_cache (block, offset, head), value_cache (block, offset, head),
+    block_tables (row). Asserts the layout the kernels assume: head_dim contiguous, block-table
+    rows and seq_lens contiguous, int32 metadata."""
+    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    return (
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -41,3 +67,61 @@ def load_kv_tile(
         mask=kv_mask, other=0.0,
     )  # [TILE, DIM_PAD]  # fmt: skip
     return k, v
+
+
+@triton.jit
+def attend_context(
+    q,  # [ROWS, DIM_PAD] query rows that share one KV head (query dtype)
+    q_pos,  # [ROWS] position of each row's token: it sees positions <= q_pos (causal)
+    start,  # first context position to attend
+    end,  # one past the last context position to attend
+    scale,  # softmax scale (fp32)
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] each
+    bt_row,  # pointer to this sequence's block-table row (int32)
+    kv_head,
+    d, d_mask,  # [DIM_PAD] head-dim offsets, and which are < head_dim
+    stride_kc_blk, stride_kc_off, stride_kc_head,
+    stride_vc_blk, stride_vc_off, stride_vc_head,
+    ROWS: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    TILE: tl.constexpr,  # context positions per iteration
+    IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
+):  # fmt: skip
+    """Causal online softmax (flash attention, fp32, base 2) of `q` over positions [start, end).
+
+    Returns (m, l, acc): the running max of the scaled scores in log2 units [ROWS] (-inf for a
+    row that saw nothing), the sum of exp2(score - m) [ROWS] (0 likewise) and the unnormalized
+    output [ROWS, DIM_PAD] fp32; the row's attention output is acc / l.
+    """
+    if IEEE:
+        q = q.to(tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # log2(e): use exp2
+    for t0 in range(start, end, TILE):
+        pos = t0 + tl.arange(0, TILE)  # [TILE] context positions
+        p_mask = pos < end
+        k, v = load_kv_tile(
+            key_cache_ptr, value_cache_ptr, bt_row, pos, p_mask, d, d_mask, kv_head,
+            stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
+            BLOCK_SIZE,
+        )  # [TILE, DIM_PAD] each  # fmt: skip
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [ROWS, TILE]
+        else:
+            s = tl.dot(q, tl.trans(k))  # [ROWS, TILE]
+        causal = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]  # [ROWS, TILE]
+        s = tl.where(causal, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [ROWS]; -inf for a fully masked row
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])  # [ROWS, TILE]
+        alpha = tl.math.exp2(m_i - m_safe)  # [ROWS]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import load_kv_tile
+from kernels.triton_paged import attend_context, attention_strides
 
 # Context positions processed per loop iteration, and rows per program.
 TILE = 32
@@ -55,8 +55,7 @@ def kernel_paged_prefill(
     scale,  # softmax scale (fp32)
     stride_q_tok, stride_q_head,  # query strides
     stride_o_tok, stride_o_head,  # out strides
-    stride_kc_blk, stride_kc_off, stride_kc_head,  # key_cache strides
-    stride_vc_blk, stride_vc_off, stride_vc_head,  # value_cache strides
+    stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # cache strides
     stride_bt_seq,  # block_tables row stride
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_Q: tl.constexpr,  # new tokens per program (BLOCK_M // GROUP)
@@ -90,41 +89,14 @@ def kernel_paged_prefill(
         mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, DIM_PAD]
-    if IEEE:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # log2(e): use exp2
-
     # Context needed by this program: up to its last valid token's position.
     ctx_end = seq_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for t0 in range(0, ctx_end, TILE):
-        pos = t0 + tl.arange(0, TILE)  # [TILE] context positions
-        p_mask = pos < ctx_end
-        k, v = load_kv_tile(
-            key_cache_ptr, value_cache_ptr, bt_row, pos, p_mask, d, d_mask, kv_head,
-            stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
-            BLOCK_SIZE,
-        )  # [TILE, DIM_PAD] each  # fmt: skip
-        if IEEE:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_M, TILE]
-        else:
-            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, TILE]
-        causal = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]  # [BLOCK_M, TILE]
-        s = tl.where(causal, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]; -inf for a fully masked row
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, TILE]
-        alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = attend_context(
+        q, q_pos, 0, ctx_end, scale, key_cache_ptr, value_cache_ptr, bt_row, kv_head, d, d_mask,
+        stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
+        BLOCK_M, DIM_PAD, BLOCK_SIZE, TILE, IEEE,
+    )  # [BLOCK_M], [BLOCK_M], [BLOCK_M, DIM_PAD]  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = out_ptr + tok[:, None] * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
@@ -132,23 +104,22 @@ def kernel_paged_prefill(
 
 
 def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+    query: torch.Tensor,  # [total_q, num_q_heads, head_dim], head_dim contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, rows contiguous
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32 contiguous, cumulative new tokens
+    seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, cached + new tokens
+    scale: float,  # softmax scale
+) -> torch.Tensor:  # [total_q, num_q_heads, head_dim], query dtype
+    """Launch `kernel_paged_prefill`; the arguments were checked by `kernels.paged_prefill_attention`."""
     total_q, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
-    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
     assert query_start_loc.is_contiguous() and query_start_loc.dtype == torch.int32
-    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     out = torch.empty_like(query)
+    strides = attention_strides(query, out, key_cache, value_cache, block_tables, seq_lens)
     if total_q == 0 or num_seqs == 0:
         return out
     block_m = max(BLOCK_M, triton.next_power_of_2(group))
@@ -156,12 +127,7 @@ def paged_prefill_attention(
     grid = (total_q // block_q + num_seqs, num_kv_heads)
     kernel_paged_prefill[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        num_seqs, scale,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        num_seqs, scale, *strides,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,

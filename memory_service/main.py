@@ -98,12 +98,8 @@ async def serve(args: argparse.Namespace) -> None:
     async def release() -> None:
         pool.close()
 
-    spec = ServerSpec(
-        service_names=[SERVICE_NAME],
-        add_servicers=lambda server: pb_grpc.add_MemoryServiceServicer_to_server(servicer, server),
-        host=args.host,
-        port=args.port,
-        ready_file=args.ready_file,
+    spec = ServerSpec.from_flags(
+        args, SERVICE_NAME, lambda server: pb_grpc.add_MemoryServiceServicer_to_server(servicer, server),
         ready_info=ready_info,
         on_shutdown=grace,
         on_stopped=release,

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 # Session fixtures shared by every module: one reference model and one loaded GGUF per run.
-from model_fixtures import gguf_dir, hf_model, hf_tokenizer, ours, paged_kernels, pagedkv_home  # noqa: F401
+from model_fixtures import gguf_dir, hf_model, hf_tokenizer, ours, pagedkv_home  # noqa: F401
 
 from client import launcher
 

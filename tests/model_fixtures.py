@@ -1,5 +1,6 @@
 """Shared fixtures and helpers for the model tests: the SmolLM2 GGUF, the transformers reference,
-our paged model, and a tiny paged-cache driver (block tables, slot mapping) for tests.
+our paged model, and a tiny paged-cache driver (block tables; its step inputs come from the
+worker's own `build_step_inputs`) for tests.
 
 tests/conftest.py registers the fixtures once for the whole session (one transformers model, one
 loaded GGUF); test modules import only the helpers.
@@ -15,55 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
 from compute_service.model import LlamaForPagedLM
+from compute_service.step_inputs import build_step_inputs
 from compute_service.weights import SMOLLM2_GGUF, load_model_source, smollm2_gguf_path
+from pagedkv.compute.v1 import compute_service_pb2 as pb
 
 PROMPT = "What is the capital of France?"
-
-
-def _fallback_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
-    block_size = key_cache.shape[1]
-    b, o = slot_mapping // block_size, slot_mapping % block_size
-    key_cache[b, o] = key.to(key_cache.dtype)
-    value_cache[b, o] = value.to(value_cache.dtype)
-
-
-def _fallback_paged_prefill_attention(
-    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
-):
-    # Dense, one sequence at a time: gather the context, causal bottom-right mask.
-    out = torch.empty_like(query)
-    bs, hkv = key_cache.shape[1], key_cache.shape[2]
-    group = query.shape[1] // hkv
-    for s in range(block_tables.shape[0]):
-        q0, q1, n_ctx = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(seq_lens[s])
-        pos = torch.arange(n_ctx)
-        blocks = block_tables[s].long()[pos // bs]
-        k = key_cache[blocks, pos % bs].float().repeat_interleave(group, 1)  # [C, Hq, D]
-        v = value_cache[blocks, pos % bs].float().repeat_interleave(group, 1)
-        q = query[q0:q1].float()  # [n, Hq, D]
-        qpos = torch.arange(n_ctx - (q1 - q0), n_ctx)
-        sc = torch.einsum("nhd,chd->hnc", q, k) * scale
-        sc.masked_fill_(pos[None, None, :] > qpos[None, :, None], float("-inf"))
-        out[q0:q1] = torch.einsum("hnc,chd->nhd", sc.softmax(-1), v).to(query.dtype)
-    return out
-
-
-@pytest.fixture(scope="session", autouse=False)
-def paged_kernels():
-    """Use kernels' ops; install a private dense fallback only while kernels lacks them."""
-    missing = {}
-    for name, fn in (
-        ("reshape_and_cache", _fallback_reshape_and_cache),
-        ("paged_prefill_attention", _fallback_paged_prefill_attention),
-    ):
-        if not hasattr(kernels, name):
-            missing[name] = fn
-            setattr(kernels, name, fn)
-    yield sorted(missing)
-    for name in missing:
-        delattr(kernels, name)
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +36,7 @@ def pagedkv_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ours(pagedkv_home, paged_kernels):
+def ours(pagedkv_home):
     """(config, weights, model) from our GGUF loader, cached under `pagedkv_home`."""
     mp = pytest.MonkeyPatch()
     mp.setenv("PAGEDKV_HOME", str(pagedkv_home))
@@ -152,32 +110,16 @@ class PagedCache:
 
     def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """Run one forward with `chunks[seq] = new token ids`; returns each seq's last logits."""
-        ids, pos, slots, qsl, lens, rows = [], [], [], [0], [], []
+        request = pb.StepRequest()
         for seq, toks in chunks.items():
             start = self.lens.get(seq, 0)
             table = self.tables.setdefault(seq, [])
-            for p in range(start, start + len(toks)):
-                if p // self.block_size >= len(table):
-                    table.append(self.free.pop())
-                pos.append(p)
-                slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
-            ids += toks
+            while len(table) * self.block_size < start + len(toks):
+                table.append(self.free.pop())
+            request.sequences.append(pb.StepSequence(
+                seq_id=seq, token_ids=toks, positions=range(start, start + len(toks)), block_ids=table))
             self.lens[seq] = start + len(toks)
-            qsl.append(qsl[-1] + len(toks))
-            lens.append(self.lens[seq])
-            rows.append(qsl[-1] - 1)
-        width = max(len(self.tables[s]) for s in chunks)
-        bt = torch.zeros(len(chunks), width, dtype=torch.int32)
-        for r, s in enumerate(chunks):
-            bt[r, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.int64),
-            torch.tensor(pos, dtype=torch.int64),
-            self.pool,
-            torch.tensor(slots, dtype=torch.int64),
-            bt,
-            torch.tensor(qsl, dtype=torch.int32),
-            torch.tensor(lens, dtype=torch.int32),
-            torch.tensor(rows, dtype=torch.int64),
-        )
+        inputs = build_step_inputs(request, block_size=self.block_size, num_blocks=self.num_blocks,
+                                   vocab_size=self.model.config.vocab_size, device=self.model.device)
+        logits = self.model(*inputs.model_args(self.pool))
         return {s: logits[r] for r, s in enumerate(chunks)}

@@ -146,9 +146,7 @@ def test_batch_matches_solo_runs(ours, hf_tokenizer):
         )
 
 
-def test_hf_directory_loads_same_tokens(
-    hf_model, hf_tokenizer, reference, tmp_path, paged_kernels, monkeypatch
-):
+def test_hf_directory_loads_same_tokens(hf_model, hf_tokenizer, reference, tmp_path, monkeypatch):
     """A directory written by transformers' save_pretrained loads through our HF loader."""
     # The GGUF-loaded model holds plain fp32 tensors; only its quantizer tag blocks saving.
     monkeypatch.setattr(hf_model, "hf_quantizer", None)
@@ -296,7 +294,7 @@ def test_tokenizer_cached_copy_matches(hf_tokenizer, tmp_path, monkeypatch):
         {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     ],
 )
-def test_small_untied_model_from_hf_directory(rope, tmp_path, paged_kernels):
+def test_small_untied_model_from_hf_directory(rope, tmp_path):
     """A seeded random Llama (untied lm_head, GQA 4:2, scaled RoPE) saved by transformers loads
     through our HF loader; prefill + decode logits equal transformers' within 1e-4."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from compute_service.sampling import (
-    MAX_LOGPROBS,
     SamplingParams,
     draw_seed,
     filtered_probs,
     sample,
 )
+from pagedkv.limits import MAX_LOGPROBS
 
 
 def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
 import inspect
@@ -145,6 +146,26 @@ class ServerSpec:
     background: Iterable[Callable[[], Awaitable[None]]] = ()
     #: The health servicer to register (created when None); background tasks may flip it.
     health: health.aio.HealthServicer | None = None
+
+    @classmethod
+    def from_flags(
+        cls,
+        args: argparse.Namespace,
+        service_name: str,
+        add_servicers: Callable[[grpc.aio.Server], None],
+        **rest,
+    ) -> ServerSpec:
+        """The spec of one service started from the command line: it binds ``args.host`` and
+        ``args.port`` and writes ``args.ready_file`` (the ``--host``, ``--port`` and
+        ``--ready-file`` flags every ``pagedkv`` service has); ``rest`` sets the other fields."""
+        return cls(
+            service_names=[service_name],
+            add_servicers=add_servicers,
+            host=args.host,
+            port=args.port,
+            ready_file=args.ready_file,
+            **rest,
+        )
 
 
 async def run_server(spec: ServerSpec) -> None:

@@ -1,0 +1,56 @@
+"""Frozen projections for the model, with oneDNN's prepacked fp32 matmul on CPU.
+
+A CPU-library choice kept out of the architecture (gpt-fast's model.py holds none): the model
+builds every projection as `Linear(weight, packed=packed_linear_wanted(device, dtype))`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: Set to "0" to turn packing off (projections through `F.linear`, as transformers').
+PACKED_LINEAR_ENV = "PAGEDKV_PACKED_LINEAR"
+
+
+def packed_linear_wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `Linear` packs its weight: CPU, fp32, oneDNN in this torch build, and not turned off
+    with `PAGEDKV_PACKED_LINEAR=0`."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and os.environ.get(PACKED_LINEAR_ENV, "1") != "0"
+    )
+
+
+class Linear(nn.Module):
+    """y = x W^T for a frozen weight W [out_features, in_features].
+
+    With `packed`, W is reordered once into oneDNN's blocked layout and applied by oneDNN's fp32
+    matmul (`torch.ops.mkldnn`, the prepacked path torch.compile's CPU backend uses for frozen
+    linear weights); only the packed copy is kept. At the few rows of a decode step this is much
+    faster on CPU than `F.linear`'s MKL call (see docs/benchmarks.md), and the sums are ordered
+    differently (results agree to fp32 rounding). Otherwise, or if oneDNN refuses the weight,
+    `F.linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor, packed: bool) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = None
+        if packed:
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            except RuntimeError:
+                self.packed = None
+        self.weight = None if self.packed is not None else nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] -> [T, out_features]
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
