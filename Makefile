@@ -23,6 +23,7 @@ protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The slow cases at full size (longer property-based searches).

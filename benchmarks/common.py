@@ -13,7 +13,6 @@ import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("PAGEDKV_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from client.stack import LocalStack, ServiceProcess  # noqa: E402 - the source tree is on sys.path from here
 
 os.environ.setdefault("PAGEDKV_LOG_LEVEL", "warning")
 
@@ -57,29 +58,25 @@ def machine() -> dict:
 # ----------------------------------------------------------------- services
 def Service(args: list[str], name: str, tmp: Path, timeout: float = 180.0, env: dict | None = None):  # noqa: N802
     """``python -m client.cli <args>`` on a free port as a child process (a :class:`ServiceProcess`)."""
-    from client.launcher import ServiceProcess
-
     return ServiceProcess.pagedkv(args, tmp, name, env=env, timeout=timeout, cwd=ROOT)
 
 
-class Stack:
+class Stack(LocalStack):
     """A memory service (``memory_args``) and one compute worker, each its own process.
 
     ``device`` ("cpu", "cuda" or "cuda:N") and ``model`` (a model source: "smollm2", a .gguf file
     or a Hugging Face directory) go to both services; when None, the services' defaults.
+    Started and stopped by ``with Stack(...) as stack:``.
     """
 
     def __init__(self, memory_args: list[str], name: str = "stack", device: str | None = None,
                  model: str | None = None):
-        self._tmp = tempfile.TemporaryDirectory()
-        tmp = Path(self._tmp.name)
-        both = [*(["--device", device] if device else []), *(["--model", model] if model else [])]
-        self.memory = Service(["memory", "--lease-ttl", "600", *both, *memory_args], f"{name}-memory", tmp)
-        try:
-            self.worker = Service(["compute", "--memory", self.memory.address, *both], f"{name}-worker", tmp)
-        except Exception:
-            self.memory.stop()
-            raise
+        super().__init__(["--lease-ttl", "600", *memory_args], device=device, model=model, name=name,
+                         cwd=ROOT, timeout=180.0)
+
+    @property
+    def worker(self) -> ServiceProcess:
+        return self.workers[0]
 
     def engine(self, config=None, tokenizer=None):
         """A :class:`client.engine.Engine` on this stack (the caller closes it)."""
@@ -90,17 +87,6 @@ class Stack:
         tok = tokenizer or load_tokenizer("smollm2")
         return Engine(MemoryClient(self.memory.address), [WorkerClient(self.worker.address)], tok,
                       config=config, lease_ttl=600)
-
-    def stop(self) -> None:
-        self.worker.stop()
-        self.memory.stop()
-        self._tmp.cleanup()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 def run_engine(engine, requests, timeout: float = 3600.0) -> float:

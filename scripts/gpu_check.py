@@ -50,6 +50,10 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported at run time only once the source tree is on sys.path
+    from client.stack import LocalStack
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT / "shared"
@@ -244,110 +248,79 @@ def save_smollm2_tokenizer(dest: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Services
+# The stacks under check (a LocalStack each)
 
 
-def Service(args: list[str], env: dict[str, str], work: Path, name: str):  # noqa: N802 - reads as a class
-    """`python -m client.cli <args>` on a free loopback port; address from its ready file."""
-    from client.launcher import ServiceProcess  # imported once the source tree is on sys.path
+def start_stack(
+    name: str, device: str, model: Path, env: dict[str, str], work: Path, dtype: str | None
+) -> LocalStack:
+    """A started `LocalStack` on free loopback ports: a memory service (256 blocks of 16 tokens,
+    `--dtype dtype` when given) and one worker, both on `device` with `model`; logs under `work`."""
+    from client.stack import LocalStack  # imported once the source tree is on sys.path
 
-    return ServiceProcess.pagedkv([*args, "--host", "127.0.0.1"], work, name, env=env, cwd=ROOT)
+    mem_args = ["--num-blocks", "256", "--block-size", "16", *(["--dtype", dtype] if dtype else [])]
+    return LocalStack(
+        mem_args,
+        device=device,
+        model=str(model),
+        host="127.0.0.1",
+        run_dir=work,
+        name=name,
+        env=env,
+        cwd=ROOT,
+    ).start()
 
 
-class Stack:
-    def __init__(
-        self,
-        name: str,
-        device: str,
-        model: Path,
-        env: dict[str, str],
-        work: Path,
-        dtype: str | None,
-    ):
-        self.name = name
-        mem_args = [
-            "memory",
-            "--device",
-            device,
-            "--model",
-            str(model),
-            "--num-blocks",
-            "256",
-            "--block-size",
-            "16",
-        ]
-        if dtype:
-            mem_args += ["--dtype", dtype]
-        self.memory = Service(mem_args, env, work, f"{name}-memory")
-        try:
-            self.worker = Service(
-                [
-                    "compute",
-                    "--memory",
-                    self.memory.address,
-                    "--device",
-                    device,
-                    "--model",
-                    str(model),
-                ],
-                env,
-                work,
-                f"{name}-worker",
-            )
-        except Exception:
-            self.memory.stop()
-            raise
+def descriptor(stack: LocalStack):
+    """The memory service's PoolDescriptor."""
+    import grpc
 
-    def descriptor(self):
-        import grpc
+    from pagedkv.memory.v1 import memory_service_pb2 as mpb
+    from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
 
-        from pagedkv.memory.v1 import memory_service_pb2 as mpb
-        from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
-
-        with grpc.insecure_channel(self.memory.address) as ch:
-            return (
-                mpb_grpc.MemoryServiceStub(ch)
-                .GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=10)
-                .pool
-            )
-
-    def used_blocks(self) -> int:
-        import grpc
-
-        from pagedkv.memory.v1 import memory_service_pb2 as mpb
-        from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
-
-        with grpc.insecure_channel(self.memory.address) as ch:
-            return (
-                mpb_grpc.MemoryServiceStub(ch)
-                .GetStats(mpb.GetStatsRequest(), timeout=10)
-                .used_blocks
-            )
-
-    def generate(
-        self,
-    ) -> tuple[list[list[int]], list[list[dict[int, float]]], list[list[int]], float]:
-        """(greedy tokens per prompt, their top-2 logprobs, the n=2 greedy samples of prompt 0, seconds)."""
-        from client import Client, SamplingParams
-
-        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-        t = time.perf_counter()
-        with Client(self.memory.address, [self.worker.address]) as llm:
-            outs = llm.generate([[{"role": "user", "content": p}] for p in PROMPTS], greedy)
-            (forked,) = llm.generate(
-                [[{"role": "user", "content": PROMPTS[0]}]],
-                SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2),
-            )
+    with grpc.insecure_channel(stack.memory_address) as ch:
         return (
-            [o.outputs[0].token_ids for o in outs],
-            [o.outputs[0].logprobs for o in outs],
-            [o.token_ids for o in forked.outputs],
-            time.perf_counter() - t,
+            mpb_grpc.MemoryServiceStub(ch)
+            .GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=10)
+            .pool
         )
 
-    def stop(self) -> None:
-        self.worker.stop()
-        self.memory.stop()
+
+def used_blocks(stack: LocalStack) -> int:
+    """Blocks the memory service holds for live sequences."""
+    import grpc
+
+    from pagedkv.memory.v1 import memory_service_pb2 as mpb
+    from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+
+    with grpc.insecure_channel(stack.memory_address) as ch:
+        return (
+            mpb_grpc.MemoryServiceStub(ch)
+            .GetStats(mpb.GetStatsRequest(), timeout=10)
+            .used_blocks
+        )
+
+
+def generate(
+    stack: LocalStack,
+) -> tuple[list[list[int]], list[list[dict[int, float]]], list[list[int]], float]:
+    """(greedy tokens per prompt, their top-2 logprobs, the n=2 greedy samples of prompt 0, seconds)."""
+    from client import Client, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    t = time.perf_counter()
+    with Client(stack.memory_address, stack.worker_addresses) as llm:
+        outs = llm.generate([[{"role": "user", "content": p}] for p in PROMPTS], greedy)
+        (forked,) = llm.generate(
+            [[{"role": "user", "content": PROMPTS[0]}]],
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2),
+        )
+    return (
+        [o.outputs[0].token_ids for o in outs],
+        [o.outputs[0].logprobs for o in outs],
+        [o.token_ids for o in forked.outputs],
+        time.perf_counter() - t,
+    )
 
 
 def health(address: str) -> str:
@@ -400,24 +373,24 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
     for name, dev in (("test", device), ("reference", "cpu")):
         stack = None
         try:
-            stack = Stack(name, dev, model, env, work, dtype="float32")
-            desc = stack.descriptor()
+            stack = start_stack(name, dev, model, env, work, dtype="float32")
+            desc = descriptor(stack)
             if name == "test" and device == "cuda":
                 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
-                ok = desc.backend == mpb.POOL_BACKEND_CUDA and stack.worker.info[
+                ok = desc.backend == mpb.POOL_BACKEND_CUDA and stack.workers[0].info[
                     "device"
                 ].startswith("cuda")
                 report(
                     "pool shared by CUDA IPC",
                     ok,
-                    f"uuid={desc.cuda_device_uuid} worker={stack.worker.info['device']} nbytes={desc.nbytes}",
+                    f"uuid={desc.cuda_device_uuid} worker={stack.workers[0].info['device']} nbytes={desc.nbytes}",
                 )
-            runs[name] = stack.generate()
+            runs[name] = generate(stack)
             report(
                 f"{name} stack: nothing leaked",
-                stack.used_blocks() == 0,
-                f"used_blocks={stack.used_blocks()}",
+                used_blocks(stack) == 0,
+                f"used_blocks={used_blocks(stack)}",
             )
         except Exception as e:  # noqa: BLE001 - a failed stack is a failed check, with its log
             report(f"{name} stack ({dev}) runs", False, f"{type(e).__name__}: {str(e)[-1500:]}")
@@ -447,8 +420,8 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
     if device == "cuda":
         stack = None
         try:
-            stack = Stack("bf16", "cuda", model, env, work, dtype=None)
-            bf16, _, _, secs = stack.generate()
+            stack = start_stack("bf16", "cuda", model, env, work, dtype=None)
+            bf16, _, _, secs = generate(stack)
             agree = sum(
                 len(a) if (d := first_difference(a, b)) is None else d for a, b in zip(bf16, ref)
             )
@@ -472,14 +445,14 @@ def check_producer_exit(device: str, model: Path, env: dict[str, str], work: Pat
     """Stop the memory service first: the worker must turn NOT_SERVING (mapping dropped) and live on."""
     stack = None
     try:
-        stack = Stack("exit", device, model, env, work, dtype="float32")
-        before = health(stack.worker.address)
+        stack = start_stack("exit", device, model, env, work, dtype="float32")
+        before = health(stack.workers[0].address)
         code = stack.memory.stop()
         deadline, after = time.monotonic() + 20, before
         while time.monotonic() < deadline and after == "SERVING":
             time.sleep(0.2)
-            after = health(stack.worker.address)
-        alive = stack.worker.proc.poll() is None
+            after = health(stack.workers[0].address)
+        alive = stack.workers[0].proc.poll() is None
         report(
             "memory service exits first: worker drops the pool",
             before == "SERVING" and after == "NOT_SERVING" and alive and code == 0,

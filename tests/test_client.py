@@ -151,11 +151,10 @@ def test_beam_search_equals_transformers(engine, hf_model, prompt):
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory):
     """A pool too small for four requests at once: 14 blocks of 16 tokens."""
-    from conftest import Stack
+    from conftest import local_stack
 
-    s = Stack(tmp_path_factory.mktemp("small"), ["--num-blocks", "14", "--block-size", "16"], name="small")
-    yield s
-    s.stop()
+    with local_stack(tmp_path_factory.mktemp("small"), ["--num-blocks", "14", "--block-size", "16"], name="small") as s:
+        yield s
 
 
 def test_preemption_gives_the_unconstrained_outputs(small_stack, llm):

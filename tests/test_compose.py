@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from client.launcher import ServiceProcess
+from client.stack import ServiceProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_FILE = ROOT / "docker-compose.yml"

@@ -13,18 +13,16 @@ import os
 import sys
 
 import pytest
+import torch
+from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
 
 if "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-import torch
-
 pytest.importorskip("triton")
 
-from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
-
-import kernels
+import kernels  # noqa: E402 - imports triton, which reads TRITON_INTERPRET once, at import
 
 pytestmark = [
     pytest.mark.interpret,

@@ -15,7 +15,7 @@ import torch
 from conftest import pagedkv_process
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.launcher import ServiceProcess
+from client.stack import ServiceProcess
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
