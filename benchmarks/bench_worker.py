@@ -38,9 +38,10 @@ from pathlib import Path
 
 import grpc
 import torch
-from common import Service, machine
+from common import machine
 
 import kernels
+from client.stack import LocalStack
 from compute_service.pool_map import map_pool
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
@@ -255,13 +256,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_worker_") as tmp:
         tmp = Path(tmp)
-        memory = Service(
-            ["memory", "--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE),
-             "--lease-ttl", "600"], "memory", tmp,
-        )  # fmt: skip
-        worker = None
+        stack = LocalStack(["--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE), "--lease-ttl", "600"],
+                           run_dir=tmp, env=env, cwd=ROOT, timeout=180.0).start()
+        memory, worker = stack.memory, stack.workers[0]
         try:
-            worker = Service(["compute", "--memory", memory.address], "worker", tmp, env=env)
             mch = grpc.insecure_channel(memory.address, options=_OPTIONS)
             wch = grpc.insecure_channel(worker.address, options=_OPTIONS)
             mstub, wstub = mpb_grpc.MemoryServiceStub(mch), cpb_grpc.ComputeServiceStub(wch)
@@ -293,14 +291,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             mstub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease))
             pool.close()
         except Exception:
-            for svc in (memory, worker):
-                if svc is not None:  # the services' logs go with the temporary directory
-                    print(f"--- {svc.log_path.name} ---\n{svc.log_path.read_text()[-3000:]}")
+            for svc in (memory, worker):  # the services' logs go with the temporary directory
+                print(f"--- {svc.log_path.name} ---\n{svc.log_tail()}")
             raise
         finally:
-            if worker is not None:
-                worker.stop()
-            memory.stop()
+            stack.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {**machine(), "torch_threads": torch.get_num_threads(), "steps": steps, "warmup_steps": WARMUP_STEPS,
             "block_size": BLOCK_SIZE, "packed_linear": not args.no_packed_linear,
