@@ -126,14 +126,16 @@ class RequestHandle:
             raise self.error
         return self.final
 
+    def _next(self) -> RequestOutput | None:
+        """The next output (blocking); None after the last one. Raises the request's error at the end."""
+        out = self._queue.get()
+        if out is None and self.error is not None:
+            raise self.error
+        return out
+
     def __iter__(self) -> Iterator[RequestOutput]:
         try:
-            while True:
-                out = self._queue.get()
-                if out is None:
-                    if self.error is not None:
-                        raise self.error
-                    return
+            while (out := self._next()) is not None:
                 yield out
         finally:
             if not self._done.is_set():
@@ -322,12 +324,7 @@ class AsyncClient:
     async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         handle = self._client.submit(prompt, sampling_params)
         try:
-            while True:
-                out = await asyncio.to_thread(handle._queue.get)
-                if out is None:
-                    if handle.error is not None:
-                        raise handle.error
-                    return
+            while (out := await asyncio.to_thread(handle._next)) is not None:
                 yield out
         finally:
             if not handle._done.is_set():
