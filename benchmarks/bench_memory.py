@@ -59,12 +59,12 @@ from common import (  # noqa: F401
     write_result,
 )
 
-from client.engine import EngineConfig
 from client.errors import OutOfBlocks
+from client.reservation import OrcaMax, OrcaOracle, OrcaPow2, Paged, ReservationPolicy
 from client.services import MemoryClient
 
-POLICIES = [("paged-1", "paged", 1), ("paged-8", "paged", 8), ("paged-16", "paged", 16), ("paged-32", "paged", 32),
-            ("orca-max", "max", 1), ("orca-pow2", "pow2", 1), ("orca-oracle", "oracle", 1)]
+POLICIES = [("paged-1", Paged(), 1), ("paged-8", Paged(), 8), ("paged-16", Paged(), 16), ("paged-32", Paged(), 32),
+            ("orca-max", OrcaMax(2048), 1), ("orca-pow2", OrcaPow2(), 1), ("orca-oracle", OrcaOracle(), 1)]
 
 
 @dataclass(slots=True, eq=False)
@@ -93,11 +93,11 @@ def make_trace(dataset: str, steps: int, budget: int, overload: float, seed: int
         out.append((int(t), p, o))
 
 
-def replay(address: str, policy: str, block_size: int, trace, steps: int, max_num_seqs: int) -> dict:
+def replay(address: str, policy: ReservationPolicy, block_size: int, trace, steps: int, max_num_seqs: int) -> dict:
     """Replay ``trace`` for ``steps`` steps on the memory service at ``address``; per-step samples."""
     mem = MemoryClient(address)
     lease = mem.create_lease(600).lease_id
-    cfg = EngineConfig(reservation=policy, max_model_len=2048)
+    paged = isinstance(policy, Paged)
     reqs = [Live(a, p, p + o) for a, p, o in trace]
     pending = collections.deque(reqs)  # not yet arrived
     waiting: collections.deque[Live] = collections.deque()
@@ -116,7 +116,7 @@ def replay(address: str, policy: str, block_size: int, trace, steps: int, max_nu
             finished += len(done)
             running = [r for r in running if r.length < r.final_len]
         # 2. one token for every running request (paged: one batched AppendSlots)
-        if policy == "paged":
+        if paged:
             while running:
                 try:
                     mem.append(lease, [(r.seq_id, 1) for r in running])
@@ -137,7 +137,7 @@ def replay(address: str, policy: str, block_size: int, trace, steps: int, max_nu
             if len(running) + len(admit) >= max_num_seqs:
                 break
             want = max(r.length, r.prompt_len)
-            reserve = cfg.reserve(r.prompt_len, r.final_len - r.prompt_len)
+            reserve = policy.reserve(r.prompt_len, r.final_len - r.prompt_len)
             tokens = want if reserve is None else reserve
             need = -(-tokens // block_size)
             if need > free_blocks:
@@ -160,7 +160,7 @@ def replay(address: str, policy: str, block_size: int, trace, steps: int, max_nu
         rpc_seconds += time.perf_counter() - t0
         real = sum(r.length for r in running)
         reserved = stats.used_blocks * stats.block_size
-        if policy == "paged":
+        if paged:
             slack, later, never = reserved - real, 0, 0
         else:
             slack = 0

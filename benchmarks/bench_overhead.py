@@ -29,9 +29,9 @@ import time
 from common import Stack, machine, median, pyplot, save_plot, table, write_result
 from prompts import corpus_ids
 
-from client.engine import EngineConfig
 from client.params import SamplingParams
 from client.request import Request
+from client.scheduler import SchedulerConfig
 from client.tokenizer import load_tokenizer
 
 MEMORY_CALLS = ("append", "allocate", "free", "stats", "commit", "fork", "sequences")
@@ -81,7 +81,7 @@ def instrument(engine, timers: Timers) -> None:
 
 
 def measure(stack: Stack, tok, ids: list[int], batch: int, steps: int, prompt_len: int) -> dict:
-    engine = stack.engine(EngineConfig(max_num_seqs=max(64, batch), max_num_batched_tokens=1024), tok)
+    engine = stack.engine(SchedulerConfig(max_num_seqs=max(64, batch), max_num_batched_tokens=1024), tok)
     timers = Timers()
     instrument(engine, timers)
     try:

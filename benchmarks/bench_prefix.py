@@ -25,9 +25,9 @@ import time
 from common import Stack, machine, median, pyplot, run_engine, save_plot, table, write_result
 from prompts import corpus_ids
 
-from client.engine import EngineConfig
 from client.params import SamplingParams
 from client.request import Request
+from client.scheduler import SchedulerConfig
 from client.tokenizer import load_tokenizer
 
 PAPER = {"short": 1.67, "long": 3.58}
@@ -44,7 +44,7 @@ def make_requests(ids: list[int], prefix_len: int, n: int, question_len: int, ma
 
 
 def run(stack: Stack, tok, ids, prefix_len: int, args) -> dict:
-    engine = stack.engine(EngineConfig(max_num_seqs=args.num_requests, max_num_batched_tokens=512), tok)
+    engine = stack.engine(SchedulerConfig(max_num_seqs=args.num_requests, max_num_batched_tokens=512), tok)
     try:
         warm, *reqs = make_requests(ids, prefix_len, args.num_requests, 24, args.max_tokens, 50 + prefix_len)
         run_engine(engine, [warm])

@@ -26,9 +26,9 @@ import collections
 from common import Stack, machine, pyplot, save_plot, table, write_result
 from prompts import trace_prompts
 
-from client.engine import EngineConfig
 from client.params import SamplingParams
 from client.request import Request
+from client.scheduler import SchedulerConfig
 from client.tokenizer import load_tokenizer
 
 PAPER = {("alpaca", "parallel"): (6.1, 9.8), ("alpaca", "beam"): (37.6, 55.2),
@@ -37,7 +37,7 @@ PAPER = {("alpaca", "parallel"): (6.1, 9.8), ("alpaca", "beam"): (37.6, 55.2),
 
 def measure(stack: Stack, tok, prompts, kind: str, width: int, max_tokens: int, seed: int) -> dict:
     """Run ``prompts`` together; per-step unique vs summed blocks of the engine's lease."""
-    engine = stack.engine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024), tok)
+    engine = stack.engine(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024), tok)
     try:
         lease = engine.lease.lease_id
         for i, (ids, _) in enumerate(prompts):

@@ -2,7 +2,7 @@
 
 The same requests run four ways on SmolLM2-135M on this CPU (or, with ``--device cuda``, a GPU):
 
-- ``pagedkv``: continuous batching with blocks on demand (EngineConfig reservation="paged");
+- ``pagedkv``: continuous batching with blocks on demand (client.reservation.Paged, the default);
 - ``orca-max``: the same services and scheduler, but each request reserves ``--max-model-len``
   tokens of contiguous KV at admission (the paper's Orca-Max);
 - ``orca-oracle``: each request reserves exactly prompt + max_tokens (Orca-Oracle);
@@ -62,12 +62,15 @@ from common import (
 )
 from prompts import trace_prompts
 
-from client.engine import EngineConfig
 from client.params import SamplingParams
 from client.request import Request
+from client.reservation import OrcaMax, OrcaOracle, Paged, ReservationPolicy
+from client.scheduler import SchedulerConfig
 from client.tokenizer import load_tokenizer
 
-POLICIES = [("pagedkv", "paged"), ("orca-max", "max"), ("orca-oracle", "oracle")]
+#: Policy name -> the reservation policy of a run, from the parsed arguments.
+POLICIES = {"pagedkv": lambda args: Paged(), "orca-max": lambda args: OrcaMax(args.max_model_len),
+            "orca-oracle": lambda args: OrcaOracle()}
 
 
 def summarize(name: str, wall: float, reqs: list[tuple[float, float, float, int]], batches: list[int]) -> dict:
@@ -80,9 +83,8 @@ def summarize(name: str, wall: float, reqs: list[tuple[float, float, float, int]
             "e2e_median_s": median([r[2] for r in reqs]), "output_tokens": out_tokens}
 
 
-def run_policy(stack: Stack, tok, prompts, policy: str, args) -> tuple[dict, dict]:
-    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512, reservation=policy,
-                       max_model_len=args.max_model_len)
+def run_policy(stack: Stack, tok, prompts, policy: ReservationPolicy, args) -> tuple[dict, dict]:
+    cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512, reservation=policy)
     engine = stack.engine(cfg, tok)
     try:
         w = prompts[0][0][:8]
@@ -98,7 +100,7 @@ def run_policy(stack: Stack, tok, prompts, policy: str, args) -> tuple[dict, dic
                  r.params.max_tokens) for r in reqs]
         # Batch size of steps that decode (one token per running request); prefill-only steps excluded.
         batches = [len(t.request_ids) for t in engine.traces]
-        s = summarize(policy, wall, rows, batches)
+        s = summarize(policy.name, wall, rows, batches)
         s["max_batch"] = max(batches)
         s["preemptions"] = engine.preemptions - preempt0
         s["steps"] = len(engine.traces)
@@ -193,7 +195,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: the services' and transformers' device")
     ap.add_argument("--model", default="smollm2", help="model source: 'smollm2', a .gguf file or a Hugging Face directory")
-    ap.add_argument("--policies", default=",".join(n for n, _ in POLICIES),
+    ap.add_argument("--policies", default=",".join(POLICIES),
                     help="policies to run, in this order (comma-separated; default all: %(default)s)")
     ap.add_argument("--result-name", default="bench_throughput", help="results file stem (benchmarks/results/NAME.json)")
     args = ap.parse_args()
@@ -208,10 +210,11 @@ def main() -> int:
         ap.error(f"--result-name is a file stem, not a path: {args.result_name!r}")
     if args.max_model_len is None:
         args.max_model_len = args.max_prompt + args.max_output
-    known = dict(POLICIES)
+    if args.max_model_len < 1:
+        ap.error("--max-model-len must be >= 1")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    if not policies or any(x not in known for x in policies):
-        ap.error(f"--policies takes a comma-separated subset of {', '.join(known)}, got {args.policies!r}")
+    if not policies or any(x not in POLICIES for x in policies):
+        ap.error(f"--policies takes a comma-separated subset of {', '.join(POLICIES)}, got {args.policies!r}")
     n = args.num_requests or (10 if args.quick else 32)
     scale = args.scale or (1.0 if args.paper else 0.2 if args.quick else 0.25)
 
@@ -236,7 +239,7 @@ def main() -> int:
     with Stack(["--num-blocks", str(num_blocks), "--block-size", str(args.block_size), "--no-prefix-caching"],
                "throughput", device=args.device, model=args.model) as stack:
         for name in policies:
-            s, series[name] = run_policy(stack, tok, prompts, known[name], args)
+            s, series[name] = run_policy(stack, tok, prompts, POLICIES[name](args), args)
             result["runs"][name] = s
             print(f"  {name:<12} {s['wall_s']:7.1f} s  {s['output_tokens_per_s']:7.1f} tok/s  mean batch "
                   f"{s['mean_batch']:.1f}", flush=True)

@@ -24,9 +24,10 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.engine import Engine, EngineConfig
+from client.engine import Engine
 from client.params import SamplingParams
 from client.request import Request, Status
+from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
 from client.tokenizer import Messages, encode_prompt, load_tokenizer
 from pagedkv.logs import get_logger
@@ -126,14 +127,16 @@ class RequestHandle:
             raise self.error
         return self.final
 
+    def _next(self) -> RequestOutput | None:
+        """The next output (blocking); None after the last one. Raises the request's error at the end."""
+        out = self._queue.get()
+        if out is None and self.error is not None:
+            raise self.error
+        return out
+
     def __iter__(self) -> Iterator[RequestOutput]:
         try:
-            while True:
-                out = self._queue.get()
-                if out is None:
-                    if self.error is not None:
-                        raise self.error
-                    return
+            while (out := self._next()) is not None:
                 yield out
         finally:
             if not self._done.is_set():
@@ -173,7 +176,7 @@ class Client:
             source = info.weights_path
         self.tokenizer = load_tokenizer(source)
         self._engine = Engine(self.memory, self.workers, self.tokenizer,
-                              config=EngineConfig(max_num_seqs, max_num_batched_tokens), lease_ttl=lease_ttl)
+                              config=SchedulerConfig(max_num_seqs, max_num_batched_tokens), lease_ttl=lease_ttl)
         self._handles: dict[str, RequestHandle] = {}
         self._wake = threading.Condition()
         self._closed = False
@@ -265,22 +268,7 @@ class Client:
                 time.sleep(0.01)
 
     def _fail_all(self, error: Exception) -> None:
-        engine = self._engine
-        with engine._lock:
-            reqs = [*engine.running, *engine.waiting]
-            engine.running.clear()
-            engine.waiting.clear()
-        ids = [s.seq_id for r in reqs for s in r.seqs if s.seq_id is not None]
-        if ids:
-            try:
-                engine.memory.free(engine.lease.lease_id, ids)
-            except Exception:  # noqa: BLE001 - the lease will expire
-                pass
-        for r in reqs:
-            for s in r.seqs:
-                s.reset()
-            r.error = error
-            r.status = Status.FINISHED
+        for r in self._engine.fail_all(error):
             handle = self._handles.pop(r.request_id, None)
             if handle is not None:
                 handle._publish(None, error)
@@ -322,12 +310,7 @@ class AsyncClient:
     async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         handle = self._client.submit(prompt, sampling_params)
         try:
-            while True:
-                out = await asyncio.to_thread(handle._queue.get)
-                if out is None:
-                    if handle.error is not None:
-                        raise handle.error
-                    return
+            while (out := await asyncio.to_thread(handle._next)) is not None:
                 yield out
         finally:
             if not handle._done.is_set():

@@ -36,6 +36,12 @@ class ServiceError(Exception):
 class OutOfBlocks(ServiceError):
     """RESOURCE_EXHAUSTED with reason OUT_OF_BLOCKS: ``required`` and ``available`` blocks."""
 
+    @classmethod
+    def of(cls, required: int, available: int, message: str) -> OutOfBlocks:
+        """The error as the memory service would send it (for a shortfall found on the client)."""
+        return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, message, OUT_OF_BLOCKS,
+                   {"required": str(required), "available": str(available)})
+
     @property
     def required(self) -> int:
         return int(self.metadata.get("required", 0))

@@ -140,6 +140,28 @@ class Request:
     def live_seqs(self) -> list[Seq]:
         return [s for s in self.seqs if not s.finished]
 
+    def seq_ids(self) -> list[int]:
+        """Memory-service ids of the sequences that hold blocks."""
+        return [s.seq_id for s in self.seqs if s.seq_id is not None]
+
+    def abort(self) -> None:
+        """End as cancelled (the caller freed :meth:`seq_ids`): live sequences finish with "abort"."""
+        for s in self.seqs:
+            s.seq_id = None
+            if not s.finished:
+                s.finish_reason = "abort"
+        if self.beam is not None:
+            self.beam.done = True
+        self.status = Status.FINISHED
+        self.metrics.finished = time.time()
+
+    def fail(self, error: Exception) -> None:
+        """End with ``error`` (the caller freed :meth:`seq_ids`): every sequence forgets its cache."""
+        for s in self.seqs:
+            s.reset()
+        self.error = error
+        self.status = Status.FINISHED
+
     @property
     def finished(self) -> bool:
         if self.error is not None:

@@ -38,14 +38,24 @@ def _typed(fn):
     return wrapper
 
 
-class MemoryClient:
-    """The memory service at ``address`` (``host:port``)."""
+class _Channel:
+    """A channel to ``address`` (``host:port``) and the service's stub on it; ``timeout`` in seconds."""
 
-    def __init__(self, address: str, timeout: float = 30.0):
+    def __init__(self, address: str, timeout: float, stub_class):
         self.address = address
         self.timeout = timeout
         self.channel = grpc.insecure_channel(address, options=_OPTIONS)
-        self.stub = mpb_grpc.MemoryServiceStub(self.channel)
+        self.stub = stub_class(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class MemoryClient(_Channel):
+    """The memory service at ``address`` (``host:port``)."""
+
+    def __init__(self, address: str, timeout: float = 30.0):
+        super().__init__(address, timeout, mpb_grpc.MemoryServiceStub)
 
     @_typed
     def pool(self) -> mpb.PoolDescriptor:
@@ -107,18 +117,12 @@ class MemoryClient:
     def stats(self) -> mpb.GetStatsResponse:
         return self.stub.GetStats(mpb.GetStatsRequest(), timeout=self.timeout)
 
-    def close(self) -> None:
-        self.channel.close()
 
-
-class WorkerClient:
+class WorkerClient(_Channel):
     """A compute worker at ``address``."""
 
     def __init__(self, address: str, timeout: float = 600.0):
-        self.address = address
-        self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
-        self.stub = cpb_grpc.ComputeServiceStub(self.channel)
+        super().__init__(address, timeout, cpb_grpc.ComputeServiceStub)
 
     @_typed
     def model_info(self) -> cpb.GetModelInfoResponse:
@@ -127,9 +131,6 @@ class WorkerClient:
     @_typed
     def step(self, request: cpb.StepRequest) -> cpb.StepResponse:
         return self.stub.Step(request, timeout=self.timeout)
-
-    def close(self) -> None:
-        self.channel.close()
 
 
 class Lease:

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from client import Client, SamplingParams
-from client.engine import Engine, EngineConfig
+from client.engine import Engine
 from client.request import Request
+from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
 from client.tokenizer import encode_prompt, load_tokenizer
 
@@ -40,7 +41,7 @@ def engine(stack):
     """An engine driven step by step from the test (the Client runs the same one on a thread)."""
     memory = MemoryClient(stack.memory.address)
     workers = [WorkerClient(a) for a in stack.worker_addresses]
-    eng = Engine(memory, workers, load_tokenizer("smollm2"), config=EngineConfig(max_num_batched_tokens=256))
+    eng = Engine(memory, workers, load_tokenizer("smollm2"), config=SchedulerConfig(max_num_batched_tokens=256))
     yield eng
     eng.close()
     memory.close()
@@ -176,7 +177,7 @@ def test_cancelled_stream_frees_blocks_before_next_step(llm):
     for i, _ in enumerate(stream):
         if i == 2:
             break
-    handle_req = [r for r in llm.engine.running if r.prompt == chat(CHATS[0])]
+    handle_req = [r for r in llm.engine.scheduler.running if r.prompt == chat(CHATS[0])]
     seq_ids = {s.seq_id for r in handle_req for s in r.seqs}
     stream.close()  # cancels
     before = llm.engine.step_count

@@ -11,8 +11,9 @@ import uuid
 import grpc
 
 from client import Client, SamplingParams
-from client.engine import Engine, EngineConfig
+from client.engine import Engine
 from client.request import Request
+from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
 from client.tokenizer import encode_prompt, load_tokenizer
 from pagedkv.memory.v1 import memory_service_pb2 as pb
@@ -42,7 +43,7 @@ def computed_tokens(engine: Engine, req: Request) -> tuple[int, list[int]]:
 def test_second_request_computes_only_uncached_tokens(stack):
     memory = MemoryClient(stack.memory.address)
     engine = Engine(memory, [WorkerClient(stack.worker_addresses[0])], load_tokenizer("smollm2"),
-                    config=EngineConfig(max_num_batched_tokens=1024))
+                    config=SchedulerConfig(max_num_batched_tokens=1024))
     try:
         salt = uuid.uuid4().hex  # isolates this test from what earlier runs left in the cache
         ids = [encode_prompt(engine.tokenizer, messages(q)) for q in QUESTIONS]

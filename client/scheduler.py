@@ -1,0 +1,281 @@
+"""The scheduler: waiting and running queues, the token budget, admission, chunked prefill, preemption order.
+
+It decides, the engine executes (vLLM v1's ``schedule`` / ``update_from_output``
+split; nano-vllm's scheduler in small). :meth:`Scheduler.schedule` takes the pool's
+free capacity and returns a :class:`SchedulerOutput`: which sequences compute how
+many tokens this step, and which requests it admitted. It calls no service: other
+leases share the pool, so the engine may still meet OUT_OF_BLOCKS, and then calls
+:meth:`Scheduler.preempt` (a running request, recomputed later) or
+:meth:`Scheduler.unadmit` (a request admitted this step, which waits again).
+
+NOTE: invariants
+- A request is in exactly one of ``waiting`` (FCFS; preempted and unadmitted
+  requests go back to the front) and ``running`` (admission order), or in neither
+  once finished.
+- Only :meth:`add`, :meth:`abort` and :meth:`has_work` may run on other threads;
+  they and every change of ``waiting`` take the lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+from client.request import Request, Seq, Status
+from client.reservation import Paged, ReservationPolicy
+from pagedkv.logs import get_logger
+
+log = get_logger("scheduler")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Scheduler limits (vLLM's ``SchedulerConfig`` names)."""
+
+    #: Most requests running at once.
+    max_num_seqs: int = 64
+    #: Token budget of one step (chunked prefill splits prompts to fit it).
+    max_num_batched_tokens: int = 512
+    #: KV reservation policy (:mod:`client.reservation`); the default reserves nothing (blocks on demand).
+    reservation: ReservationPolicy = field(default_factory=Paged)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(slots=True, eq=False)
+class ScheduledSeq:
+    """One sequence in this step's batch."""
+
+    #: The request the sequence belongs to.
+    request: Request
+    #: The sequence.
+    seq: Seq
+    #: Tokens to compute: ``seq.tokens[seq.num_computed:seq.num_computed + num_new_tokens]`` (>= 1).
+    num_new_tokens: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens to compute, from the sequence's current ``num_computed``."""
+        start = self.seq.num_computed
+        return self.seq.tokens[start:start + self.num_new_tokens]
+
+    def allocated(self, table) -> None:
+        """The sequence got its blocks: ``table`` is the memory service's SequenceBlockTable (seq_id,
+        block_ids, num_tokens allocated, num_cached_tokens found in the prefix cache); cached tokens
+        count as computed and are not computed again."""
+        s = self.seq
+        s.seq_id, s.block_table = table.seq_id, list(table.block_ids)
+        s.num_computed = s.num_committed = table.num_cached_tokens
+        self.num_new_tokens = min(self.num_new_tokens, table.num_tokens - table.num_cached_tokens)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs: running requests' sequences first, then the admitted ones'."""
+
+    #: Sequences to compute, in batch order.
+    scheduled: list[ScheduledSeq]
+    #: Requests admitted from ``waiting`` in this step, in admission order.
+    admitted: list[Request]
+
+    def drop(self, request: Request) -> None:
+        """Take ``request`` out of this step (it was preempted, unadmitted or failed)."""
+        self.scheduled = [x for x in self.scheduled if x.request is not request]
+        self.admitted = [r for r in self.admitted if r is not request]
+
+
+class Scheduler:
+    """Continuous batching under a token budget and the pool's free blocks.
+
+    Args:
+        config: limits and the reservation policy.
+        block_size: tokens per KV block.
+        max_context: longest sequence, tokens (the model's context capped by the pool).
+        num_workers: workers a request may be pinned to (the least loaded at admission).
+    """
+
+    def __init__(self, config: SchedulerConfig, *, block_size: int, max_context: int, num_workers: int):
+        self.config = config
+        self.block_size = block_size
+        self.max_context = max_context
+        self.num_workers = num_workers
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._lock = threading.Lock()
+        self._aborts: set[str] = set()
+
+    # ----------------------------------------------------------------- intake
+    def add(self, request: Request) -> None:
+        """Queue ``request`` at the back of ``waiting`` (thread-safe).
+
+        Raises:
+            ValueError: the prompt cannot fit the context, or the reservation policy refuses
+                parallel sampling or beam search.
+        """
+        policy = self.config.reservation
+        if self.reservation(request) is not None and (request.params.n > 1 or request.params.use_beam_search):
+            raise ValueError(f"the {policy.name!r} reservation policy takes n=1 requests without beam search")
+        if len(request.prompt_token_ids) >= self.max_context:
+            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens; the model and pool allow "
+                             f"{self.max_context - 1} (max context {self.max_context})")
+        with self._lock:
+            self.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe); :meth:`take_aborted` hands it to the engine."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        """Whether a request waits, runs or awaits its abort (thread-safe)."""
+        with self._lock:
+            return bool(self.waiting or self.running or self._aborts)
+
+    def take_aborted(self) -> list[Request]:
+        """Remove the requests aborted since the last call from the queues and return them."""
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            if not aborts:
+                return []
+            victims = [r for r in [*self.running, *self.waiting] if r.request_id in aborts]
+            for r in victims:
+                if r in self.running:
+                    self.running.remove(r)
+                else:
+                    self.waiting.remove(r)
+        return victims
+
+    def reservation(self, request: Request) -> int | None:
+        """Tokens ``request`` reserves at admission (capped by the context); None: blocks on demand."""
+        reserve = self.config.reservation.reserve(len(request.prompt_token_ids), request.params.max_tokens)
+        return None if reserve is None else min(reserve, self.max_context)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self, available_blocks: int) -> SchedulerOutput:
+        """Plan one step.
+
+        Running requests come first: one decode token per sequence, then the rest of
+        chunked prefills, under ``max_num_batched_tokens``. Then waiting requests are
+        admitted in order while the budget, ``max_num_seqs`` and the free blocks allow:
+        ``available_blocks`` less what this step's running sequences will grow by.
+
+        Args:
+            available_blocks: the pool's free blocks (GetStats), shared with other leases;
+                0 when unknown (nothing is admitted).
+        """
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        for want_decode in (True, False):
+            for req in self.running:
+                for seq in req.live_seqs():
+                    n = seq.pending()
+                    if n == 0 or (n == 1) != want_decode or budget == 0:
+                        continue
+                    n = min(n, budget)
+                    scheduled.append(ScheduledSeq(req, seq, n))
+                    budget -= n
+        admitted: list[Request] = []
+        free_blocks = available_blocks - self._growth(scheduled)
+        with self._lock:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                chunks = []
+                for seq in req.live_seqs():
+                    n = min(seq.pending(), budget - sum(chunks))
+                    if n > 0:
+                        chunks.append(n)
+                reserve = self.reservation(req)
+                if reserve is not None:
+                    chunks = chunks[:1]
+                    need = -(-reserve // self.block_size)
+                else:
+                    need = sum(-(-n // self.block_size) for n in chunks)
+                if not chunks or need > free_blocks:
+                    break
+                self.waiting.popleft()
+                free_blocks -= need
+                budget -= sum(chunks)
+                self._admit(req)
+                admitted.append(req)
+                it = iter(chunks)
+                for seq in req.live_seqs():
+                    if seq.pending() > 0:
+                        scheduled.append(ScheduledSeq(req, seq, next(it, 0)))
+                scheduled = [x for x in scheduled if x.num_new_tokens > 0]
+        return SchedulerOutput(scheduled, admitted)
+
+    def _growth(self, scheduled: list[ScheduledSeq]) -> int:
+        """Blocks the appends of ``scheduled`` sequences that hold blocks may take."""
+        grow = 0
+        for x in scheduled:
+            s = x.seq
+            if s.seq_id is not None:
+                have = len(s.block_table) * self.block_size
+                grow += max(0, -(-(s.num_computed + x.num_new_tokens - have) // self.block_size))
+                grow += len(x.request.seqs) > 1  # a forked sequence may copy its shared last block
+        return grow
+
+    def _admit(self, req: Request) -> None:
+        """Move ``req`` to running and pin it to the least loaded worker (first admission only)."""
+        req.status = Status.RUNNING
+        if req.worker is None:
+            load = collections.Counter(r.worker for r in self.running)
+            req.worker = min(range(self.num_workers), key=lambda w: load[w])
+        if req.metrics.first_scheduled is None:
+            req.metrics.first_scheduled = time.time()
+        self.running.append(req)
+
+    # ------------------------------------------------------ shortfall, endings
+    def pick_victim(self, scheduled: list[ScheduledSeq]) -> Request | None:
+        """The most recently admitted running request in ``scheduled`` (vLLM's recompute preemption
+        order); None when it is the only one (preempting it would free nothing for another)."""
+        live = [r for r in self.running if any(x.request is r for x in scheduled)]
+        if len(live) <= 1:
+            return None
+        return live[-1]
+
+    def preempt(self, request: Request) -> None:
+        """Preemption by recompute: ``request`` forgets its KV (the engine freed its sequences) and
+        waits at the front of ``waiting``; its tokens are computed again when it is readmitted."""
+        for s in request.seqs:
+            s.reset()
+        self.running.remove(request)
+        request.status = Status.WAITING
+        request.metrics.preemptions += 1
+        with self._lock:
+            self.waiting.appendleft(request)
+        log.info("preempted", request_id=request.request_id, generated=[len(s.generated) for s in request.seqs])
+
+    def unadmit(self, request: Request) -> None:
+        """Undo this step's admission of ``request`` (its allocation failed): it waits at the front."""
+        self.running.remove(request)
+        request.status = Status.WAITING
+        with self._lock:
+            self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """``request`` ended (finished or failed): it leaves ``running``."""
+        if request in self.running:
+            self.running.remove(request)
+
+    def stalled(self) -> bool:
+        """Nothing runs while requests wait: the head of ``waiting`` did not fit the free blocks."""
+        with self._lock:
+            return not self.running and bool(self.waiting)
+
+    def pop_waiting(self) -> Request:
+        """Remove and return the head of ``waiting`` (a request that can never fit)."""
+        with self._lock:
+            return self.waiting.popleft()
+
+    def drain(self) -> list[Request]:
+        """Empty both queues; returns the requests that were running, then those waiting."""
+        with self._lock:
+            reqs = [*self.running, *self.waiting]
+            self.running.clear()
+            self.waiting.clear()
+        return reqs

@@ -1,0 +1,102 @@
+"""One step on the workers: build each worker's StepRequest, send them in parallel, gather the results.
+
+A sequence contributes its tokens to compute (``tokens[num_computed:num_computed + n]``),
+their positions, its block table and its sampling parameters; the worker samples
+only where the step completes what the sequence knows (not mid chunked prefill,
+nor at a compute limit before a fork). Copy-on-write pairs from AppendSlots go to
+the worker of the sequence that now holds the destination block.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from client.request import Request, Seq
+from client.scheduler import ScheduledSeq
+from client.services import WorkerClient
+from pagedkv.compute.v1 import compute_service_pb2 as cpb
+
+
+def sampling(req: Request, seq: Seq) -> cpb.SamplingParams:
+    """The worker's sampling parameters for ``seq``: greedy unless temperature > 0, the draw seed
+    ``seed + sample index``, top-K logprobs for beam search (``BeamState.top_k``) or when asked."""
+    p = req.params
+    out = cpb.SamplingParams()
+    if p.use_beam_search:
+        out.num_logprobs = req.beam.top_k
+        return out
+    if p.temperature > 0:
+        out.temperature = p.temperature
+        if p.top_k:
+            out.top_k = p.top_k
+        if p.top_p < 1:
+            out.top_p = p.top_p
+        if p.seed is not None:
+            out.seed = p.seed + seq.index
+    if p.logprobs is not None:
+        out.num_logprobs = p.logprobs
+    return out
+
+
+def build_steps(scheduled: list[ScheduledSeq], copies_by_worker: dict[int, list[tuple[int, int]]],
+                pool_generation: int) -> dict[int, cpb.StepRequest]:
+    """One StepRequest per worker index that runs a scheduled sequence.
+
+    Args:
+        scheduled: the step's sequences, each allocated (``seq_id`` set).
+        copies_by_worker: worker index -> copy-on-write ``(src, dst)`` block ids.
+        pool_generation: the pool generation the block ids belong to.
+    """
+    by_worker: dict[int, cpb.StepRequest] = {}
+    for x in scheduled:
+        req, seq = x.request, x.seq
+        step = by_worker.setdefault(req.worker, cpb.StepRequest(pool_generation=pool_generation))
+        start = seq.num_computed
+        end = start + x.num_new_tokens
+        skip = end < len(seq.tokens) or (seq.compute_limit is not None and end >= seq.compute_limit)
+        step.sequences.append(cpb.StepSequence(
+            seq_id=seq.seq_id, token_ids=x.token_ids, positions=range(start, end),
+            block_ids=seq.block_table, sampling=sampling(req, seq), output_index=len(seq.generated),
+            skip_sampling=skip))
+    for w, copies in copies_by_worker.items():
+        by_worker[w].copies.extend(cpb.BlockCopy(src=s, dst=d) for s, d in copies)
+    return by_worker
+
+
+@dataclass(slots=True)
+class StepResults:
+    """What the workers returned for one step."""
+
+    #: Each scheduled sequence's sampled token (or none, where sampling was skipped), by seq_id.
+    by_seq: dict[int, cpb.StepResult]
+    #: Seconds in the slowest worker's forward.
+    model_seconds: float
+
+
+class StepRunner:
+    """Sends each worker its Step at once, one thread per worker, and waits for all of them."""
+
+    def __init__(self, workers: list[WorkerClient], pool_generation: int):
+        self.workers = workers
+        self.pool_generation = pool_generation
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(workers)), thread_name_prefix="pagedkv-step")
+
+    def run(self, scheduled: list[ScheduledSeq], copies_by_worker: dict[int, list[tuple[int, int]]]) -> StepResults:
+        """Step every worker that runs a scheduled sequence (:func:`build_steps`).
+
+        Raises:
+            client.errors.ServiceError: a worker refused its Step.
+        """
+        steps = build_steps(scheduled, copies_by_worker, self.pool_generation)
+        futures = [self._pool.submit(self.workers[w].step, req) for w, req in steps.items()]
+        out = StepResults({}, 0.0)
+        for f in futures:
+            resp = f.result()
+            out.model_seconds = max(out.model_seconds, resp.model_seconds)
+            for r in resp.results:
+                out.by_seq[r.seq_id] = r
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
