@@ -26,6 +26,7 @@ from bench_throughput import run_policy, summarize
 from common import Stack, fmt, machine, pyplot, save_plot, table, write_result
 from prompts import trace_prompts
 
+from client.reservation import Paged
 from client.tokenizer import load_tokenizer
 from pagedkv.paths import smollm2_gguf_path
 
@@ -76,7 +77,7 @@ def main() -> int:
     with Stack(["--num-blocks", str(num_blocks), "--block-size", "16", "--no-prefix-caching"], "peers") as stack:
         for cap in (1, 16):
             ns = argparse.Namespace(max_num_seqs=cap, max_model_len=256)
-            s, _ = run_policy(stack, tok, prompts, "paged", ns)
+            s, _ = run_policy(stack, tok, prompts, Paged(), ns)
             result["runs"][f"pagedkv (batch cap {cap})"] = s
     rows = [[k, f"{s['requests_per_s']:.3f}", f"{s['output_tokens_per_s']:.1f}", fmt(s["mean_batch"], ".1f"),
              fmt(s["ttft_median_s"]), fmt(s["tpot_median_s"] and 1e3 * s["tpot_median_s"], ".0f"), f"{s['wall_s']:.1f}"]

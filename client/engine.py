@@ -76,7 +76,6 @@ class Engine:
         self.workers = workers
         self.tokenizer = tokenizer
         pool = memory.pool()
-        self.generation = pool.generation
         self.block_size = pool.layout.block_size
         self.num_blocks = pool.layout.num_blocks
         info = workers[0].model_info()

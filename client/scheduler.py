@@ -44,6 +44,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not callable(getattr(self.reservation, "reserve", None)):
+            raise ValueError(f"reservation must be a client.reservation policy (e.g. Paged(), OrcaMax(2048)), "
+                             f"got {self.reservation!r}")
 
 
 @dataclass(slots=True, eq=False)

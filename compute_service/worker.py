@@ -43,8 +43,9 @@ class Worker:
         self.device = model.device
         self._lock = threading.Lock()
         self.pool = pool
-        # A stand-in model (not an nn.Module) is not timed: its attention_seconds is 0.
-        self.attention_clock = AttentionClock(model) if isinstance(model, nn.Module) else None
+        # Timed on the CPU only (see AttentionClock); a stand-in model (not an nn.Module) is not timed.
+        timed = isinstance(model, nn.Module) and self.device.type == "cpu"
+        self.attention_clock = AttentionClock(model) if timed else None
         #: Set when the memory service went away during a step: its results are dropped.
         self.pool_lost = threading.Event()
 

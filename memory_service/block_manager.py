@@ -59,10 +59,10 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, lease_ttl: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True, max_events: int = 10_000):
+        self.leases = LeaseTable(lease_ttl, self._free_lease_sequences, clock)  # checks the TTL first
         self.pool = BlockPool(num_blocks, block_size)  # refcounts, fill levels, the free queue
         self.block_size = block_size
         self.sequences = SequenceTable()
-        self.leases = LeaseTable(lease_ttl, self._free_lease_sequences, clock)
         self.prefix_cache = PrefixCache(self.pool, enabled=prefix_caching, max_events=max_events)
         self.allocation_failures = 0  # requests refused with OutOfBlocks
         self.preemptions = 0  # sequences freed as preempted

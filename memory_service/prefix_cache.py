@@ -76,8 +76,8 @@ class PrefixCache:
         self.pool = pool
         #: Automatic prefix caching is on.
         self.enabled = enabled
-        #: block_hash[b]: content hash of block b when it is in the prefix cache.
-        self.block_hash: list[bytes | None] = [None] * pool.num_blocks
+        #: hash_of[b]: content hash of block b when it is in the prefix cache.
+        self.hash_of: list[bytes | None] = [None] * pool.num_blocks
         #: block_tokens[b]: token ids of a cached block (a hit re-checks them).
         self.block_tokens: list[tuple[int, ...] | None] = [None] * pool.num_blocks
         #: Content hash -> the block holding it.
@@ -145,10 +145,12 @@ class PrefixCache:
         for i, h in enumerate(new, start):
             b = seq.block_ids[i]
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            if h not in self.cached and self.block_hash[b] is None:
+            assert self.pool.ref_counts[b] > 0 and self.pool.fill[b] == bs, (
+                f"only a used, full block can be cached (block {b})")
+            if h not in self.cached and self.hash_of[b] is None:
                 self.pool.keep_content(b)
                 self.cached[h] = b
-                self.block_hash[b] = h
+                self.hash_of[b] = h
                 self.block_tokens[b] = tokens
                 registered += 1
                 self._emit("stored", block_id=b, block_hash=h, parent_hash=parent or b"", token_ids=tokens)
@@ -178,9 +180,9 @@ class PrefixCache:
         self._emit("removed", block_id=block_id, block_hash=h)
 
     def _forget(self, block_id: int) -> bytes:
-        h = self.block_hash[block_id]
+        h = self.hash_of[block_id]
         del self.cached[h]
-        self.block_hash[block_id] = None
+        self.hash_of[block_id] = None
         self.block_tokens[block_id] = None
         return h
 
@@ -206,9 +208,9 @@ class PrefixCache:
 
     def check(self) -> None:
         """Assert the module's invariants (O(num_blocks + events))."""
-        assert all(self.block_hash[b] == h for h, b in self.cached.items())
-        assert sum(h is not None for h in self.block_hash) == len(self.cached)
-        for b, h in enumerate(self.block_hash):
+        assert all(self.hash_of[b] == h for h, b in self.cached.items())
+        assert sum(h is not None for h in self.hash_of) == len(self.cached)
+        for b, h in enumerate(self.hash_of):
             assert (h is not None) == (self.block_tokens[b] is not None) == self.pool.has_content[b], (
                 f"block {b}: hash {h is not None}, tokens {self.block_tokens[b] is not None}, "
                 f"content {self.pool.has_content[b]}")

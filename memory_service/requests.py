@@ -13,6 +13,7 @@ pool's capacity; results assert their invariants in ``__post_init__``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from memory_service.block_hash import CacheKey
@@ -59,16 +60,20 @@ class Allocation:
     cache_key: CacheKey = CacheKey()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Append:
-    """Slots to add to one sequence (a decode step, or a chunk of a chunked prefill)."""
+    """Slots to add to one sequence (a decode step, or a chunk of a chunked prefill).
+
+    Not frozen, and ``token_ids`` is any sequence (the request's own repeated field, not a
+    copy): one is built per sequence per decode step, so it stays as cheap as a tuple.
+    """
 
     #: The sequence.
     seq_id: int
     #: Tokens to reserve slots for (>= 1).
     num_tokens: int
     #: Ids of the appended tokens (prefix caching); None or empty ends caching for the sequence.
-    token_ids: tuple[int, ...] | None = None
+    token_ids: Seq[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

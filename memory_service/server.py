@@ -83,7 +83,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs])
 
     async def AppendSlots(self, request, context):
-        appends = [Append(a.seq_id, a.num_tokens, tuple(a.token_ids) if a.token_ids else None) for a in request.appends]
+        appends = [Append(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
         result = _ok(self.manager.append_slots(request.lease_id, appends), "append")
         return pb.AppendSlotsResponse(
             updates=[pb.BlockTableUpdate(seq_id=u.seq_id, num_tokens=u.num_tokens, first_changed=u.first_changed,

@@ -248,3 +248,9 @@ def test_add_refuses_a_prompt_longer_than_the_context():
     with pytest.raises(ValueError, match="the prompt has 16 tokens; the model and pool allow 15"):
         sch.add(request("a", 16))
     assert sch.reservation(request("b", 3)) is None and not sch.has_work()
+
+
+@pytest.mark.parametrize("bad", ["paged", None, 256])
+def test_config_refuses_a_reservation_that_is_not_a_policy(bad):
+    with pytest.raises(ValueError, match="reservation must be a client.reservation policy"):
+        SchedulerConfig(reservation=bad)
