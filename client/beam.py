@@ -157,9 +157,14 @@ class ForkPlan:
     new_beams: dict[str, tuple[Request, list[Seq | None]]]
 
     @property
+    def forkable(self) -> list[Branch]:
+        """The branches whose parent holds blocks (the others start without any), in order."""
+        return [b for b in self.branches if b.parent.seq_id is not None]
+
+    @property
     def parents(self) -> list[int]:
-        """Sequence ids to fork: one per branch whose parent holds blocks, in branch order."""
-        return [b.parent.seq_id for b in self.branches if b.parent.seq_id is not None]
+        """Sequence ids to fork: one per :attr:`forkable` branch, same order."""
+        return [b.parent.seq_id for b in self.forkable]
 
     def apply(self, children) -> None:
         """Create the branches' sequences.
@@ -168,8 +173,7 @@ class ForkPlan:
             children: the forked block tables (``seq_id``, ``block_ids``), one per :attr:`parents`
                 entry, same order.
         """
-        forkable = [b for b in self.branches if b.parent.seq_id is not None]
-        child_of = {id(b): c for b, c in zip(forkable, children)}
+        child_of = {id(b): c for b, c in zip(self.forkable, children)}
         for b in self.branches:
             seq = b.child()
             c = child_of.get(id(b))
