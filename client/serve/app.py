@@ -6,7 +6,7 @@ from the engine thread through a per-request ``asyncio.Queue``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, and the admin-only ``GET /debug/steps`` (the engine's step
-trace: which requests each step carried).
+trace: which requests each step carried, and at which step each abort was asked).
 
 Errors use the OpenAI error body (:class:`~client.serve.protocol.APIError`): 400 bad parameter or
 a prompt longer than the context, 401 missing or wrong key, 403 a tenant key on an admin route,
@@ -137,6 +137,7 @@ def create_app(server: Server) -> FastAPI:
         server.authorize(request, admin=True)
         traces = [t for t in list(server.engine.traces) if t.step >= since]
         return {"step_count": server.engine.step_count,
+                "aborts": [{"request_id": r, "step": s} for r, s in list(server.engine.abort_log) if s >= since],
                 "steps": [{"step": t.step, "request_ids": t.request_ids, "num_tokens": t.num_tokens,
                            "finished": t.finished, "preempted": t.preempted} for t in traces]}
 

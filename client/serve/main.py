@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -40,8 +41,13 @@ def _write_ready(server: uvicorn.Server, path: Path, host: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``pagedkv serve``; returns the exit code."""
+    """Entry point of ``pagedkv serve``; returns the exit code (0 after SIGINT or SIGTERM)."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal to the handler in
+    # place before it; this one lets the process return normally, so the lease is released and
+    # embedded services are stopped below.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         backends = resolve(args)
     except (ValueError, RuntimeError, OSError) as e:
