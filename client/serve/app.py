@@ -359,14 +359,19 @@ async def _stream(run: _Run, choices: Choices, include_usage: bool):
             newest, error = await run.next()
             for i, out in sorted(newest.items()):
                 for chunk in choices.chunks(i, out):
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield f"data: {_json(chunk)}\n\n"
             if error is not None:
                 run.abort()
-                yield f"data: {json.dumps(_service_error(error).body())}\n\n"
+                yield f"data: {_json(_service_error(error).body())}\n\n"
                 break
         else:
             if include_usage:
-                yield f"data: {json.dumps(choices.usage_chunk(run.last))}\n\n"
+                yield f"data: {_json(choices.usage_chunk(run.last))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         run.abort()
+
+
+def _json(body: dict) -> str:
+    """Compact JSON for one SSE event."""
+    return json.dumps(body, separators=(",", ":"))
