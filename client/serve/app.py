@@ -67,6 +67,8 @@ class Server:
     metrics: ServeMetrics = field(init=False)
     #: Keys the per-tenant cache salts (DESIGN.md, trust model): new for each server start.
     secret: bytes = field(default_factory=lambda: os.urandom(32))
+    #: (time.monotonic() of the last health check, its result); requests reuse it for a second.
+    _health: tuple[float, bool] = (float("-inf"), False)
 
     def __post_init__(self):
         self.metrics = ServeMetrics(self.model_name, self.client.engine, self.client.memory)
@@ -74,6 +76,14 @@ class Server:
     @property
     def engine(self):
         return self.client.engine
+
+    async def backends_up(self, max_age: float = 1.0) -> bool:
+        """Whether the memory service and a worker serve (a check at most ``max_age`` seconds old)."""
+        at, ok = self._health
+        if time.monotonic() - at > max_age:
+            ok = await asyncio.to_thread(self.backends.healthy)
+            self._health = (time.monotonic(), ok)
+        return ok
 
     def authorize(self, request: Request, *, admin: bool = False) -> str:
         """The caller's tenant. Raises APIError 401 (no or unknown key) or 403 (not the admin key)."""
@@ -115,7 +125,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if await asyncio.to_thread(server.backends.healthy):
+        if await server.backends_up(max_age=0):
             return Response(status_code=200)
         raise APIError(503, "the memory service or every worker is down", type="server_error", code="unavailable")
 
@@ -260,7 +270,7 @@ async def _generate(server: Server, request: Request, tenant: str, req, prompt_i
         raise APIError(429, f"the waiting queue is full ({len(sched.waiting)} requests wait; "
                        f"--max-queued-requests {server.max_queued_requests})", type="rate_limit_error",
                        code="queue_full")
-    if not await asyncio.to_thread(server.backends.healthy):
+    if not await server.backends_up():
         raise APIError(503, "the memory service or every worker is down", type="server_error", code="unavailable")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choices = Choices(rid, server.model_name, chat, req.n, server.client.tokenizer, logprobs,
