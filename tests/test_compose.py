@@ -11,7 +11,8 @@ No Docker engine is needed. Three kinds of checks:
    services; the Dockerfile installs the dependencies before it copies the source.
 3. The CPU file's commands run as plain processes on this machine (same flags and environment,
    addresses rewritten to loopback and free ports, the pool directory to a temporary one) and
-   answer a greedy chat prompt through the client service's command.
+   answer a greedy chat prompt through the client service's command and through the frontend
+   (its health check, then POST /v1/chat/completions), leaving no block used.
 
 The images themselves are built and run by scripts/compose_check.sh (podman), not here.
 """
@@ -20,16 +21,20 @@ from __future__ import annotations
 
 import http.server
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
+from client.services import MemoryClient
 from client.stack import ServiceProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -492,6 +497,39 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
         )
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.strip() == "The capital of France is Paris.", r.stdout + r.stderr
+
+        # The frontend: its exact command over the same services, its HTTP health check, one
+        # chat completion, and every block freed afterwards.
+        front_svc = svcs["frontend"]
+        frontend = run_service(
+            local_command(front_svc["command"], host="127.0.0.1", port="0", memory=memory.address,
+                          workers=compute.address),
+            local_env(front_svc, tmp_path),
+            tmp_path,
+            "frontend",
+        )
+        started.append(frontend)
+        test = front_svc["healthcheck"]["test"]
+        url = test[3].replace(f"127.0.0.1:{flag(front_svc['command'], '--port')}", frontend.address)
+        r = subprocess.run([sys.executable, str(ROOT / test[2].removeprefix(IMAGE_ROOT + "/")), url],
+                           capture_output=True, text=True, timeout=30, check=False)
+        assert r.returncode == 0, r.stdout + r.stderr
+        request = {"model": "smollm2", "max_tokens": 32, "temperature": 0,
+                   "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        req = urllib.request.Request(f"http://{frontend.address}/v1/chat/completions", data=json.dumps(request).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.load(resp)
+        assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris.", answer
+
+        m = MemoryClient(memory.address)
+        try:
+            deadline = time.monotonic() + 10
+            while (stats := m.stats()).used_blocks and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            m.close()
+        assert stats.used_blocks == 0 and stats.available_blocks == stats.total_blocks, stats
     finally:
         for p in reversed(started):
             p.stop()
