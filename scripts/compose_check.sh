@@ -84,10 +84,11 @@ if ((${#need_apt[@]})); then
     log "installing ${need_apt[*]} (apt-get)"
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_apt[@]}"
 fi
+mkdir -p "$CACHE"
 if [[ ! -x $TOOLS_VENV/bin/podman-compose ]]; then
     log "installing podman-compose into $TOOLS_VENV"
-    python3 -m venv "$TOOLS_VENV"
-    "$TOOLS_VENV/bin/pip" install -q podman-compose
+    { python3 -m venv "$TOOLS_VENV" && "$TOOLS_VENV/bin/pip" install podman-compose; } >"$CACHE/pip-install.log" 2>&1 \
+        || { tail -5 "$CACHE/pip-install.log"; fail "could not install podman-compose (python3-venv missing?)"; }
 fi
 COMPOSE=("$TOOLS_VENV/bin/podman-compose" -f "$COMPOSE_FILE")
 log "$(podman --version), $(runc --version | head -1), podman-compose $("$TOOLS_VENV/bin/pip" show podman-compose | sed -n 's/^Version: //p')"
