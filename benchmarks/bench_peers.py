@@ -76,7 +76,7 @@ def main() -> int:
     num_blocks = 16 * (256 // 16) + 64  # room for 16 requests of the trace's longest shape: memory is not the limit
     with Stack(["--num-blocks", str(num_blocks), "--block-size", "16", "--no-prefix-caching"], "peers") as stack:
         for cap in (1, 16):
-            ns = argparse.Namespace(max_num_seqs=cap, max_model_len=256)
+            ns = argparse.Namespace(max_num_seqs=cap, orca_max_len=256)
             s, _ = run_policy(stack, tok, prompts, Paged(), ns)
             result["runs"][f"pagedkv (batch cap {cap})"] = s
     rows = [[k, f"{s['requests_per_s']:.3f}", f"{s['output_tokens_per_s']:.1f}", fmt(s["mean_batch"], ".1f"),

@@ -3,7 +3,7 @@
 The same requests run four ways on SmolLM2-135M on this CPU (or, with ``--device cuda``, a GPU):
 
 - ``pagedkv``: continuous batching with blocks on demand (client.reservation.Paged, the default);
-- ``orca-max``: the same services and scheduler, but each request reserves ``--max-model-len``
+- ``orca-max``: the same services and scheduler, but each request reserves ``--orca-max-len``
   tokens of contiguous KV at admission (the paper's Orca-Max);
 - ``orca-oracle``: each request reserves exactly prompt + max_tokens (Orca-Oracle);
 - ``hf-generate``: Hugging Face transformers ``generate`` (dense cache, greedy, fp32) in static
@@ -19,7 +19,7 @@ includes queueing.
 
 Budget (documented, not tuned per policy): the pool holds ``--max-num-seqs`` (16) requests of
 the trace's mean final length, i.e. just enough for pagedkv to run its batch cap on an average
-mix. Paged runs can still preempt when long requests meet. ``--max-model-len`` (default
+mix. Paged runs can still preempt when long requests meet. ``--orca-max-len`` (default
 ``--max-prompt`` + ``--max-output``, 256) is the largest prompt + output the trace allows, not the
 model's 8192-token context: reserving 8192 would be the flattering choice. The paper's own setting,
 full ShareGPT lengths in sequences of at most 2048 tokens with Orca-Max reserving 2048, is
@@ -69,7 +69,7 @@ from client.scheduler import SchedulerConfig
 from client.tokenizer import load_tokenizer
 
 #: Policy name -> the reservation policy of a run, from the parsed arguments.
-POLICIES = {"pagedkv": lambda args: Paged(), "orca-max": lambda args: OrcaMax(args.max_model_len),
+POLICIES = {"pagedkv": lambda args: Paged(), "orca-max": lambda args: OrcaMax(args.orca_max_len),
             "orca-oracle": lambda args: OrcaOracle()}
 
 
@@ -186,7 +186,7 @@ def main() -> int:
     ap.add_argument("--max-output", type=int, default=None, help="output length cap, tokens (default 128; --paper 1024)")
     ap.add_argument("--paper", action="store_true",
                     help="the vLLM paper's setting: full lengths, sequences <= 2048 tokens, Orca-Max reserving 2048")
-    ap.add_argument("--max-model-len", type=int, default=None,
+    ap.add_argument("--orca-max-len", type=int, default=None,
                     help="tokens orca-max reserves per request (default max-prompt + max-output)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=None, help="pool size (default: max_num_seqs x mean final length)")
@@ -208,10 +208,10 @@ def main() -> int:
         ap.error("--num-requests must be >= 1 and --scale > 0")
     if not args.result_name or Path(args.result_name).name != args.result_name:
         ap.error(f"--result-name is a file stem, not a path: {args.result_name!r}")
-    if args.max_model_len is None:
-        args.max_model_len = args.max_prompt + args.max_output
-    if args.max_model_len < 1:
-        ap.error("--max-model-len must be >= 1")
+    if args.orca_max_len is None:
+        args.orca_max_len = args.max_prompt + args.max_output
+    if args.orca_max_len < 1:
+        ap.error("--orca-max-len must be >= 1")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     if not policies or any(x not in POLICIES for x in policies):
         ap.error(f"--policies takes a comma-separated subset of {', '.join(POLICIES)}, got {args.policies!r}")
@@ -226,10 +226,10 @@ def main() -> int:
     budget = num_blocks * args.block_size
     print(f"{n} requests, mean prompt {sum(len(p) for p, _ in prompts) / n:.0f} / output "
           f"{sum(o for _, o in prompts) / n:.0f} tokens; KV budget {num_blocks} blocks x {args.block_size} = {budget} "
-          f"tokens; batch cap {args.max_num_seqs}; orca-max reserves {args.max_model_len}", flush=True)
+          f"tokens; batch cap {args.max_num_seqs}; orca-max reserves {args.orca_max_len}", flush=True)
     result = {"machine": machine(), "config": {
         "num_requests": n, "scale": scale, "dataset_means": DATASETS["sharegpt"], "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len, "block_size": args.block_size, "num_blocks": num_blocks,
+        "orca_max_len": args.orca_max_len, "block_size": args.block_size, "num_blocks": num_blocks,
         "budget_tokens": budget, "threads": args.threads, "device": args.device, "model": args.model,
         "max_prompt": args.max_prompt, "max_output": args.max_output, "prompt_lens": [len(p) for p, _ in prompts], "output_lens": [o for _, o in prompts]},
         "runs": {}}

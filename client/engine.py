@@ -94,6 +94,8 @@ class Engine:
         self.step_count = 0
         self.preemptions = 0
         self.traces: collections.deque[StepTrace] = collections.deque(maxlen=100_000)
+        #: (request id, step_count when its abort was asked), most recent last.
+        self.abort_log: collections.deque[tuple[str, int]] = collections.deque(maxlen=10_000)
         self.runner = StepRunner(workers, pool.generation)
 
     def add(self, request: Request) -> None:
@@ -105,6 +107,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (thread-safe): its blocks are freed at the start of the next step."""
+        self.abort_log.append((request_id, self.step_count))
         self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:

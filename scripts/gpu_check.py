@@ -7,8 +7,9 @@
    directory. Its greedy tokens (fp32 pool and model, so the comparison is exact) must equal
    those of a second stack on the CPU torch path (cpu pool) on the same machine; parallel
    sampling (fork + copy-on-write on the GPU pool) must repeat the greedy answer; nothing may
-   leak; the production bf16 stack must generate; and a worker must drop its mapping when the
-   memory service stops first.
+   leak; the production bf16 stack must generate; `pagedkv serve` attached to the GPU stack must
+   answer a greedy chat completion over HTTP with the same tokens; and a worker must drop its
+   mapping when the memory service stops first.
 3. throughput: `benchmarks/bench_throughput.py --device cuda` on the random model (pagedkv vs
    Orca-Max vs Orca-Oracle under one KV budget, and transformers generate), where decode is
    memory-bound rather than compute-bound as on 2 CPU cores. `--throughput quick` (default) runs
@@ -20,7 +21,8 @@ Runs from source; no network and no pip needed on the GPU machine. Prepare once 
 network and the project's .venv (this writes ~2 MB plus the wheels into shared/):
 
     pip download --no-deps structlog grpcio-health-checking grpcio-reflection grpcio-status \\
-        googleapis-common-protos -d shared/wheels
+        googleapis-common-protos fastapi starlette uvicorn h11 click anyio sniffio pydantic \\
+        pydantic-core annotated-types typing-inspection -d shared/wheels
     .venv/bin/python scripts/gpu_check.py --prepare      # the wheels above (same versions as
                                                          # .venv) + SmolLM2's tokenizer
 
@@ -66,6 +68,18 @@ WHEEL_MODULES = {
     "grpcio_reflection": "grpc_reflection",
     "grpcio_status": "grpc_status",
     "googleapis_common_protos": "google.rpc",
+    # pagedkv serve
+    "fastapi": "fastapi",
+    "starlette": "starlette",
+    "uvicorn": "uvicorn",
+    "h11": "h11",
+    "click": "click",
+    "anyio": "anyio",
+    "sniffio": "sniffio",
+    "pydantic": "pydantic",
+    "pydantic_core": "pydantic_core",
+    "annotated_types": "annotated_types",
+    "typing_inspection": "typing_inspection",
 }
 #: SmolLM2-135M-Instruct's shape (config.json of the Hugging Face release).
 SMOLLM2_CONFIG = {
@@ -387,6 +401,8 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
                     f"uuid={desc.cuda_device_uuid} worker={stack.workers[0].info['device']} nbytes={desc.nbytes}",
                 )
             runs[name] = generate(stack)
+            if name == "test":
+                check_serve(stack, env, work, runs[name][0][0])
             report(
                 f"{name} stack: nothing leaked",
                 used_blocks(stack) == 0,
@@ -439,6 +455,39 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
                 stack.stop()
 
     check_producer_exit(device, model, env, work)
+
+
+def check_serve(stack: LocalStack, env: dict[str, str], work: Path, expected: list[int]) -> None:
+    """`pagedkv serve` attached to the stack under test: its greedy chat completion (HTTP, the
+    OpenAI shape) equals the Client's tokens for the same prompt, /health is 200, nothing leaks."""
+    import urllib.request
+
+    from client.stack import ServiceProcess
+
+    svc = None
+    try:
+        svc = ServiceProcess(
+            [sys.executable, "-m", "client.cli", "serve", "--memory", stack.memory_address,
+             "--workers", ",".join(stack.worker_addresses), "--port", "0"],
+            work / "serve.ready.json", work / "serve.log", env=env, cwd=ROOT, timeout=180,
+        )
+        body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        req = urllib.request.Request(f"http://{svc.address}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            got = json.load(r)["choices"][0]["token_ids"]
+        report("pagedkv serve: greedy chat equals the Client's", got == expected,
+               f"first difference at {first_difference(got, expected)}, {len(got)} tokens")
+        with urllib.request.urlopen(f"http://{svc.address}/health", timeout=10) as r:
+            report("pagedkv serve: /health", r.status == 200, str(r.status))
+        report("pagedkv serve: nothing leaked", used_blocks(stack) == 0, f"used_blocks={used_blocks(stack)}")
+    except Exception as e:  # noqa: BLE001 - a failed server is a failed check, with its log
+        tail = svc.log_tail() if svc is not None else ""
+        report("pagedkv serve runs", False, f"{type(e).__name__}: {str(e)[-800:]} {tail[-800:]}")
+    finally:
+        if svc is not None:
+            svc.stop()
 
 
 def check_producer_exit(device: str, model: Path, env: dict[str, str], work: Path) -> None:
@@ -524,6 +573,8 @@ def prepare(out: Path) -> int:
         "grpcio-reflection",
         "grpcio-status",
         "googleapis-common-protos",
+        *("fastapi", "starlette", "uvicorn", "h11", "click", "anyio", "sniffio", "pydantic", "pydantic-core",
+          "annotated-types", "typing-inspection"),
     ]
     pins = [f"{d}=={version(d)}" for d in dists]
     subprocess.run(

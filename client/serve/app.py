@@ -6,7 +6,7 @@ from the engine thread through a per-request ``asyncio.Queue``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, and the admin-only ``GET /debug/steps`` (the engine's step
-trace: which requests each step carried).
+trace: which requests each step carried, and at which step each abort was asked).
 
 Errors use the OpenAI error body (:class:`~client.serve.protocol.APIError`): 400 bad parameter or
 a prompt longer than the context, 401 missing or wrong key, 403 a tenant key on an admin route,
@@ -137,6 +137,7 @@ def create_app(server: Server) -> FastAPI:
         server.authorize(request, admin=True)
         traces = [t for t in list(server.engine.traces) if t.step >= since]
         return {"step_count": server.engine.step_count,
+                "aborts": [{"request_id": r, "step": s} for r, s in list(server.engine.abort_log) if s >= since],
                 "steps": [{"step": t.step, "request_ids": t.request_ids, "num_tokens": t.num_tokens,
                            "finished": t.finished, "preempted": t.preempted} for t in traces]}
 
@@ -358,14 +359,19 @@ async def _stream(run: _Run, choices: Choices, include_usage: bool):
             newest, error = await run.next()
             for i, out in sorted(newest.items()):
                 for chunk in choices.chunks(i, out):
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield f"data: {_json(chunk)}\n\n"
             if error is not None:
                 run.abort()
-                yield f"data: {json.dumps(_service_error(error).body())}\n\n"
+                yield f"data: {_json(_service_error(error).body())}\n\n"
                 break
         else:
             if include_usage:
-                yield f"data: {json.dumps(choices.usage_chunk(run.last))}\n\n"
+                yield f"data: {_json(choices.usage_chunk(run.last))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         run.abort()
+
+
+def _json(body: dict) -> str:
+    """Compact JSON for one SSE event."""
+    return json.dumps(body, separators=(",", ":"))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -26,23 +28,47 @@ from pagedkv.logs import get_logger
 log = get_logger("serve")
 
 
-def _write_ready(server: uvicorn.Server, path: Path, host: str) -> None:
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before any backend starts (a taken port fails fast).
+
+    Raises:
+        OSError: the address is taken or cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _write_ready(server: uvicorn.Server, path: Path, address: str) -> None:
     """Write the bound address to ``path`` once uvicorn accepts connections."""
     while not server.started:
         if server.should_exit:
             return
         time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    address = f"{host}:{port}"
+    port = int(address.rsplit(":", 1)[1])
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"address": address, "port": port, "pid": os.getpid(), "url": f"http://{address}"}))
     os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``pagedkv serve``; returns the exit code."""
+    """Entry point of ``pagedkv serve``; returns the exit code (0 after SIGINT or SIGTERM)."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal to the handler in
+    # place before it; this one lets the process return normally, so the lease is released and
+    # embedded services are stopped below.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
+        sock = _bind(args.host, args.port)
+        address = f"{args.host}:{sock.getsockname()[1]}"
         backends = resolve(args)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"pagedkv serve: error: {e}", file=sys.stderr)
@@ -53,18 +79,18 @@ def main(argv: list[str] | None = None) -> int:
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
         name = args.served_model_name or args.model or "smollm2"
         app = create_app(Server(client, backends, args.tenants, name, args.max_queued_requests))
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                               timeout_graceful_shutdown=5))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
         if args.ready_file:
-            threading.Thread(target=_write_ready, args=(server, Path(args.ready_file), args.host), daemon=True).start()
-        log.info("serving", url=f"http://{args.host}:{args.port}", model=name, memory=backends.memory,
-                 workers=backends.workers, backends=backends.source, max_model_len=client.engine.max_context)
-        server.run()
+            threading.Thread(target=_write_ready, args=(server, Path(args.ready_file), address), daemon=True).start()
+        log.info("serving", url=f"http://{address}", model=name, memory=backends.memory, workers=backends.workers,
+                 backends=backends.source, max_model_len=client.engine.max_context)
+        server.run(sockets=[sock])
         return 0
     except Exception as e:  # noqa: BLE001 - report and stop what was started
         print(f"pagedkv serve: error: {e}", file=sys.stderr)
         return 1
     finally:
+        sock.close()
         if client is not None:
             client.close()
         backends.close()

@@ -145,6 +145,9 @@ def parse(model: type[_Sampling], raw: bytes) -> _Sampling:
         loc = [str(p) for p in err["loc"]]
         if err["type"] == "extra_forbidden":
             raise bad_request(f"Unrecognized request argument supplied: {'.'.join(loc)}", loc[0]) from None
+        if loc[0] == "prompt":
+            raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
+                              "token-id lists", "prompt") from None
         raise bad_request(f"{'.'.join(loc)}: {err['msg']} (got {err.get('input')!r:.80})", loc[0]) from None
     for name in req.model_fields_set:
         if name in NEUTRAL and not NEUTRAL[name][0](getattr(req, name)):

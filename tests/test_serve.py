@@ -1,0 +1,352 @@
+"""`pagedkv serve` as a real process, driven by the real `openai` package (and plain HTTP).
+
+The server attaches to the session's stack (memory service + two workers); one module-scoped
+server with two tenant keys and an admin key serves every test here, plus short-lived servers for
+the queue limit, the pool check and the embedded mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import START_TIMEOUT, pagedkv_process
+from prometheus_client.parser import text_string_to_metric_families
+
+from client.services import MemoryClient
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about memory.",
+    "List three prime numbers.",
+    "Explain in one sentence what a block table is in an operating system's paging.",
+]
+KEY_A, KEY_B, ADMIN = "key-tenant-a", "key-tenant-b", "key-admin"
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def server(stack, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    keys = tmp / "keys.txt"
+    keys.write_text(f"# key tenant\n{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
+    svc = pagedkv_process(["serve", "--memory", stack.memory.address, "--workers", ",".join(stack.worker_addresses),
+                           "--api-keys-file", str(keys), "--admin-api-key", ADMIN, "--max-num-batched-tokens", "256"],
+                          tmp, "serve")
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return f"http://{server.address}"
+
+
+@pytest.fixture(scope="module")
+def oai(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def memory(stack):
+    m = MemoryClient(stack.memory.address)
+    yield m
+    m.close()
+
+
+def steps(url: str, since: int = 0) -> dict:
+    r = httpx.get(f"{url}/debug/steps", params={"since": since}, headers={"Authorization": f"Bearer {ADMIN}"})
+    r.raise_for_status()
+    return r.json()
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics as {(name, sorted labels without model_name): value}."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in fam.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+@torch.inference_mode()
+def hf_greedy_tokens(model, ids: list[int], max_new: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_chat_equals_transformers_and_stream_equals_reply(oai, hf_model, memory):
+    for text in CHATS:
+        r = oai.chat.completions.create(model="smollm2", messages=chat(text), max_tokens=24, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        (choice,) = r.choices
+        got = choice.model_extra["token_ids"]
+        ref = hf_greedy_tokens(hf_model, r.model_extra["prompt_token_ids"], 24)
+        assert got == ref, f"{text!r}: {got} != {ref}"
+        assert choice.finish_reason == ("stop" if ref[-1] == 2 else "length")
+        assert r.usage.prompt_tokens == len(r.model_extra["prompt_token_ids"])
+        assert r.usage.completion_tokens == len(got) and r.usage.total_tokens == r.usage.prompt_tokens + len(got)
+        stream = oai.chat.completions.create(model="smollm2", messages=chat(text), max_tokens=24, temperature=0,
+                                             stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+        assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert oai.chat.completions.create(model="smollm2", messages=chat(CHATS[0]), max_tokens=24,
+                                       temperature=0).choices[0].message.content == "The capital of France is Paris."
+    assert memory.stats().used_blocks == 0
+
+
+def test_parallel_samples_equal_solo_runs(oai):
+    kw = dict(model="smollm2", messages=chat("Tell me a story about a robot."), max_tokens=12, temperature=1.0)
+    both = oai.chat.completions.create(n=2, seed=7, **kw)
+    assert [c.index for c in both.choices] == [0, 1]
+    solo = [oai.chat.completions.create(seed=7 + i, **kw).choices[0].message.content for i in range(2)]
+    assert [c.message.content for c in both.choices] == solo
+    assert solo[0] != solo[1]
+    tokens = [oai.chat.completions.create(seed=7 + i, extra_body={"return_token_ids": True}, **kw)
+              .choices[0].model_extra["token_ids"] for i in range(2)]
+    assert both.usage.completion_tokens == sum(len(t) for t in tokens)
+
+
+def test_completions_prompt_forms_logprobs_and_stop(oai, hf_model):
+    ids = [504, 3458, 282, 4649, 314]  # "The capital of France is"
+    r = oai.completions.create(model="smollm2", prompt=[ids, ids[:3]], max_tokens=6,
+                               temperature=0, logprobs=2, extra_body={"return_tokens_as_token_ids": True,
+                                                                      "return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    ref = hf_greedy_tokens(hf_model, ids, 6)
+    assert r.choices[0].model_extra["token_ids"] == ref
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in ref]
+    for tok, chosen, top in zip(ref, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and top[f"token_id:{tok}"] == pytest.approx(chosen)  # greedy: the best is chosen
+        assert chosen == max(top.values())
+    assert r.model_extra["prompt_token_ids"] == [ids, ids[:3]] and r.usage.prompt_tokens == len(ids) + 3
+    assert r.usage.completion_tokens == 12
+    full = r.choices[0].text
+    stop_at = full.index("Paris") if "Paris" in full else len(full) // 2
+    stop = full[stop_at:stop_at + 3]
+    cut = oai.completions.create(model="smollm2", prompt=ids, max_tokens=6, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["stop_reason"] == stop
+    streamed = oai.completions.create(model="smollm2", prompt=ids, max_tokens=6, temperature=0, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text  # never a piece of the stop string
+
+
+def test_two_clients_share_one_batch_and_one_lease(url, memory):
+    ids: dict[str, str] = {}
+    leases_seen: list[int] = []
+
+    def run(name: str, key: str) -> None:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
+        for chunk in c.chat.completions.create(model="smollm2", messages=chat(f"Count to one hundred, {name}."),
+                                               max_tokens=48, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            ids[name] = chunk.id
+            if len(ids) == 2:
+                leases_seen.append(memory.stats().num_leases)
+
+    start = steps(url)["step_count"]
+    threads = [threading.Thread(target=run, args=(n, k)) for n, k in (("a", KEY_A), ("b", KEY_B))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(ids) == 2 and leases_seen and set(leases_seen) == {1}
+    both = [s for s in steps(url, start)["steps"] if set(ids.values()) <= set(s["request_ids"])]
+    assert len(both) >= 10, "the two clients' requests never ran in the same steps"
+
+
+def test_disconnect_mid_stream_frees_blocks_within_two_steps(url, memory, stack):
+    body = {"model": "smollm2", "messages": chat("Write a very long essay about oceans."), "max_tokens": 2000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    lease_before = {s.lease_id for s in memory.sequences()}
+    with httpx.Client(timeout=60) as h, h.stream("POST", f"{url}/v1/chat/completions", json=body,
+                                                 headers={"Authorization": f"Bearer {KEY_A}"}) as resp:
+        lines = resp.iter_lines()
+        rid = None
+        for line in lines:
+            if line.startswith("data: "):
+                rid = json.loads(line[6:])["id"]
+                if steps(url)["step_count"] > 0 and memory.stats().used_blocks > 0:
+                    break
+        assert rid is not None and memory.stats().used_blocks > 0
+    # The connection is closed: the server sees it, aborts, and the next step frees the blocks.
+    deadline = time.monotonic() + 60
+    while (memory.stats().used_blocks or [s for s in memory.sequences() if s.lease_id not in lease_before]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert memory.stats().used_blocks == 0
+    trace = steps(url)
+    (seen,) = [a["step"] for a in trace["aborts"] if a["request_id"] == rid]
+    assert trace["step_count"] - seen <= 2, f"aborted at step {seen}, engine at {trace['step_count']}"
+    ran = [s["step"] for s in trace["steps"] if rid in s["request_ids"]]
+    assert max(ran) < seen + 2 and len(ran) < 2000
+
+
+BAD = [
+    # (route, body, status, param)
+    ("chat", {"messages": []}, 400, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages"),
+    ("chat", {"messages": chat("hi"), "temperature": -1}, 400, "temperature"),
+    ("chat", {"messages": chat("hi"), "top_p": 0}, 400, "top_p"),
+    ("chat", {"messages": chat("hi"), "n": 0}, 400, "n"),
+    ("chat", {"messages": chat("hi"), "max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {"messages": chat("hi"), "max_tokens": 10**6}, 400, "max_tokens"),
+    ("chat", {"messages": chat("hi"), "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("chat", {"messages": chat("hi"), "logit_bias": {"42": 3}}, 400, "logit_bias"),
+    ("chat", {"messages": chat("hi"), "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat", {"messages": chat("hi"), "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat", {"messages": chat("hi"), "stop": [""]}, 400, "stop"),
+    ("chat", {"messages": chat("hi"), "best_friend": 1}, 400, "best_friend"),
+    ("chat", {"messages": chat("hi"), "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat", {"messages": chat("hi"), "model": "gpt-4o"}, 404, "model"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": ["a", [1, 2]]}, 400, "prompt"),
+    ("completions", {"prompt": [1] * 9000}, 400, "prompt"),
+    ("completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,param", BAD, ids=[f"{r}-{p}-{i}" for i, (r, _, _, p) in enumerate(BAD)])
+def test_bad_requests_get_openai_errors_and_change_nothing(url, memory, route, body, status, param):
+    before = steps(url)["step_count"]
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    r = httpx.post(f"{url}{path}", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"], err
+    assert steps(url)["step_count"] == before and memory.stats().used_blocks == 0
+
+
+def test_neutral_values_of_unimplemented_parameters_are_accepted(oai):
+    r = oai.chat.completions.create(model="smollm2", messages=chat("hi"), max_tokens=2, temperature=0,
+                                    frequency_penalty=0, presence_penalty=0, logit_bias={}, user="someone")
+    assert r.choices[0].message.content
+
+
+def test_keys_and_admin_routes(url, oai):
+    before = steps(url)["step_count"]
+    body = {"model": "smollm2", "messages": chat("hi"), "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY_A}):
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    assert steps(url)["step_count"] == before  # nothing was scheduled
+    assert httpx.get(f"{url}/debug/steps", headers={"Authorization": f"Bearer {KEY_A}"}).status_code == 403
+    assert httpx.get(f"{url}/debug/steps").status_code == 401
+    (model,) = oai.models.list().data
+    assert model.id == "smollm2" and model.model_extra["max_model_len"] == 512 * 16
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_metrics_move_by_the_requests(url, oai):
+    before = metrics(url)
+    prompt = [504, 3458, 282, 4649, 314, 11, 284]
+    oai.completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    oai.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0, n=2,
+                           extra_body={"ignore_eos": True})
+    after = metrics(url)
+
+    def moved(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert moved("pagedkv:prompt_tokens_total") == 2 * len(prompt)
+    assert moved("pagedkv:generation_tokens_total") == 5 + 2 * 3
+    assert moved("pagedkv:request_success_total", finished_reason="length") == 2
+    assert moved("pagedkv:time_to_first_token_seconds_count") == 2
+    assert moved("pagedkv:e2e_request_latency_seconds_count") == 2
+    assert moved("pagedkv:time_per_output_token_seconds_count") == 4 + 4  # every token after each first
+    assert moved("pagedkv:prefix_cache_queries_total") >= 2 * len(prompt) - 2
+    assert after[("pagedkv:num_requests_running", ())] == 0 and after[("pagedkv:kv_cache_usage_perc", ())] == 0
+
+
+def test_queue_limit_and_pool_check(stack, tmp_path, memory):
+    svc = pagedkv_process(["serve", "--memory", stack.memory.address, "--workers", stack.worker_addresses[0],
+                           "--max-num-seqs", "1", "--max-queued-requests", "1"], tmp_path, "serve-small")
+    try:
+        url = f"http://{svc.address}"
+        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 96, "temperature": 0,
+                "ignore_eos": True}
+        results: list[int] = []
+
+        def post() -> None:
+            results.append(httpx.post(f"{url}/v1/completions", json=body, timeout=600).status_code)
+
+        threads = []
+        for gauge in ("pagedkv:num_requests_running", "pagedkv:num_requests_waiting"):
+            threads.append(threading.Thread(target=post))
+            threads[-1].start()
+            deadline = time.monotonic() + 120
+            while metrics(url).get((gauge, ()), 0) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        for t in threads:
+            t.join(600)
+        assert sorted(results) == [200, 200]
+    finally:
+        svc.stop()
+    assert memory.stats().used_blocks == 0
+    refused = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--memory", stack.memory.address, "--workers",
+                              stack.worker_addresses[0], "--block-size", "32", "--port", "0"],
+                             capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert refused.returncode == 1 and "--block-size 32 (the pool's is 16)" in refused.stderr
+
+
+def test_embedded_backends_stop_with_the_server(tmp_path):
+    env = {"PAGEDKV_HOME": str(tmp_path / "home"), "PAGEDKV_KV_CACHE_MEMORY": "64MiB"}
+    svc = pagedkv_process(["serve"], tmp_path, "serve-embedded", env=env, timeout=START_TIMEOUT * 2)
+    url = f"http://{svc.address}"
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(svc.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+    try:
+        assert len(children) == 2  # the memory service and one worker
+        assert httpx.get(f"{url}/health").status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3,
+                                                      "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        (worker,) = [p for p in children if b"compute" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/health").status_code == 503
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+    finally:
+        assert svc.stop() == 0
+    for pid in children:
+        assert gone(pid)
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
