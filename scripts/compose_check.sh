@@ -132,10 +132,16 @@ if ((!SKIP_BUILD)); then
     [[ -f $PIP_CA ]] && secret=(--secret "id=pip-ca,src=$PIP_CA")
     log "podman build -t $IMAGE (log: $CACHE/build.log)"
     t=$SECONDS
+    previous=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
     podman build --network host "${secret[@]}" --volume "$wheels:/tmp/wheels:ro" \
         "${build_args[@]}" -t "$IMAGE" . >"$CACHE/build.log" 2>&1 \
         || { tail -30 "$CACHE/build.log"; fail "podman build (log above)"; }
     log "built in $((SECONDS - t))s; $(grep -c -- '--> Using cache' "$CACHE/build.log" || true) cached steps"
+    # The image this build replaced, now untagged: remove it (its shared layers stay).
+    if [[ -n $previous && $previous != "$(podman image inspect --format '{{.Id}}' "$IMAGE")" ]] \
+        && [[ -z $(podman image inspect --format '{{join .RepoTags ""}}' "$previous" 2>/dev/null) ]]; then
+        podman rmi "$previous" >/dev/null 2>&1 || true
+    fi
 fi
 podman image exists "$IMAGE" || fail "no image $IMAGE (run without --skip-build)"
 log "image: $(podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$IMAGE" | head -1)"
