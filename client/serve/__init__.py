@@ -1,5 +1,6 @@
 """``pagedkv serve``: the client library hosted as one long-running OpenAI-compatible HTTP server.
 
 config (flags), backends (attach or embed), protocol (request bodies, errors), outputs
-(response bodies), metrics (Prometheus), app (routes), main (the command).
+(response bodies), metrics (Prometheus), app (routes), generation (one request over the engine),
+main (the command).
 """

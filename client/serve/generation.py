@@ -1,0 +1,192 @@
+"""One HTTP generation request over the shared engine: its prompts become engine requests, their
+outputs come back on an ``asyncio.Queue``, and leave as one reply or as SSE chunks.
+
+A client that disconnects aborts its request: a stream's generator is cancelled by Starlette
+(ASGI 2.3 disconnect listener) and aborts in its ``finally``; a non-streamed request races its
+result against ``http.disconnect``. The engine frees the blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from client.api import RequestOutput
+from client.errors import OutOfBlocks, ServiceError
+from client.params import SamplingParams
+from client.serve.outputs import Choices
+from client.serve.protocol import APIError, ChatCompletionRequest, bad_request
+
+if TYPE_CHECKING:
+    from client.serve.app import Server
+
+
+def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | None,
+              max_tokens: int | None) -> list[SamplingParams]:
+    """Sampling parameters per prompt; an unset ``max_tokens`` is the rest of the context (vLLM).
+
+    Raises:
+        APIError: 400 for a prompt that leaves no room in the context, or a bad value.
+    """
+    limit = server.engine.max_context
+    out = []
+    for ids in prompt_ids:
+        if len(ids) >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your request has "
+                              f"{len(ids)} input tokens. Please reduce the length of the input.",
+                              "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+        mt = max_tokens if max_tokens is not None else limit - len(ids)
+        if len(ids) + mt > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{len(ids) + mt} tokens ({len(ids)} in the input, {mt} in the completion). Please reduce "
+                              "the length of the input or of the completion.", "max_tokens")
+        try:
+            out.append(SamplingParams(
+                max_tokens=mt, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0), seed=req.seed,
+                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, n=req.n, logprobs=logprobs))
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+    return out
+
+
+def _service_error(e: Exception) -> APIError:
+    """The HTTP error for a request the engine failed."""
+    if isinstance(e, OutOfBlocks):
+        return APIError(400, f"the request does not fit the KV-cache pool: {e.message}", param="max_tokens")
+    if isinstance(e, ServiceError):
+        return APIError(503, f"the backends failed the request: {e}", type="server_error", code="unavailable")
+    return APIError(500, f"the engine failed the request: {e}", type="server_error")
+
+
+async def generate(server: Server, request: Request, tenant: str, req, prompt_ids: list[list[int]], *, chat: bool,
+                    logprobs: int | None, max_tokens: int | None):
+    if req.model is not None and req.model != server.model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+    params = _sampling(server, req, prompt_ids, logprobs, max_tokens)
+    sched = server.engine.scheduler
+    if len(sched.waiting) + len(prompt_ids) > server.max_queued_requests:
+        raise APIError(429, f"the waiting queue is full ({len(sched.waiting)} requests wait; "
+                       f"--max-queued-requests {server.max_queued_requests})", type="rate_limit_error",
+                       code="queue_full")
+    if not await server.backends_up():
+        raise APIError(503, "the memory service or every worker is down", type="server_error", code="unavailable")
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    choices = Choices(rid, server.model_name, chat, req.n, server.client.tokenizer, logprobs,
+                      req.return_tokens_as_token_ids, req.return_token_ids)
+    run = _Run(server, rid, len(prompt_ids))
+    salt = server.cache_salt(tenant, req.cache_salt)
+    try:
+        for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
+            server.client.submit(ids, sp, cache_salt=salt, request_id=run.ids[i], listener=run.listener(i))
+    except ValueError as e:
+        run.abort()
+        raise bad_request(str(e), "messages" if chat else "prompt") from None
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return StreamingResponse(_stream(run, choices, include_usage), media_type="text/event-stream")
+    waiter = asyncio.create_task(run.wait())
+    gone = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not waiter.done():
+            waiter.cancel()
+            run.abort()
+    if not waiter.done() or waiter.cancelled():
+        return Response(status_code=499)
+    outputs, error = waiter.result()
+    if error is not None:
+        raise _service_error(error)
+    return JSONResponse(choices.reply(outputs))
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body was read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Run:
+    """One HTTP request's engine requests (one per prompt) and the queue their outputs arrive on."""
+
+    def __init__(self, server: Server, rid: str, num_prompts: int):
+        self.server = server
+        self.ids = [rid] if num_prompts == 1 else [f"{rid}-{i}" for i in range(num_prompts)]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.last: list[RequestOutput | None] = [None] * num_prompts
+        self.done = [False] * num_prompts
+
+    def listener(self, i: int):
+        rid = self.ids[i]
+
+        def publish(out: RequestOutput | None, error: Exception | None) -> None:  # engine thread
+            self.server.metrics.observe(rid, out, error)
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out, error))
+            except RuntimeError:  # the event loop is closed (shutdown)
+                pass
+
+        return publish
+
+    async def next(self) -> tuple[dict[int, RequestOutput], Exception | None]:
+        """The newest output of each prompt that changed (waits for at least one), or an error."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        newest: dict[int, RequestOutput] = {}
+        for i, out, error in items:
+            if error is not None:
+                self.done[i] = True
+                return newest, error
+            if out is not None:
+                newest[i] = self.last[i] = out
+                self.done[i] = self.done[i] or out.finished
+        return newest, None
+
+    async def wait(self) -> tuple[list[RequestOutput], Exception | None]:
+        while not all(self.done):
+            _, error = await self.next()
+            if error is not None:
+                self.abort()
+                return [], error
+        return self.last, None
+
+    def abort(self) -> None:
+        """Abort every prompt that has not finished (the engine frees their blocks at its next step)."""
+        for rid, done in zip(self.ids, self.done):
+            if not done:
+                self.server.client.engine.abort(rid)
+
+
+async def _stream(run: _Run, choices: Choices, include_usage: bool):
+    """SSE: a ``data:`` chunk per change, then the usage chunk when asked, then ``data: [DONE]``."""
+    try:
+        while not all(run.done):
+            newest, error = await run.next()
+            for i, out in sorted(newest.items()):
+                for chunk in choices.chunks(i, out):
+                    yield f"data: {_json(chunk)}\n\n"
+            if error is not None:
+                run.abort()
+                yield f"data: {_json(_service_error(error).body())}\n\n"
+                break
+        else:
+            if include_usage:
+                yield f"data: {_json(choices.usage_chunk(run.last))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        run.abort()
+
+
+def _json(body: dict) -> str:
+    """Compact JSON for one SSE event."""
+    return json.dumps(body, separators=(",", ":"))
