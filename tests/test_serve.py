@@ -7,6 +7,7 @@ the queue limit, the pool check and the embedded mode.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -155,7 +156,7 @@ def test_two_clients_share_one_batch_and_one_lease(url, memory):
     def run(name: str, key: str) -> None:
         c = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
         for chunk in c.chat.completions.create(model="smollm2", messages=chat(f"Count to one hundred, {name}."),
-                                               max_tokens=48, temperature=0, stream=True,
+                                               max_tokens=24, temperature=0, stream=True,
                                                extra_body={"ignore_eos": True}):
             ids[name] = chunk.id
             if len(ids) == 2:
@@ -169,7 +170,7 @@ def test_two_clients_share_one_batch_and_one_lease(url, memory):
         t.join(300)
     assert len(ids) == 2 and leases_seen and set(leases_seen) == {1}
     both = [s for s in steps(url, start)["steps"] if set(ids.values()) <= set(s["request_ids"])]
-    assert len(both) >= 10, "the two clients' requests never ran in the same steps"
+    assert len(both) >= 5, "the two clients' requests never ran in the same steps"
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
@@ -352,3 +353,23 @@ def gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_attaches_to_the_services_of_pagedkv_up(stack, tmp_path, memory):
+    """No flags, no PAGEDKV_MEMORY: the state file of `pagedkv up` whose processes live is used."""
+    home = tmp_path / "home"
+    home.mkdir()
+    state = {"memory": {"address": stack.memory.address, "pid": stack.memory.pid},
+             "workers": [{"address": a.address, "pid": a.pid} for a in stack.workers], "device": "cpu"}
+    (home / "state.json").write_text(json.dumps(state))
+    env = {"PAGEDKV_HOME": str(home), "PAGEDKV_MEMORY": "", "PAGEDKV_WORKERS": ""}
+    svc = pagedkv_process(["serve"], tmp_path, "serve-up", env=env)
+    try:
+        assert subprocess.run(["pgrep", "-P", str(svc.pid)], capture_output=True).stdout == b""  # no children
+        assert '"backends": "state file"' in svc.log()
+        r = httpx.post(f"http://{svc.address}/v1/completions", json={"prompt": "The capital of France is",
+                                                                     "max_tokens": 2, "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        svc.stop()
+    assert memory.stats().used_blocks == 0
