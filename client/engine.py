@@ -15,9 +15,9 @@ One :meth:`Engine.step` (vLLM v1's schedule / execute / update_from_output, spli
                  -> OUT_OF_BLOCKS: unadmit the last admitted (it waits) and retry
     6. Step      one call per worker (client.worker_step): copy-on-write pairs,
                  tokens, positions, block tables, sampling; the worker samples
-    7. update    append sampled tokens, check stops (client.stop), advance beams;
+    7. update    report blocks filled this step (prefix cache)    (1 CommitComputedTokens)
+                 append sampled tokens, check stops (client.stop), advance beams;
                  free finished sequences                          (1 FreeSequences)
-                 report blocks filled this step (prefix cache)    (1 CommitComputedTokens)
 
 so a step makes a constant number of memory-service calls (plus one per
 preemption) and one Step call per worker. Requests join between steps and
@@ -278,8 +278,10 @@ class Engine:
         to_free: list[int] = []
         finished: list[str] = []
         for x in scheduled:
+            x.seq.num_computed += x.num_new_tokens
+        self._commit(scheduled)  # before any is freed: a request done in its prefill step still fills the cache
+        for x in scheduled:
             req, seq = x.request, x.seq
-            seq.num_computed += x.num_new_tokens
             res = results.by_seq[seq.seq_id]
             updated[req.request_id] = req
             if self.branching.reached_fork(req, seq) or not res.HasField("token_id"):
@@ -302,7 +304,6 @@ class Engine:
                 finished.append(req.request_id)
         if to_free:
             self.memory.free(self.lease.lease_id, to_free, mpb.FREE_REASON_FINISHED)
-        self._commit(scheduled)
         return finished
 
     def _commit(self, scheduled: list[ScheduledSeq]) -> None:

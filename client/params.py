@@ -7,9 +7,21 @@ with what was wrong, before anything is sent to a service.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 from pagedkv.limits import MAX_LOGPROBS
+
+#: The worker's StepRequest carries top_k as int32 and temperature / top_p as float32.
+_INT32_MAX = 2**31 - 1
+
+
+def _as_float32(x: float) -> float:
+    """``x`` rounded to float32, as the worker will see it (inf when out of range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.inf
 
 
 @dataclass(slots=True)
@@ -52,12 +64,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(_as_float32(self.temperature))
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite float32 >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < _as_float32(self.top_p) and self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (and > 0 in float32), got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k must be an integer in [0, {_INT32_MAX}] (0 = off), got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str):

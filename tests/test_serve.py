@@ -147,6 +147,11 @@ def test_completions_prompt_forms_logprobs_and_stop(oai, hf_model):
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["stop_reason"] == stop
     streamed = oai.completions.create(model="smollm2", prompt=ids, max_tokens=6, temperature=0, stop=[stop], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text  # never a piece of the stop string
+    chunks = list(oai.completions.create(model="smollm2", prompt=ids, max_tokens=6, temperature=0, logprobs=1,
+                                         stream=True))
+    whole = oai.completions.create(model="smollm2", prompt=ids, max_tokens=6, temperature=0, logprobs=1)
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset and len(set(offsets)) == 6
 
 
 def test_two_clients_share_one_batch_and_one_lease(url, memory):
@@ -229,6 +234,18 @@ BAD = [
     ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
+    # values the worker's int32 / float32 fields cannot carry: refused here, never failing the batch
+    ("completions", {"prompt": "hi", "top_k": 2**31}, 400, "top_k"),
+    ("completions", {"prompt": "hi", "temperature": 1e39}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 1e-50}, 400, "top_p"),
+    # strict types
+    ("completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
+    ("completions", {"prompt": "hi", "temperature": True}, 400, "temperature"),
+    ("completions", {"prompt": "\ud800"}, 400, None),
+    ("completions", {"prompt": "hi", "stop": ["x"] * 33}, 400, "stop"),
+    ("completions", {"prompt": "hi", "stop": ["x" * 513]}, 400, "stop"),
+    ("completions", {"prompt": "hi", "n": 64, "max_tokens": 400, "ignore_eos": True}, 400, "max_tokens"),
 ]
 
 
@@ -236,11 +253,25 @@ BAD = [
 def test_bad_requests_get_openai_errors_and_change_nothing(url, memory, route, body, status, param):
     before = steps(url)["step_count"]
     path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    r = httpx.post(f"{url}{path}", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
+    r = httpx.post(f"{url}{path}", content=json.dumps(body), headers={"Authorization": f"Bearer {KEY_A}"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"], err
     assert steps(url)["step_count"] == before and memory.stats().used_blocks == 0
+
+
+def test_oversized_body_and_unknown_routes_get_openai_errors(url):
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "' + b"a" * (1 << 20) + b'"}',
+                   headers={"Authorization": f"Bearer {KEY_A}"})
+    assert r.status_code == 413 and r.json()["error"]["message"]
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, f"{url}{path}")
+        assert r.status_code == status and r.json()["error"]["message"]
+    r = httpx.get(f"{url}/debug/steps", params={"since": "abc"})
+    assert r.status_code == 401  # the key is checked first
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"},
+                   headers=[("Authorization", f"Bearer {KEY_A}"), ("Authorization", "Bearer other")])
+    assert r.status_code == 401
 
 
 def test_neutral_values_of_unimplemented_parameters_are_accepted(oai):
@@ -306,6 +337,8 @@ def test_queue_limit_and_pool_check(stack, tmp_path, memory):
             deadline = time.monotonic() + 120
             while metrics(url).get((gauge, ()), 0) < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
+        r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b"]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # can never be queued: not a 429
         r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
         assert r.status_code == 429, r.text
         assert r.json()["error"]["type"] == "rate_limit_error"
@@ -353,6 +386,14 @@ def gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_a_request_done_in_its_prefill_step_fills_the_prefix_cache(url, oai):
+    prompt = list(range(1000, 1080))  # 5 full blocks of 16
+    oai.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0)
+    before = metrics(url)[("pagedkv:prefix_cache_hits_total", ())]
+    oai.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0)
+    assert metrics(url)[("pagedkv:prefix_cache_hits_total", ())] - before == 64  # 4 blocks; the last is recomputed
 
 
 def test_attaches_to_the_services_of_pagedkv_up(stack, tmp_path, memory):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.api import Client
 from client.errors import ServiceError
@@ -84,7 +85,10 @@ class Server:
 
     def authorize(self, request: Request, *, admin: bool = False) -> str:
         """The caller's tenant. Raises APIError 401 (no or unknown key) or 403 (not the admin key)."""
-        header = request.headers.get("authorization", "")
+        headers = request.headers.getlist("authorization")
+        if len(headers) > 1:
+            raise APIError(401, "send one Authorization header", type="authentication_error", code="invalid_api_key")
+        header = headers[0] if headers else ""
         key = header[7:].strip() if header[:7].lower() == "bearer " else None
         if admin:
             if self.tenants.admin_key is None:
@@ -115,6 +119,12 @@ def create_app(server: Server) -> FastAPI:
     async def _api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         log.error("request_failed", path=request.url.path, error=repr(e))
@@ -140,8 +150,12 @@ def create_app(server: Server) -> FastAPI:
                                             "max_model_len": server.engine.max_context}]}
 
     @app.get("/debug/steps")
-    async def steps(request: Request, since: int = 0):
+    async def steps(request: Request):
         server.authorize(request, admin=True)
+        try:
+            since = int(request.query_params.get("since", 0))
+        except ValueError:
+            raise bad_request("since must be an integer step number", "since") from None
         traces = [t for t in list(server.engine.traces) if t.step >= since]
         return {"step_count": server.engine.step_count,
                 "aborts": [{"request_id": r, "step": s} for r, s in list(server.engine.abort_log) if s >= since],
@@ -155,7 +169,7 @@ def create_app(server: Server) -> FastAPI:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         try:
-            ids = encode_prompt(server.client.tokenizer, chat_messages(req.messages))
+            ids = await asyncio.to_thread(encode_prompt, server.client.tokenizer, chat_messages(req.messages))
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -169,7 +183,7 @@ def create_app(server: Server) -> FastAPI:
         ids = []
         for p in prompts_of(req.prompt):
             try:
-                ids.append(encode_prompt(server.client.tokenizer, p))
+                ids.append(await asyncio.to_thread(encode_prompt, server.client.tokenizer, p))
             except ValueError as e:
                 raise bad_request(str(e), "prompt") from None
         return await generate(server, request, tenant, req, ids, chat=False, logprobs=req.logprobs,

@@ -41,6 +41,7 @@ def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | 
                               f"{len(ids)} input tokens. Please reduce the length of the input.",
                               "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
         mt = max_tokens if max_tokens is not None else limit - len(ids)
+        _check_fits(server, req, len(ids), mt)
         if len(ids) + mt > limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{len(ids) + mt} tokens ({len(ids)} in the input, {mt} in the completion). Please reduce "
@@ -54,6 +55,27 @@ def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | 
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
     return out
+
+
+def _check_fits(server: Server, req, prompt_len: int, max_tokens: int) -> None:
+    """Refuse at once what the pool can never hold, even with the prompt's full blocks shared by
+    the ``n`` samples: the first token of every sample, or (with ``ignore_eos``) all ``max_tokens``.
+
+    Raises:
+        APIError: 400 naming ``n`` or ``max_tokens``.
+    """
+    bs, total = server.engine.block_size, server.engine.num_blocks
+    shared = prompt_len // bs  # full prompt blocks, shared after the fork
+
+    def need(length: int) -> int:
+        return shared + req.n * (-(-length // bs) - shared)
+
+    if need(prompt_len + 1) > total:
+        raise bad_request(f"{req.n} samples of a {prompt_len}-token prompt need at least {need(prompt_len + 1)} KV "
+                          f"blocks; the pool has {total}", "n")
+    if req.ignore_eos and need(prompt_len + max_tokens) > total:
+        raise bad_request(f"{req.n} x {max_tokens} tokens after a {prompt_len}-token prompt (ignore_eos) need "
+                          f"{need(prompt_len + max_tokens)} KV blocks; the pool has {total}", "max_tokens")
 
 
 def _service_error(e: Exception) -> APIError:
@@ -71,6 +93,9 @@ async def generate(server: Server, request: Request, tenant: str, req, prompt_id
         raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
     params = _sampling(server, req, prompt_ids, logprobs, max_tokens)
     sched = server.engine.scheduler
+    if len(prompt_ids) > server.max_queued_requests:
+        raise bad_request(f"{len(prompt_ids)} prompts in one request; the server queues at most "
+                          f"{server.max_queued_requests} (--max-queued-requests)", "prompt")
     if len(sched.waiting) + len(prompt_ids) > server.max_queued_requests:
         raise APIError(429, f"the waiting queue is full ({len(sched.waiting)} requests wait; "
                        f"--max-queued-requests {server.max_queued_requests})", type="rate_limit_error",

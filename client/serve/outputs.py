@@ -20,6 +20,8 @@ class _Sent:
 
     text: int = 0
     tokens: int = 0
+    #: Characters of the logprob token names sent (completions' ``text_offset`` continues from here).
+    offset: int = 0
     started: bool = False
     finished: bool = False
 
@@ -86,8 +88,10 @@ class Choices:
             finish = o.finish_reason
             if not text and not new_tokens and finish is None and sent.started:
                 continue
-            c: dict = {"index": index, "logprobs": self._logprobs(o, sent.tokens, len(o.token_ids)),
+            c: dict = {"index": index, "logprobs": self._logprobs(o, sent.tokens, len(o.token_ids), sent.offset),
                        "finish_reason": finish}
+            if c["logprobs"] is not None and not self.chat and c["logprobs"]["tokens"]:
+                sent.offset = c["logprobs"]["text_offset"][-1] + len(c["logprobs"]["tokens"][-1])
             if finish is not None:
                 c["stop_reason"] = o.stop_reason
             if self.chat:
@@ -116,8 +120,9 @@ class Choices:
     def _token(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.token_names_as_ids else self.tokenizer.decode([token_id])
 
-    def _logprobs(self, o: CompletionOutput, start: int, end: int) -> dict | None:
-        """Logprobs of tokens ``start:end`` in the route's shape (None when not asked)."""
+    def _logprobs(self, o: CompletionOutput, start: int, end: int, offset: int = 0) -> dict | None:
+        """Logprobs of tokens ``start:end`` in the route's shape (None when not asked); completions'
+        ``text_offset`` starts at ``offset``."""
         if self.logprobs is None or o.logprobs is None:
             return None
         chosen = o.token_ids[start:end]
@@ -133,7 +138,7 @@ class Choices:
                                                  for i, v in alts]})
             return {"content": content}
         names = [self._token(t) for t in chosen]
-        offsets, at = [], 0
+        offsets, at = [], offset
         for name in names:
             offsets.append(at)
             at += len(name)

@@ -17,6 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedkv.limits import MAX_LOGPROBS
 
+#: Largest request body, bytes (a full 8192-token prompt is ~40 KB of text or ~50 KB of ids).
+MAX_BODY_BYTES = 1 << 20
+#: Most stop strings per request, and their longest (each generated token is checked against all).
+MAX_STOP = 32
+MAX_STOP_CHARS = 512
+
 
 class APIError(Exception):
     """An error in the OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -35,15 +41,15 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):
-    """Parameters both routes share."""
+    """Parameters both routes share (strict types: ``"5"`` is not an integer, ``true`` not a number)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -52,8 +58,8 @@ class _Sampling(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     n: int = Field(default=1, ge=1, le=64)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
     ignore_eos: bool = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     return_tokens_as_token_ids: bool = False
@@ -130,12 +136,18 @@ def parse(model: type[_Sampling], raw: bytes) -> _Sampling:
     """Validate a JSON body as ``model``.
 
     Raises:
-        APIError: 400 naming the first bad parameter (OpenAI's message for an unknown one).
+        APIError: 413 for a body over :data:`MAX_BODY_BYTES`; 400 naming the first bad parameter
+            (OpenAI's message for an unknown one).
     """
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+        json.dumps(body, ensure_ascii=False).encode()  # a lone UTF-16 surrogate (an escaped \ud800) is not text
+    except (json.JSONDecodeError, UnicodeError) as e:
+        raise bad_request(f"the request body is not valid JSON text: {e}") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
@@ -157,6 +169,9 @@ def parse(model: type[_Sampling], raw: bytes) -> _Sampling:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         if req.stream_options.continuous_usage_stats:
             raise bad_request("stream_options.continuous_usage_stats=true is not supported", "stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise bad_request(f"each stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     if isinstance(req, CompletionRequest) and req.best_of not in (None, req.n):
         raise bad_request(f"best_of={req.best_of} is not supported; only best_of equal to n is accepted", "best_of")
     return req
