@@ -235,7 +235,8 @@ class VllmServer:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         # cwd: not the repository root, whose kernels/ would shadow the package of that name.
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.args.kv_cache_gib)}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.args.kv_cache_gib),
+               **dict(kv.split("=", 1) for kv in self.args.vllm_env)}
         cmd = [str(exe), "-c", VLLM_CLI, "serve", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
                "--dtype", self.dtype, "--served-model-name", self.args.model,
                "--max-num-seqs", str(self.args.max_num_seqs), "--block-size", str(self.args.vllm_block_size),
@@ -294,6 +295,8 @@ def parse_args() -> argparse.Namespace:
     who.add_argument("--vllm-venv", default=str(VLLM_VENV), help="vLLM's virtual environment")
     who.add_argument("--vllm-model-dir", default=None, help="HF directory for vllm (default $PAGEDKV_HOME/smollm2-hf)")
     who.add_argument("--vllm-block-size", type=int, default=32, help="vLLM's CPU attention needs a multiple of 32")
+    who.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                     help="environment for vllm serve, e.g. VLLM_CPU_OMP_THREADS_BIND=0-1 (repeat for several)")
     who.add_argument("--pagedkv-args", default="", help="extra flags for pagedkv serve (one string)")
     who.add_argument("--kv-cache-gib", type=int, default=1, help="KV memory of each started server, GiB")
     who.add_argument("--max-num-seqs", type=int, default=64, help="batch cap of each started server")
