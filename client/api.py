@@ -34,7 +34,7 @@ from pagedkv.logs import get_logger
 
 log = get_logger("client")
 
-Prompt = str | Messages
+Prompt = str | Messages | list[int]
 
 
 @dataclass(slots=True)
@@ -43,7 +43,8 @@ class CompletionOutput:
 
     #: Sample index (beam rank for beam search).
     index: int
-    #: Decoded text (special tokens skipped; cut before a stop string).
+    #: Decoded text (special tokens skipped; cut before a stop string). While the sequence
+    #: runs, the last ``max(len(stop)) - 1`` characters are held back (client.detokenizer).
     text: str
     #: Generated token ids.
     token_ids: list[int]
@@ -57,6 +58,8 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     #: Beam search: length-normalised score (transformers' sequences_scores).
     score: float | None = None
+    #: Per token, the chosen token's logprob (when asked).
+    token_logprobs: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -85,10 +88,12 @@ def build_output(req: Request, tokenizer) -> RequestOutput:
     else:
         for s in sorted(req.seqs, key=lambda s: (s.index, -s.beam_score)):
             gen = s.generated
-            text = s.final_text if s.final_text is not None else text_of(gen)
+            text = s.detok.visible(s.finished) if s.detok is not None else text_of(gen)
             lp = sum(s.token_logprobs) if s.token_logprobs else None
+            asked = req.params.logprobs is not None
             outs.append(CompletionOutput(s.index, text, list(gen), s.finish_reason, s.stop_reason, lp,
-                                         list(s.top_logprobs) if req.params.logprobs is not None else None))
+                                         list(s.top_logprobs) if asked else None,
+                                         token_logprobs=list(s.token_logprobs) if asked else None))
     m = req.metrics
     n_tokens = max((len(o.token_ids) for o in outs), default=0)
     metrics = {"ttft": m.ttft, "tpot": m.tpot(n_tokens), "preemptions": m.preemptions,
@@ -98,10 +103,15 @@ def build_output(req: Request, tokenizer) -> RequestOutput:
 
 
 class RequestHandle:
-    """A submitted request: iterate for streaming outputs, or wait with :meth:`result`."""
+    """A submitted request: iterate for streaming outputs, or wait with :meth:`result`.
 
-    def __init__(self, client: Client, request: Request):
+    With a ``listener``, each output goes to ``listener(output, error)`` on the engine thread
+    instead of the handle's queue (iteration is then not available; :meth:`result` is).
+    """
+
+    def __init__(self, client: Client, request: Request, listener=None):
         self.client = client
+        self._listener = listener
         self.request = request
         self.request_id = request.request_id
         self._queue: queue.Queue[RequestOutput | None] = queue.Queue()
@@ -115,6 +125,9 @@ class RequestHandle:
         if out is not None and out.finished or error is not None:
             self.final = out
             self._done.set()
+        if self._listener is not None:
+            self._listener(out, error)
+            return
         self._queue.put(out)
         if self._done.is_set():
             self._queue.put(None)
@@ -156,6 +169,8 @@ class Client:
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one step (chunked prefill).
         lease_ttl: lease TTL in seconds (default: the memory service's).
+        max_model_len: longest sequence (prompt + output), tokens; default: the model's context
+            capped by the pool (vLLM's ``max_model_len``).
 
     Raises:
         client.errors.ServiceError: a service refused the connection-time calls.
@@ -163,7 +178,8 @@ class Client:
     """
 
     def __init__(self, memory: str = "127.0.0.1:50051", workers: Iterable[str] = ("127.0.0.1:50052",), *,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None):
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None,
+                 max_model_len: int | None = None):
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
@@ -176,7 +192,8 @@ class Client:
             source = info.weights_path
         self.tokenizer = load_tokenizer(source)
         self._engine = Engine(self.memory, self.workers, self.tokenizer,
-                              config=SchedulerConfig(max_num_seqs, max_num_batched_tokens), lease_ttl=lease_ttl)
+                              config=SchedulerConfig(max_num_seqs, max_num_batched_tokens), lease_ttl=lease_ttl,
+                              max_model_len=max_model_len)
         self._handles: dict[str, RequestHandle] = {}
         self._wake = threading.Condition()
         self._closed = False
@@ -193,18 +210,22 @@ class Client:
 
     # ---------------------------------------------------------------- submit
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-               cache_salt: str | None = None) -> RequestHandle:
-        """Queue one prompt (a string, or chat messages); returns its handle at once.
+               cache_salt: str | None = None, request_id: str | None = None, listener=None) -> RequestHandle:
+        """Queue one prompt (a string, chat messages or token ids); returns its handle at once.
 
         ``cache_salt`` isolates the request's prefix-cache entries: only requests with
-        the same salt share cached blocks (vLLM's cache_salt).
+        the same salt share cached blocks (vLLM's cache_salt). ``request_id`` names it in
+        step traces (default ``req-N``); ``listener`` see :class:`RequestHandle`.
 
         Raises:
-            ValueError: an empty prompt or one longer than the model's context.
+            ValueError: an empty prompt, a token id outside the vocabulary, or a prompt longer
+                than the model's context.
         """
         params = sampling_params or SamplingParams()
         req = Request(prompt, encode_prompt(self.tokenizer, prompt), params, cache_salt=cache_salt or "")
-        handle = RequestHandle(self, req)
+        if request_id is not None:
+            req.request_id = request_id
+        handle = RequestHandle(self, req, listener)
         self._handles[req.request_id] = handle
         self._engine.add(req)
         with self._wake:

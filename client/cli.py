@@ -2,6 +2,7 @@
 
     pagedkv memory ...        run the KV-cache memory service (memory_service.main)
     pagedkv compute ...       run a compute worker (compute_service.main)
+    pagedkv serve ...         the OpenAI-compatible HTTP server (client.serve.main)
     pagedkv up                start both on this machine in the background
     pagedkv down              stop them
     pagedkv generate PROMPT   stream a generation  [--chat] [--n 3] [--max-tokens 64] [--temperature 0]
@@ -16,7 +17,7 @@ import argparse
 import importlib
 import sys
 
-_SERVICES = {"memory": "memory_service.main", "compute": "compute_service.main"}
+_SERVICES = {"memory": "memory_service.main", "compute": "compute_service.main", "serve": "client.serve.main"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("memory", help="run the KV-cache memory service", add_help=False)
     sub.add_parser("compute", help="run a compute worker", add_help=False)
+    sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", add_help=False)
     up = sub.add_parser("up", help="start a memory service and a worker on this machine")
     up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     up.add_argument("--model", default="smollm2")

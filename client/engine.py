@@ -71,7 +71,8 @@ class Engine:
     """
 
     def __init__(self, memory: MemoryClient, workers: list[WorkerClient], tokenizer, *,
-                 config: SchedulerConfig | None = None, lease_ttl: float | None = None):
+                 config: SchedulerConfig | None = None, lease_ttl: float | None = None,
+                 max_model_len: int | None = None):
         self.memory = memory
         self.workers = workers
         self.tokenizer = tokenizer
@@ -84,7 +85,7 @@ class Engine:
         self.model_id = f"{info.model_name}:{info.model_source}"
         self.prefix_caching = memory.stats().prefix_caching
         self.eos_ids = set(info.eos_token_ids)
-        self.max_context = min(info.max_context or 1 << 30, self.num_blocks * self.block_size)
+        self.max_context = min(info.max_context or 1 << 30, self.num_blocks * self.block_size, max_model_len or 1 << 30)
         self.lease = Lease(memory, lease_ttl)
         self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,
                                    max_context=self.max_context, num_workers=len(workers))

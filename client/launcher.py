@@ -76,7 +76,7 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
         RuntimeError: services from an earlier ``up`` still run, or one failed to start.
     """
     state = read_state()
-    if state and any(_alive(p["pid"]) for p in [state["memory"], *state["workers"]]):
+    if state and any(alive(p["pid"]) for p in [state["memory"], *state["workers"]]):
         raise RuntimeError(f"pagedkv is already up (memory {state['memory']['address']}); run `pagedkv down` first")
     device = device or default_device()
     mem_args = ["--block-size", str(block_size)]
@@ -92,7 +92,7 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
     return state
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -111,9 +111,9 @@ def _stop(pid: int, timeout: float = 30.0) -> None:
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(pid):
+    if alive(pid):
         os.kill(pid, signal.SIGKILL)
 
 
@@ -124,7 +124,7 @@ def down() -> list[str]:
         return []
     stopped = []
     for proc in [*state["workers"], state["memory"]]:
-        if _alive(proc["pid"]):
+        if alive(proc["pid"]):
             _stop(proc["pid"])
             stopped.append(proc["address"])
     state_path().unlink(missing_ok=True)

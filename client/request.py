@@ -55,8 +55,9 @@ class Seq:
     finish_reason: str | None = None
     #: The stop string or token that ended it.
     stop_reason: str | int | None = None
-    #: Text after stop-string truncation (set when finished by a stop string).
-    final_text: str | None = None
+    #: Incremental decoder of the generated tokens (client.detokenizer.Detokenizer), made at
+    #: the first token; None for beams, whose text is decoded once at the end.
+    detok: object = None
     #: Tokens last reported to the memory service as computed (prefix caching).
     num_committed: int = 0
 

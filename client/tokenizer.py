@@ -70,15 +70,23 @@ def load_tokenizer(source: str, cache: bool = True):
     return tok
 
 
-def encode_prompt(tokenizer, prompt: str | Messages) -> list[int]:
-    """Token ids of a raw string, or of chat messages through the model's chat template.
+def encode_prompt(tokenizer, prompt: str | Messages | list[int]) -> list[int]:
+    """Token ids of a raw string, of chat messages through the model's chat template, or the
+    given token ids themselves (checked against the vocabulary).
 
     Chat messages get the generation prompt appended (``<|im_start|>assistant``); the
     template adds its default system prompt when none is given, as transformers does.
 
     Raises:
-        ValueError: an empty prompt, or messages that are not role/content dicts.
+        ValueError: an empty prompt, messages that are not role/content dicts, or a token id
+            outside ``[0, len(tokenizer))``.
     """
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab = len(tokenizer)
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty")

@@ -1,0 +1,131 @@
+"""Where ``pagedkv serve`` finds its memory service and workers: attach, or start them itself.
+
+In order (the first that names a memory service wins):
+
+1. ``--memory`` / ``--workers`` (or ``PAGEDKV_MEMORY`` / ``PAGEDKV_WORKERS``, which are their
+   flags' defaults);
+2. the state file of ``pagedkv up`` whose processes are all alive;
+3. embedded: a :class:`~client.stack.LocalStack` of one memory service and one worker as child
+   processes on loopback free ports, stopped when the server stops.
+
+Attaching, the pool flags given (``--block-size``, ``--kv-cache-memory``, ``--kv-cache-dtype``,
+``--dtype``, ``--model``) are checked against the running pool's descriptor and the worker's
+model, and refused when they differ: a server must never believe in a pool it does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.launcher import alive, default_device, read_state
+from client.services import MemoryClient, WorkerClient
+from client.stack import LocalStack
+from memory_service.layout import make_layout, model_attention_layout, parse_bytes
+
+
+@dataclass
+class Backends:
+    """The addresses the server uses, and the stack it started (None when attached)."""
+
+    memory: str
+    workers: list[str]
+    #: "flags", "state file" or "embedded".
+    source: str
+    stack: LocalStack | None = None
+    _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False)
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """Whether the memory service and at least one worker answer SERVING (standard health service)."""
+        return self._serving(self.memory, timeout) and any(self._serving(w, timeout) for w in self.workers)
+
+    def _serving(self, address: str, timeout: float) -> bool:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.insecure_channel(address)
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        """Close the health channels and stop an embedded stack (workers, then the memory service)."""
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+        if self.stack is not None:
+            self.stack.stop()
+            self.stack = None
+
+
+def resolve(args: argparse.Namespace) -> Backends:
+    """Attach to running services or start embedded ones (the module's order).
+
+    Raises:
+        ValueError: workers given without a memory service, or pool flags that differ from the
+            running pool's.
+        RuntimeError: embedded services failed to start (with their log's tail).
+        client.errors.ServiceError: an attached service refused the descriptor calls.
+    """
+    if args.memory:
+        found = Backends(args.memory, args.workers or ["127.0.0.1:50052"], "flags")
+    elif args.workers:
+        raise ValueError("--workers needs --memory (the memory service whose pool they map)")
+    else:
+        state = read_state()
+        procs = [state["memory"], *state.get("workers", [])] if state else []
+        if procs and all(alive(p["pid"]) for p in procs) and state.get("workers"):
+            found = Backends(state["memory"]["address"], [w["address"] for w in state["workers"]], "state file")
+        else:
+            return _embedded(args)
+    check_pool(args, found)
+    return found
+
+
+def _embedded(args: argparse.Namespace) -> Backends:
+    memory_args = ["--block-size", str(args.block_size or 16)]
+    if args.kv_cache_memory:
+        memory_args += ["--kv-cache-memory", args.kv_cache_memory]
+    if args.pool_dtype:
+        memory_args += ["--dtype", args.pool_dtype]
+    stack = LocalStack(memory_args, device=args.device or default_device(), model=args.model or "smollm2",
+                       host="127.0.0.1", name="serve").start()
+    return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack)
+
+
+def check_pool(args: argparse.Namespace, backends: Backends) -> None:
+    """Refuse pool flags that the running pool does not match.
+
+    Raises:
+        ValueError: naming each flag, the value given and the pool's.
+    """
+    memory = MemoryClient(backends.memory, timeout=10)
+    try:
+        layout = memory.pool().layout
+    finally:
+        memory.close()
+    wrong = []
+    if args.block_size is not None and args.block_size != layout.block_size:
+        wrong.append(f"--block-size {args.block_size} (the pool's is {layout.block_size})")
+    if args.pool_dtype is not None and args.pool_dtype != layout.dtype:
+        wrong.append(f"--kv-cache-dtype/--dtype {args.pool_dtype} (the pool's is {layout.dtype})")
+    if args.kv_cache_memory:
+        attn = model_attention_layout(args.model or "smollm2")
+        want = make_layout(args.model or "smollm2", block_size=layout.block_size, dtype=layout.dtype,
+                           kv_cache_memory=parse_bytes(args.kv_cache_memory)).num_blocks
+        if attn["num_layers"] != layout.num_layers or want != layout.num_blocks:
+            wrong.append(f"--kv-cache-memory {args.kv_cache_memory} ({want} blocks; the pool has {layout.num_blocks})")
+    if args.model:
+        worker = WorkerClient(backends.workers[0])
+        try:
+            info = worker.model_info()
+        finally:
+            worker.close()
+        if args.model not in (info.model_source, info.weights_path, info.model_name):
+            wrong.append(f"--model {args.model} (the workers run {info.model_source})")
+    if wrong:
+        raise ValueError("attached to a running pool that differs from the flags: " + "; ".join(wrong))

@@ -1,0 +1,161 @@
+"""``pagedkv serve``'s flags: vLLM's names where vLLM has one, each also read from ``PAGEDKV_<FLAG>``.
+
+A flag given on the command line wins over its environment variable, which wins over the
+default. Pool flags (``--block-size``, ``--kv-cache-memory``, ``--kv-cache-dtype``, ``--dtype``,
+``--model``) default to None here so that attaching to running services can tell "given" from
+"default" (:mod:`client.serve.backends` checks given ones against the pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Model dtypes (``--dtype``) and pool dtypes (``--kv-cache-dtype``) this build runs.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = (*DTYPES, "fp8")
+
+
+def _env(name: str, default=None):
+    return os.environ.get(f"PAGEDKV_{name}", default)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = _env(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"pagedkv serve: error: PAGEDKV_{name}={value!r} is not an integer") from None
+
+
+def _env_list(name: str) -> list[str]:
+    return [v.strip() for v in (_env(name) or "").split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``pagedkv serve`` (defaults from the environment, read when it is built)."""
+    p = argparse.ArgumentParser(prog="pagedkv serve", description="An OpenAI-compatible HTTP server that owns the "
+                                "scheduler: every caller's requests join one continuous batch.")
+    where = p.add_argument_group("backends (none given: start a memory service and a worker as child processes)")
+    where.add_argument("--memory", default=_env("MEMORY"), help="memory service address host:port (env PAGEDKV_MEMORY)")
+    where.add_argument("--workers", default=_env("WORKERS"),
+                       help="worker addresses, comma-separated (env PAGEDKV_WORKERS)")
+    where.add_argument("--device", default=_env("DEVICE"), help="embedded services: cpu or cuda (default: cuda when present)")
+    http = p.add_argument_group("HTTP")
+    http.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=_env_int("PORT", 8000), help="port; 0 = any free port (default 8000)")
+    http.add_argument("--api-key", action="append", default=None,
+                      help="a key callers must send as 'Authorization: Bearer KEY' (repeatable; env PAGEDKV_API_KEY, "
+                      "comma-separated); its tenant is 'default'")
+    http.add_argument("--api-keys-file", default=_env("API_KEYS_FILE"),
+                      help="keys and their tenants: a JSON object {key: tenant} or lines 'KEY TENANT'")
+    http.add_argument("--admin-api-key", default=_env("ADMIN_API_KEY"),
+                      help="the key that may read every tenant's state and the debug routes")
+    http.add_argument("--max-queued-requests", type=int, default=_env_int("MAX_QUEUED_REQUESTS", 1024),
+                      help="requests that may wait for admission; more get 429 (default 1024)")
+    http.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
+    model = p.add_argument_group("model and pool")
+    model.add_argument("--model", default=_env("MODEL"), help="'smollm2', a .gguf file or a Hugging Face directory "
+                       "(default smollm2)")
+    model.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"),
+                       help="the name in the API's 'model' field (default: --model)")
+    model.add_argument("--dtype", default=_env("DTYPE"), choices=DTYPES,
+                       help="model weights and activations (default auto: float32 on cpu, bfloat16 on cuda)")
+    model.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE"), choices=KV_CACHE_DTYPES,
+                       help="the pool's dtype (default auto: the model's)")
+    model.add_argument("--block-size", type=int, default=_env_int("BLOCK_SIZE", None), help="tokens per block (default 16)")
+    model.add_argument("--kv-cache-memory", default=_env("KV_CACHE_MEMORY"), help="pool size, e.g. 1GiB")
+    sched = p.add_argument_group("scheduler")
+    sched.add_argument("--max-num-seqs", type=int, default=_env_int("MAX_NUM_SEQS", 64),
+                       help="most requests running at once (default 64)")
+    sched.add_argument("--max-num-batched-tokens", type=int, default=_env_int("MAX_NUM_BATCHED_TOKENS", 512),
+                       help="token budget of one step, chunked prefill (default 512)")
+    sched.add_argument("--max-model-len", type=int, default=_env_int("MAX_MODEL_LEN", None),
+                       help="longest context, prompt + output tokens (default: the model's, capped by the pool)")
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class Tenants:
+    """API keys → tenant names; with no tenant keys the API routes need no key (every caller is
+    tenant ""), and only the admin routes need the admin key."""
+
+    keys: dict[str, str]
+    admin_key: str | None = None
+
+    @property
+    def open(self) -> bool:
+        return not self.keys
+
+    def tenant_of(self, key: str | None) -> str | None:
+        """The caller's tenant, "admin" for the admin key, "" when no key is needed; None: refused."""
+        if self.admin_key is not None and key == self.admin_key:
+            return "admin"
+        if self.open:
+            return ""
+        return self.keys.get(key) if key is not None else None
+
+    @classmethod
+    def load(cls, api_keys: list[str], keys_file: str | None, admin_key: str | None) -> Tenants:
+        """Keys from ``--api-key`` (tenant "default") and ``--api-keys-file``.
+
+        Raises:
+            ValueError: an unreadable or malformed keys file, an empty key.
+        """
+        keys = {k: "default" for k in api_keys}
+        if keys_file:
+            text = Path(keys_file).read_text()
+            try:
+                entries = json.loads(text)
+                if not isinstance(entries, dict):
+                    raise ValueError(f"{keys_file}: the JSON must be an object {{key: tenant}}")
+            except json.JSONDecodeError:
+                entries = {}
+                for n, line in enumerate(text.splitlines(), 1):
+                    line = line.strip()
+                    if not line or line.startswith("#"):
+                        continue
+                    parts = line.split()
+                    if len(parts) != 2:
+                        raise ValueError(f"{keys_file}:{n}: expected 'KEY TENANT'") from None
+                    entries[parts[0]] = parts[1]
+            keys.update({str(k): str(v) for k, v in entries.items()})
+        if any(not k for k in keys) or admin_key == "":
+            raise ValueError("an API key must not be empty")
+        return cls(keys, admin_key)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv`` (after ``serve``); exits with a usage error on bad values."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = _env_list("API_KEY")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        p.error("--max-model-len must be >= 2")
+    if args.block_size is not None and args.block_size < 1:
+        p.error("--block-size must be >= 1")
+    if not 0 <= args.port <= 65535:
+        p.error("--port must lie in 0-65535")
+    if args.kv_cache_dtype == "fp8":
+        p.error("--kv-cache-dtype fp8 is not built yet; use auto, float32, bfloat16 or float16")
+    model_dtype = None if args.dtype in (None, "auto") else args.dtype
+    kv_dtype = None if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
+    if model_dtype and kv_dtype and model_dtype != kv_dtype:
+        p.error(f"--dtype {model_dtype} with --kv-cache-dtype {kv_dtype}: workers run the model in the pool's dtype, "
+                "so the two must match")
+    args.pool_dtype = kv_dtype or model_dtype
+    args.workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else []
+    try:
+        args.tenants = Tenants.load(args.api_key, args.api_keys_file, args.admin_api_key)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    return args

@@ -1,0 +1,144 @@
+"""The server's Prometheus metrics, with vLLM's names under the ``pagedkv:`` prefix.
+
+Request metrics are updated on the engine thread as outputs are published
+(:meth:`ServeMetrics.observe`); queue lengths, preemptions and the pool's KV usage and
+prefix-cache counters are read when scraped (:class:`_LiveCollector`), so they are never stale.
+
+| metric | kind | when it moves |
+|---|---|---|
+| ``pagedkv:num_requests_running`` / ``_waiting`` | gauge | the scheduler's queues, at scrape |
+| ``pagedkv:time_to_first_token_seconds`` | histogram | a request's first output token |
+| ``pagedkv:time_per_output_token_seconds`` | histogram | each later output token (per step, spread over its tokens) |
+| ``pagedkv:e2e_request_latency_seconds`` | histogram | a request finishes |
+| ``pagedkv:prompt_tokens_total`` | counter | a request's first output (its prompt tokens, once) |
+| ``pagedkv:generation_tokens_total`` | counter | every output token of every choice |
+| ``pagedkv:request_success_total{finished_reason}`` | counter | a request finishes ("stop", "length", "abort") |
+| ``pagedkv:num_preemptions_total`` | counter | the engine preempts a request |
+| ``pagedkv:kv_cache_usage_perc`` | gauge | used / total blocks of the pool, at scrape |
+| ``pagedkv:prefix_cache_queries_total`` / ``_hits_total`` | counter | the pool's, in tokens, at scrape |
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from client.api import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What has been counted of one request."""
+
+    prompt_counted: bool = False
+    tokens: int = 0
+    last_token: float = 0.0
+
+
+class ServeMetrics:
+    """Request metrics of one server (its own registry) and the totals its status log reads.
+
+    Args:
+        model_name: the ``model_name`` label (the served model name).
+        engine: the engine whose scheduler and preemptions are read at scrape.
+        memory: the memory-service client whose GetStats is read at scrape.
+    """
+
+    def __init__(self, model_name: str, engine, memory):
+        self.registry = CollectorRegistry()
+        label = {"labelnames": ["model_name"], "registry": self.registry}
+        self._labels = {"model_name": model_name}
+        self.ttft = Histogram("pagedkv:time_to_first_token_seconds", "Time to first token, seconds.",
+                              buckets=_LATENCY_BUCKETS, **label).labels(**self._labels)
+        self.tpot = Histogram("pagedkv:time_per_output_token_seconds", "Time per output token after the first, seconds.",
+                              buckets=_LATENCY_BUCKETS, **label).labels(**self._labels)
+        self.e2e = Histogram("pagedkv:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
+                             buckets=_LATENCY_BUCKETS, **label).labels(**self._labels)
+        self.prompt_tokens = Counter("pagedkv:prompt_tokens", "Prompt tokens processed.", **label).labels(**self._labels)
+        self.generation_tokens = Counter("pagedkv:generation_tokens", "Output tokens generated.",
+                                         **label).labels(**self._labels)
+        self.success = Counter("pagedkv:request_success", "Finished requests by finish reason.",
+                               labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.registry.register(_LiveCollector(self._labels, engine, memory))
+        self._progress: dict[str, _Progress] = {}
+        self._lock = threading.Lock()
+        #: Totals for the status log (prompt tokens, generation tokens).
+        self.totals = [0, 0]
+
+    def observe(self, request_id: str, out: RequestOutput | None, error: Exception | None) -> None:
+        """Count what ``out`` adds since the last output of request ``request_id`` (engine thread)."""
+        now = time.time()
+        with self._lock:
+            if out is None:  # failed without an output: forget it
+                self._progress.pop(request_id, None)
+                return
+            prog = self._progress.setdefault(request_id, _Progress())
+            tokens = sum(len(o.token_ids) for o in out.outputs)
+            new = tokens - prog.tokens
+            if not prog.prompt_counted:
+                prog.prompt_counted = True
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.totals[0] += len(out.prompt_token_ids)
+            if new > 0:
+                self.generation_tokens.inc(new)
+                self.totals[1] += new
+                if prog.tokens == 0:
+                    if out.metrics.get("ttft") is not None:
+                        self.ttft.observe(out.metrics["ttft"])
+                    new -= 1  # the first token has no inter-token time
+                elif prog.last_token:
+                    per = (now - prog.last_token) / new
+                    for _ in range(new):
+                        self.tpot.observe(per)
+                prog.tokens, prog.last_token = tokens, now
+            if out.finished or error is not None:
+                self._progress.pop(request_id, None)
+                reason = "error" if error is not None else _reason(out)
+                self.success.labels(finished_reason=reason, **self._labels).inc()
+                if out.metrics.get("e2e") is not None:
+                    self.e2e.observe(out.metrics["e2e"])
+
+
+def _reason(out: RequestOutput) -> str:
+    """The request's finish reason: "abort" if any choice was aborted, else the first choice's."""
+    reasons = [o.finish_reason for o in out.outputs]
+    return "abort" if "abort" in reasons else (reasons[0] if reasons else "abort")
+
+
+class _LiveCollector:
+    """Gauges and pool counters read at scrape time."""
+
+    def __init__(self, labels: dict, engine, memory):
+        self.labels, self.engine, self.memory = labels, engine, memory
+
+    def collect(self):
+        names, values = list(self.labels), list(self.labels.values())
+        sched = self.engine.scheduler
+        for name, doc, value in (("num_requests_running", "Requests in the running batch.", len(sched.running)),
+                                 ("num_requests_waiting", "Requests waiting for admission.", len(sched.waiting))):
+            g = GaugeMetricFamily(f"pagedkv:{name}", doc, labels=names)
+            g.add_metric(values, value)
+            yield g
+        c = CounterMetricFamily("pagedkv:num_preemptions", "Requests preempted (recompute).", labels=names)
+        c.add_metric(values, self.engine.preemptions)
+        yield c
+        try:
+            stats = self.memory.stats()
+        except Exception:  # noqa: BLE001 - the memory service is down: no pool metrics this scrape
+            return
+        g = GaugeMetricFamily("pagedkv:kv_cache_usage_perc", "Used fraction of the KV pool's blocks (0-1).", labels=names)
+        g.add_metric(values, stats.used_blocks / stats.total_blocks if stats.total_blocks else 0.0)
+        yield g
+        for name, doc, value in (("prefix_cache_queries", "Prefix-cache lookups in the pool, tokens.",
+                                  stats.prefix_cache_queries),
+                                 ("prefix_cache_hits", "Prefix-cache hits in the pool, tokens.", stats.prefix_cache_hits)):
+            c = CounterMetricFamily(f"pagedkv:{name}", doc, labels=names)
+            c.add_metric(values, value)
+            yield c

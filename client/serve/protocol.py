@@ -1,0 +1,211 @@
+"""Request bodies of the OpenAI API (``/v1/chat/completions``, ``/v1/completions``) and its errors.
+
+The shapes and names follow the OpenAI API reference and vLLM's extras (``top_k``,
+``ignore_eos``, ``cache_salt``, ``stop_token_ids``, ``return_tokens_as_token_ids``,
+``return_token_ids``). A parameter this server does not implement is accepted at its neutral
+value (``frequency_penalty: 0``, an empty ``logit_bias``, any ``user``, ...) and refused with 400
+naming it otherwise; a parameter the API does not have is refused with OpenAI's own message,
+"Unrecognized request argument supplied: NAME".
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pagedkv.limits import MAX_LOGPROBS
+
+
+class APIError(Exception):
+    """An error in the OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    """Parameters both routes share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    n: int = Field(default=1, ge=1, le=64)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted at their neutral values only (see NEUTRAL).
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    min_tokens: int | None = 0
+    min_p: float | None = 0.0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    priority: int | None = 0
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+#: Parameters accepted only at their neutral value: name -> (is it neutral?, what is accepted).
+NEUTRAL = {
+    "frequency_penalty": (lambda v: not v, "0"),
+    "presence_penalty": (lambda v: not v, "0"),
+    "repetition_penalty": (lambda v: v in (None, 1), "1"),
+    "logit_bias": (lambda v: not v, "an empty object"),
+    "min_tokens": (lambda v: not v, "0"),
+    "min_p": (lambda v: not v, "0"),
+    "skip_special_tokens": (lambda v: v, "true"),
+    "spaces_between_special_tokens": (lambda v: v, "true"),
+    "include_stop_str_in_output": (lambda v: not v, "false"),
+    "use_beam_search": (lambda v: not v, "false"),
+    "priority": (lambda v: not v, "0"),
+    "store": (lambda v: not v, "false"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
+    "add_generation_prompt": (lambda v: v, "true"),
+    "tools": (lambda v: not v, "none"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), '"none"'),
+    "echo": (lambda v: not v, "false"),
+    "suffix": (lambda v: not v, "none"),
+    "continuous_usage_stats": (lambda v: not v, "false"),
+}
+
+
+def parse(model: type[_Sampling], raw: bytes) -> _Sampling:
+    """Validate a JSON body as ``model``.
+
+    Raises:
+        APIError: 400 naming the first bad parameter (OpenAI's message for an unknown one).
+    """
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: {'.'.join(loc)}", loc[0]) from None
+        raise bad_request(f"{'.'.join(loc)}: {err['msg']} (got {err.get('input')!r:.80})", loc[0]) from None
+    for name in req.model_fields_set:
+        if name in NEUTRAL and not NEUTRAL[name][0](getattr(req, name)):
+            raise bad_request(f"{name}={getattr(req, name)!r} is not supported; only {NEUTRAL[name][1]} is accepted", name)
+    if req.stream_options is not None:
+        if not req.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        if req.stream_options.continuous_usage_stats:
+            raise bad_request("stream_options.continuous_usage_stats=true is not supported", "stream_options")
+    if isinstance(req, CompletionRequest) and req.best_of not in (None, req.n):
+        raise bad_request(f"best_of={req.best_of} is not supported; only best_of equal to n is accepted", "best_of")
+    return req
+
+
+Role = Literal["system", "developer", "user", "assistant"]
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: role and text content.
+
+    Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined with
+    newlines, as vLLM does); ``developer`` is the template's ``system``.
+
+    Raises:
+        APIError: 400 for a message without a known role, or a content part that is not text.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise bad_request(f"messages[{i}].role must be system, developer, user or assistant, got {role!r}",
+                              "messages")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}; "
+                                      "this model reads text only", "messages")
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        elif not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def prompts_of(prompt: str | list) -> list[str | list[int]]:
+    """A completion's ``prompt`` as a list of prompts (strings or token-id lists).
+
+    Raises:
+        APIError: 400 for an empty prompt or an empty list.
+    """
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise bad_request("prompt must not be empty", "prompt")
+    return prompts
