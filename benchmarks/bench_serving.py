@@ -47,9 +47,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import ROOT, Service, fmt, machine, pct, pyplot, save_plot, table, write_result
+from common import ROOT, fmt, machine, pct, pyplot, save_plot, table, write_result
 from prompts import trace_prompts
 
+from client.stack import ServiceProcess
 from client.tokenizer import load_tokenizer
 from pagedkv.paths import pagedkv_home
 
@@ -258,9 +259,9 @@ class VllmServer:
             time.sleep(1.0)
 
     def __exit__(self, *exc) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):  # Ctrl-C to its process group
             os.killpg(self.proc.pid, signal.SIGINT)
         try:
             self.proc.wait(30)
@@ -268,19 +269,50 @@ class VllmServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        stop_group(self.proc.pid, "vllm serve")
 
 
 @contextlib.contextmanager
 def pagedkv_server(dtype: str, args, log_dir: Path):
-    """``pagedkv serve`` (embedded memory service and worker) from this checkout; yields its URL."""
+    """``pagedkv serve`` (embedded memory service and worker) from this checkout; yields its URL.
+
+    It runs in a session of its own and is stopped with SIGINT; anything of its process group still
+    alive a few seconds later (its embedded services) is reported and stopped, so that no run
+    competes with the previous one's processes for the cores.
+    """
     cmd = ["serve", "--dtype", dtype, "--served-model-name", args.model, "--max-num-seqs", str(args.max_num_seqs),
            "--kv-cache-memory", f"{args.kv_cache_gib}GiB", *args.pagedkv_args.split()]
     print(f"starting: pagedkv {' '.join(cmd)}")
-    srv = Service(cmd, f"pagedkv-serve-{dtype}", log_dir, timeout=args.start_timeout)
+    srv = ServiceProcess.pagedkv(cmd, log_dir, f"pagedkv-serve-{dtype}", env={"PAGEDKV_LOG_LEVEL": "warning"},
+                                 cwd=ROOT, timeout=args.start_timeout, detach=True)
     try:
         yield srv.info.get("url") or f"http://{srv.address}"
     finally:
-        srv.stop()
+        srv.proc.send_signal(signal.SIGINT)
+        try:
+            srv.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            srv.stop()
+        stop_group(srv.pid, "pagedkv serve")
+
+
+def stop_group(pgid: int, name: str, grace: float = 5.0) -> None:
+    """SIGTERM what is left of process group ``pgid`` after ``grace`` seconds (SIGKILL 10 s later)."""
+    deadline = time.monotonic() + grace
+    sig = None
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            if sig is None:
+                print(f"warning: {name} left processes running after it stopped; stopping them")
+            sig = signal.SIGTERM if sig is None else signal.SIGKILL
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+            deadline = time.monotonic() + 10.0
+        time.sleep(0.2)
 
 
 # --------------------------------------------------------------------- main
@@ -354,11 +386,13 @@ def main() -> int:
           f"mean output {result['config']['mean_output_tokens']:.0f} tokens, rate {args.request_rate} req/s")
 
     def measure(label: str, system: str, dtype: str | None, url: str) -> None:
+        load = os.getloadavg()[0]
         outcomes, wall = asyncio.run(run_trace(url, args.model, requests, chat, args.warmup))
-        s = {"system": system, "dtype": dtype, **summarize(requests, outcomes, wall)}
+        s = {"system": system, "dtype": dtype, **summarize(requests, outcomes, wall),
+             "load_avg_1m": [load, os.getloadavg()[0]]}
         result["runs"][label] = s
         print(f"{label}: {s['completed']} ok, {s['failed']} failed, {s['output_tokens_per_s']:.1f} out tok/s, "
-              f"TTFT p99 {fmt(s['ttft_p99_ms'], '.0f')} ms")
+              f"TTFT p99 {fmt(s['ttft_p99_ms'], '.0f')} ms (load {load:.1f} -> {os.getloadavg()[0]:.1f})")
         for e in s["errors"]:
             print(f"  {e}")
 
