@@ -335,7 +335,7 @@ def parse_args() -> argparse.Namespace:
     who.add_argument("--start-timeout", type=float, default=600.0, help="s; vLLM's first start compiles ~2.5 min")
     ap.add_argument("--model", default=SERVED_NAME, help="model name sent in requests (and served name)")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at t=0)")
     ap.add_argument("--dataset", choices=["sharegpt", "alpaca"], default="sharegpt", help="length shape of the trace")
     ap.add_argument("--scale", type=float, default=1.5, help="scales the drawn lengths (sharegpt x1.5: ~240 prompt tokens)")
