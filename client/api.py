@@ -226,8 +226,12 @@ class Client:
         if request_id is not None:
             req.request_id = request_id
         handle = RequestHandle(self, req, listener)
-        self._handles[req.request_id] = handle
-        self._engine.add(req)
+        self._handles[req.request_id] = handle  # before add: the engine thread may publish at once
+        try:
+            self._engine.add(req)
+        except BaseException:
+            del self._handles[req.request_id]
+            raise
         with self._wake:
             self._wake.notify()
         return handle

@@ -66,7 +66,7 @@ class Server:
     #: Keys the per-tenant cache salts (DESIGN.md, trust model): new for each server start.
     secret: bytes = field(default_factory=lambda: os.urandom(32))
     #: (time.monotonic() of the last health check, its result); requests reuse it for a second.
-    _health: tuple[float, bool] = (float("-inf"), False)
+    _health: tuple[float, bool] = field(default=(float("-inf"), False), init=False, repr=False)
 
     def __post_init__(self):
         self.metrics = ServeMetrics(self.model_name, self.client.engine, self.client.memory)

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.launcher import alive, default_device, read_state
 from client.services import MemoryClient, WorkerClient
 from client.stack import LocalStack
-from memory_service.layout import make_layout, model_attention_layout, parse_bytes
+from memory_service.layout import make_layout, parse_bytes
 
 
 @dataclass
@@ -114,10 +114,9 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
     if args.pool_dtype is not None and args.pool_dtype != layout.dtype:
         wrong.append(f"--kv-cache-dtype/--dtype {args.pool_dtype} (the pool's is {layout.dtype})")
     if args.kv_cache_memory:
-        attn = model_attention_layout(args.model or "smollm2")
         want = make_layout(args.model or "smollm2", block_size=layout.block_size, dtype=layout.dtype,
                            kv_cache_memory=parse_bytes(args.kv_cache_memory)).num_blocks
-        if attn["num_layers"] != layout.num_layers or want != layout.num_blocks:
+        if want != layout.num_blocks:
             wrong.append(f"--kv-cache-memory {args.kv_cache_memory} ({want} blocks; the pool has {layout.num_blocks})")
     if args.model:
         worker = WorkerClient(backends.workers[0])

@@ -89,6 +89,15 @@ def _service_error(e: Exception) -> APIError:
 
 async def generate(server: Server, request: Request, tenant: str, req, prompt_ids: list[list[int]], *, chat: bool,
                     logprobs: int | None, max_tokens: int | None):
+    """Run one parsed request (``prompt_ids``: one token-id list per prompt) for ``tenant``.
+
+    Returns the whole reply (JSON), an SSE ``StreamingResponse`` when ``req.stream``, or 499 when
+    the client left first (its engine requests are aborted).
+
+    Raises:
+        APIError: 404 unknown model; 400 a prompt or sampling value that cannot run; 429 the
+            waiting queue is full; 503 the backends are down or failed the request.
+    """
     if req.model is not None and req.model != server.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
     params = _sampling(server, req, prompt_ids, logprobs, max_tokens)
