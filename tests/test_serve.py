@@ -318,35 +318,40 @@ def test_metrics_move_by_the_requests(url, oai):
     assert after[("pagedkv:num_requests_running", ())] == 0 and after[("pagedkv:kv_cache_usage_perc", ())] == 0
 
 
-def test_queue_limit_and_pool_check(stack, tmp_path, memory):
+def test_queue_limit_shutdown_and_pool_check(stack, tmp_path, memory):
     svc = pagedkv_process(["serve", "--memory", stack.memory.address, "--workers", stack.worker_addresses[0],
                            "--max-num-seqs", "1", "--max-queued-requests", "1"], tmp_path, "serve-small")
-    try:
-        url = f"http://{svc.address}"
-        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 96, "temperature": 0,
-                "ignore_eos": True}
-        results: list[int] = []
+    url = f"http://{svc.address}"
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True}
+    streamed: list[str] = []
+    status: list[int] = []
 
-        def post() -> None:
-            results.append(httpx.post(f"{url}/v1/completions", json=body, timeout=600).status_code)
+    def stream() -> None:  # runs; cut by the shutdown below
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=600) as r:
+            streamed.extend(line for line in r.iter_lines() if line)
 
-        threads = []
-        for gauge in ("pagedkv:num_requests_running", "pagedkv:num_requests_waiting"):
-            threads.append(threading.Thread(target=post))
-            threads[-1].start()
-            deadline = time.monotonic() + 120
-            while metrics(url).get((gauge, ()), 0) < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-        r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b"]}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # can never be queued: not a 429
-        r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
-        assert r.status_code == 429, r.text
-        assert r.json()["error"]["type"] == "rate_limit_error"
-        for t in threads:
-            t.join(600)
-        assert sorted(results) == [200, 200]
-    finally:
-        svc.stop()
+    def post() -> None:  # waits behind it (--max-num-seqs 1)
+        status.append(httpx.post(f"{url}/v1/completions", json=body, timeout=600).status_code)
+
+    threads = []
+    for target, gauge in ((stream, "pagedkv:num_requests_running"), (post, "pagedkv:num_requests_waiting")):
+        threads.append(threading.Thread(target=target))
+        threads[-1].start()
+        deadline = time.monotonic() + 120
+        while metrics(url).get((gauge, ()), 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b"]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # can never be queued: not a 429
+    r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    # SIGTERM with both in flight: each ends with a 503 in the OpenAI body, and the server exits 0.
+    assert svc.stop() == 0
+    for t in threads:
+        t.join(60)
+    assert status == [503]
+    assert streamed[-1] == "data: [DONE]" and json.loads(streamed[-2][6:])["error"]["code"] == "unavailable"
     assert memory.stats().used_blocks == 0
     refused = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--memory", stack.memory.address, "--workers",
                               stack.worker_addresses[0], "--block-size", "32", "--port", "0"],

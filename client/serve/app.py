@@ -24,13 +24,14 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.api import Client
-from client.errors import ServiceError
+from client.errors import ServiceError, Unavailable
 from client.serve.backends import Backends
 from client.serve.config import Tenants
 from client.serve.generation import generate
@@ -67,6 +68,8 @@ class Server:
     secret: bytes = field(default_factory=lambda: os.urandom(32))
     #: (time.monotonic() of the last health check, its result); requests reuse it for a second.
     _health: tuple[float, bool] = field(default=(float("-inf"), False), init=False, repr=False)
+    #: Requests in flight (client.serve.generation's runs), failed with 503 at shutdown.
+    runs: set = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self):
         self.metrics = ServeMetrics(self.model_name, self.client.engine, self.client.memory)
@@ -74,6 +77,13 @@ class Server:
     @property
     def engine(self):
         return self.client.engine
+
+    def shutdown(self) -> None:
+        """Fail every request in flight with 503 now (streams get an error event and ``[DONE]``),
+        rather than let them be cut when uvicorn's grace period ends; called on SIGINT/SIGTERM."""
+        error = Unavailable(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        for run in list(self.runs):
+            run.fail(error)
 
     async def backends_up(self, max_age: float = 1.0) -> bool:
         """Whether the memory service and a worker serve (a check at most ``max_age`` seconds old)."""

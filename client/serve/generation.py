@@ -133,7 +133,7 @@ async def generate(server: Server, request: Request, tenant: str, req, prompt_id
         gone.cancel()
         if not waiter.done():
             waiter.cancel()
-            run.abort()
+        run.close()
     if not waiter.done() or waiter.cancelled():
         return Response(status_code=499)
     outputs, error = waiter.result()
@@ -158,6 +158,7 @@ class _Run:
         self.loop = asyncio.get_running_loop()
         self.last: list[RequestOutput | None] = [None] * num_prompts
         self.done = [False] * num_prompts
+        server.runs.add(self)
 
     def listener(self, i: int):
         rid = self.ids[i]
@@ -194,6 +195,15 @@ class _Run:
                 return [], error
         return self.last, None
 
+    def fail(self, error: Exception) -> None:
+        """End the run with ``error`` as if the engine had failed it (any thread, or a signal handler)."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (0, None, error))
+
+    def close(self) -> None:
+        """Abort what has not finished and forget the run."""
+        self.abort()
+        self.server.runs.discard(self)
+
     def abort(self) -> None:
         """Abort every prompt that has not finished (the engine frees their blocks at its next step)."""
         for rid, done in zip(self.ids, self.done):
@@ -218,7 +228,7 @@ async def _stream(run: _Run, choices: Choices, include_usage: bool):
                 yield f"data: {_json(choices.usage_chunk(run.last))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        run.abort()
+        run.close()
 
 
 def _json(body: dict) -> str:

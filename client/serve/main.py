@@ -28,6 +28,19 @@ from pagedkv.logs import get_logger
 log = get_logger("serve")
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server that, on SIGINT/SIGTERM, first fails the requests in flight with 503."""
+
+    def __init__(self, config: uvicorn.Config, server: Server):
+        super().__init__(config)
+        self.pagedkv = server
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.pagedkv.shutdown()
+        super().handle_exit(sig, frame)
+
+
 def _bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before any backend starts (a taken port fails fast).
 
@@ -78,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(backends.memory, backends.workers, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
         name = args.served_model_name or args.model or "smollm2"
-        app = create_app(Server(client, backends, args.tenants, name, args.max_queued_requests))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests)
+        server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5),
+                          pagedkv)
         if args.ready_file:
             threading.Thread(target=_write_ready, args=(server, Path(args.ready_file), address), daemon=True).start()
         log.info("serving", url=f"http://{address}", model=name, memory=backends.memory, workers=backends.workers,
