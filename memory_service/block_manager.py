@@ -109,7 +109,7 @@ class BlockManager:
 
         Raises:
             InvalidArgumentError: empty/oversized batch, a count outside [1, pool tokens],
-                token ids outside int32.
+                more token ids than the pool's tokens, token ids outside int32.
             NotFoundError / FailedPreconditionError: unknown / expired lease.
         """
         lease = self.leases.lookup(lease_id)
@@ -119,8 +119,12 @@ class BlockManager:
         plans = []  # (request, its cached prefix, tokens to reserve)
         pinned: set[int] = set()
         required = 0
+        capacity = self.pool.num_blocks * bs
         for r in reqs:
             self._check_tokens(r.num_tokens, "AllocateSequences")
+            if r.token_ids is not None and len(r.token_ids) > capacity:
+                raise InvalidArgumentError(f"AllocateSequences: {len(r.token_ids)} token ids is more than a sequence "
+                                           f"can hold (the pool's whole token capacity, {capacity})")
             hit = self.prefix_cache.lookup(r.token_ids, r.cache_key)
             cached = len(hit.block_ids) * bs
             total = cached + (min(r.num_tokens, len(r.token_ids) - cached) if r.token_ids else r.num_tokens)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from memory_service.block_manager import BlockManager
-from memory_service.requests import Append, BlockCopy, BlockTableUpdate, OutOfBlocks
+from memory_service.requests import Allocation, Append, BlockCopy, BlockTableUpdate, OutOfBlocks
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 
@@ -153,6 +153,7 @@ def test_bad_input_changes_nothing(m: BlockManager):
         (InvalidArgumentError, lambda: m.allocate(lease, [0])),
         (InvalidArgumentError, lambda: m.allocate(lease, [-3])),
         (InvalidArgumentError, lambda: m.allocate(lease, [4, 41])),  # more than the pool could ever hold
+        (InvalidArgumentError, lambda: m.allocate(lease, [Allocation(1, tuple(range(41)))])),  # token ids too
         (InvalidArgumentError, lambda: m.append_slots(lease, [Append(a.seq_id, 0)])),
         (InvalidArgumentError, lambda: m.append_slots(lease, [Append(a.seq_id, 1), Append(a.seq_id, 1)])),
         (NotFoundError, lambda: m.append_slots(lease, [Append(a.seq_id, 1), Append(999, 1)])),

@@ -104,6 +104,8 @@ INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED = (
 BAD_INPUT = [
     ("zero tokens", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l, sequences=[pb.SequenceAllocation(num_tokens=0)]), INVALID, "INVALID_ARGUMENT"),
     ("negative tokens", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l, sequences=[pb.SequenceAllocation(num_tokens=-5)]), INVALID, "INVALID_ARGUMENT"),
+    ("token ids past the pool", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l, sequences=[pb.SequenceAllocation(num_tokens=1, token_ids=range(257))]), INVALID, "INVALID_ARGUMENT"),
+    ("megabyte lease id", "KeepAlive", lambda l, s, f: pb.KeepAliveRequest(lease_id="x" * (1 << 20)), NOT_FOUND, "NOT_FOUND"),
     ("huge tokens", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l, sequences=[pb.SequenceAllocation(num_tokens=2**62)]), INVALID, "INVALID_ARGUMENT"),
     ("empty batch", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l), INVALID, "INVALID_ARGUMENT"),
     ("more than available", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l, sequences=[pb.SequenceAllocation(num_tokens=200), pb.SequenceAllocation(num_tokens=100)]), EXHAUSTED, "OUT_OF_BLOCKS"),
@@ -140,6 +142,7 @@ def test_bad_input_gets_its_code_and_changes_nothing(memory_stub, lease_with_seq
     assert err.code() == code, err.details()
     assert error_info(err)[0] == reason
     assert len(err.details()) > 20  # says what was wrong and what to do
+    assert len(err.details()) < 1200  # quoted caller input is cut short
     assert stats_without_failures(memory_stub) == before
     assert memory_stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=seq)).sequence == table
     after = memory_stub.GetStats(pb.GetStatsRequest()).allocation_failures

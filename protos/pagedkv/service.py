@@ -39,7 +39,20 @@ log = get_logger("rpc")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+#: Longest error message and ErrorInfo metadata value sent back; messages may quote caller input
+#: (a lease id, a sequence id), which must not grow a reply past what its trailers can carry.
+MAX_DETAIL_CHARS = 1024
+MAX_METADATA_CHARS = 256
+
+
+def _truncate(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
 def _status_for(code: grpc.StatusCode, message: str, reason: str, metadata: dict[str, str]) -> grpc.Status:
+    message = _truncate(message, MAX_DETAIL_CHARS)
+    metadata = {_truncate(k, MAX_METADATA_CHARS): _truncate(v, MAX_METADATA_CHARS) for k, v in metadata.items()}
     info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
