@@ -419,3 +419,31 @@ def test_attaches_to_the_services_of_pagedkv_up(stack, tmp_path, memory):
     finally:
         svc.stop()
     assert memory.stats().used_blocks == 0
+
+
+def test_one_tenant_cannot_fill_the_server(stack, tmp_path, memory):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({KEY_A: "tenant-a", KEY_B: "tenant-b"}))
+    svc = pagedkv_process(["serve", "--memory", stack.memory.address, "--workers", stack.worker_addresses[0],
+                           "--api-keys-file", str(keys), "--max-requests-per-tenant", "1"], tmp_path, "serve-tenants")
+    url = f"http://{svc.address}/v1/completions"
+    body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    a, b = ({"Authorization": f"Bearer {k}"} for k in (KEY_A, KEY_B))
+    try:
+        with httpx.stream("POST", url, json={**body, "max_tokens": 2000, "ignore_eos": True, "stream": True},
+                          headers=a, timeout=120) as long:
+            lines = long.iter_lines()  # kept: a dropped line iterator would close the stream
+            for line in lines:
+                if line.startswith("data: "):
+                    break
+            r = httpx.post(url, json=body, headers=a, timeout=120)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "tenant_limit"
+            assert httpx.post(url, json=body, headers=b, timeout=120).status_code == 200  # another tenant is served
+        # The stream is gone: its slot is free again once the server has seen the disconnect.
+        deadline = time.monotonic() + 30
+        while (r := httpx.post(url, json=body, headers=a, timeout=120)).status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert r.status_code == 200
+    finally:
+        svc.stop()
+    assert memory.stats().used_blocks == 0

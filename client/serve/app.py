@@ -18,6 +18,7 @@ its next step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import os
@@ -63,6 +64,8 @@ class Server:
     tenants: Tenants
     model_name: str
     max_queued_requests: int
+    #: Requests one tenant may have in flight (queued + running); None: no limit.
+    max_requests_per_tenant: int | None = None
     metrics: ServeMetrics = field(init=False)
     #: Keys the per-tenant cache salts (DESIGN.md, trust model): new for each server start.
     secret: bytes = field(default_factory=lambda: os.urandom(32))
@@ -70,6 +73,8 @@ class Server:
     _health: tuple[float, bool] = field(default=(float("-inf"), False), init=False, repr=False)
     #: Requests in flight (client.serve.generation's runs), failed with 503 at shutdown.
     runs: set = field(default_factory=set, init=False, repr=False)
+    #: Engine requests in flight per tenant (one per prompt).
+    in_flight: collections.Counter = field(default_factory=collections.Counter, init=False, repr=False)
 
     def __post_init__(self):
         self.metrics = ServeMetrics(self.model_name, self.client.engine, self.client.memory)

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the key that may read every tenant's state and the debug routes")
     http.add_argument("--max-queued-requests", type=int, default=_env_int("MAX_QUEUED_REQUESTS", 1024),
                       help="requests that may wait for admission; more get 429 (default 1024)")
+    http.add_argument("--max-requests-per-tenant", type=int, default=_env_int("MAX_REQUESTS_PER_TENANT", None),
+                      help="requests (queued and running) one tenant may have in flight; more get 429, so one "
+                      "tenant cannot fill the queue for all (default: no per-tenant limit; needs API keys)")
     http.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
     model = p.add_argument_group("model and pool")
     model.add_argument("--model", default=_env("MODEL"), help="'smollm2', a .gguf file or a Hugging Face directory "
@@ -139,6 +142,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_requests_per_tenant is not None and args.max_requests_per_tenant < 1:
+        p.error("--max-requests-per-tenant must be >= 1")
     if args.max_model_len is not None and args.max_model_len < 2:
         p.error("--max-model-len must be >= 2")
     if args.block_size is not None and args.block_size < 1:

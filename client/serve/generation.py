@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from client.api import RequestOutput
 from client.errors import OutOfBlocks, ServiceError
@@ -109,22 +110,28 @@ async def generate(server: Server, request: Request, tenant: str, req, prompt_id
         raise APIError(429, f"the waiting queue is full ({len(sched.waiting)} requests wait; "
                        f"--max-queued-requests {server.max_queued_requests})", type="rate_limit_error",
                        code="queue_full")
+    limit = server.max_requests_per_tenant
+    if limit is not None and tenant and server.in_flight[tenant] + len(prompt_ids) > limit:
+        raise APIError(429, f"tenant {tenant!r} has {server.in_flight[tenant]} requests in flight; "
+                       f"--max-requests-per-tenant {limit}", type="rate_limit_error", code="tenant_limit")
     if not await server.backends_up():
         raise APIError(503, "the memory service or every worker is down", type="server_error", code="unavailable")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choices = Choices(rid, server.model_name, chat, req.n, server.client.tokenizer, logprobs,
                       req.return_tokens_as_token_ids, req.return_token_ids)
-    run = _Run(server, rid, len(prompt_ids))
+    run = _Run(server, rid, len(prompt_ids), tenant)
     salt = server.cache_salt(tenant, req.cache_salt)
     try:
         for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
             server.client.submit(ids, sp, cache_salt=salt, request_id=run.ids[i], listener=run.listener(i))
     except ValueError as e:
-        run.abort()
+        run.close()
         raise bad_request(str(e), "messages" if chat else "prompt") from None
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_stream(run, choices, include_usage), media_type="text/event-stream")
+        # The background task closes the run even when the client left before the body began.
+        return StreamingResponse(_stream(run, choices, include_usage), media_type="text/event-stream",
+                                 background=BackgroundTask(run.close))
     waiter = asyncio.create_task(run.wait())
     gone = asyncio.create_task(_disconnected(request))
     try:
@@ -151,14 +158,15 @@ async def _disconnected(request: Request) -> None:
 class _Run:
     """One HTTP request's engine requests (one per prompt) and the queue their outputs arrive on."""
 
-    def __init__(self, server: Server, rid: str, num_prompts: int):
-        self.server = server
+    def __init__(self, server: Server, rid: str, num_prompts: int, tenant: str):
+        self.server, self.tenant, self.closed = server, tenant, False
         self.ids = [rid] if num_prompts == 1 else [f"{rid}-{i}" for i in range(num_prompts)]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.last: list[RequestOutput | None] = [None] * num_prompts
         self.done = [False] * num_prompts
         server.runs.add(self)
+        server.in_flight[tenant] += num_prompts
 
     def listener(self, i: int):
         rid = self.ids[i]
@@ -200,9 +208,15 @@ class _Run:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (0, None, error))
 
     def close(self) -> None:
-        """Abort what has not finished and forget the run."""
+        """Abort what has not finished and forget the run (once; later calls do nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         self.abort()
         self.server.runs.discard(self)
+        self.server.in_flight[self.tenant] -= len(self.ids)
+        if self.server.in_flight[self.tenant] <= 0:
+            del self.server.in_flight[self.tenant]
 
     def abort(self) -> None:
         """Abort every prompt that has not finished (the engine frees their blocks at its next step)."""

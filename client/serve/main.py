@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(backends.memory, backends.workers, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
         name = args.served_model_name or args.model or "smollm2"
-        pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests)
+        pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests, args.max_requests_per_tenant)
         server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5),
                           pagedkv)
         if args.ready_file:
