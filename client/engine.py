@@ -39,6 +39,7 @@ from client.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, Scheduler
 from client.services import Lease, MemoryClient, WorkerClient
 from client.stop import StopChecker
 from client.worker_step import StepResults, StepRunner
+from pagedkv.limits import MAX_FORK_CHILDREN
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
@@ -170,8 +171,10 @@ class Engine:
         plan = self.branching.plan()
         if plan.drop:
             self.memory.free(self.lease.lease_id, plan.drop, mpb.FREE_REASON_ABORTED)
-        parents = plan.parents
-        plan.apply(self.memory.fork(self.lease.lease_id, parents) if parents else [])
+        parents, children = plan.parents, []
+        for at in range(0, len(parents), MAX_FORK_CHILDREN):  # the memory service's per-call bound
+            children += self.memory.fork(self.lease.lease_id, parents[at:at + MAX_FORK_CHILDREN])
+        plan.apply(children)
 
     def _available_blocks(self) -> int:
         """The pool's free blocks now (0 when GetStats fails: nothing is admitted)."""

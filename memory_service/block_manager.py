@@ -21,6 +21,7 @@ from memory_service.block_pool import BlockPool
 from memory_service.leases import Lease, LeaseTable
 from memory_service.prefix_cache import PrefixCache
 from memory_service.requests import (
+    MAX_FORK_BLOCK_IDS,
     Allocation,
     Append,
     AppendResult,
@@ -34,6 +35,7 @@ from memory_service.requests import (
 )
 from memory_service.sequence import Sequence, SequenceInfo, SequenceTable, blocks_for
 from pagedkv.errors import InvalidArgumentError, NotFoundError
+from pagedkv.limits import MAX_FORK_CHILDREN
 from pagedkv.logs import get_logger
 
 log = get_logger("block_manager")
@@ -226,13 +228,22 @@ class BlockManager:
         happens on the first append into a shared, partly filled block.
 
         Raises:
-            InvalidArgumentError: empty or oversized batch.
+            InvalidArgumentError: empty or oversized batch, more than :data:`MAX_FORK_CHILDREN`
+                children or :data:`MAX_FORK_BLOCK_IDS` block-table entries in the reply (nothing
+                is forked).
             NotFoundError / FailedPreconditionError: unknown parent or lease, expired lease.
         """
         lease = self.leases.lookup(lease_id)
         check_batch(len(parent_ids), "ForkSequences")
+        if len(parent_ids) > MAX_FORK_CHILDREN:
+            raise InvalidArgumentError(f"ForkSequences: {len(parent_ids)} children is more than the {MAX_FORK_CHILDREN} "
+                                       "one call may create; fork in several calls")
         unique = list(dict.fromkeys(parent_ids))
         by_id = dict(zip(unique, self.sequences.owned(lease_id, unique, "ForkSequences")))
+        entries = sum(len(by_id[p].block_ids) for p in parent_ids)
+        if entries > MAX_FORK_BLOCK_IDS:
+            raise InvalidArgumentError(f"ForkSequences: the children's block tables would hold {entries} entries, more "
+                                       f"than the {MAX_FORK_BLOCK_IDS} one reply may carry; fork in several calls")
         children = []
         for parent in (by_id[p] for p in parent_ids):
             self.pool.incref(parent.block_ids)

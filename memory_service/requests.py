@@ -21,6 +21,10 @@ from pagedkv.errors import InvalidArgumentError
 
 #: Most entries one batched call may carry (a bigger batch is malformed).
 MAX_BATCH = 65_536
+#: Most block-table entries one ForkSequences reply may carry (children x their parents' tables),
+#: so the reply always fits a gRPC message (4 Mi ids are ~20 MB); the children per call are
+#: bounded by pagedkv.limits.MAX_FORK_CHILDREN.
+MAX_FORK_BLOCK_IDS = 1 << 22
 
 
 def check_batch(n: int, what: str) -> None:

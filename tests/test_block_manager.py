@@ -6,9 +6,11 @@ import itertools
 
 import pytest
 
+from memory_service import block_manager
 from memory_service.block_manager import BlockManager
 from memory_service.requests import Allocation, Append, BlockCopy, BlockTableUpdate, OutOfBlocks
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from pagedkv.limits import MAX_FORK_CHILDREN
 
 
 class FakeClock:
@@ -160,6 +162,7 @@ def test_bad_input_changes_nothing(m: BlockManager):
         (NotFoundError, lambda: m.free(lease, [a.seq_id, 77])),
         (NotFoundError, lambda: m.free(other, [a.seq_id])),
         (NotFoundError, lambda: m.fork(lease, [12345])),
+        (InvalidArgumentError, lambda: m.fork(lease, [a.seq_id] * (MAX_FORK_CHILDREN + 1))),  # bounded work
         (NotFoundError, lambda: m.allocate("nope", [4])),
         (InvalidArgumentError, lambda: m.allocate("", [4])),
         (InvalidArgumentError, lambda: m.leases.create(ttl=-1)),
@@ -168,6 +171,17 @@ def test_bad_input_changes_nothing(m: BlockManager):
         with pytest.raises(error):
             call()
         assert snapshot(m) == before
+
+
+def test_fork_whose_reply_would_not_fit_changes_nothing(m: BlockManager, monkeypatch):
+    lease = m.leases.create().lease_id
+    (a,) = m.allocate(lease, [9])  # 3 blocks of 4
+    monkeypatch.setattr(block_manager, "MAX_FORK_BLOCK_IDS", 10)
+    before = snapshot(m)
+    with pytest.raises(InvalidArgumentError, match="12 entries"):
+        m.fork(lease, [a.seq_id] * 4)
+    assert snapshot(m) == before
+    assert len(m.fork(lease, [a.seq_id] * 3)) == 3  # 9 entries fit
 
 
 def test_double_free_is_an_error(m: BlockManager):

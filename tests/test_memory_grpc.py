@@ -118,6 +118,7 @@ BAD_INPUT = [
     ("batch naming one unknown", "AppendSlots", lambda l, s, f: pb.AppendSlotsRequest(lease_id=l, appends=[pb.SlotAppend(seq_id=s, num_tokens=1), pb.SlotAppend(seq_id=10**9, num_tokens=1)]), NOT_FOUND, "NOT_FOUND"),
     ("duplicate in batch", "AppendSlots", lambda l, s, f: pb.AppendSlotsRequest(lease_id=l, appends=[pb.SlotAppend(seq_id=s, num_tokens=1)] * 2), INVALID, "INVALID_ARGUMENT"),
     ("fork unknown", "ForkSequences", lambda l, s, f: pb.ForkSequencesRequest(lease_id=l, forks=[pb.SequenceFork(parent_seq_id=s), pb.SequenceFork(parent_seq_id=10**9)]), NOT_FOUND, "NOT_FOUND"),
+    ("fork too many children", "ForkSequences", lambda l, s, f: pb.ForkSequencesRequest(lease_id=l, forks=[pb.SequenceFork(parent_seq_id=s)] * 4097), INVALID, "INVALID_ARGUMENT"),
     ("fork empty", "ForkSequences", lambda l, s, f: pb.ForkSequencesRequest(lease_id=l), INVALID, "INVALID_ARGUMENT"),
     ("double free", "FreeSequences", lambda l, s, f: pb.FreeSequencesRequest(lease_id=l, seq_ids=[f]), NOT_FOUND, "NOT_FOUND"),
     ("free batch with one unknown", "FreeSequences", lambda l, s, f: pb.FreeSequencesRequest(lease_id=l, seq_ids=[s, 10**9]), NOT_FOUND, "NOT_FOUND"),
