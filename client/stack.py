@@ -28,6 +28,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 LOG_TAIL = 3000
 
 
+def serving(channel: grpc.Channel, timeout: float) -> bool:
+    """Whether the server on ``channel`` answers SERVING on the standard health service within
+    ``timeout`` seconds (an unreachable server is not serving)."""
+    try:
+        resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def wait_healthy(address: str, timeout: float) -> None:
     """Block until ``address`` answers SERVING on the standard health service.
 
@@ -36,13 +46,9 @@ def wait_healthy(address: str, timeout: float) -> None:
     """
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
+            if serving(ch, timeout=2):
+                return
             time.sleep(0.2)
     raise TimeoutError(f"{address} was not healthy within {timeout:.0f} s")
 

@@ -223,12 +223,12 @@ def _lifespan(server: Server):
 
 async def _status_log(server: Server) -> None:
     """vLLM's periodic line: throughput, running and waiting requests, KV usage, prefix hit rate."""
-    last, last_t = list(server.metrics.totals), time.monotonic()
+    last, last_t = server.metrics.token_totals(), time.monotonic()
     last_q = last_h = 0
     while True:
         await asyncio.sleep(STATUS_INTERVAL)
         sched, now = server.engine.scheduler, time.monotonic()
-        totals = list(server.metrics.totals)
+        totals = server.metrics.token_totals()
         if totals == last and not sched.running and not sched.waiting:
             last_t = now
             continue

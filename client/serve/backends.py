@@ -19,11 +19,10 @@ import argparse
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.launcher import alive, default_device, read_state
 from client.services import MemoryClient, WorkerClient
-from client.stack import LocalStack
+from client.stack import LocalStack, serving
 from memory_service.layout import make_layout, parse_bytes
 
 
@@ -46,11 +45,7 @@ class Backends:
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = grpc.insecure_channel(address)
-        try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+        return serving(ch, timeout)
 
     def close(self) -> None:
         """Close the health channels and stop an embedded stack (workers, then the memory service)."""

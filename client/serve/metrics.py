@@ -43,7 +43,7 @@ class _Progress:
 
 
 class ServeMetrics:
-    """Request metrics of one server (its own registry) and the totals its status log reads.
+    """Request metrics of one server (its own registry).
 
     Args:
         model_name: the ``model_name`` label (the served model name).
@@ -69,8 +69,12 @@ class ServeMetrics:
         self.registry.register(_LiveCollector(self._labels, engine, memory))
         self._progress: dict[str, _Progress] = {}
         self._lock = threading.Lock()
-        #: Totals for the status log (prompt tokens, generation tokens).
-        self.totals = [0, 0]
+
+    def token_totals(self) -> tuple[float, float]:
+        """(prompt tokens, generation tokens) counted so far, as /metrics shows them."""
+        get = self.registry.get_sample_value
+        return (get("pagedkv:prompt_tokens_total", self._labels) or 0.0,
+                get("pagedkv:generation_tokens_total", self._labels) or 0.0)
 
     def observe(self, request_id: str, out: RequestOutput | None, error: Exception | None) -> None:
         """Count what ``out`` adds since the last output of request ``request_id`` (engine thread)."""
@@ -85,10 +89,8 @@ class ServeMetrics:
             if not prog.prompt_counted:
                 prog.prompt_counted = True
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
-                self.totals[0] += len(out.prompt_token_ids)
             if new > 0:
                 self.generation_tokens.inc(new)
-                self.totals[1] += new
                 if prog.tokens == 0:
                     if out.metrics.get("ttft") is not None:
                         self.ttft.observe(out.metrics["ttft"])
