@@ -1,3 +1,4 @@
+from pagedkv.grant.v1 import grant_pb2 as _grant_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -29,7 +30,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "positions", "block_ids", "sampling", "output_index", "skip_sampling")
+    __slots__ = ("seq_id", "token_ids", "positions", "block_ids", "sampling", "output_index", "skip_sampling", "grant")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +38,7 @@ class StepSequence(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SKIP_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -44,7 +46,8 @@ class StepSequence(_message.Message):
     sampling: SamplingParams
     output_index: int
     skip_sampling: bool
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_index: _Optional[int] = ..., skip_sampling: _Optional[bool] = ...) -> None: ...
+    grant: _grant_pb2.StepGrant
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_index: _Optional[int] = ..., skip_sampling: _Optional[bool] = ..., grant: _Optional[_Union[_grant_pb2.StepGrant, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool_generation", "sequences", "copies")
@@ -65,16 +68,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "receipt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    receipt: _grant_pb2.StepReceipt
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., receipt: _Optional[_Union[_grant_pb2.StepReceipt, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "model_seconds", "attention_seconds", "step_seconds", "num_tokens")

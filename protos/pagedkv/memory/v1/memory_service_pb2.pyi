@@ -1,3 +1,4 @@
+from pagedkv.grant.v1 import grant_pb2 as _grant_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -44,7 +45,7 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolDescriptor(_message.Message):
-    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid")
+    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid", "worker_socket")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +61,7 @@ class PoolDescriptor(_message.Message):
     CUDA_DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OWNER_PID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SOCKET_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     generation: int
     backend: PoolBackend
@@ -75,7 +77,8 @@ class PoolDescriptor(_message.Message):
     cuda_device_uuid: str
     model: str
     owner_pid: int
-    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ...) -> None: ...
+    worker_socket: str
+    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ..., worker_socket: _Optional[str] = ...) -> None: ...
 
 class CreateLeaseRequest(_message.Message):
     __slots__ = ("ttl_seconds", "owner")
@@ -86,12 +89,14 @@ class CreateLeaseRequest(_message.Message):
     def __init__(self, ttl_seconds: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class CreateLeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_seconds")
+    __slots__ = ("lease_id", "ttl_seconds", "lease_secret")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     ttl_seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    lease_secret: str
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -168,10 +173,12 @@ class AllocateSequencesRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ...) -> None: ...
 
 class AllocateSequencesResponse(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "grants")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceBlockTable]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ...) -> None: ...
+    grants: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepGrant]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ...) -> None: ...
 
 class SlotAppend(_message.Message):
     __slots__ = ("seq_id", "num_tokens", "token_ids")
@@ -204,12 +211,14 @@ class BlockTableUpdate(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_changed: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AppendSlotsResponse(_message.Message):
-    __slots__ = ("updates", "copies")
+    __slots__ = ("updates", "copies", "grants")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[BlockTableUpdate]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, updates: _Optional[_Iterable[_Union[BlockTableUpdate, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    grants: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepGrant]
+    def __init__(self, updates: _Optional[_Iterable[_Union[BlockTableUpdate, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ...) -> None: ...
 
 class SequenceFork(_message.Message):
     __slots__ = ("parent_seq_id",)
@@ -226,10 +235,12 @@ class ForkSequencesRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., forks: _Optional[_Iterable[_Union[SequenceFork, _Mapping]]] = ...) -> None: ...
 
 class ForkSequencesResponse(_message.Message):
-    __slots__ = ("children",)
+    __slots__ = ("children", "grants")
     CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
     children: _containers.RepeatedCompositeFieldContainer[SequenceBlockTable]
-    def __init__(self, children: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ...) -> None: ...
+    grants: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepGrant]
+    def __init__(self, children: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ...) -> None: ...
 
 class FreeSequencesRequest(_message.Message):
     __slots__ = ("lease_id", "seq_ids", "reason")
@@ -276,16 +287,22 @@ class GetBlockTableResponse(_message.Message):
     def __init__(self, sequence: _Optional[_Union[SequenceInfo, _Mapping]] = ...) -> None: ...
 
 class ListSequencesRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "page_size", "page_token")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, lease_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListSequencesResponse(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "next_page_token")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -340,20 +357,24 @@ class ComputedTokens(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class CommitComputedTokensRequest(_message.Message):
-    __slots__ = ("lease_id", "sequences")
+    __slots__ = ("lease_id", "sequences", "receipts")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[ComputedTokens]
-    def __init__(self, lease_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[ComputedTokens, _Mapping]]] = ...) -> None: ...
+    receipts: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepReceipt]
+    def __init__(self, lease_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[ComputedTokens, _Mapping]]] = ..., receipts: _Optional[_Iterable[_Union[_grant_pb2.StepReceipt, _Mapping]]] = ...) -> None: ...
 
 class CommitComputedTokensResponse(_message.Message):
-    __slots__ = ("blocks_registered", "skipped")
+    __slots__ = ("blocks_registered", "skipped", "grants")
     BLOCKS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
     blocks_registered: int
     skipped: int
-    def __init__(self, blocks_registered: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+    grants: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepGrant]
+    def __init__(self, blocks_registered: _Optional[int] = ..., skipped: _Optional[int] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
@@ -364,6 +385,20 @@ class ResetPrefixCacheResponse(_message.Message):
     BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
     blocks_cleared: int
     def __init__(self, blocks_cleared: _Optional[int] = ...) -> None: ...
+
+class CheckInvariantsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckInvariantsResponse(_message.Message):
+    __slots__ = ("ok", "violation", "stats")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    VIOLATION_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    violation: str
+    stats: GetStatsResponse
+    def __init__(self, ok: _Optional[bool] = ..., violation: _Optional[str] = ..., stats: _Optional[_Union[GetStatsResponse, _Mapping]] = ...) -> None: ...
 
 class StreamKvEventsRequest(_message.Message):
     __slots__ = ("from_sequence_number",)

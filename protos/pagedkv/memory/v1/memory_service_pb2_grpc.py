@@ -105,6 +105,11 @@ class MemoryServiceStub:
                 request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.StreamKvEventsRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.KvEvent.FromString,
                 _registered_method=True)
+        self.CheckInvariants = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/CheckInvariants',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -190,21 +195,31 @@ class MemoryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitComputedTokens(self, request, context):
-        """Reports tokens whose KV the worker has written; their full blocks enter the prefix cache.
+        """Hands in workers' receipts: their positions count as computed, and full
+        blocks with known token ids enter the prefix cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ResetPrefixCache(self, request, context):
-        """Drops every cached (refcount 0) block from the prefix cache.
+        """Drops every cached (refcount 0) block from the prefix cache (admin only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def StreamKvEvents(self, request, context):
-        """Streams prefix-cache events (block stored / removed / all cleared) in order.
+        """Streams prefix-cache events (block stored / removed / all cleared) in order,
+        every one or FAILED_PRECONDITION naming the first one lost; token ids only
+        for the admin role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckInvariants(self, request, context):
+        """Checks the block manager's invariants now (admin only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -282,6 +297,11 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.StreamKvEvents,
                     request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.StreamKvEventsRequest.FromString,
                     response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.KvEvent.SerializeToString,
+            ),
+            'CheckInvariants': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckInvariants,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -663,6 +683,33 @@ class MemoryService:
             '/pagedkv.memory.v1.MemoryService/StreamKvEvents',
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.StreamKvEventsRequest.SerializeToString,
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.KvEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckInvariants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/CheckInvariants',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,63 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GrantedCopy(_message.Message):
+    __slots__ = ("src", "src_epoch", "dst", "dst_epoch")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    SRC_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    DST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    src_epoch: int
+    dst: int
+    dst_epoch: int
+    def __init__(self, src: _Optional[int] = ..., src_epoch: _Optional[int] = ..., dst: _Optional[int] = ..., dst_epoch: _Optional[int] = ...) -> None: ...
+
+class StepGrant(_message.Message):
+    __slots__ = ("pool_generation", "seq_id", "block_ids", "block_epochs", "readable_tokens", "write_end", "token_digest", "copies", "expires_at", "signature")
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    READABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_END_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    pool_generation: int
+    seq_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_epochs: _containers.RepeatedScalarFieldContainer[int]
+    readable_tokens: int
+    write_end: int
+    token_digest: bytes
+    copies: _containers.RepeatedCompositeFieldContainer[GrantedCopy]
+    expires_at: float
+    signature: bytes
+    def __init__(self, pool_generation: _Optional[int] = ..., seq_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_epochs: _Optional[_Iterable[int]] = ..., readable_tokens: _Optional[int] = ..., write_end: _Optional[int] = ..., token_digest: _Optional[bytes] = ..., copies: _Optional[_Iterable[_Union[GrantedCopy, _Mapping]]] = ..., expires_at: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class StepReceipt(_message.Message):
+    __slots__ = ("pool_generation", "seq_id", "start", "end", "token_digest", "block_ids", "block_epochs", "signature")
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    pool_generation: int
+    seq_id: int
+    start: int
+    end: int
+    token_digest: bytes
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_epochs: _containers.RepeatedScalarFieldContainer[int]
+    signature: bytes
+    def __init__(self, pool_generation: _Optional[int] = ..., seq_id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., token_digest: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_epochs: _Optional[_Iterable[int]] = ..., signature: _Optional[bytes] = ...) -> None: ...
