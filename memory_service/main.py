@@ -24,6 +24,7 @@ from memory_service.block_manager import BlockManager
 from memory_service.layout import make_layout, parse_bytes
 from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
+from memory_service.step_grants import GrantSigner
 from memory_service.worker_socket import WorkerSocketServer
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
@@ -95,14 +96,14 @@ async def serve(args: argparse.Namespace) -> None:
         pool.close()
         raise
     manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl,
-                           prefix_caching=args.prefix_caching)
+                           prefix_caching=args.prefix_caching, epochs=pool.epochs)
     ready_info = {"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks,
                   "worker_socket": pool.worker_socket}
     if args.metrics_port is not None:
         from memory_service.metrics import start_metrics_server
 
         ready_info["metrics_port"] = start_metrics_server(manager, args.host, args.metrics_port)
-    servicer = MemoryServicer(manager, pool)
+    servicer = MemoryServicer(manager, pool, GrantSigner(pool.plane_key, pool.generation, manager.pool.epochs))
 
     async def grace() -> None:
         # Workers watching health see NOT_SERVING now; no new one gets the pool; give them time
