@@ -39,8 +39,9 @@ def step(worker: WorkerClient, generation: int, seq: int, tokens: list[int], sta
 def denied(fn) -> str:
     with pytest.raises(Exception) as e:
         fn()
-    assert getattr(e.value, "code", None) == grpc.StatusCode.PERMISSION_DENIED, e.value
-    return str(e.value)
+    code = e.value.code() if isinstance(e.value, grpc.RpcError) else e.value.code
+    assert code == grpc.StatusCode.PERMISSION_DENIED, e.value
+    return e.value.details() if isinstance(e.value, grpc.RpcError) else str(e.value)
 
 
 @pytest.fixture
