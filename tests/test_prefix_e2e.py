@@ -16,6 +16,7 @@ from client.request import Request
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
 from client.tokenizer import encode_prompt, load_tokenizer
+from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 
@@ -97,10 +98,14 @@ def test_kv_events_stream(stack):
         start = stub.GetStats(pb.GetStatsRequest())
         lease = stub.CreateLease(pb.CreateLeaseRequest()).lease_id
         tokens = list(range(1000, 1040))  # 2 full blocks of 16 + 8
-        (seq,) = stub.AllocateSequences(pb.AllocateSequencesRequest(lease_id=lease, sequences=[
-            pb.SequenceAllocation(num_tokens=40, token_ids=tokens, cache_salt=uuid.uuid4().hex)])).sequences
-        stub.CommitComputedTokens(pb.CommitComputedTokensRequest(lease_id=lease, sequences=[
-            pb.ComputedTokens(seq_id=seq.seq_id, num_computed_tokens=40)]))
+        resp = stub.AllocateSequences(pb.AllocateSequencesRequest(lease_id=lease, sequences=[
+            pb.SequenceAllocation(num_tokens=40, token_ids=tokens, cache_salt=uuid.uuid4().hex)]))
+        (seq,), (grant,) = resp.sequences, resp.grants
+        worker = WorkerClient(stack.worker_addresses[0])
+        (result,) = worker.step(cpb.StepRequest(pool_generation=grant.pool_generation, sequences=[cpb.StepSequence(
+            seq_id=seq.seq_id, token_ids=tokens, positions=range(40), block_ids=seq.block_ids, grant=grant)])).results
+        worker.close()
+        stub.CommitComputedTokens(pb.CommitComputedTokensRequest(lease_id=lease, receipts=[result.receipt]))
         stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease))
         del start
         events = stub.StreamKvEvents(pb.StreamKvEventsRequest(from_sequence_number=1), timeout=10)
