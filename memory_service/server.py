@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 
 from memory_service.block_hash import CacheKey
-from memory_service.block_manager import BlockManager
+from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
 from memory_service.pool import Pool
-from memory_service.prefix_cache import KvEvent
+from memory_service.prefix_cache import KvEvent, PrefixCache
 from memory_service.requests import Allocation, Append, Commit, OutOfBlocks
 from memory_service.sequence import Sequence, SequenceInfo
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
@@ -121,20 +121,85 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.ResetPrefixCacheResponse(blocks_cleared=self.manager.reset_prefix_cache())
 
     async def StreamKvEvents(self, request, context):
-        """Server streaming: replay retained events from a sequence number, then follow."""
+        """Server streaming: replay retained events from a sequence number, then follow.
+
+        Every event in order, sent as soon as it is logged (the stream wakes on each event, no
+        polling); a subscriber that falls more than the retained window behind, or asks for an
+        event no longer kept, ends with FAILED_PRECONDITION naming the first number it lost.
+        """
         first = request.from_sequence_number if request.HasField("from_sequence_number") else None
+        changes = _kv_changes(self.manager.prefix_cache)
         cursor = self.manager.prefix_cache.subscribe(first)
         while True:
-            for e in cursor.poll():
+            changed = changes.current()  # taken before the poll, so no event can slip between
+            batch = cursor.poll(EVENTS_PER_WAKE)
+            for e in batch:
                 yield _event(e)
-            await asyncio.sleep(0.05)
+            if not batch:
+                await changed.wait()
+
+
+#: Events a stream sends between two looks at the log.
+EVENTS_PER_WAKE = 1024
+
+
+class _Changes:
+    """Wakes every waiting event stream when the log grows: one ``asyncio.Event`` per round."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        """An event was logged (called synchronously from the prefix cache)."""
+        self._event.set()
+
+    def current(self) -> asyncio.Event:
+        """The event the next emission sets (a fresh one once the last was set)."""
+        if self._event.is_set():
+            self._event = asyncio.Event()
+        return self._event
+
+
+def _kv_changes(cache: PrefixCache) -> _Changes:
+    """The notifier of ``cache``'s log, installed as its ``on_emit`` on first use."""
+    changes = getattr(cache.on_emit, "__self__", None)
+    if not isinstance(changes, _Changes):
+        changes = _Changes()
+        cache.on_emit = changes.notify
+    return changes
 
 
 async def expire_leases_forever(manager: BlockManager, period: float) -> None:
-    """Background task: free the sequences of expired leases every ``period`` seconds."""
-    while True:
-        await asyncio.sleep(period)
-        manager.leases.expire()
+    """Background task: expire leases every ``period`` seconds; return released blocks in chunks.
+
+    Keep-alives are never starved (:mod:`memory_service.leases`): the lease table is told the
+    sweep's period, so a later wake-up (the process paused, a long call on the loop) is credited
+    to every lease and nothing expires for one more period, while the keep-alives that queued
+    meanwhile are served; the sweep also yields to the loop before each expiry so RPCs already
+    received run first. Blocks of dropped leases return to the pool
+    :data:`~memory_service.block_manager.RELEASE_CHUNK_BLOCKS` references per loop turn.
+    """
+    leases = manager.leases
+    leases.watch_stalls(period)
+    wake = asyncio.Event()
+    manager.on_releasing = wake.set
+
+    async def drain() -> None:
+        while True:
+            await wake.wait()
+            wake.clear()
+            while manager.drain_released(RELEASE_CHUNK_BLOCKS):
+                await asyncio.sleep(0)  # let other calls run between chunks
+
+    drainer = asyncio.create_task(drain())
+    try:
+        while True:
+            await asyncio.sleep(period)
+            await asyncio.sleep(0)  # calls received meanwhile (keep-alives) run before the sweep
+            leases.expire()
+    finally:
+        drainer.cancel()
+        manager.on_releasing = None
 
 
 __all__ = ["MemoryServicer", "SERVICE_NAME", "expire_leases_forever"]
