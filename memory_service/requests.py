@@ -46,6 +46,17 @@ def check_token_ids(n: int, what: str) -> None:
                                    "carry (pagedkv.limits.MAX_TOKEN_IDS_PER_CALL); split the batch into several calls")
 
 
+def check_request_size(entries: Seq, what: str) -> None:
+    """Check a request's entries (protos with ``token_ids``) against the per-call limits before
+    they are converted: a refusal costs no more than reading the request.
+
+    Raises:
+        InvalidArgumentError: as :func:`check_batch` and :func:`check_token_ids`.
+    """
+    check_batch(len(entries), what)
+    check_token_ids(sum(len(e.token_ids) for e in entries), what)
+
+
 @dataclass(frozen=True, slots=True)
 class OutOfBlocks:
     """Typed result of a request the pool cannot satisfy now (-> RESOURCE_EXHAUSTED)."""

@@ -9,12 +9,13 @@ typed result back. Errors map to codes in one place (:func:`pagedkv.service.map_
 from __future__ import annotations
 
 import asyncio
+import time
 
 from memory_service.block_hash import CacheKey
 from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
 from memory_service.pool import Pool
 from memory_service.prefix_cache import KvEvent, PrefixCache
-from memory_service.requests import Allocation, Append, Commit, OutOfBlocks
+from memory_service.requests import Allocation, Append, Commit, OutOfBlocks, check_request_size
 from memory_service.sequence import Sequence, SequenceInfo
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 from pagedkv.logs import get_logger
@@ -77,12 +78,14 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.GetPoolDescriptorResponse(pool=self.pool.descriptor())
 
     async def AllocateSequences(self, request, context):
+        check_request_size(request.sequences, "AllocateSequences")  # before the work of converting it
         reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None, CacheKey(s.model_id, s.cache_salt))
                 for s in request.sequences]
         seqs = _ok(self.manager.allocate(request.lease_id, reqs), "allocation")
         return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs])
 
     async def AppendSlots(self, request, context):
+        check_request_size(request.appends, "AppendSlots")
         appends = [Append(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
         result = _ok(self.manager.append_slots(request.lease_id, appends), "append")
         return pb.AppendSlotsResponse(
@@ -177,7 +180,8 @@ async def expire_leases_forever(manager: BlockManager, period: float) -> None:
     to every lease and nothing expires for one more period, while the keep-alives that queued
     meanwhile are served; the sweep also yields to the loop before each expiry so RPCs already
     received run first. Blocks of dropped leases return to the pool
-    :data:`~memory_service.block_manager.RELEASE_CHUNK_BLOCKS` references per loop turn.
+    :data:`~memory_service.block_manager.RELEASE_CHUNK_BLOCKS` references at a time, with a
+    rest as long as each chunk took between chunks (at most half the loop's time).
     """
     leases = manager.leases
     leases.watch_stalls(period)
@@ -188,8 +192,13 @@ async def expire_leases_forever(manager: BlockManager, period: float) -> None:
         while True:
             await wake.wait()
             wake.clear()
-            while manager.drain_released(RELEASE_CHUNK_BLOCKS):
-                await asyncio.sleep(0)  # let other calls run between chunks
+            while True:
+                t = time.perf_counter()
+                if not manager.drain_released(RELEASE_CHUNK_BLOCKS):
+                    break
+                # Rest as long as the chunk took: a call needs several loop turns (and gRPC's
+                # poller thread the GIL) to be answered, which one bare yield does not give.
+                await asyncio.sleep(max(0.001, time.perf_counter() - t))
 
     drainer = asyncio.create_task(drain())
     try:

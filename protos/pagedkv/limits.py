@@ -14,8 +14,8 @@ from __future__ import annotations
 MAX_LOGPROBS = 20
 
 #: Most entries one batched memory-service call may carry (sequences allocated, appended, freed,
-#: committed, forked). An AllocateSequences of 2048 sequences takes ~30 ms on the loop, 65,536
-#: took ~0.9 s. The engine's batches are at most its ``max_num_seqs`` running sequences.
+#: committed, forked). An AllocateSequences of 2048 sequences takes ~30-45 ms on the loop,
+#: 65,536 took ~0.9 s. The engine's batches are at most its ``max_num_seqs`` running sequences.
 MAX_BATCH = 2048
 
 #: Most children one ForkSequences call may create (bounded work per call); the memory service
@@ -23,12 +23,12 @@ MAX_BATCH = 2048
 MAX_FORK_CHILDREN = 2048
 
 #: Most block-table entries one ForkSequences reply may carry (children x their parents' tables):
-#: each is an incref and a reply entry (~0.16 us each: 4 Mi entries took ~0.67 s), so the
-#: reply always fits a gRPC message and the call stays under ~50 ms.
+#: each is an incref and a reply entry (~0.16 us each: 4 Mi entries took ~0.67 s, 256 Ki ~45 ms),
+#: so the reply always fits a gRPC message and the call stays under ~50 ms.
 MAX_FORK_BLOCK_IDS = 1 << 18
 
 #: Most token ids one AllocateSequences or AppendSlots call may carry, over all its entries
-#: (~0.2 us each on the loop: 1 Mi ids took ~0.2 s).
-MAX_TOKEN_IDS_PER_CALL = 1 << 18
+#: (~0.2-0.3 us each on the loop: 1 Mi ids took ~0.26 s, 256 Ki ~60-80 ms).
+MAX_TOKEN_IDS_PER_CALL = 1 << 17
 
 assert MAX_FORK_CHILDREN <= MAX_BATCH
