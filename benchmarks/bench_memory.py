@@ -147,7 +147,7 @@ def replay(address: str, policy: ReservationPolicy, block_size: int, trace, step
         tables = []
         while admit:
             try:
-                tables = mem.allocate(lease, [t for _, _, t in admit])
+                tables = mem.allocate(lease, [t for _, _, t in admit]).sequences
                 break
             except OutOfBlocks:
                 admit.pop()

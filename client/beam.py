@@ -166,19 +166,22 @@ class ForkPlan:
         """Sequence ids to fork: one per :attr:`forkable` branch, same order."""
         return [b.parent.seq_id for b in self.forkable]
 
-    def apply(self, children) -> None:
+    def apply(self, children, grants=()) -> None:
         """Create the branches' sequences.
 
         Args:
             children: the forked block tables (``seq_id``, ``block_ids``), one per :attr:`parents`
                 entry, same order.
+            grants: the children's StepGrants, same order.
         """
         child_of = {id(b): c for b, c in zip(self.forkable, children)}
+        grant_of = {id(b): g for b, g in zip(self.forkable, grants)}
         for b in self.branches:
             seq = b.child()
             c = child_of.get(id(b))
             if c is not None:
                 seq.seq_id, seq.block_table, seq.num_computed = c.seq_id, list(c.block_ids), b.parent.num_computed
+                seq.grant = grant_of.get(id(b))
             if b.token is None:
                 b.request.seqs.append(seq)
             else:

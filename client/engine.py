@@ -15,7 +15,8 @@ One :meth:`Engine.step` (vLLM v1's schedule / execute / update_from_output, spli
                  -> OUT_OF_BLOCKS: unadmit the last admitted (it waits) and retry
     6. Step      one call per worker (client.worker_step): copy-on-write pairs,
                  tokens, positions, block tables, sampling; the worker samples
-    7. update    report blocks filled this step (prefix cache)    (1 CommitComputedTokens)
+    7. update    hand in the workers' receipts (computed tokens;   (1 CommitComputedTokens)
+                 full blocks enter the prefix cache)
                  append sampled tokens, check stops (client.stop), advance beams;
                  free finished sequences                          (1 FreeSequences)
 
@@ -171,10 +172,12 @@ class Engine:
         plan = self.branching.plan()
         if plan.drop:
             self.memory.free(self.lease.lease_id, plan.drop, mpb.FREE_REASON_ABORTED)
-        parents, children = plan.parents, []
+        parents, children, grants = plan.parents, [], []
         for at in range(0, len(parents), MAX_FORK_CHILDREN):  # the memory service's per-call bound
-            children += self.memory.fork(self.lease.lease_id, parents[at:at + MAX_FORK_CHILDREN])
-        plan.apply(children)
+            resp = self.memory.fork(self.lease.lease_id, parents[at:at + MAX_FORK_CHILDREN])
+            children += resp.children
+            grants += resp.grants
+        plan.apply(children, grants)
 
     def _available_blocks(self) -> int:
         """The pool's free blocks now (0 when GetStats fails: nothing is admitted)."""
@@ -192,8 +195,9 @@ class Engine:
         copies_by_worker: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
         preempted: list[str] = []
         while True:
-            appends = [(x.seq.seq_id, x.num_new_tokens, x.token_ids) for x in out.scheduled
-                       if x.seq.seq_id is not None and self.scheduler.reservation(x.request) is None]
+            grown = [x for x in out.scheduled
+                     if x.seq.seq_id is not None and self.scheduler.reservation(x.request) is None]
+            appends = [(x.seq.seq_id, x.num_new_tokens, x.token_ids) for x in grown]
             if not appends:
                 return copies_by_worker, preempted
             try:
@@ -209,6 +213,8 @@ class Engine:
                 out.drop(victim)
                 continue
             by_id = {x.seq.seq_id: x.seq for x in out.scheduled if x.seq.seq_id is not None}
+            for x, g in zip(grown, resp.grants):
+                x.seq.grant = g
             for u in resp.updates:
                 by_id[u.seq_id].block_table[u.first_changed:] = list(u.block_ids)
             for c in resp.copies:
@@ -230,7 +236,7 @@ class Engine:
             if not new:
                 return out.scheduled
             try:
-                tables = self.memory.allocate(self.lease.lease_id, [self._allocation(x) for x in new])
+                resp = self.memory.allocate(self.lease.lease_id, [self._allocation(x) for x in new])
             except OutOfBlocks:
                 if not out.admitted:
                     raise
@@ -238,8 +244,8 @@ class Engine:
                 self.scheduler.unadmit(last)
                 out.drop(last)
                 continue
-            for x, t in zip(new, tables):
-                x.allocated(t)
+            for x, t, g in zip(new, resp.sequences, resp.grants):
+                x.allocated(t, g)
             return out.scheduled
 
     def _allocation(self, x: ScheduledSeq) -> mpb.SequenceAllocation:
@@ -282,7 +288,7 @@ class Engine:
         finished: list[str] = []
         for x in scheduled:
             x.seq.num_computed += x.num_new_tokens
-        self._commit(scheduled)  # before any is freed: a request done in its prefill step still fills the cache
+        self._commit(scheduled, results)  # before any is freed: a request done in its prefill step still fills the cache
         for x in scheduled:
             req, seq = x.request, x.seq
             res = results.by_seq[seq.seq_id]
@@ -309,16 +315,14 @@ class Engine:
             self.memory.free(self.lease.lease_id, to_free, mpb.FREE_REASON_FINISHED)
         return finished
 
-    def _commit(self, scheduled: list[ScheduledSeq]) -> None:
-        """Report computed tokens of sequences that filled a block this step (prefix caching)."""
-        if not self.prefix_caching:
+    def _commit(self, scheduled: list[ScheduledSeq], results: StepResults) -> None:
+        """Hand the workers' receipts to the memory service: the positions written this step count as
+        computed there (later steps may read them; full blocks enter the prefix cache), and each
+        sequence gets the grant for its next step."""
+        receipts = [results.by_seq[x.seq.seq_id].receipt for x in scheduled]
+        if not receipts:
             return
-        bs = self.block_size
-        commits = []
-        for x in scheduled:
-            s = x.seq
-            if s.seq_id is not None and s.num_computed // bs > s.num_committed // bs:
-                commits.append((s.seq_id, s.num_computed))
-                s.num_committed = s.num_computed
-        if commits:
-            self.memory.commit(self.lease.lease_id, commits)
+        resp = self.memory.commit(self.lease.lease_id, receipts)
+        by_id = {x.seq.seq_id: x.seq for x in scheduled}
+        for g in resp.grants:
+            by_id[g.seq_id].grant = g

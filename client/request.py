@@ -58,8 +58,9 @@ class Seq:
     #: Incremental decoder of the generated tokens (client.detokenizer.Detokenizer), made at
     #: the first token; None for beams, whose text is decoded once at the end.
     detok: object = None
-    #: Tokens last reported to the memory service as computed (prefix caching).
-    num_committed: int = 0
+    #: The memory service's latest grant for it (pagedkv.grant.v1.StepGrant: what its next step
+    #: may touch), handed to the worker unchanged; None while not allocated.
+    grant: object = None
 
     @property
     def generated(self) -> list[int]:
@@ -79,7 +80,7 @@ class Seq:
         self.seq_id = None
         self.block_table = []
         self.num_computed = 0
-        self.num_committed = 0
+        self.grant = None
 
 
 @dataclass(slots=True)

@@ -66,13 +66,13 @@ class ScheduledSeq:
         start = self.seq.num_computed
         return self.seq.tokens[start:start + self.num_new_tokens]
 
-    def allocated(self, table) -> None:
+    def allocated(self, table, grant=None) -> None:
         """The sequence got its blocks: ``table`` is the memory service's SequenceBlockTable (seq_id,
-        block_ids, num_tokens allocated, num_cached_tokens found in the prefix cache); cached tokens
-        count as computed and are not computed again."""
+        block_ids, num_tokens allocated, num_cached_tokens found in the prefix cache), ``grant`` its
+        StepGrant; cached tokens count as computed and are not computed again."""
         s = self.seq
-        s.seq_id, s.block_table = table.seq_id, list(table.block_ids)
-        s.num_computed = s.num_committed = table.num_cached_tokens
+        s.seq_id, s.block_table, s.grant = table.seq_id, list(table.block_ids), grant
+        s.num_computed = table.num_cached_tokens
         self.num_new_tokens = min(self.num_new_tokens, table.num_tokens - table.num_cached_tokens)
 
 

@@ -75,11 +75,12 @@ class MemoryClient(_Channel):
         return self.stub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout).freed_sequences
 
     @_typed
-    def allocate(self, lease_id: str, sequences: list[mpb.SequenceAllocation | int]) -> list[mpb.SequenceBlockTable]:
-        """Allocate sequences (token counts, or full ``SequenceAllocation`` messages for prefix caching)."""
+    def allocate(self, lease_id: str, sequences: list[mpb.SequenceAllocation | int]) -> mpb.AllocateSequencesResponse:
+        """Allocate sequences (token counts, or full ``SequenceAllocation`` messages for prefix caching);
+        the reply has their block tables and grants."""
         seqs = [mpb.SequenceAllocation(num_tokens=s) if isinstance(s, int) else s for s in sequences]
         req = mpb.AllocateSequencesRequest(lease_id=lease_id, sequences=seqs)
-        return list(self.stub.AllocateSequences(req, timeout=self.timeout).sequences)
+        return self.stub.AllocateSequences(req, timeout=self.timeout)
 
     @_typed
     def append(self, lease_id: str, appends: list[tuple[int, int] | tuple[int, int, list[int]]]) -> mpb.AppendSlotsResponse:
@@ -89,16 +90,16 @@ class MemoryClient(_Channel):
         return self.stub.AppendSlots(req, timeout=self.timeout)
 
     @_typed
-    def commit(self, lease_id: str, computed: list[tuple[int, int]]) -> mpb.CommitComputedTokensResponse:
-        """Report ``(seq_id, num_computed_tokens)``: full blocks enter the prefix cache."""
-        req = mpb.CommitComputedTokensRequest(lease_id=lease_id, sequences=[
-            mpb.ComputedTokens(seq_id=s, num_computed_tokens=n) for s, n in computed])
+    def commit(self, lease_id: str, receipts: list) -> mpb.CommitComputedTokensResponse:
+        """Hand in workers' receipts (``StepResult.receipt``, unchanged); the reply has fresh grants."""
+        req = mpb.CommitComputedTokensRequest(lease_id=lease_id, receipts=receipts)
         return self.stub.CommitComputedTokens(req, timeout=self.timeout)
 
     @_typed
-    def fork(self, lease_id: str, parents: list[int]) -> list[mpb.SequenceBlockTable]:
+    def fork(self, lease_id: str, parents: list[int]) -> mpb.ForkSequencesResponse:
+        """Fork each parent; the reply has the children's block tables and grants."""
         req = mpb.ForkSequencesRequest(lease_id=lease_id, forks=[mpb.SequenceFork(parent_seq_id=p) for p in parents])
-        return list(self.stub.ForkSequences(req, timeout=self.timeout).children)
+        return self.stub.ForkSequences(req, timeout=self.timeout)
 
     @_typed
     def free(self, lease_id: str, seq_ids: list[int], reason: int = mpb.FREE_REASON_FINISHED) -> int:

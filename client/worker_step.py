@@ -58,7 +58,7 @@ def build_steps(scheduled: list[ScheduledSeq], copies_by_worker: dict[int, list[
         step.sequences.append(cpb.StepSequence(
             seq_id=seq.seq_id, token_ids=x.token_ids, positions=range(start, end),
             block_ids=seq.block_table, sampling=sampling(req, seq), output_index=len(seq.generated),
-            skip_sampling=skip))
+            skip_sampling=skip, grant=seq.grant))
     for w, copies in copies_by_worker.items():
         by_worker[w].copies.extend(cpb.BlockCopy(src=s, dst=d) for s, d in copies)
     return by_worker

@@ -4,12 +4,15 @@ Example::
 
     pagedkv compute --memory 127.0.0.1:50051 --host 127.0.0.1 --port 50052 --device cpu --model smollm2
 
-Start-up: wait for the memory service, read its pool descriptor, load the
-model, map the pool and check that its layout fits the model (a mismatch is a
-start-up error naming both), then serve. A background task watches the memory
-service's health: on NOT_SERVING (shutdown) or a new pool generation it drops
-the mapping, fails steps with FAILED_PRECONDITION until a pool is mapped again,
-and re-maps the new pool; it never computes on stale memory.
+Start-up: wait for the memory service, read its pool descriptor (the layout
+and the path of its worker socket), load the model, receive the pool's handle,
+epoch table and plane key on that socket (``--memory-socket`` overrides the
+path, for a container that mounts it elsewhere), map the pool and check that
+its layout fits the model (a mismatch is a start-up error naming both), then
+serve. A background task watches the memory service's health: on NOT_SERVING
+(shutdown) or a new pool generation it drops the mapping, fails steps with
+FAILED_PRECONDITION until a pool is mapped again, and re-maps the new pool
+through the socket; it never computes on stale memory.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--port", type=int, default=int(os.environ.get("PAGEDKV_COMPUTE_PORT", "50052")), help="port; 0 = any free port (default 50052)")
     p.add_argument("--device", default=os.environ.get("PAGEDKV_DEVICE", "cpu"), help="cpu, cuda or cuda:N; a cuda pool is mapped on the GPU with its UUID")
     p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"), help="'smollm2' or a Hugging Face directory")
+    p.add_argument("--memory-socket", default=os.environ.get("PAGEDKV_MEMORY_SOCKET"),
+                   help="the memory service's worker socket here (default: the path its pool descriptor names)")
     p.add_argument("--memory-timeout", type=float, default=60.0, help="seconds to wait for the memory service at start (default 60)")
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
     return p
@@ -92,10 +97,13 @@ def _torch_device(device: str, desc: mpb.PoolDescriptor) -> str:
     return "cpu"
 
 
-async def watch_memory_service(address: str, worker: Worker, health, compute: Executor) -> None:
+async def watch_memory_service(address: str, worker: Worker, health, compute: Executor,
+                               socket_path: str | None = None) -> None:
     """Follow the memory service: drop the pool when it stops, map the new one when it is back.
 
-    Mapping and dropping run on `compute`, the worker's one compute thread (see `swap_pool`).
+    Mapping (through the worker socket, `socket_path` overriding the descriptor's) and dropping
+    run on `compute`, the worker's one compute thread (see `swap_pool`). A mapping that fails
+    (socket unreachable, another generation behind it) is logged and retried.
     """
     channel = grpc.aio.insecure_channel(address)
     stub = health_pb2_grpc.HealthStub(channel)
@@ -107,11 +115,13 @@ async def watch_memory_service(address: str, worker: Worker, health, compute: Ex
                     break
                 desc = (await memory.GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=5)).pool
                 if worker.pool is None or desc.generation != worker.pool.generation:
-                    await swap_pool(worker, compute, _remap, worker, desc)
+                    await swap_pool(worker, compute, _remap, worker, desc, socket_path)
                     await health.set("", health_pb2.HealthCheckResponse.SERVING)
                     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         except grpc.aio.AioRpcError as e:
             log.info("memory_service_unreachable", memory=address, code=e.code().name, error=e.details())
+        except (OSError, ValueError) as e:
+            log.warning("pool_map_failed", memory=address, error=str(e))
         if worker.pool is not None:
             log.warning("pool_lost", memory=address, generation=worker.pool.generation)
             await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -130,9 +140,9 @@ async def swap_pool(worker: Worker, compute: Executor, fn, *args) -> None:
     await asyncio.get_running_loop().run_in_executor(compute, fn, *args)
 
 
-def _remap(worker: Worker, desc: mpb.PoolDescriptor) -> None:
+def _remap(worker: Worker, desc: mpb.PoolDescriptor, socket_path: str | None) -> None:
     check_layout(desc, worker.config)
-    worker.set_pool(map_pool(desc))
+    worker.set_pool(map_pool(desc, socket_path))
     log.info("pool_mapped", generation=desc.generation, backend=mpb.PoolBackend.Name(desc.backend),
              num_blocks=desc.layout.num_blocks)
 
@@ -142,7 +152,7 @@ def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str) -> tu
     t = time.perf_counter()
     config, weights = load_model_source(args.model)
     check_layout(desc, config)
-    pool: MappedPool = map_pool(desc)
+    pool: MappedPool = map_pool(desc, args.memory_socket)
     model_device = str(pool.tensor.device) if desc.backend == mpb.POOL_BACKEND_CUDA else device
     model = LlamaForPagedLM(config, weights, device=model_device, dtype=TORCH_DTYPES[desc.layout.dtype])
     del weights
@@ -169,7 +179,7 @@ async def serve(args: argparse.Namespace) -> None:
     spec = ServerSpec.from_flags(
         args, SERVICE_NAME, lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
         ready_info={"memory": args.memory, "model": args.model, "device": model_device, "generation": pool.generation},
-        background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute)],
+        background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute, args.memory_socket)],
         health=health_servicer,
     )
     await run_server(spec)

@@ -1,26 +1,32 @@
 """Map the memory service's pool into this process, zero-copy, as a torch tensor.
 
-DESIGN.md, "The pool". From a ``PoolDescriptor`` alone:
+DESIGN.md, "The pool" and "Trust model". GetPoolDescriptor (gRPC) gives anyone the layout and
+the path of the memory service's worker socket; the handle comes only over that socket
+(:mod:`pagedkv.pool_socket`, same uid only), with the epoch table and the plane key:
 
-- ``cpu``: mmap the shared-memory file (MAP_SHARED) and wrap it with
-  ``torch.frombuffer``: writes are seen by every process mapping the file.
-- ``cuda``: resolve the GPU UUID to this process's device index, open the CUDA
-  IPC handle once per process (``cudaIpcOpenMemHandle`` through CuPy) and wrap
-  the pointer as a torch tensor through ``__cuda_array_interface__`` (bytes,
-  then ``.view(dtype)``, since bf16 has no type string).
+- ``cpu``: the pool is a memfd: mmap it (MAP_SHARED) and wrap it with ``torch.frombuffer``;
+  writes are seen by every process mapping it.
+- ``cuda``: resolve the GPU UUID to this process's device index, open the CUDA IPC handle once
+  per process (``cudaIpcOpenMemHandle`` through CuPy) and wrap the pointer as a torch tensor
+  through ``__cuda_array_interface__`` (bytes, then ``.view(dtype)``, since bf16 has no type
+  string).
+- both: the epoch table's read-only memfd, mapped PROT_READ as ``int64[num_blocks]``.
 
-The result is the 6-D block-major pool ``[num_blocks, num_layers, 2,
-block_size, num_kv_heads, head_dim]`` with the descriptor's strides.
+The result is the 6-D block-major pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
+head_dim]`` with the descriptor's strides.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.pool_socket import PoolHandle, receive_handle
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -29,12 +35,17 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 class MappedPool:
     """A pool mapped into this process."""
 
-    #: The descriptor it was mapped from.
+    #: The descriptor it was mapped from (with its handle fields on cuda).
     descriptor: mpb.PoolDescriptor
     #: The pool tensor, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
     tensor: torch.Tensor
-    #: What keeps the mapping alive (mmap object or CUDA IPC pointer).
-    _keepalive: object = field(default=None, repr=False)
+    #: Allocation epoch of each block, int64 [num_blocks], read-only, shared with the memory
+    #: service (which bumps epochs[b] each time block b is handed out anew).
+    epochs: np.ndarray | None = None
+    #: This generation's 32-byte key for grants and receipts.
+    plane_key: bytes = field(default=b"", repr=False)
+    #: What keeps the mappings alive (mmap objects, CUDA IPC pointer).
+    _keepalive: list = field(default_factory=list, repr=False)
 
     @property
     def generation(self) -> int:
@@ -43,14 +54,16 @@ class MappedPool:
     def close(self) -> None:
         """Drop the mapping (the tensor must not be used afterwards)."""
         self.tensor = None  # type: ignore[assignment]
-        keep, self._keepalive = self._keepalive, None
-        if isinstance(keep, mmap.mmap):
-            try:
-                keep.close()
-            except BufferError:
-                pass  # a view is still alive; the mapping goes when it does
-        elif isinstance(keep, _CudaIpcMapping):
-            keep.close()
+        self.epochs = None
+        keep, self._keepalive = self._keepalive, []
+        for k in keep:
+            if isinstance(k, mmap.mmap):
+                try:
+                    k.close()
+                except BufferError:
+                    pass  # a view is still alive; the mapping goes when it does
+            else:
+                k.close()
 
 
 class _CudaArray:
@@ -87,22 +100,67 @@ def _check(desc: mpb.PoolDescriptor) -> tuple[torch.dtype, list[int], list[int]]
     return TORCH_DTYPES[lay.dtype], shape, strides
 
 
-def map_pool(desc: mpb.PoolDescriptor) -> MappedPool:
-    """Map the pool ``desc`` describes.
+def map_pool(desc: mpb.PoolDescriptor, socket_path: str | None = None, timeout: float = 10.0) -> MappedPool:
+    """Receive the pool ``desc`` (the public descriptor) describes from its worker socket and map it.
+
+    Args:
+        desc: GetPoolDescriptor's answer (layout, identity, ``worker_socket``).
+        socket_path: the worker socket's path in this process's filesystem when it differs from
+            ``desc.worker_socket`` (a container mounting it elsewhere: ``--memory-socket``).
+        timeout: seconds for the socket exchange.
 
     Raises:
-        ValueError: an inconsistent descriptor or an unknown backend.
-        FileNotFoundError: the cpu pool file is gone (the memory service stopped).
+        ValueError: no socket path, a socket serving another pool or generation, an inconsistent
+            descriptor, an unknown backend.
+        OSError: the socket cannot be reached (the memory service stopped; the path is not shared
+            with this container) or refused this process (another uid: ConnectionError).
         LookupError: no visible GPU has the pool's UUID.
     """
+    path = socket_path or desc.worker_socket
+    if not path:
+        raise ValueError("the memory service names no worker socket in its pool descriptor; pass --memory-socket PATH")
+    handle = receive_handle(path, timeout)
+    try:
+        got = handle.descriptor
+        if (got.pool_id, got.generation) != (desc.pool_id, desc.generation):
+            raise ValueError(
+                f"the worker socket {path} serves pool {got.pool_id!r} generation {got.generation}, but the memory "
+                f"service's descriptor names pool {desc.pool_id!r} generation {desc.generation}: --memory-socket must "
+                "name that service's socket (or it restarted just now: retry)")
+        return map_handle(handle)
+    finally:
+        handle.close()
+
+
+def _map_fd(handle: PoolHandle, name: str, nbytes: int, prot: int) -> mmap.mmap:
+    fd = handle.fds.get(name)
+    if fd is None:
+        raise ValueError(f"the worker socket sent no {name!r} fd (got {sorted(handle.fds)})")
+    size = os.fstat(fd).st_size
+    if size < nbytes:
+        raise ValueError(f"the {name} memfd holds {size} bytes, the descriptor needs {nbytes}")
+    return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)
+
+
+def map_handle(handle: PoolHandle) -> MappedPool:
+    """Map what the worker socket sent (the fds stay open: the caller closes them).
+
+    Raises:
+        ValueError: an inconsistent descriptor, a missing or short fd, an unknown backend.
+        LookupError: no visible GPU has the pool's UUID.
+    """
+    desc = handle.descriptor
+    if desc.backend not in (mpb.POOL_BACKEND_CPU, mpb.POOL_BACKEND_CUDA):
+        raise ValueError(f"unknown pool backend {desc.backend}; this worker maps cpu and cuda pools")
     dtype, shape, strides = _check(desc)
-    if desc.backend == mpb.POOL_BACKEND_CPU:
-        with open(desc.shm_path, "r+b") as f:
-            mm = mmap.mmap(f.fileno(), desc.nbytes, mmap.MAP_SHARED)
-        raw = torch.frombuffer(mm, dtype=torch.uint8)
-        tensor = raw.view(dtype).as_strided(shape, strides)
-        return MappedPool(desc, tensor, mm)
-    if desc.backend == mpb.POOL_BACKEND_CUDA:
+    epochs_map = _map_fd(handle, "epochs", 8 * desc.layout.num_blocks, mmap.PROT_READ)
+    epochs = np.frombuffer(epochs_map, dtype=np.int64)  # read-only: the mapping is PROT_READ
+    try:
+        if desc.backend == mpb.POOL_BACKEND_CPU:
+            mm = _map_fd(handle, "pool", desc.nbytes, mmap.PROT_READ | mmap.PROT_WRITE)
+            raw = torch.frombuffer(mm, dtype=torch.uint8)
+            tensor = raw.view(dtype).as_strided(shape, strides)
+            return MappedPool(desc, tensor, epochs, handle.plane_key, [mm, epochs_map])
         import cupy
 
         from pagedkv.cuda_ipc import device_index_for_uuid
@@ -112,5 +170,8 @@ def map_pool(desc: mpb.PoolDescriptor) -> MappedPool:
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes(desc.cuda_ipc_handle))
         raw = torch.as_tensor(_CudaArray(ptr + desc.cuda_offset, desc.nbytes), device=f"cuda:{index}")
         tensor = raw.view(dtype).as_strided(shape, strides)
-        return MappedPool(desc, tensor, _CudaIpcMapping(ptr, index))
-    raise ValueError(f"unknown pool backend {desc.backend}; this worker maps cpu and cuda pools")
+        return MappedPool(desc, tensor, epochs, handle.plane_key, [_CudaIpcMapping(ptr, index), epochs_map])
+    except BaseException:
+        del epochs
+        epochs_map.close()
+        raise

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import kernels
+from compute_service.grant_check import check_grants, sign_receipts
 from compute_service.model import LlamaForPagedLM
 from compute_service.pool_map import MappedPool
 from compute_service.sampling import sample
@@ -64,6 +65,8 @@ class Worker:
         Raises:
             FailedPreconditionError: no pool mapped, or the request names another generation.
             InvalidArgumentError: a malformed batch (see `build_step_inputs`); nothing is written.
+            PermissionDeniedError: a sequence or copy outside its grant (`check_grants`); nothing is
+                read or written.
         """
         with self._lock:
             pool = self.pool
@@ -79,6 +82,7 @@ class Worker:
             lay = pool.descriptor.layout
             inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
                                        vocab_size=self.config.vocab_size, device=self.device)
+            check_grants(request, pool.plane_key, pool.generation, pool.epochs)
             if inputs.block_copies.shape[0]:
                 kernels.copy_blocks(pool.tensor, inputs.block_copies)
             t1 = time.perf_counter()
@@ -87,6 +91,7 @@ class Worker:
             if self.pool_lost.is_set():
                 raise FailedPreconditionError("the memory service went away during this step; its results are void")
             results = self._sample(request, inputs, logits)
+            sign_receipts(request, results, pool.plane_key, lay.block_size)
             return pb.StepResponse(
                 results=results,
                 model_seconds=t2 - t1,

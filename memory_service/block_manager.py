@@ -17,6 +17,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+import numpy as np
+
 from memory_service.block_pool import BlockPool
 from memory_service.leases import Lease, LeaseTable
 from memory_service.prefix_cache import PrefixCache
@@ -30,12 +32,14 @@ from memory_service.requests import (
     Commit,
     CommitResult,
     OutOfBlocks,
+    Receipt,
     Stats,
     check_batch,
     check_token_ids,
 )
 from memory_service.sequence import Sequence, SequenceInfo, SequenceTable, blocks_for
 from pagedkv.errors import InvalidArgumentError, NotFoundError
+from pagedkv.grants import token_digest
 from pagedkv.limits import MAX_FORK_CHILDREN
 from pagedkv.logs import get_logger
 
@@ -59,15 +63,17 @@ class BlockManager:
         clock: monotonic time source in seconds (tests inject a fake one).
         prefix_caching: keep computed full blocks for reuse (vLLM's automatic prefix caching).
         max_events: KV events retained for replay.
+        epochs: the pool's shared epoch table, int64 [num_blocks] (default: a private one).
 
     Raises:
         ValueError: a non-positive size or TTL.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, lease_ttl: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True, max_events: int = 10_000):
+                 clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True, max_events: int = 10_000,
+                 epochs: np.ndarray | None = None):
         self.leases = LeaseTable(lease_ttl, self._free_lease_sequences, clock)  # checks the TTL first
-        self.pool = BlockPool(num_blocks, block_size)  # refcounts, fill levels, the free queue
+        self.pool = BlockPool(num_blocks, block_size, epochs)  # refcounts, fill levels, epochs, the free queue
         self.block_size = block_size
         self.sequences = SequenceTable()
         self.prefix_cache = PrefixCache(self.pool, enabled=prefix_caching, max_events=max_events)
@@ -157,8 +163,10 @@ class BlockManager:
         for r, hit, total in plans:
             hits = hit.block_ids
             seq = self.sequences.add(lease, total, hits + self.pool.allocate(blocks_for(total, bs) - len(hits)))
-            seq.token_ids = list(r.token_ids) if r.token_ids is not None else None
+            # Only the tokens it holds slots for: later appends extend from there.
+            seq.token_ids = list(r.token_ids[:total]) if r.token_ids is not None else None
             seq.block_hashes, seq.cache_key, seq.num_cached_tokens = hit.block_hashes, r.cache_key, len(hits) * bs
+            seq.num_proven = seq.num_cached_tokens
             self.pool.fill_tokens(seq.block_ids, 0, total)
             if r.token_ids:
                 self.prefix_cache.record_lookup(len(r.token_ids), len(hits))
@@ -226,7 +234,7 @@ class BlockManager:
             last = table[-1]
             if n % bs and ref_counts[last] > 1:
                 (dst,) = pool.allocate(1)
-                result.copies.append(BlockCopy(last, dst))
+                result.copies.append(BlockCopy(last, dst, seq.seq_id))
                 pool.decref([last])
                 table[-1] = dst
                 pool.set_fill(dst, n % bs)
@@ -297,8 +305,55 @@ class BlockManager:
                 raise InvalidArgumentError(f"CommitComputedTokens(sequence {c.seq_id}): num_computed_tokens must be in "
                                            f"[0, {seq.num_tokens}], got {c.num_computed_tokens}")
             live.append((seq, c.num_computed_tokens))
+        for seq, n in live:
+            seq.num_proven = max(seq.num_proven, n)
         registered = sum(self.prefix_cache.commit(seq, n) for seq, n in live)
         return CommitResult(registered, len(entries) - len(live))
+
+    def commit_receipts(self, lease_id: str, receipts: Seq[Receipt]) -> CommitResult:
+        """Take workers' receipts (signatures checked by the caller): positions become proven computed.
+
+        A receipt is taken when it continues its sequence exactly (``start`` equals the tokens
+        proven so far, ``end`` within the sequence) and names the sequence's current blocks
+        for those positions with their current epochs; otherwise it is stale (a sequence freed,
+        preempted or handed other blocks meanwhile) and skipped. A taken receipt whose token
+        digest differs from the token ids the sequence was given ends prefix caching for that
+        sequence (its KV is not of those tokens), so no block enters the cache without proof
+        that a worker computed exactly its tokens. Full blocks of proven, known tokens are then
+        registered in the prefix cache.
+
+        Raises:
+            InvalidArgumentError: empty batch, a sequence twice.
+            NotFoundError: a sequence never allocated, or of another lease.
+            FailedPreconditionError: the lease expired.
+        """
+        self.leases.lookup(lease_id)
+        check_batch(len(receipts), "CommitComputedTokens")
+        if len({r.seq_id for r in receipts}) != len(receipts):
+            raise InvalidArgumentError("CommitComputedTokens: a sequence appears more than once in the batch")
+        bs, epochs = self.block_size, self.pool.epochs
+        taken: list[tuple[Sequence, Receipt]] = []
+        for r in receipts:
+            seq = self.sequences.get(r.seq_id)
+            if seq is None and self.sequences.was_allocated(r.seq_id):
+                continue
+            if seq is None or seq.lease_id != lease_id:
+                raise NotFoundError(f"CommitComputedTokens: sequence {r.seq_id} is not a live sequence of lease {lease_id}")
+            first, last = r.start // bs, -(-r.end // bs)
+            if not (r.start == seq.num_proven < r.end <= seq.num_tokens) or \
+                    tuple(seq.block_ids[first:last]) != r.block_ids or \
+                    tuple(int(e) for e in epochs[list(r.block_ids)]) != r.block_epochs:
+                log.info("receipt_stale", seq_id=r.seq_id, start=r.start, end=r.end, proven=seq.num_proven)
+                continue
+            taken.append((seq, r))
+        for seq, r in taken:
+            toks = seq.token_ids
+            if toks is not None and (len(toks) < r.end or token_digest(toks[r.start:r.end]) != r.token_digest):
+                log.warning("receipt_tokens_differ", seq_id=seq.seq_id, start=r.start, end=r.end)
+                seq.token_ids = None
+            seq.num_proven = r.end
+        registered = sum(self.prefix_cache.commit(seq, seq.num_proven) for seq, _ in taken)
+        return CommitResult(registered, len(receipts) - len(taken), tuple(seq for seq, _ in taken))
 
     def reset_prefix_cache(self) -> int:
         """Drop the whole prefix cache; returns refcount-0 blocks cleared."""

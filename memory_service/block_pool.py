@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 
 class FreeBlockQueue:
     """Intrusive doubly linked list of block ids with O(1) popleft/append/remove.
@@ -99,9 +101,16 @@ class BlockPool:
     manager) check :attr:`num_available` first so that a request is all or nothing.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, epochs: np.ndarray | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        if epochs is not None and (epochs.dtype != np.int64 or epochs.shape != (num_blocks,)):
+            raise ValueError(f"epochs must be int64 [{num_blocks}], got {epochs.dtype} {epochs.shape}")
+        #: epochs[b]: bumped each time block b is handed out anew (allocated from the free
+        #: queue, its old content evicted). Grants and receipts name blocks with their epoch, so
+        #: a grant for a block that was freed and handed to someone else no longer matches. With
+        #: a shared array (the pool's epoch table) workers see the same values.
+        self.epochs = epochs if epochs is not None else np.zeros(num_blocks, dtype=np.int64)
         #: Blocks in the pool.
         self.num_blocks = num_blocks
         #: Tokens per block.
@@ -153,6 +162,7 @@ class BlockPool:
                     self.on_evict(b)
             assert self.fill[b] == 0, f"block {b} popped with {self.fill[b]} stale slots"
             self.ref_counts[b] = 1
+            self.epochs[b] += 1
             out.append(b)
         return out
 

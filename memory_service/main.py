@@ -6,10 +6,12 @@ Example::
         --kv-cache-memory 1GiB --model smollm2 --lease-ttl 10 --ready-file /tmp/mem.json
 
 ``--port 0`` binds a free port; the ready file (JSON: address, host, port, pid,
-pool_id, generation, metrics_port) says which. Automatic prefix caching is on
+pool_id, generation, metrics_port, worker_socket) says which. Workers of the same uid
+receive the pool's handle on the Unix socket ``--worker-socket`` (default
+``$PAGEDKV_HOME/run/memory-<pid>.sock``; see :mod:`memory_service.worker_socket`). Automatic prefix caching is on
 unless ``--no-prefix-caching``; ``--metrics-port`` serves Prometheus metrics. SIGTERM marks the service NOT_SERVING (workers
-watching health drop their mapping), waits the grace period, stops the server,
-then removes the pool.
+watching health drop their mapping), closes the worker socket, waits the grace
+period, stops the server, then releases the pool.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from memory_service.block_manager import BlockManager
 from memory_service.layout import make_layout, parse_bytes
 from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
+from memory_service.step_grants import GrantSigner
+from memory_service.worker_socket import WorkerSocketServer
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.service import ServerSpec, run_server, serve_main
@@ -48,11 +52,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"), help="'smollm2' or a Hugging Face directory (layout source)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="KV dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds without keep-alive (default 10)")
+    p.add_argument("--max-kv-events", type=int, default=10_000,
+                   help="KV events kept for StreamKvEvents replay; a subscriber further behind is told what it lost (default 10000)")
     p.add_argument("--pool-id", default=None, help="pool name (default: random)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="turn automatic prefix caching off (on by default)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0 = any free port)")
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
+    p.add_argument("--worker-socket", default=os.environ.get("PAGEDKV_WORKER_SOCKET"),
+                   help="Unix socket where workers (same uid) receive the pool's handle "
+                        "(default $PAGEDKV_HOME/run/memory-<pid>.sock)")
     p.add_argument("--grace", type=float, default=2.0, help="seconds between NOT_SERVING and releasing the pool (default 2)")
     return p
 
@@ -82,17 +91,26 @@ def create_pool(args: argparse.Namespace) -> Pool:
 async def serve(args: argparse.Namespace) -> None:
     """Create the pool and serve until SIGTERM."""
     pool = create_pool(args)
+    sock = WorkerSocketServer(pool, args.worker_socket)
+    try:
+        await sock.start()
+    except BaseException:
+        pool.close()
+        raise
     manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl,
-                           prefix_caching=args.prefix_caching)
-    ready_info = {"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks}
+                           prefix_caching=args.prefix_caching, epochs=pool.epochs, max_events=args.max_kv_events)
+    ready_info = {"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks,
+                  "worker_socket": pool.worker_socket}
     if args.metrics_port is not None:
         from memory_service.metrics import start_metrics_server
 
         ready_info["metrics_port"] = start_metrics_server(manager, args.host, args.metrics_port)
-    servicer = MemoryServicer(manager, pool)
+    servicer = MemoryServicer(manager, pool, GrantSigner(pool.plane_key, pool.generation, manager.pool.epochs))
 
     async def grace() -> None:
-        # Workers watching health see NOT_SERVING now; give them time to drop the mapping.
+        # Workers watching health see NOT_SERVING now; no new one gets the pool; give them time
+        # to drop the mapping.
+        await sock.close()
         await asyncio.sleep(args.grace)
 
     async def release() -> None:
@@ -108,6 +126,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await run_server(spec)
     finally:
+        await sock.close()
         pool.close()
 
 

@@ -1,18 +1,26 @@
-"""The pool's memory: one allocation per (device, layout), exported for workers to map.
+"""The pool's memory: one allocation per (device, layout), handed only to workers.
 
-DESIGN.md, "The pool". Two backends, one descriptor:
+DESIGN.md, "The pool" and "Trust model". Two backends, one descriptor:
 
-- ``cpu``: a file in shared memory (``$PAGEDKV_SHM_DIR``, default ``/dev/shm``)
-  named ``pagedkv-<pool_id>-g<generation>-p<owner pid>.kv``; workers mmap it and
-  wrap it with ``torch.frombuffer``. The owner holds an exclusive ``flock`` on
-  it; a starting service removes pool files nobody holds (owner exited or
-  crashed, whatever its pid).
-- ``cuda``: plain ``cudaMalloc`` through CuPy (not a caching-allocator
-  interior, not expandable segments), exported with ``cudaIpcGetMemHandle``
-  (64 bytes) plus the byte offset and the GPU's UUID, which each worker
-  resolves to its own device index. CuPy is imported lazily.
+- ``cpu``: an anonymous memfd (``memfd:pagedkv-pool-<pool_id>-g<generation>``), sealed against
+  shrinking and growing. No file name exists anywhere: workers get the fd over the worker
+  socket (:mod:`memory_service.worker_socket`) and mmap it; the memory dies with its last
+  holder, so a SIGKILLed memory service leaves nothing behind once its workers drop the mapping.
+- ``cuda``: plain ``cudaMalloc`` through CuPy (not a caching-allocator interior, not expandable
+  segments), exported with ``cudaIpcGetMemHandle`` (64 bytes) plus the byte offset and the GPU's
+  UUID, which each worker resolves to its own device index. The handle also travels only over
+  the worker socket. CuPy is imported lazily.
 
-The memory service never reads or writes KV bytes; it only owns the memory.
+Every pool, whatever its backend, also owns per generation:
+
+- ``epochs``: int64[num_blocks] in a second small memfd, zeros at start, mapped read-write here;
+  the block manager bumps ``epochs[b]`` each time block b is handed out anew. Workers map it
+  read-only (they get a read-only fd) to check a grant's block epochs.
+- ``plane_key``: 32 random bytes that sign grants and receipts of this generation.
+
+``descriptor()`` is the public view (layout and the worker socket's path, no handle), what
+GetPoolDescriptor returns to anyone; ``worker_descriptor()`` and ``worker_fds()`` are what the
+worker socket sends. The memory service never reads or writes KV bytes; it only owns the memory.
 """
 
 from __future__ import annotations
@@ -23,54 +31,21 @@ import os
 import re
 import time
 import uuid
-from pathlib import Path
+
+import numpy as np
 
 from memory_service.layout import DIM_NAMES, PoolLayout
 from pagedkv.cuda_ipc import cuda_uuid_string
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
+from pagedkv.pool_socket import PLANE_KEY_BYTES
 
 log = get_logger("pool")
 
-_POOL_FILE = re.compile(r"pagedkv-(?P<pool_id>[\w.-]+)-g(?P<generation>\d+)-p(?P<pid>\d+)\.kv")
-
-
-def shm_dir() -> Path:
-    """Folder of cpu pool files: ``$PAGEDKV_SHM_DIR`` or ``/dev/shm``."""
-    return Path(os.environ.get("PAGEDKV_SHM_DIR", "/dev/shm"))
-
-
-def _owner_gone(path: Path) -> bool:
-    """True when no process holds the pool file's lock (its owner exited or crashed).
-
-    The owner keeps an exclusive ``flock`` for its life; the kernel drops it when
-    the owner dies, whatever its pid (pids repeat across container restarts).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    else:
-        return True
-    finally:
-        os.close(fd)
-
-
-def remove_stale_pool_files(directory: Path | None = None) -> list[Path]:
-    """Delete cpu pool files whose owner process is gone; returns what was removed."""
-    directory = directory or shm_dir()
-    removed = []
-    for path in directory.glob("pagedkv-*.kv"):
-        if _POOL_FILE.fullmatch(path.name) and _owner_gone(path):
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    if removed:
-        log.info("stale_pool_files_removed", paths=[str(p) for p in removed])
-    return removed
+#: Seals on every memfd: a holder (a worker) can neither shrink it (SIGBUS here) nor grow it.
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: Longest memfd name Linux keeps (249 bytes).
+_MEMFD_NAME_BYTES = 249
 
 
 def new_generation() -> int:
@@ -78,8 +53,58 @@ def new_generation() -> int:
     return time.time_ns() // 1000
 
 
+def sealed_memfd(name: str, nbytes: int) -> int:
+    """A close-on-exec memfd of ``nbytes`` zero bytes (sparse), sealed at that size.
+
+    Raises:
+        OSError: the kernel refused (no memfd support, or out of memory for the size).
+    """
+    fd = os.memfd_create(name[:_MEMFD_NAME_BYTES], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_only_fd(fd: int) -> int:
+    """A second, read-only open of the memfd ``fd`` (through /proc): mappable only PROT_READ."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+class EpochTable:
+    """``int64[num_blocks]`` allocation epochs in a memfd: read-write here, read-only for workers.
+
+    Attributes:
+        array: the shared numpy view (writes are seen by every worker's mapping at once).
+        fd: the read-write memfd; ``ro_fd``: its read-only twin, the one workers get.
+    """
+
+    def __init__(self, num_blocks: int, name: str):
+        nbytes = 8 * num_blocks
+        self.fd = sealed_memfd(name, nbytes)
+        self.ro_fd = read_only_fd(self.fd)
+        self._map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED)
+        self.array = np.frombuffer(self._map, dtype=np.int64)
+
+    def close(self) -> None:
+        """Close both fds; the mapping goes when the last view of ``array`` does."""
+        if self.fd is None:
+            return
+        os.close(self.ro_fd)
+        os.close(self.fd)
+        self.fd = self.ro_fd = None
+        self.array = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view (e.g. the block manager's) still holds it; freed with that view
+
+
 class Pool:
-    """Base: the layout, identity and descriptor of an allocated pool."""
+    """Base: the layout, identity, epoch table, plane key and descriptors of an allocated pool."""
 
     backend = pb.POOL_BACKEND_UNSPECIFIED
 
@@ -90,9 +115,16 @@ class Pool:
             raise ValueError(f"pool id {self.pool_id!r} may only hold letters, digits, '_', '.', '-'")
         self.generation = new_generation()
         self.model = model
+        #: Signs grants and receipts of this generation (32 bytes); workers get it over the socket.
+        self.plane_key = os.urandom(PLANE_KEY_BYTES)
+        self._epochs = EpochTable(layout.num_blocks, f"pagedkv-epochs-{self.pool_id}-g{self.generation}")
+        #: int64[num_blocks], zeros at start, shared read-only with every worker.
+        self.epochs: np.ndarray = self._epochs.array
+        #: Path of the worker socket serving this pool ("" until one listens); in the descriptor.
+        self.worker_socket = ""
 
     def descriptor(self) -> pb.PoolDescriptor:
-        """The ``PoolDescriptor`` a worker maps the pool from."""
+        """The public ``PoolDescriptor``: layout, identity and ``worker_socket``, no handle."""
         lay = self.layout
         return pb.PoolDescriptor(
             pool_id=self.pool_id,
@@ -113,53 +145,69 @@ class Pool:
             block_nbytes=lay.block_nbytes,
             model=self.model,
             owner_pid=os.getpid(),
-            **self._handle_fields(),
+            worker_socket=self.worker_socket,
         )
+
+    def worker_descriptor(self) -> pb.PoolDescriptor:
+        """The descriptor with the handle fields: only for the worker socket, never an RPC."""
+        desc = self.descriptor()
+        for name, value in self._handle_fields().items():
+            setattr(desc, name, value)
+        return desc
+
+    def worker_fds(self) -> dict[str, int]:
+        """The fds a worker gets, by name: ``pool`` (cpu only) and ``epochs`` (read-only)."""
+        return {**self._handle_fds(), "epochs": self._epochs.ro_fd}
 
     def _handle_fields(self) -> dict:
         raise NotImplementedError
+
+    def _handle_fds(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         """Release the memory (after every importer has been told)."""
-        raise NotImplementedError
+        self._epochs.close()
 
 
 class CpuPool(Pool):
-    """A pool in a shared-memory file (sparse: pages cost memory once written)."""
+    """A pool in a sealed memfd (sparse: pages cost memory once written).
+
+    Raises:
+        OSError: the kernel could not create the memfd.
+    """
 
     backend = pb.POOL_BACKEND_CPU
 
-    def __init__(self, layout: PoolLayout, *, pool_id: str | None = None, model: str = "", directory: Path | None = None):
+    def __init__(self, layout: PoolLayout, *, pool_id: str | None = None, model: str = ""):
         super().__init__(layout, pool_id=pool_id, model=model)
-        directory = directory or shm_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        remove_stale_pool_files(directory)
-        self.path = directory / f"pagedkv-{self.pool_id}-g{self.generation}-p{os.getpid()}.kv"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.memfd_name = f"pagedkv-pool-{self.pool_id}-g{self.generation}"
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held for the owner's life: marks the file live
-            os.ftruncate(fd, layout.nbytes)
+            self._fd: int | None = sealed_memfd(self.memfd_name, layout.nbytes)
         except BaseException:
-            os.close(fd)
+            super().close()
             raise
-        self._lock_fd = fd
-        log.info("pool_created", backend="cpu", path=str(self.path), nbytes=layout.nbytes,
+        log.info("pool_created", backend="cpu", memfd=self.memfd_name, nbytes=layout.nbytes,
                  num_blocks=layout.num_blocks, generation=self.generation)
 
     def _handle_fields(self) -> dict:
-        return {"shm_path": str(self.path)}
+        return {}  # the handle is the fd itself
+
+    def _handle_fds(self) -> dict[str, int]:
+        assert self._fd is not None, "the pool was released"
+        return {"pool": self._fd}
 
     def map(self) -> mmap.mmap:
         """A writable shared mapping of the whole pool (tests and tools)."""
-        with open(self.path, "r+b") as f:
-            return mmap.mmap(f.fileno(), self.layout.nbytes, mmap.MAP_SHARED)
+        assert self._fd is not None, "the pool was released"
+        return mmap.mmap(self._fd, self.layout.nbytes, mmap.MAP_SHARED)
 
     def close(self) -> None:
-        if self._lock_fd is not None:
-            self.path.unlink(missing_ok=True)
-            os.close(self._lock_fd)
-            self._lock_fd = None
-            log.info("pool_released", backend="cpu", path=str(self.path))
+        if self._fd is not None:
+            os.close(self._fd)  # the memory goes when the last worker unmaps it
+            self._fd = None
+            super().close()
+            log.info("pool_released", backend="cpu", memfd=self.memfd_name)
 
 
 class CudaPool(Pool):
@@ -172,20 +220,24 @@ class CudaPool(Pool):
     backend = pb.POOL_BACKEND_CUDA
 
     def __init__(self, layout: PoolLayout, *, device_index: int = 0, pool_id: str | None = None, model: str = ""):
-        super().__init__(layout, pool_id=pool_id, model=model)
         try:
             import cupy
         except ImportError as e:
             raise RuntimeError("the cuda pool backend needs CuPy: pip install 'pagedkv[cuda12]' or '[cuda13]'") from e
+        super().__init__(layout, pool_id=pool_id, model=model)
         self._cupy = cupy
         self.device_index = device_index
-        with cupy.cuda.Device(device_index):
-            # cupy.cuda.Memory is a direct cudaMalloc (no memory pool), so the IPC
-            # handle covers exactly this allocation and the offset is 0.
-            self._memory = cupy.cuda.Memory(layout.nbytes)
-            cupy.cuda.runtime.memset(self._memory.ptr, 0, layout.nbytes)
-            self._handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr))
-            props = cupy.cuda.runtime.getDeviceProperties(device_index)
+        try:
+            with cupy.cuda.Device(device_index):
+                # cupy.cuda.Memory is a direct cudaMalloc (no memory pool), so the IPC
+                # handle covers exactly this allocation and the offset is 0.
+                self._memory = cupy.cuda.Memory(layout.nbytes)
+                cupy.cuda.runtime.memset(self._memory.ptr, 0, layout.nbytes)
+                self._handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr))
+                props = cupy.cuda.runtime.getDeviceProperties(device_index)
+        except BaseException:
+            super().close()
+            raise
         self.device_uuid = cuda_uuid_string(props["uuid"])
         log.info("pool_created", backend="cuda", device=device_index, uuid=self.device_uuid,
                  nbytes=layout.nbytes, num_blocks=layout.num_blocks, generation=self.generation)
@@ -196,4 +248,5 @@ class CudaPool(Pool):
     def close(self) -> None:
         if self._memory is not None:
             self._memory = None
+            super().close()
             log.info("pool_released", backend="cuda", device=self.device_index)

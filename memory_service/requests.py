@@ -15,7 +15,7 @@ themselves are defined in :mod:`pagedkv.limits` (shared with the client).
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memory_service.block_hash import CacheKey
 from pagedkv.errors import InvalidArgumentError
@@ -123,6 +123,8 @@ class BlockCopy:
     src: int
     #: Fresh block to write.
     dst: int
+    #: The sequence whose table now holds ``dst`` (not part of equality: a copy is its blocks).
+    seq_id: int = field(default=-1, compare=False)
 
     def __post_init__(self) -> None:
         assert self.src != self.dst, f"copy of block {self.src} onto itself"
@@ -149,13 +151,32 @@ class Commit:
 
 
 @dataclass(frozen=True, slots=True)
+class Receipt:
+    """A worker's receipt (signature already checked): it wrote positions [start, end) of a sequence."""
+
+    #: The sequence.
+    seq_id: int
+    #: First position written.
+    start: int
+    #: One past the last position written.
+    end: int
+    #: SHA-256 of the written token ids (pagedkv.grants.token_digest).
+    token_digest: bytes
+    #: Blocks holding [start, end), logical order, with their allocation epochs.
+    block_ids: tuple[int, ...]
+    block_epochs: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class CommitResult:
     """Result of :meth:`BlockManager.commit_computed`."""
 
     #: Blocks newly entered into the prefix cache.
     blocks_registered: int
-    #: Entries naming a sequence freed or preempted meanwhile.
+    #: Entries naming a sequence freed or preempted meanwhile (or, for receipts, stale ones).
     skipped: int
+    #: Sequences whose receipt was taken, in request order (receipts only).
+    accepted: tuple = ()
 
     def __post_init__(self) -> None:
         assert self.blocks_registered >= 0 and self.skipped >= 0, self

@@ -46,6 +46,9 @@ class Sequence:
     cache_key: CacheKey = CacheKey()
     #: Leading tokens found in the prefix cache at allocation.
     num_cached_tokens: int = 0
+    #: Leading tokens whose KV is proven computed (prefix-cache hits at allocation, the parent's
+    #: at a fork, then workers' receipts): what a step may read, and where its writes start.
+    num_proven: int = 0
 
     def extend_tokens(self, token_ids: Seq[int] | None) -> None:
         """Record the ids of appended tokens; an append without them makes the sequence's tokens unknown."""
@@ -107,6 +110,7 @@ class SequenceTable(LiveTable[int, Sequence]):
         child = self.add(lease, parent.num_tokens, list(parent.block_ids), parent.seq_id)
         child.token_ids = list(parent.token_ids) if parent.token_ids is not None else None
         child.block_hashes, child.cache_key = list(parent.block_hashes), parent.cache_key
+        child.num_proven = parent.num_proven
         return child
 
     def remove(self, seq: Sequence, lease: Lease) -> None:

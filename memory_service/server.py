@@ -15,9 +15,10 @@ from memory_service.block_hash import CacheKey
 from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
 from memory_service.pool import Pool
 from memory_service.prefix_cache import KvEvent, PrefixCache
-from memory_service.requests import Allocation, Append, Commit, OutOfBlocks, check_request_size
+from memory_service.requests import Allocation, Append, OutOfBlocks, check_request_size
 from memory_service.sequence import Sequence, SequenceInfo
-from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
+from memory_service.step_grants import GrantSigner
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PermissionDeniedError
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
@@ -57,11 +58,20 @@ def _ok(result, what: str):
 
 @map_errors
 class MemoryServicer(pb_grpc.MemoryServiceServicer):
-    """Serves one :class:`BlockManager` over one :class:`Pool`."""
+    """Serves one :class:`BlockManager` over one :class:`Pool`; ``signer`` signs its grants."""
 
-    def __init__(self, manager: BlockManager, pool: Pool):
+    def __init__(self, manager: BlockManager, pool: Pool, signer: GrantSigner):
         self.manager = manager
         self.pool = pool
+        self.signer = signer
+
+    def _grants(self, lease_id: str, seqs, copies=()) -> list:
+        """Signed grants for ``seqs`` (valid for their lease's TTL); ``copies`` go to the sequence holding dst."""
+        ttl = self.manager.leases.lookup(lease_id).ttl
+        by_seq: dict[int, list] = {}
+        for c in copies:
+            by_seq.setdefault(c.seq_id, []).append(c)
+        return [self.signer.grant(s, ttl, by_seq.get(s.seq_id, ())) for s in seqs]
 
     async def CreateLease(self, request, context):
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
@@ -82,20 +92,23 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None, CacheKey(s.model_id, s.cache_salt))
                 for s in request.sequences]
         seqs = _ok(self.manager.allocate(request.lease_id, reqs), "allocation")
-        return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs])
+        return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs], grants=self._grants(request.lease_id, seqs))
 
     async def AppendSlots(self, request, context):
         check_request_size(request.appends, "AppendSlots")
         appends = [Append(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
         result = _ok(self.manager.append_slots(request.lease_id, appends), "append")
+        seqs = [self.manager.sequences[a.seq_id] for a in appends]
         return pb.AppendSlotsResponse(
             updates=[pb.BlockTableUpdate(seq_id=u.seq_id, num_tokens=u.num_tokens, first_changed=u.first_changed,
                                          block_ids=u.block_ids) for u in result.updates],
-            copies=[pb.BlockCopy(src=c.src, dst=c.dst) for c in result.copies])
+            copies=[pb.BlockCopy(src=c.src, dst=c.dst) for c in result.copies],
+            grants=self._grants(request.lease_id, seqs, result.copies))
 
     async def ForkSequences(self, request, context):
         children = self.manager.fork(request.lease_id, [f.parent_seq_id for f in request.forks])
-        return pb.ForkSequencesResponse(children=[_table(s) for s in children])
+        return pb.ForkSequencesResponse(children=[_table(s) for s in children],
+                                        grants=self._grants(request.lease_id, children))
 
     async def FreeSequences(self, request, context):
         if request.reason not in pb.FreeReason.values():
@@ -116,9 +129,13 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.GetStatsResponse(**{f: getattr(s, f) for f in s.__slots__}, generation=self.pool.generation)
 
     async def CommitComputedTokens(self, request, context):
-        result = self.manager.commit_computed(
-            request.lease_id, [Commit(c.seq_id, c.num_computed_tokens) for c in request.sequences])
-        return pb.CommitComputedTokensResponse(blocks_registered=result.blocks_registered, skipped=result.skipped)
+        if request.sequences:
+            raise PermissionDeniedError("CommitComputedTokens: computed tokens count only with a worker's receipt; "
+                                        "send StepResult.receipt in `receipts` (nothing was committed)")
+        receipts = self.signer.receipts(request.receipts)
+        result = self.manager.commit_receipts(request.lease_id, receipts)
+        return pb.CommitComputedTokensResponse(blocks_registered=result.blocks_registered, skipped=result.skipped,
+                                               grants=self._grants(request.lease_id, result.accepted))
 
     async def ResetPrefixCache(self, request, context):
         return pb.ResetPrefixCacheResponse(blocks_cleared=self.manager.reset_prefix_cache())

@@ -28,7 +28,7 @@
 # Variables: PAGEDKV_IMAGE (pagedkv:cpu), PAGEDKV_BASE_IMAGE (localhost/debian:bookworm),
 # PAGEDKV_FRONTEND_HOST_PORT (8000), PAGEDKV_MEMORY_HOST_PORT (50051),
 # PAGEDKV_METRICS_HOST_PORT (9400), PAGEDKV_COMPUTE_HOST_PORTS (50052: podman cannot map a host
-# port range onto one container port), PAGEDKV_SHM_SIZE (2g), PAGEDKV_CHECK_CACHE (where the
+# port range onto one container port), PAGEDKV_CHECK_CACHE (where the
 # torch wheel and the tools live, ~/.cache/pagedkv/compose-check), PAGEDKV_TOOLS_VENV (a virtual
 # environment with podman-compose; made there when missing), PAGEDKV_PIP_CA (the CA bundle for
 # pip, /etc/ssl/certs/ca-certificates.crt), PAGEDKV_TORCH_INDEX_URL (an extra index that has
@@ -65,7 +65,6 @@ export PAGEDKV_COMPUTE_HOST_PORTS=${PAGEDKV_COMPUTE_HOST_PORTS:-50052}
 export PAGEDKV_FRONTEND_HOST_PORT=${PAGEDKV_FRONTEND_HOST_PORT:-8000}
 export PAGEDKV_MEMORY_HOST_PORT=${PAGEDKV_MEMORY_HOST_PORT:-50051}
 export PAGEDKV_METRICS_HOST_PORT=${PAGEDKV_METRICS_HOST_PORT:-9400}
-SHM_SIZE=${PAGEDKV_SHM_SIZE:-2g}
 FRONT=http://localhost:$PAGEDKV_FRONTEND_HOST_PORT
 
 T0=$SECONDS
@@ -195,12 +194,11 @@ done
 trap down EXIT
 trap 'exit 130' INT TERM
 
-# podman 4.3 takes the volume's `size=` for a disk quota, not a tmpfs option: make the volume
-# beforehand with the same size in pages (nr_blocks); compose then uses it as it is.
-shm_bytes=$(numfmt --from=iec "${SHM_SIZE^^}")
-podman volume exists "${PROJECT}_kv-pool" || podman volume create --label "com.docker.compose.project=$PROJECT" --label "io.podman.compose.project=$PROJECT" \
+# The worker socket's tmpfs volume, made beforehand with the compose file's options (podman 4.3
+# reads some volume options as its own); compose then uses it as it is.
+podman volume exists "${PROJECT}_pagedkv-run" || podman volume create --label "com.docker.compose.project=$PROJECT" --label "io.podman.compose.project=$PROJECT" \
     --opt type=tmpfs --opt device=tmpfs \
-    --opt "o=nr_blocks=$((shm_bytes / 4096)),uid=10001,gid=10001,mode=0700" "${PROJECT}_kv-pool" >/dev/null
+    --opt "o=uid=10001,gid=10001,mode=0700" "${PROJECT}_pagedkv-run" >/dev/null
 
 wait_healthy() {  # SERVICE TIMEOUT: start it, then run its health check until it passes
     local svc=$1 timeout=$2 t=$SECONDS c

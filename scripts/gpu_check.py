@@ -3,7 +3,9 @@
 1. kernels: `scripts/gpu_check_kernels.py`'s `run(...)` (grid vs the dense reference, cache ops,
    int64 offsets, the decode bandwidth table).
 2. stack: a memory service (`--device cuda`) and a worker as separate processes, the pool shared
-   by CUDA IPC, serving a seeded random Llama with SmolLM2's layout written as a Hugging Face
+   by CUDA IPC (its handle only over the memory service's worker socket: GetPoolDescriptor has
+   none; this script, a third process of the same uid, maps the pool through the socket and sees
+   the worker's K/V, the read-only epoch table and the plane key), serving a seeded random Llama with SmolLM2's layout written as a Hugging Face
    directory. Its greedy tokens (fp32 pool and model, so the comparison is exact) must equal
    those of a second stack on the CPU torch path (cpu pool) on the same machine; parallel
    sampling (fork + copy-on-write on the GPU pool) must repeat the greedy answer; nothing may
@@ -161,7 +163,6 @@ def setup_paths(wheels: Path, work: Path) -> dict[str, str]:
         paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     )
     env["PAGEDKV_HOME"] = str(work / "home")
-    env["PAGEDKV_SHM_DIR"] = str(work / "shm")
     env["PAGEDKV_LOG_LEVEL"] = "warning"
     env["NVIDIA_TF32_OVERRIDE"] = (
         "0"  # fp32 matmuls in cuBLAS stay fp32, so greedy tokens compare exactly
@@ -186,6 +187,8 @@ def preflight() -> bool:
         "pagedkv.memory.v1.memory_service_pb2",
         "pagedkv.compute.v1.compute_service_pb2",
         "client",
+        "memory_service.worker_socket",
+        "compute_service.pool_map",
     ):
         try:
             importlib.import_module(module)
@@ -388,19 +391,9 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
         stack = None
         try:
             stack = start_stack(name, dev, model, env, work, dtype="float32")
-            desc = descriptor(stack)
-            if name == "test" and device == "cuda":
-                from pagedkv.memory.v1 import memory_service_pb2 as mpb
-
-                ok = desc.backend == mpb.POOL_BACKEND_CUDA and stack.workers[0].info[
-                    "device"
-                ].startswith("cuda")
-                report(
-                    "pool shared by CUDA IPC",
-                    ok,
-                    f"uuid={desc.cuda_device_uuid} worker={stack.workers[0].info['device']} nbytes={desc.nbytes}",
-                )
             runs[name] = generate(stack)
+            if name == "test" and device == "cuda":
+                check_pool_handle(stack)
             if name == "test":
                 check_serve(stack, env, work, runs[name][0][0])
             report(
@@ -455,6 +448,53 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
                 stack.stop()
 
     check_producer_exit(device, model, env, work)
+
+
+def check_pool_handle(stack: LocalStack) -> None:
+    """The CUDA pool's handle travels only over the worker socket.
+
+    GetPoolDescriptor (anyone) has the layout and the socket's path, no handle; the socket gives
+    this process (same uid) the 64-byte IPC handle, the GPU's UUID, the epoch table's read-only fd
+    and a 32-byte plane key; mapping the pool through it here, a third process, shows the K/V the
+    worker wrote (the prompts' full blocks stay in the prefix cache after the run).
+    """
+    import torch
+
+    from compute_service.pool_map import map_pool
+    from pagedkv.memory.v1 import memory_service_pb2 as mpb
+    from pagedkv.pool_socket import receive_handle
+
+    desc = descriptor(stack)
+    report(
+        "cuda pool: GetPoolDescriptor carries no handle",
+        desc.backend == mpb.POOL_BACKEND_CUDA and not desc.cuda_ipc_handle and not desc.cuda_device_uuid
+        and not desc.shm_path and bool(desc.worker_socket),
+        f"backend={mpb.PoolBackend.Name(desc.backend)} worker_socket={desc.worker_socket}",
+    )
+    handle = receive_handle(desc.worker_socket)
+    try:
+        got = handle.descriptor
+        report(
+            "cuda pool: the worker socket hands over the IPC handle, epochs and plane key",
+            len(got.cuda_ipc_handle) == 64 and got.cuda_device_uuid.startswith("GPU-")
+            and got.generation == desc.generation and sorted(handle.fds) == ["epochs"]
+            and len(handle.plane_key) == 32,
+            f"uuid={got.cuda_device_uuid} fds={sorted(handle.fds)} worker={stack.workers[0].info['device']}",
+        )
+    finally:
+        handle.close()
+    mapped = map_pool(desc)
+    try:
+        nonzero = int(torch.count_nonzero(mapped.tensor))
+        epochs = mapped.epochs
+        report(
+            "cuda pool mapped through the socket by a third process sees the worker's K/V",
+            mapped.tensor.is_cuda and nonzero > 0 and epochs.shape == (desc.layout.num_blocks,)
+            and not epochs.flags.writeable,
+            f"device={mapped.tensor.device} nonzero={nonzero} epochs[:4]={epochs[:4].tolist()} nbytes={desc.nbytes}",
+        )
+    finally:
+        mapped.close()
 
 
 def check_serve(stack: LocalStack, env: dict[str, str], work: Path, expected: list[int]) -> None:

@@ -10,7 +10,7 @@ No Docker engine is needed. Three kinds of checks:
    one the code reads, and the addresses, ports, health checks and namespaces agree across
    services; the Dockerfile installs the dependencies before it copies the source.
 3. The CPU file's commands run as plain processes on this machine (same flags and environment,
-   addresses rewritten to loopback and free ports, the pool directory to a temporary one) and
+   addresses rewritten to loopback and free ports, the worker socket to a temporary folder) and
    answer a greedy chat prompt through the client service's command and through the frontend
    (its health check, then POST /v1/chat/completions), leaving no block used.
 
@@ -52,7 +52,6 @@ COMPOSE_ONLY_VARS = {
     "PAGEDKV_MEMORY_HOST_PORT",
     "PAGEDKV_METRICS_HOST_PORT",
     "PAGEDKV_COMPUTE_HOST_PORTS",
-    "PAGEDKV_SHM_SIZE",
 }
 #: The gRPC services (published on the host's loopback only) and the HTTP front-end.
 GRPC_SERVICES = ("memory", "compute")
@@ -315,22 +314,29 @@ def test_gpu_namespaces_and_reservation():
     assert "deploy" not in svcs["client"]
 
 
-def test_cpu_pool_directory_is_shared():
-    raw = load(CPU_FILE)
-    svcs = services(CPU_FILE)
-    shm = {name: svcs[name]["environment"].get("PAGEDKV_SHM_DIR") for name in ("memory", "compute")}
-    assert shm["memory"] and shm["memory"] == shm["compute"], shm
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_worker_socket_folder_is_shared(path):
+    # The pool's handle goes only to workers: the memory service's worker socket sits in a volume
+    # that it and the workers mount at one path, and that nothing else mounts.
+    raw = load(path)
+    svcs = services(path)
+    sock = flag(svcs["memory"]["command"], "--worker-socket")
+    assert sock and flag(svcs["compute"]["command"], "--memory-socket") == sock
+    folder = sock.rsplit("/", 1)[0]
     mounts = {
-        name: {v.split(":")[1]: v.split(":")[0] for v in svcs[name]["volumes"]}
-        for name in ("memory", "compute")
+        name: {v.split(":")[1]: v.split(":")[0] for v in svcs[name].get("volumes", [])}
+        for name in svcs
     }
-    assert mounts["memory"][shm["memory"]] == mounts["compute"][shm["compute"]], (
-        "both must mount one volume at the pool directory"
-    )
-    volume = raw["volumes"][mounts["memory"][shm["memory"]]]
-    assert volume["driver_opts"]["type"] == "tmpfs"
+    volume = mounts["memory"][folder]
+    assert mounts["compute"].get(folder) == volume, "memory and compute must mount one volume at the socket's folder"
+    assert [n for n in svcs if volume in mounts[n].values()] == ["memory", "compute"], mounts
+    opts = raw["volumes"][volume]["driver_opts"]
+    assert opts["type"] == "tmpfs" and "mode=0700" in opts["o"] and "uid=10001" in opts["o"]
     for name in svcs:
-        assert "deploy" not in svcs[name], f"{name}: the CPU stack must not reserve a GPU"
+        assert "PAGEDKV_SHM_DIR" not in svcs[name].get("environment", {}), name
+    if path == CPU_FILE:
+        for name in svcs:
+            assert "deploy" not in svcs[name], f"{name}: the CPU stack must not reserve a GPU"
 
 
 def test_dockerfile_matches_the_compose_files():
@@ -432,8 +438,6 @@ def local_command(command: list[str], **replace: str) -> list[str]:
 def local_env(svc: dict, tmp: Path) -> dict[str, str]:
     env = {**os.environ, "PAGEDKV_LOG_LEVEL": "warning"}
     env.update({k: str(v) for k, v in svc.get("environment", {}).items()})
-    if "PAGEDKV_SHM_DIR" in env:
-        env["PAGEDKV_SHM_DIR"] = str(tmp / "pool")
     for var in ("PAGEDKV_MEMORY", "PAGEDKV_WORKERS"):
         env.pop(var, None)
     return env
@@ -443,19 +447,20 @@ def local_env(svc: dict, tmp: Path) -> dict[str, str]:
 def test_cpu_stack_runs_the_compose_commands(tmp_path):
     svcs = services(CPU_FILE)
     mem_svc, comp_svc, client_svc = svcs["memory"], svcs["compute"], svcs["client"]
+    sock = tmp_path / "run" / "memory.sock"
     started: list[ServiceProcess] = []
     try:
         memory = run_service(
-            local_command(mem_svc["command"], host="127.0.0.1", port="0"),
+            local_command(mem_svc["command"], host="127.0.0.1", port="0", worker_socket=str(sock)),
             local_env(mem_svc, tmp_path),
             tmp_path,
             "memory",
         )
         started.append(memory)
-        pool_files = list((tmp_path / "pool").glob("pagedkv-*.kv"))
-        assert len(pool_files) == 1, "the memory service must put its pool in $PAGEDKV_SHM_DIR"
+        assert memory.info["worker_socket"] == str(sock) and sock.exists()
         compute = run_service(
-            local_command(comp_svc["command"], host="127.0.0.1", port="0", memory=memory.address),
+            local_command(comp_svc["command"], host="127.0.0.1", port="0", memory=memory.address,
+                          memory_socket=str(sock)),
             local_env(comp_svc, tmp_path),
             tmp_path,
             "compute",
@@ -524,6 +529,4 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
     finally:
         for p in reversed(started):
             p.stop()
-    assert not list((tmp_path / "pool").glob("pagedkv-*.kv")), (
-        "the memory service must remove its pool on SIGTERM"
-    )
+    assert not sock.exists(), "the memory service must remove its worker socket on SIGTERM"

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_quick(tmp_path):
-    env = {**os.environ, "PAGEDKV_HOME": str(tmp_path), "PAGEDKV_SHM_DIR": str(tmp_path / "shm"),
+    env = {**os.environ, "PAGEDKV_HOME": str(tmp_path),
            "COLUMNS": "160", "HOME": os.environ.get("HOME", str(tmp_path))}
     # Share the weight and tokenizer caches of the default home so the services start in seconds.
     default_home = Path(os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv")

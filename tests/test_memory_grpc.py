@@ -32,7 +32,8 @@ def test_every_rpc(memory_stub, memory_service):
     assert list(pool.shape) == [64, 30, 2, 4, 3, 64]
     assert list(pool.strides) == [30 * 2 * 4 * 3 * 64, 2 * 4 * 3 * 64, 4 * 3 * 64, 3 * 64, 64, 1]
     assert pool.nbytes == 64 * pool.block_nbytes == 64 * 30 * 2 * 4 * 3 * 64 * 4
-    assert pool.shm_path.startswith("/") and pool.generation == memory_service.info["generation"]
+    assert pool.worker_socket == memory_service.info["worker_socket"] and not pool.shm_path  # the handle: socket only
+    assert pool.generation == memory_service.info["generation"]
 
     lease = stub.CreateLease(pb.CreateLeaseRequest(owner="test")).lease_id
     assert stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease)).expires_in_seconds == 30
@@ -173,13 +174,13 @@ def test_oversize_message_is_refused_by_grpc(memory_stub):
 
 
 def test_sigterm_releases_the_pool(start_service, tmp_path):
-    shm = tmp_path / "shm"
-    svc = start_service(["memory", "--num-blocks", "8", "--grace", "0.2"], name="term", env={"PAGEDKV_SHM_DIR": str(shm)})
+    sock = tmp_path / "w.sock"
+    svc = start_service(["memory", "--num-blocks", "8", "--grace", "0.2", "--worker-socket", str(sock)], name="term")
     with grpc.insecure_channel(svc.address) as ch:
         from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 
-        path = pb_grpc.MemoryServiceStub(ch).GetPoolDescriptor(pb.GetPoolDescriptorRequest()).pool.shm_path
-    assert path.startswith(str(shm)) and list(shm.glob("*.kv"))
-    assert svc.stop() == 0  # SIGTERM: NOT_SERVING, grace, stop, release
-    assert not list(shm.glob("*.kv"))
+        path = pb_grpc.MemoryServiceStub(ch).GetPoolDescriptor(pb.GetPoolDescriptorRequest()).pool.worker_socket
+    assert path == str(sock) and sock.exists()
+    assert svc.stop() == 0  # SIGTERM: NOT_SERVING, socket closed, grace, stop, release
+    assert not sock.exists()
     assert '"event": "pool_released"' in svc.log()

@@ -1,8 +1,7 @@
-"""Zero-copy: a second process maps the cpu pool from the descriptor alone, writes, the first reads."""
+"""Zero-copy: two processes map the cpu pool through the worker socket; one writes, the other reads."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -15,21 +14,24 @@ WRITER = r"""
 import sys, torch
 from compute_service.pool_map import map_pool
 from pagedkv.memory.v1 import memory_service_pb2 as pb
-desc = pb.PoolDescriptor.FromString(sys.stdin.buffer.read())
+desc = pb.PoolDescriptor.FromString(sys.stdin.buffer.read())   # the public one: layout + socket
 pool = map_pool(desc)
 block = pool.tensor[7]                       # [num_layers, 2, block_size, kv_heads, head_dim]
 block.copy_(torch.arange(block.numel(), dtype=block.dtype).view_as(block))
-print(pool.tensor.data_ptr() != 0)
+print(pool.tensor.data_ptr() != 0, pool.plane_key.hex())
 """
 
 
 def test_second_process_writes_first_reads(memory_stub):
     desc = memory_stub.GetPoolDescriptor(pb.GetPoolDescriptorRequest()).pool
+    assert desc.shm_path == "" and desc.worker_socket  # no handle over gRPC: the socket has it
     mine = map_pool(desc)
     assert mine.tensor.shape == (64, 30, 2, 4, 3, 64) and mine.tensor.dtype == torch.float32
     before = mine.tensor[7].clone()
     out = subprocess.run([sys.executable, "-c", WRITER], input=desc.SerializeToString(), capture_output=True, check=True)
-    assert out.stdout.strip() == b"True", out.stderr
+    ok, key = out.stdout.split()
+    assert ok == b"True", out.stderr
+    assert key.decode() == mine.plane_key.hex()  # one key per generation, the same for every worker
     expected = torch.arange(before.numel(), dtype=torch.float32).view_as(before)
     torch.testing.assert_close(mine.tensor[7], expected, rtol=0, atol=0, msg="block 7 not seen by the first process")
     assert torch.count_nonzero(mine.tensor[6]) == 0 and torch.count_nonzero(mine.tensor[8]) == 0
@@ -38,20 +40,3 @@ def test_second_process_writes_first_reads(memory_stub):
     assert k.shape == (64, 4, 3, 64) and torch.equal(k[7], expected[3, 0]) and torch.equal(v[7], expected[3, 1])
     mine.tensor[7].zero_()
     mine.close()
-
-
-def test_stale_pool_files_of_dead_owners_are_removed(tmp_path, monkeypatch):
-    from memory_service.layout import PoolLayout
-    from memory_service.pool import CpuPool
-
-    monkeypatch.setenv("PAGEDKV_SHM_DIR", str(tmp_path))
-    layout = PoolLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32", num_blocks=4)
-    live = CpuPool(layout, pool_id="live")
-    # A crashed owner leaves its file behind, unlocked (same pid: pids repeat in containers).
-    crashed = tmp_path / f"pagedkv-crashed-g1-p{os.getpid()}.kv"
-    crashed.write_bytes(b"\0" * 64)
-    other = CpuPool(layout, pool_id="new")
-    assert not crashed.exists() and live.path.exists() and other.path.exists()
-    live.close()
-    other.close()
-    assert not list(tmp_path.glob("*.kv"))

@@ -130,8 +130,7 @@ def test_no_prefix_caching_flag(start_service):
     svc = start_service(["memory", "--num-blocks", "32", "--block-size", "4", "--no-prefix-caching"], name="nocache")
     m = MemoryClient(svc.address)
     lease = m.create_lease().lease_id
-    (a,) = m.allocate(lease, [pb.SequenceAllocation(num_tokens=9, token_ids=list(range(9)))])
-    m.commit(lease, [(a.seq_id, 9)])
-    (b,) = m.allocate(lease, [pb.SequenceAllocation(num_tokens=9, token_ids=list(range(9)))])
+    m.allocate(lease, [pb.SequenceAllocation(num_tokens=9, token_ids=list(range(9)))])
+    (b,) = m.allocate(lease, [pb.SequenceAllocation(num_tokens=9, token_ids=list(range(9)))]).sequences
     assert b.num_cached_tokens == 0 and not m.stats().prefix_caching
     m.close()

@@ -168,7 +168,7 @@ def test_preempt_requeues_the_victim_at_the_front_with_reset_sequences():
     sch.preempt(victim)
     assert ids(sch.running) == ["a"] and ids(sch.waiting) == ["b", "late"]
     assert victim.status == Status.WAITING and victim.metrics.preemptions == 1
-    assert (seq.seq_id, seq.block_table, seq.num_computed, seq.num_committed) == (None, [], 0, 0)
+    assert (seq.seq_id, seq.block_table, seq.num_computed, seq.grant) == (None, [], 0, None)
     assert seq.generated == [7, 7, 7]  # the tokens stay: recompute prefills prompt + generated
     out = sch.schedule(available_blocks=100)
     assert plan(out) == [("a", 1), ("b", 8), ("late", 2)] and ids(out.admitted) == ["b", "late"]
@@ -221,7 +221,7 @@ def test_allocated_counts_prefix_cache_hits_as_computed():
     sch.add(request("a", 10))
     (x,) = sch.schedule(available_blocks=100).scheduled
     x.allocated(SimpleNamespace(seq_id=5, block_ids=[3, 9, 4], num_tokens=10, num_cached_tokens=8))
-    assert (x.seq.seq_id, x.seq.block_table, x.seq.num_computed, x.seq.num_committed) == (5, [3, 9, 4], 8, 8)
+    assert (x.seq.seq_id, x.seq.block_table, x.seq.num_computed) == (5, [3, 9, 4], 8)
     assert x.num_new_tokens == 2 and x.token_ids == [9, 10]
 
 

@@ -26,17 +26,27 @@ class Driver:
         self.lease = self.mem.CreateLease(mpb.CreateLeaseRequest()).lease_id
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
+        #: Each sequence's latest grant (from the memory service's replies).
+        self.grants: dict[int, object] = {}
 
     def allocate(self, n: int) -> int:
-        (s,) = self.mem.AllocateSequences(mpb.AllocateSequencesRequest(
-            lease_id=self.lease, sequences=[mpb.SequenceAllocation(num_tokens=n)])).sequences
-        self.tables[s.seq_id], self.lens[s.seq_id] = list(s.block_ids), 0
+        resp = self.mem.AllocateSequences(mpb.AllocateSequencesRequest(
+            lease_id=self.lease, sequences=[mpb.SequenceAllocation(num_tokens=n)]))
+        (s,), (g,) = resp.sequences, resp.grants
+        self.tables[s.seq_id], self.lens[s.seq_id], self.grants[s.seq_id] = list(s.block_ids), 0, g
         return s.seq_id
 
     def fork(self, seq: int) -> int:
-        (c,) = self.mem.ForkSequences(mpb.ForkSequencesRequest(lease_id=self.lease, forks=[mpb.SequenceFork(parent_seq_id=seq)])).children
-        self.tables[c.seq_id], self.lens[c.seq_id] = list(c.block_ids), self.lens[seq]
+        resp = self.mem.ForkSequences(mpb.ForkSequencesRequest(lease_id=self.lease, forks=[mpb.SequenceFork(parent_seq_id=seq)]))
+        (c,), (g,) = resp.children, resp.grants
+        self.tables[c.seq_id], self.lens[c.seq_id], self.grants[c.seq_id] = list(c.block_ids), self.lens[seq], g
         return c.seq_id
+
+    def commit(self, results) -> None:
+        """Hand the step's receipts to the memory service; keep the fresh grants."""
+        resp = self.mem.CommitComputedTokens(mpb.CommitComputedTokensRequest(
+            lease_id=self.lease, receipts=[r.receipt for r in results]))
+        self.grants.update((g.seq_id, g) for g in resp.grants)
 
     def step(self, worker: int, chunks: dict[int, list[int]], num_logprobs: int | None = None) -> dict[int, cpb.StepResult]:
         """Append slots (except for fresh allocations), then one Step with every chunk."""
@@ -47,15 +57,18 @@ class Driver:
                 mpb.SlotAppend(seq_id=s, num_tokens=n) for s, n in grow]))
             for u in resp.updates:
                 self.tables[u.seq_id][u.first_changed:] = list(u.block_ids)
+            self.grants.update((g.seq_id, g) for g in resp.grants)
             copies = [cpb.BlockCopy(src=c.src, dst=c.dst) for c in resp.copies]
         req = cpb.StepRequest(pool_generation=self.pool.generation, copies=copies)
         for s, toks in chunks.items():
             start = self.lens[s]
             sp = cpb.SamplingParams(num_logprobs=num_logprobs) if num_logprobs else cpb.SamplingParams()
             req.sequences.append(cpb.StepSequence(seq_id=s, token_ids=toks, positions=range(start, start + len(toks)),
-                                                  block_ids=self.tables[s], sampling=sp))
+                                                  block_ids=self.tables[s], sampling=sp, grant=self.grants[s]))
             self.lens[s] = start + len(toks)
-        return {r.seq_id: r for r in self.workers[worker].Step(req).results}
+        results = self.workers[worker].Step(req).results
+        self.commit(results)
+        return {r.seq_id: r for r in results}
 
     def close(self):
         self.mem.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=self.lease))
@@ -113,7 +126,7 @@ def bad_step(driver, mutate) -> grpc.RpcError:
     ids = [1, 2, 3, 4, 5]
     seq = driver.allocate(len(ids))
     req = cpb.StepRequest(pool_generation=driver.pool.generation, sequences=[cpb.StepSequence(
-        seq_id=seq, token_ids=ids, positions=range(5), block_ids=driver.tables[seq])])
+        seq_id=seq, token_ids=ids, positions=range(5), block_ids=driver.tables[seq], grant=driver.grants[seq])])
     mutate(req)
     with pytest.raises(grpc.RpcError) as exc:
         driver.workers[0].Step(req)
@@ -155,7 +168,8 @@ def test_bad_step_gets_its_code_and_worker_stays_healthy(driver, stack, name, mu
 def test_step_reports_its_time_split(driver):
     seq = driver.allocate(40)
     req = cpb.StepRequest(pool_generation=driver.pool.generation, sequences=[cpb.StepSequence(
-        seq_id=seq, token_ids=list(range(1, 41)), positions=range(40), block_ids=driver.tables[seq])])
+        seq_id=seq, token_ids=list(range(1, 41)), positions=range(40), block_ids=driver.tables[seq],
+        grant=driver.grants[seq])])
     resp = driver.workers[0].Step(req)
     assert resp.num_tokens == 40
     assert 0 < resp.attention_seconds < resp.model_seconds < resp.step_seconds

@@ -10,6 +10,7 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from conftest import pagedkv_process
@@ -107,15 +108,20 @@ async def test_pool_drop_voids_the_step_in_flight():
     from compute_service.main import swap_pool
     from compute_service.worker import Worker
     from pagedkv.errors import FailedPreconditionError
+    from pagedkv.grant.v1 import grant_pb2
+    from pagedkv.grants import sign_grant, token_digest
 
     layout = mpb.PoolLayout(block_size=4, num_blocks=8)
-    pool = types.SimpleNamespace(
-        descriptor=mpb.PoolDescriptor(layout=layout), generation=3, tensor=None, close=lambda: None
-    )
+    key, epochs = b"k" * 32, np.ones(8, dtype=np.int64)
+    pool = types.SimpleNamespace(descriptor=mpb.PoolDescriptor(layout=layout), generation=3, tensor=None,
+                                 close=lambda: None, plane_key=key, epochs=epochs)
     model = _SlowModel(1.0, vocab=32)
     worker = Worker(model, types.SimpleNamespace(vocab_size=32), pool)
+    grant = sign_grant(key, grant_pb2.StepGrant(
+        pool_generation=3, seq_id=0, block_ids=[5], block_epochs=[1], readable_tokens=0, write_end=2,
+        token_digest=token_digest([1, 2]), expires_at=time.time() + 60))
     request = cpb.StepRequest(pool_generation=3, sequences=[cpb.StepSequence(
-        seq_id=0, token_ids=[1, 2], positions=[0, 1], block_ids=[5])])
+        seq_id=0, token_ids=[1, 2], positions=[0, 1], block_ids=[5], grant=grant)])
     with ThreadPoolExecutor(max_workers=1) as compute:
         loop = asyncio.get_running_loop()
         assert (await loop.run_in_executor(compute, worker.step, request)).results[0].token_id == 7

@@ -53,6 +53,13 @@ class FailedPreconditionError(PagedKVError):
     reason = "FAILED_PRECONDITION"
 
 
+class PermissionDeniedError(PagedKVError):
+    """A credential without the right: a foreign lease's secret, a step outside its grant, a forged receipt."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
+
+
 class OutOfBlocksError(PagedKVError):
     """Not enough available blocks for an all-or-nothing request.
 

@@ -1,0 +1,77 @@
+"""The memory service's side of grants and receipts: sign what a sequence's next step may touch, check receipts.
+
+DESIGN.md, "Trust model". A grant for a sequence says: its whole block table
+with each block's allocation epoch, the positions proven computed (readable),
+the positions it may write next (``[readable_tokens, write_end)``, i.e. up to
+the slots it holds) with the digest of their token ids when known, the
+copy-on-write copies it may do, and an expiry within its lease's TTL. The
+signing key is the pool generation's plane key, which only workers receive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from memory_service.requests import BlockCopy, Receipt
+from memory_service.sequence import Sequence
+from pagedkv.errors import PermissionDeniedError
+from pagedkv.grant.v1 import grant_pb2
+from pagedkv.grants import receipt_signed, sign_grant, token_digest
+
+
+class GrantSigner:
+    """Signs grants and checks receipts for one pool generation.
+
+    Args:
+        key: the plane key (pagedkv.grants.KEY_BYTES bytes).
+        generation: the pool generation grants name.
+        epochs: the pool's epoch table, int64 [num_blocks] (read when signing).
+        wall_clock: Unix time in seconds (grant expiry is wall time: workers compare it with theirs).
+    """
+
+    def __init__(self, key: bytes, generation: int, epochs: np.ndarray,
+                 wall_clock: Callable[[], float] = time.time):
+        self.key = key
+        self.generation = generation
+        self.epochs = epochs
+        self.wall_clock = wall_clock
+
+    def grant(self, seq: Sequence, ttl: float, copies: Iterable[BlockCopy] = ()) -> grant_pb2.StepGrant:
+        """The signed grant for ``seq``'s next step, valid for ``ttl`` seconds (its lease's TTL)."""
+        readable, end = seq.num_proven, seq.num_tokens
+        toks = seq.token_ids
+        digest = token_digest(toks[readable:end]) if toks is not None and len(toks) >= end > readable else b""
+        ep = self.epochs
+        g = grant_pb2.StepGrant(
+            pool_generation=self.generation, seq_id=seq.seq_id, block_ids=seq.block_ids,
+            block_epochs=ep[seq.block_ids].tolist(), readable_tokens=readable, write_end=end, token_digest=digest,
+            copies=[grant_pb2.GrantedCopy(src=c.src, src_epoch=int(ep[c.src]), dst=c.dst, dst_epoch=int(ep[c.dst]))
+                    for c in copies],
+            expires_at=self.wall_clock() + ttl)
+        return sign_grant(self.key, g)
+
+    def receipts(self, msgs: Seq[grant_pb2.StepReceipt]) -> list[Receipt]:
+        """Check every receipt's signature and generation; returns them typed.
+
+        Raises:
+            PermissionDeniedError: a receipt not signed with this generation's plane key (nothing
+                of the call is applied), or of another pool generation.
+        """
+        out = []
+        for r in msgs:
+            if r.pool_generation != self.generation or not receipt_signed(self.key, r):
+                raise PermissionDeniedError(
+                    f"CommitComputedTokens: the receipt for sequence {r.seq_id} is not a worker's receipt for pool "
+                    f"generation {self.generation}; hand in StepResult.receipt unchanged (nothing was committed)")
+            if len(r.block_ids) != len(r.block_epochs):
+                raise PermissionDeniedError(f"CommitComputedTokens: the receipt for sequence {r.seq_id} is malformed")
+            out.append(Receipt(r.seq_id, r.start, r.end, bytes(r.token_digest), tuple(r.block_ids),
+                               tuple(r.block_epochs)))
+        return out
+
+
+__all__ = ["GrantSigner"]

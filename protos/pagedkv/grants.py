@@ -1,0 +1,107 @@
+"""Signing and checking grants and receipts (``pagedkv.grant.v1``), shared by the memory service and workers.
+
+DESIGN.md, "Trust model": the memory service signs a :class:`StepGrant` saying
+what one step may touch of one sequence; the worker checks it before any read or
+write and signs a :class:`StepReceipt` for what it computed; the memory service
+takes a position as computed (readable, cacheable) only with a receipt. Both
+signatures are HMAC-SHA256 (RFC 2104) under the plane key, which only the memory
+service and its workers hold (one per pool generation, handed to workers over
+the memory service's Unix socket). The signed bytes are a canonical encoding
+built here from the fields (not the protobuf wire bytes, which are not
+canonical), prefixed with a domain string per kind, so a grant can never pass for
+a receipt or the other way round.
+
+Token ids are bound by digest: SHA-256 of the ids as int32 little-endian.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from pagedkv.grant.v1 import grant_pb2
+
+#: Bytes of a plane key.
+KEY_BYTES = 32
+_GRANT_DOMAIN = b"pagedkv.grant.v1.StepGrant\x00"
+_RECEIPT_DOMAIN = b"pagedkv.grant.v1.StepReceipt\x00"
+
+
+def token_digest(token_ids: Seq[int] | np.ndarray) -> bytes:
+    """SHA-256 (32 bytes) of ``token_ids`` as int32 little-endian.
+
+    Raises:
+        OverflowError: an id outside int32.
+    """
+    arr = np.asarray(token_ids, dtype=np.int64)
+    if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
+        raise OverflowError("token id outside int32")
+    return hashlib.sha256(arr.astype("<i4").tobytes()).digest()
+
+
+def _u32(values) -> bytes:
+    arr = np.asarray(values, dtype="<u4")
+    return struct.pack("<I", arr.size) + arr.tobytes()
+
+
+def _u64(values) -> bytes:
+    arr = np.asarray(values, dtype="<u8")
+    return struct.pack("<I", arr.size) + arr.tobytes()
+
+
+def _bytes(b: bytes) -> bytes:
+    return struct.pack("<I", len(b)) + b
+
+
+def grant_message(g: grant_pb2.StepGrant) -> bytes:
+    """The canonical bytes a grant's signature covers (every field but ``signature``)."""
+    copies = b"".join(struct.pack("<IQIQ", c.src, c.src_epoch, c.dst, c.dst_epoch) for c in g.copies)
+    return b"".join((
+        _GRANT_DOMAIN,
+        struct.pack("<QQqqd", g.pool_generation, g.seq_id, g.readable_tokens, g.write_end, g.expires_at),
+        _u32(g.block_ids), _u64(g.block_epochs), _bytes(g.token_digest),
+        struct.pack("<I", len(g.copies)), copies,
+    ))
+
+
+def receipt_message(r: grant_pb2.StepReceipt) -> bytes:
+    """The canonical bytes a receipt's signature covers (every field but ``signature``)."""
+    return b"".join((
+        _RECEIPT_DOMAIN,
+        struct.pack("<QQqq", r.pool_generation, r.seq_id, r.start, r.end),
+        _bytes(r.token_digest), _u32(r.block_ids), _u64(r.block_epochs),
+    ))
+
+
+def _mac(key: bytes, message: bytes) -> bytes:
+    return hmac.new(key, message, hashlib.sha256).digest()
+
+
+def sign_grant(key: bytes, grant: grant_pb2.StepGrant) -> grant_pb2.StepGrant:
+    """Set ``grant.signature`` under ``key``; returns ``grant``."""
+    grant.signature = _mac(key, grant_message(grant))
+    return grant
+
+
+def grant_signed(key: bytes, grant: grant_pb2.StepGrant) -> bool:
+    """True when ``grant.signature`` is the memory service's signature of its fields (constant-time compare)."""
+    return hmac.compare_digest(grant.signature, _mac(key, grant_message(grant)))
+
+
+def sign_receipt(key: bytes, receipt: grant_pb2.StepReceipt) -> grant_pb2.StepReceipt:
+    """Set ``receipt.signature`` under ``key``; returns ``receipt``."""
+    receipt.signature = _mac(key, receipt_message(receipt))
+    return receipt
+
+
+def receipt_signed(key: bytes, receipt: grant_pb2.StepReceipt) -> bool:
+    """True when ``receipt.signature`` is a worker's signature of its fields (constant-time compare)."""
+    return hmac.compare_digest(receipt.signature, _mac(key, receipt_message(receipt)))
+
+
+__all__ = ["KEY_BYTES", "grant_message", "grant_signed", "receipt_message", "receipt_signed", "sign_grant",
+           "sign_receipt", "token_digest"]
