@@ -13,7 +13,7 @@ exceptions before anything changes.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -35,6 +35,7 @@ from memory_service.requests import (
     Receipt,
     Stats,
     check_batch,
+    check_token_ids,
 )
 from memory_service.sequence import Sequence, SequenceInfo, SequenceTable, blocks_for
 from pagedkv.errors import InvalidArgumentError, NotFoundError
@@ -43,6 +44,10 @@ from pagedkv.limits import MAX_FORK_CHILDREN
 from pagedkv.logs import get_logger
 
 log = get_logger("block_manager")
+
+#: Block references a dropped lease returns to the pool at a time (~1-2 us each, so < ~20 ms):
+#: the first chunk at once, the rest from :meth:`BlockManager.drain_released`.
+RELEASE_CHUNK_BLOCKS = 8192
 
 
 class BlockManager:
@@ -74,6 +79,12 @@ class BlockManager:
         self.prefix_cache = PrefixCache(self.pool, enabled=prefix_caching, max_events=max_events)
         self.allocation_failures = 0  # requests refused with OutOfBlocks
         self.preemptions = 0  # sequences freed as preempted
+        #: Block tables of dropped leases' sequences not yet decref'd, oldest first (see _free_lease_sequences).
+        self._releasing: deque[list[int]] = deque()
+        #: Block references in _releasing.
+        self.releasing_refs = 0
+        #: Called (no arguments) when references are left to release; the server wakes its drain task.
+        self.on_releasing: Callable[[], None] | None = None
 
     def get_sequence(self, seq_id: int) -> Sequence:
         """The live sequence ``seq_id``; raises NotFoundError if it was never allocated, or was freed."""
@@ -123,6 +134,7 @@ class BlockManager:
         lease = self.leases.lookup(lease_id)
         check_batch(len(requests), "AllocateSequences")
         reqs = [r if isinstance(r, Allocation) else Allocation(r) for r in requests]
+        check_token_ids(sum(len(r.token_ids) for r in reqs if r.token_ids is not None), "AllocateSequences")
         bs = self.block_size
         plans = []  # (request, its cached prefix, tokens to reserve)
         pinned: set[int] = set()
@@ -141,6 +153,9 @@ class BlockManager:
             required += blocks_for(total, bs) - len(hit.block_ids)
             plans.append((r, hit, total))
         if required > self.pool.num_available - len(pinned):
+            if self.releasing_refs:  # released blocks count as available: finish returning them, plan again
+                self.drain_released()
+                return self.allocate(lease_id, requests)
             return self._refuse(required, len(pinned))
         for _, hit, _ in plans:  # pin every hit of the batch before anything is evicted
             self.pool.touch(hit.block_ids)
@@ -186,6 +201,7 @@ class BlockManager:
         """
         lease = self.leases.lookup(lease_id)
         seqs = self.sequences.owned(lease.lease_id, (a.seq_id for a in appends), "AppendSlots")
+        check_token_ids(sum(len(a.token_ids) for a in appends if a.token_ids), "AppendSlots")
         bs, pool = self.block_size, self.pool
         ref_counts = pool.ref_counts
         # Pass 1: validate and count blocks, simulating the refcount drops of earlier copies.
@@ -205,6 +221,9 @@ class BlockManager:
                 required += 1
             required += -(-(n + k) // bs) - len(seq.block_ids)
         if required > pool.num_available:
+            if self.releasing_refs:  # as in allocate
+                self.drain_released()
+                return self.append_slots(lease_id, appends)
             return self._refuse(required)
         # Pass 2: apply, in the same order.
         result = AppendResult([], [])
@@ -242,16 +261,17 @@ class BlockManager:
             NotFoundError / FailedPreconditionError: unknown parent or lease, expired lease.
         """
         lease = self.leases.lookup(lease_id)
-        check_batch(len(parent_ids), "ForkSequences")
-        if len(parent_ids) > MAX_FORK_CHILDREN:
+        if len(parent_ids) > MAX_FORK_CHILDREN:  # before check_batch: the more precise limit (<= MAX_BATCH)
             raise InvalidArgumentError(f"ForkSequences: {len(parent_ids)} children is more than the {MAX_FORK_CHILDREN} "
-                                       "one call may create; fork in several calls")
+                                       "one call may create (pagedkv.limits.MAX_FORK_CHILDREN); fork in several calls")
+        check_batch(len(parent_ids), "ForkSequences")
         unique = list(dict.fromkeys(parent_ids))
         by_id = dict(zip(unique, self.sequences.owned(lease_id, unique, "ForkSequences")))
         entries = sum(len(by_id[p].block_ids) for p in parent_ids)
         if entries > MAX_FORK_BLOCK_IDS:
             raise InvalidArgumentError(f"ForkSequences: the children's block tables would hold {entries} entries, more "
-                                       f"than the {MAX_FORK_BLOCK_IDS} one reply may carry; fork in several calls")
+                                       f"than the {MAX_FORK_BLOCK_IDS} one reply may carry (pagedkv.limits.MAX_FORK_BLOCK_IDS); "
+                                       "fork in several calls")
         children = []
         for parent in (by_id[p] for p in parent_ids):
             self.pool.incref(parent.block_ids)
@@ -359,11 +379,46 @@ class BlockManager:
         return self.pool.decref(seq.block_ids)
 
     def _free_lease_sequences(self, lease: Lease) -> int:
-        """Free every sequence of a lease being dropped (released or expired); returns how many."""
+        """Free every sequence of a lease being dropped (released or expired); returns how many.
+
+        Bounded work per call: the sequences leave the table at once (no call can name them from
+        here on), but their blocks' references return to the pool :data:`RELEASE_CHUNK_BLOCKS` at
+        a time: the first chunk now, the rest from :meth:`drain_released` over the next loop
+        turns (the server's drain task, woken through :attr:`on_releasing`), in the order a
+        whole free would (sequences by id, each table last block first), so the free queue and
+        the block ids handed out later are the same as with one synchronous free.
+
+        OUT_OF_BLOCKS stays exact: references not yet returned still count as used in GetStats
+        (refcount == table entries + references releasing, :meth:`check_invariants`), and an
+        allocation or append that would be refused first returns every pending reference and
+        plans again, so a refusal never happens while released blocks could have served it.
+        """
         seqs = [self.sequences[s] for s in sorted(lease.seq_ids)]
         for seq in seqs:
-            self._free_one(seq, lease)
+            self.sequences.remove(seq, lease)
+            if seq.block_ids:
+                self._releasing.append(seq.block_ids)
+                self.releasing_refs += len(seq.block_ids)
+        if self.drain_released(RELEASE_CHUNK_BLOCKS) and self.on_releasing is not None:
+            self.on_releasing()
         return len(seqs)
+
+    def drain_released(self, max_blocks: int | None = None) -> int:
+        """Return up to ``max_blocks`` (None: all) references of dropped leases' blocks to the pool.
+
+        Returns the references still pending (0 when done).
+        """
+        budget = self.releasing_refs if max_blocks is None else max_blocks
+        while self._releasing and budget > 0:
+            table = self._releasing[0]
+            take = min(len(table), budget)
+            self.pool.decref(table[len(table) - take:])  # a table's tail first, as decref(table) would
+            del table[len(table) - take:]
+            if not table:
+                self._releasing.popleft()
+            budget -= take
+            self.releasing_refs -= take
+        return self.releasing_refs
 
     def stats(self) -> Stats:
         """Counters for GetStats (DESIGN.md, Observability)."""
@@ -385,5 +440,7 @@ class BlockManager:
         self.prefix_cache.check()
         self.sequences.check(self.leases, self.block_size)
         refs = Counter(b for seq in self.sequences.values() for b in seq.block_ids)
+        refs.update(b for table in self._releasing for b in table)
+        assert self.releasing_refs == sum(len(t) for t in self._releasing), "releasing count drifted"
         for b, rc in enumerate(self.pool.ref_counts):
             assert rc == refs[b], f"block {b}: refcount {rc} but {refs[b]} block-table entries"

@@ -8,6 +8,19 @@ blocks. Expiry is lazy (checked at each lookup) plus periodic
 remembered so a late call says "expired" rather than "unknown". Time comes
 from an injectable ``clock`` (seconds, monotonic), so tests can advance it by
 hand.
+
+Keep-alives are never starved by the service's own stalls. Once the periodic
+sweep runs (:meth:`LeaseTable.watch_stalls`), the table knows it looks at the
+clock at least every ``period`` seconds; a gap longer than that between two
+looks means the service itself did not run (a long call on the event loop, the
+process paused, the host suspended), not that clients fell silent. Then:
+
+* the gap beyond ``period`` is credited to every live lease (added to its
+  deadline) before anything expires, since no client could reach the service
+  meanwhile; a lease nobody keeps alive still expires, one credit later;
+* no lease expires during the next ``period`` seconds, so the keep-alives that
+  queued during the stall are served first (a lookup in that window finds an
+  overdue lease still live; its keep-alive renews it).
 """
 
 from __future__ import annotations
@@ -71,6 +84,38 @@ class LeaseTable(LiveTable[str, Lease]):
         self._on_drop = on_drop
         #: Recently expired lease id -> clock time of expiry, oldest first.
         self._expired: OrderedDict[str, float] = OrderedDict()
+        #: Longest expected gap between two looks at the clock, seconds (None: stalls are not credited).
+        self.sweep_period: float | None = None
+        #: Clock time of the last look (expire()).
+        self._looked_at = clock()
+        #: No lease expires before this clock time (a stall was just credited).
+        self._hold_until = float("-inf")
+        #: Seconds of stalls credited to every lease so far.
+        self.stall_credit = 0.0
+
+    def watch_stalls(self, period: float) -> None:
+        """Credit stalls of the service to every lease (module docstring): from now on :meth:`expire`
+        runs at least every ``period`` seconds (> 0; the sweep's period), and a longer gap is a stall.
+
+        Raises:
+            ValueError: ``period`` <= 0.
+        """
+        if period <= 0:
+            raise ValueError(f"the sweep period must be > 0 seconds, got {period}")
+        self.sweep_period = period
+        self._looked_at = self.clock()
+
+    def _credit_stall(self, now: float) -> None:
+        """Add the gap since the last look beyond :attr:`sweep_period` to every lease's deadline."""
+        late = now - self._looked_at - self.sweep_period
+        self._looked_at = now
+        if late <= 0:
+            return
+        for lease in self._live.values():
+            lease.expires_at += late
+        self._hold_until = now + self.sweep_period
+        self.stall_credit += late
+        log.warning("stall_credited", seconds=round(late, 3), leases=len(self._live))
 
     def create(self, ttl: float | None = None, owner: str = "") -> Lease:
         """Open a lease with ``ttl`` seconds (default: the table's).
@@ -100,8 +145,16 @@ class LeaseTable(LiveTable[str, Lease]):
         return n
 
     def expire(self) -> list[str]:
-        """Drop every lease past its TTL (freeing its sequences); returns their ids."""
+        """Drop every lease past its TTL (freeing its sequences); returns their ids.
+
+        With :meth:`watch_stalls` on, a stall since the last call is credited first, and nothing
+        expires for one period after it (module docstring).
+        """
         now = self.clock()
+        if self.sweep_period is not None:
+            self._credit_stall(now)
+            if now < self._hold_until:
+                return []
         expired = [lease for lease in self._live.values() if lease.expires_at <= now]
         for lease in expired:
             n = self._drop(lease)

@@ -52,6 +52,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"), help="'smollm2' or a Hugging Face directory (layout source)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="KV dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds without keep-alive (default 10)")
+    p.add_argument("--max-kv-events", type=int, default=10_000,
+                   help="KV events kept for StreamKvEvents replay; a subscriber further behind is told what it lost (default 10000)")
     p.add_argument("--pool-id", default=None, help="pool name (default: random)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="turn automatic prefix caching off (on by default)")
@@ -96,7 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
         pool.close()
         raise
     manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl,
-                           prefix_caching=args.prefix_caching, epochs=pool.epochs)
+                           prefix_caching=args.prefix_caching, epochs=pool.epochs, max_events=args.max_kv_events)
     ready_info = {"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks,
                   "worker_socket": pool.worker_socket}
     if args.metrics_port is not None:

@@ -9,7 +9,12 @@ The pool keeps a freed cached block at the tail of its free queue and, when it
 reuses the block, calls back here (``BlockPool.on_evict``): the block loses its
 hash. Every change is logged as a :class:`KvEvent` ("stored", "removed",
 "cleared"), numbered from 1 without gaps, for routers that follow the cache
-(StreamKvEvents); the log keeps the last ``max_events``.
+(StreamKvEvents); the log keeps the last ``max_events``. A subscriber's
+:class:`KvEventCursor` returns every event in order, or raises
+FAILED_PRECONDITION naming the first number it lost (it fell more than
+``max_events`` behind, or asked for one no longer kept): never a silent gap.
+``on_emit`` (set by the server) is called after each event, so followers wake
+at once instead of polling.
 
 NOTE: invariants (checked by :meth:`PrefixCache.check`):
   * ``cached[h] == b``  <=>  ``block_hash[b] == h``;
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -91,6 +96,8 @@ class PrefixCache:
         #: Retained KV events, oldest first.
         self.events: deque[KvEvent] = deque(maxlen=max_events)
         self._next_event = 1
+        #: Called (no arguments) after each event is logged; the server wakes its event streams.
+        self.on_emit: Callable[[], None] | None = None
         pool.on_evict = self._evicted
 
     def lookup(self, token_ids: Seq[int] | None, key: CacheKey) -> CachedPrefix:
@@ -190,21 +197,25 @@ class PrefixCache:
     def _emit(self, kind: str, **fields) -> None:
         self.events.append(KvEvent(self._next_event, kind, **fields))
         self._next_event += 1
+        if self.on_emit is not None:
+            self.on_emit()
 
     def subscribe(self, first: int | None = None) -> KvEventCursor:
         """A cursor on the event log at event ``first`` (None: only events from now on), for StreamKvEvents.
 
         Raises:
-            FailedPreconditionError: the log already dropped events before ``first`` (it keeps ``max_events``).
+            InvalidArgumentError: ``first`` < 1 (events are numbered from 1).
+            FailedPreconditionError: the log already dropped event ``first`` (it keeps ``max_events``);
+                the message names ``first`` and the oldest event kept.
         """
         events = self.events
         if first is None:
             return KvEventCursor(events, self._next_event)
-        oldest = events[0].sequence_number if events else first
-        if first < oldest:
-            raise FailedPreconditionError(
-                f"events before {oldest} are no longer retained; resubscribe from {oldest} and resync the cache")
-        return KvEventCursor(events, first)
+        if first < 1:
+            raise InvalidArgumentError(f"from_sequence_number must be >= 1 (events are numbered from 1), got {first}")
+        cursor = KvEventCursor(events, first)
+        cursor.check_retained()
+        return cursor
 
     def check(self) -> None:
         """Assert the module's invariants (O(num_blocks + events))."""
@@ -228,14 +239,33 @@ class KvEventCursor:
         #: Sequence number of the next event :meth:`poll` returns.
         self.next_number = next_number
 
-    def poll(self) -> list[KvEvent]:
-        """Retained events numbered :attr:`next_number` and on, oldest first, and move past them.
+    def check_retained(self) -> None:
+        """Raise unless the log still holds every event from :attr:`next_number` on.
 
-        A cursor that fell more than ``max_events`` behind skips what the log dropped meanwhile.
+        Raises:
+            FailedPreconditionError: event :attr:`next_number` was dropped (the log keeps the last
+                ``max_events``); the message names it and the oldest event kept.
         """
+        events = self._events
+        if events and self.next_number < events[0].sequence_number:
+            oldest = events[0].sequence_number
+            raise FailedPreconditionError(
+                f"KV event {self.next_number} is lost: the service keeps only the last {events.maxlen} events and "
+                f"the oldest kept is {oldest}; resync the cache and resubscribe from {oldest} (or from now on)",
+                metadata={"first_lost": str(self.next_number), "oldest_retained": str(oldest)})
+
+    def poll(self, limit: int | None = None) -> list[KvEvent]:
+        """Up to ``limit`` (None: all) events numbered :attr:`next_number` and on, oldest first; moves past them.
+
+        Raises:
+            FailedPreconditionError: the cursor fell more than ``max_events`` behind, so the log
+                dropped its next event (:meth:`check_retained`); nothing is skipped silently.
+        """
+        self.check_retained()
         events = self._events
         if not events or events[-1].sequence_number < self.next_number:
             return []
-        out = list(itertools.islice(events, max(0, self.next_number - events[0].sequence_number), None))
-        self.next_number = events[-1].sequence_number + 1
+        start = self.next_number - events[0].sequence_number
+        out = list(itertools.islice(events, start, None if limit is None else start + limit))
+        self.next_number = out[-1].sequence_number + 1
         return out

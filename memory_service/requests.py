@@ -1,4 +1,4 @@
-"""Typed requests and results of the block manager's calls, and the batch size limit.
+"""Typed requests and results of the block manager's calls, and the checks of per-call limits.
 
 Each batched call takes a list of small request dataclasses and returns a
 result dataclass, so no meaning hangs on a tuple position. Copy-on-write is
@@ -8,7 +8,8 @@ the worker copies before it writes. A capacity shortfall is the typed result
 
 Requests are checked by the call that takes them, after its lease, so an
 expired lease is reported before a malformed entry and messages can name the
-pool's capacity; results assert their invariants in ``__post_init__``.
+pool's capacity; results assert their invariants in ``__post_init__``. The per-call limits
+themselves are defined in :mod:`pagedkv.limits` (shared with the client).
 """
 
 from __future__ import annotations
@@ -18,25 +19,42 @@ from dataclasses import dataclass, field
 
 from memory_service.block_hash import CacheKey
 from pagedkv.errors import InvalidArgumentError
-
-#: Most entries one batched call may carry (a bigger batch is malformed).
-MAX_BATCH = 65_536
-#: Most block-table entries one ForkSequences reply may carry (children x their parents' tables),
-#: so the reply always fits a gRPC message (4 Mi ids are ~20 MB); the children per call are
-#: bounded by pagedkv.limits.MAX_FORK_CHILDREN.
-MAX_FORK_BLOCK_IDS = 1 << 22
+from pagedkv.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_TOKEN_IDS_PER_CALL  # noqa: F401 - re-exported
 
 
 def check_batch(n: int, what: str) -> None:
-    """Check the size of a batch of ``n`` entries for call ``what``.
+    """Check the size of a batch of ``n`` entries for call ``what`` (before anything changes).
 
     Raises:
-        InvalidArgumentError: an empty batch, or more than :data:`MAX_BATCH` entries.
+        InvalidArgumentError: an empty batch, or more than :data:`pagedkv.limits.MAX_BATCH` entries.
     """
     if n == 0:
         raise InvalidArgumentError(f"{what}: the batch is empty; send at least one entry")
     if n > MAX_BATCH:
-        raise InvalidArgumentError(f"{what}: {n} entries is more than the {MAX_BATCH} one call may carry")
+        raise InvalidArgumentError(f"{what}: {n} entries is more than the {MAX_BATCH} one call may carry "
+                                   "(pagedkv.limits.MAX_BATCH); split the batch into several calls")
+
+
+def check_token_ids(n: int, what: str) -> None:
+    """Check the token ids one call carries, ``n`` over all its entries (before anything changes).
+
+    Raises:
+        InvalidArgumentError: more than :data:`pagedkv.limits.MAX_TOKEN_IDS_PER_CALL`.
+    """
+    if n > MAX_TOKEN_IDS_PER_CALL:
+        raise InvalidArgumentError(f"{what}: {n} token ids is more than the {MAX_TOKEN_IDS_PER_CALL} one call may "
+                                   "carry (pagedkv.limits.MAX_TOKEN_IDS_PER_CALL); split the batch into several calls")
+
+
+def check_request_size(entries: Seq, what: str) -> None:
+    """Check a request's entries (protos with ``token_ids``) against the per-call limits before
+    they are converted: a refusal costs no more than reading the request.
+
+    Raises:
+        InvalidArgumentError: as :func:`check_batch` and :func:`check_token_ids`.
+    """
+    check_batch(len(entries), what)
+    check_token_ids(sum(len(e.token_ids) for e in entries), what)
 
 
 @dataclass(frozen=True, slots=True)

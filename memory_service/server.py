@@ -9,12 +9,13 @@ typed result back. Errors map to codes in one place (:func:`pagedkv.service.map_
 from __future__ import annotations
 
 import asyncio
+import time
 
 from memory_service.block_hash import CacheKey
-from memory_service.block_manager import BlockManager
+from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
 from memory_service.pool import Pool
-from memory_service.prefix_cache import KvEvent
-from memory_service.requests import Allocation, Append, OutOfBlocks
+from memory_service.prefix_cache import KvEvent, PrefixCache
+from memory_service.requests import Allocation, Append, OutOfBlocks, check_request_size
 from memory_service.sequence import Sequence, SequenceInfo
 from memory_service.step_grants import GrantSigner
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PermissionDeniedError
@@ -87,12 +88,14 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.GetPoolDescriptorResponse(pool=self.pool.descriptor())
 
     async def AllocateSequences(self, request, context):
+        check_request_size(request.sequences, "AllocateSequences")  # before the work of converting it
         reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None, CacheKey(s.model_id, s.cache_salt))
                 for s in request.sequences]
         seqs = _ok(self.manager.allocate(request.lease_id, reqs), "allocation")
         return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs], grants=self._grants(request.lease_id, seqs))
 
     async def AppendSlots(self, request, context):
+        check_request_size(request.appends, "AppendSlots")
         appends = [Append(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
         result = _ok(self.manager.append_slots(request.lease_id, appends), "append")
         seqs = [self.manager.sequences[a.seq_id] for a in appends]
@@ -138,20 +141,91 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.ResetPrefixCacheResponse(blocks_cleared=self.manager.reset_prefix_cache())
 
     async def StreamKvEvents(self, request, context):
-        """Server streaming: replay retained events from a sequence number, then follow."""
+        """Server streaming: replay retained events from a sequence number, then follow.
+
+        Every event in order, sent as soon as it is logged (the stream wakes on each event, no
+        polling); a subscriber that falls more than the retained window behind, or asks for an
+        event no longer kept, ends with FAILED_PRECONDITION naming the first number it lost.
+        """
         first = request.from_sequence_number if request.HasField("from_sequence_number") else None
+        changes = _kv_changes(self.manager.prefix_cache)
         cursor = self.manager.prefix_cache.subscribe(first)
         while True:
-            for e in cursor.poll():
+            changed = changes.current()  # taken before the poll, so no event can slip between
+            batch = cursor.poll(EVENTS_PER_WAKE)
+            for e in batch:
                 yield _event(e)
-            await asyncio.sleep(0.05)
+            if not batch:
+                await changed.wait()
+
+
+#: Events a stream sends between two looks at the log.
+EVENTS_PER_WAKE = 1024
+
+
+class _Changes:
+    """Wakes every waiting event stream when the log grows: one ``asyncio.Event`` per round."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        """An event was logged (called synchronously from the prefix cache)."""
+        self._event.set()
+
+    def current(self) -> asyncio.Event:
+        """The event the next emission sets (a fresh one once the last was set)."""
+        if self._event.is_set():
+            self._event = asyncio.Event()
+        return self._event
+
+
+def _kv_changes(cache: PrefixCache) -> _Changes:
+    """The notifier of ``cache``'s log, installed as its ``on_emit`` on first use."""
+    changes = getattr(cache.on_emit, "__self__", None)
+    if not isinstance(changes, _Changes):
+        changes = _Changes()
+        cache.on_emit = changes.notify
+    return changes
 
 
 async def expire_leases_forever(manager: BlockManager, period: float) -> None:
-    """Background task: free the sequences of expired leases every ``period`` seconds."""
-    while True:
-        await asyncio.sleep(period)
-        manager.leases.expire()
+    """Background task: expire leases every ``period`` seconds; return released blocks in chunks.
+
+    Keep-alives are never starved (:mod:`memory_service.leases`): the lease table is told the
+    sweep's period, so a later wake-up (the process paused, a long call on the loop) is credited
+    to every lease and nothing expires for one more period, while the keep-alives that queued
+    meanwhile are served; the sweep also yields to the loop before each expiry so RPCs already
+    received run first. Blocks of dropped leases return to the pool
+    :data:`~memory_service.block_manager.RELEASE_CHUNK_BLOCKS` references at a time, with a
+    rest as long as each chunk took between chunks (at most half the loop's time).
+    """
+    leases = manager.leases
+    leases.watch_stalls(period)
+    wake = asyncio.Event()
+    manager.on_releasing = wake.set
+
+    async def drain() -> None:
+        while True:
+            await wake.wait()
+            wake.clear()
+            while True:
+                t = time.perf_counter()
+                if not manager.drain_released(RELEASE_CHUNK_BLOCKS):
+                    break
+                # Rest as long as the chunk took: a call needs several loop turns (and gRPC's
+                # poller thread the GIL) to be answered, which one bare yield does not give.
+                await asyncio.sleep(max(0.001, time.perf_counter() - t))
+
+    drainer = asyncio.create_task(drain())
+    try:
+        while True:
+            await asyncio.sleep(period)
+            await asyncio.sleep(0)  # calls received meanwhile (keep-alives) run before the sweep
+            leases.expire()
+    finally:
+        drainer.cancel()
+        manager.on_releasing = None
 
 
 __all__ = ["MemoryServicer", "SERVICE_NAME", "expire_leases_forever"]

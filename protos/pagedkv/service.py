@@ -4,6 +4,9 @@
   (DESIGN.md, "Errors"): :class:`~pagedkv.errors.PagedKVError` -> its code with a
   ``google.rpc.ErrorInfo`` detail; ``AssertionError`` (a broken invariant) ->
   INTERNAL with a log line; anything else -> INTERNAL.
+- :func:`parse_in_handlers` registers a servicer's methods so that a request
+  whose bytes do not parse is INVALID_ARGUMENT (gRPC itself would answer
+  UNKNOWN); :func:`run_server` registers every servicer through it.
 - :func:`run_server` starts a ``grpc.aio`` server with the standard health
   service and server reflection, writes the bound address to a ready file,
   and on SIGTERM/SIGINT marks NOT_SERVING, runs the caller's shutdown hook,
@@ -124,6 +127,69 @@ def map_errors(cls: type) -> type:
     return cls
 
 
+class _ParsingRegistrar:
+    """Stands in for a server while a generated ``add_*Servicer_to_server`` registers its methods.
+
+    Each method handler is registered with no request deserializer (the handler gets the raw
+    bytes) and a behaviour that parses them first: a parse failure aborts with INVALID_ARGUMENT
+    (with a ``google.rpc.ErrorInfo``, as :func:`map_errors` does) before the servicer runs.
+    Anything else is passed to the real server.
+    """
+
+    def __init__(self, server: grpc.aio.Server):
+        self._server = server
+
+    def __getattr__(self, name: str):
+        return getattr(self._server, name)
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the same handlers come again through add_registered_method_handlers, wrapped there
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        wrapped = {name: _parsing_handler(f"{service}/{name}", h) for name, h in handlers.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
+        self._server.add_registered_method_handlers(service, wrapped)
+
+
+def _parsing_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` parsing its request inside the behaviour (unary-unary and unary-stream methods)."""
+    parse = handler.request_deserializer
+    if parse is None or handler.request_streaming:
+        return handler
+
+    async def request_of(raw: bytes, context):
+        try:
+            return parse(raw)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the caller's malformed request
+            status = _status_for(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"{method}: the request's {len(raw)} bytes do not parse as its request message "
+                                 f"({e}); send a serialized request of the method's type",
+                                 "INVALID_ARGUMENT", {})
+            log.info("rpc_error", method=method, code="INVALID_ARGUMENT", error="malformed request bytes")
+            await context.abort(status.code, status.details, status.trailing_metadata)
+
+    if handler.response_streaming:
+        behavior = handler.unary_stream
+
+        async def unary_stream(raw, context):
+            async for item in behavior(await request_of(raw, context), context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=handler.response_serializer)
+    behavior = handler.unary_unary
+
+    async def unary_unary(raw, context):
+        return await behavior(await request_of(raw, context), context)
+
+    return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=handler.response_serializer)
+
+
+def parse_in_handlers(server: grpc.aio.Server) -> _ParsingRegistrar:
+    """A stand-in for ``server`` to pass to a generated ``add_*Servicer_to_server``: malformed
+    request bytes become INVALID_ARGUMENT instead of gRPC's UNKNOWN (:class:`_ParsingRegistrar`)."""
+    return _ParsingRegistrar(server)
+
+
 def write_ready_file(path: str | os.PathLike, info: dict) -> None:
     """Atomically write ``info`` as JSON to ``path`` (rename, so readers never see half)."""
     path = Path(path)
@@ -193,7 +259,7 @@ async def run_server(spec: ServerSpec) -> None:
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    spec.add_servicers(server)
+    spec.add_servicers(parse_in_handlers(server))
     health_servicer = spec.health or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
