@@ -40,11 +40,23 @@ from client.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, Scheduler
 from client.services import Lease, MemoryClient, WorkerClient
 from client.stop import StopChecker
 from client.worker_step import StepResults, StepRunner
-from pagedkv.limits import MAX_FORK_CHILDREN
+from pagedkv.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
 log = get_logger("engine")
+
+
+def _fits(items: list, size, limit: int = MAX_TOKEN_IDS_PER_CALL) -> int:
+    """How many leading ``items`` one memory-service call may carry (pagedkv.limits): at most
+    MAX_BATCH entries whose ``size(item)`` (token ids, or block-table entries of a fork) add up
+    to at most ``limit``; at least one."""
+    total = 0
+    for i, item in enumerate(items[:MAX_BATCH]):
+        total += size(item)
+        if total > limit and i:
+            return i
+    return min(len(items), MAX_BATCH)
 
 
 @dataclass(slots=True)
@@ -164,17 +176,19 @@ class Engine:
     def _free(self, reqs: list[Request], reason: int) -> None:
         """Free the sequences of ``reqs`` that hold blocks (1 FreeSequences, none when there are none)."""
         ids = [i for r in reqs for i in r.seq_ids()]
-        if ids:
-            self.memory.free(self.lease.lease_id, ids, reason)
+        for at in range(0, len(ids), MAX_BATCH):
+            self.memory.free(self.lease.lease_id, ids[at:at + MAX_BATCH], reason)
 
     def _fork(self) -> None:
         """Fork parallel-sampling prompts and branching beams in one call; free dropped beams first."""
         plan = self.branching.plan()
-        if plan.drop:
-            self.memory.free(self.lease.lease_id, plan.drop, mpb.FREE_REASON_ABORTED)
-        parents, children, grants = plan.parents, [], []
-        for at in range(0, len(parents), MAX_FORK_CHILDREN):  # the memory service's per-call bound
-            resp = self.memory.fork(self.lease.lease_id, parents[at:at + MAX_FORK_CHILDREN])
+        for at in range(0, len(plan.drop), MAX_BATCH):
+            self.memory.free(self.lease.lease_id, plan.drop[at:at + MAX_BATCH], mpb.FREE_REASON_ABORTED)
+        branches, children, grants = plan.forkable, [], []
+        while len(children) < len(branches):  # in calls within the memory service's per-call bounds
+            rest = branches[len(children):]
+            n = _fits(rest[:MAX_FORK_CHILDREN], lambda b: len(b.parent.block_table), MAX_FORK_BLOCK_IDS)
+            resp = self.memory.fork(self.lease.lease_id, [b.parent.seq_id for b in rest[:n]])
             children += resp.children
             grants += resp.grants
         plan.apply(children, grants)
@@ -187,21 +201,24 @@ class Engine:
             return 0
 
     def _append(self, out: SchedulerOutput, updated: dict) -> tuple[dict[int, list[tuple[int, int]]], list[str]]:
-        """Grow the scheduled sequences that hold blocks (reservations never grow); on OUT_OF_BLOCKS
-        preempt the scheduler's victim (or fail a lone request) and retry.
+        """Grow the scheduled sequences that hold blocks (reservations never grow), in calls within
+        the memory service's per-call limits (one call unless a step is huge); on OUT_OF_BLOCKS
+        preempt the scheduler's victim (or fail a lone request) and go on with what is left.
 
         Returns the copy-on-write ``(src, dst)`` pairs per worker and the preempted request ids.
         """
-        copies_by_worker: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
         preempted: list[str] = []
+        copies: dict[int, list[tuple[int, int]]] = {}  # seq_id -> its copies
+        done: set[int] = set()
         while True:
-            grown = [x for x in out.scheduled
-                     if x.seq.seq_id is not None and self.scheduler.reservation(x.request) is None]
-            appends = [(x.seq.seq_id, x.num_new_tokens, x.token_ids) for x in grown]
-            if not appends:
-                return copies_by_worker, preempted
+            pending = [x for x in out.scheduled if x.seq.seq_id is not None and x.seq.seq_id not in done
+                       and self.scheduler.reservation(x.request) is None]
+            if not pending:
+                break
+            chunk = pending[:_fits(pending, lambda x: x.num_new_tokens)]
             try:
-                resp = self.memory.append(self.lease.lease_id, appends)
+                resp = self.memory.append(self.lease.lease_id,
+                                          [(x.seq.seq_id, x.num_new_tokens, x.token_ids) for x in chunk])
             except OutOfBlocks as e:
                 victim = self.scheduler.pick_victim(out.scheduled)
                 if victim is None:  # a lone request that cannot grow: the pool is too small for it
@@ -212,16 +229,19 @@ class Engine:
                     preempted.append(victim.request_id)
                 out.drop(victim)
                 continue
-            by_id = {x.seq.seq_id: x.seq for x in out.scheduled if x.seq.seq_id is not None}
-            for x, g in zip(grown, resp.grants):
+            by_id = {x.seq.seq_id: x.seq for x in chunk}
+            for x, g in zip(chunk, resp.grants):
                 x.seq.grant = g
             for u in resp.updates:
                 by_id[u.seq_id].block_table[u.first_changed:] = list(u.block_ids)
-            for c in resp.copies:
-                # The copy goes to the worker running the sequence whose table now holds dst.
-                owner = next(x.request for x in out.scheduled if c.dst in x.seq.block_table)
-                copies_by_worker[owner.worker].append((c.src, c.dst))
-            return copies_by_worker, preempted
+            for c in resp.copies:  # the copy goes with the sequence whose table now holds dst
+                owner = next(q for q in by_id.values() if c.dst in q.block_table)
+                copies.setdefault(owner.seq_id, []).append((c.src, c.dst))
+            done.update(by_id)
+        copies_by_worker: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+        for x in out.scheduled:  # the copies of sequences still in the step, on their workers
+            copies_by_worker[x.request.worker].extend(copies.get(x.seq.seq_id, ()))
+        return copies_by_worker, preempted
 
     def _preempt(self, req: Request) -> None:
         self._free([req], mpb.FREE_REASON_PREEMPTED)
@@ -229,14 +249,17 @@ class Engine:
         self.preemptions += 1
 
     def _allocate(self, out: SchedulerOutput) -> list[ScheduledSeq]:
-        """Allocate the sequences without blocks; with prefix caching, skip what is cached. On
-        OUT_OF_BLOCKS the last admitted request is unadmitted and the rest retried."""
+        """Allocate the sequences without blocks, in calls within the memory service's per-call
+        limits; with prefix caching, skip what is cached. On OUT_OF_BLOCKS the last admitted request
+        is unadmitted and the rest retried."""
         while True:
             new = [x for x in out.scheduled if x.seq.seq_id is None]
             if not new:
                 return out.scheduled
+            allocations = [self._allocation(x) for x in new]
+            n = _fits(allocations, lambda a: len(a.token_ids))
             try:
-                resp = self.memory.allocate(self.lease.lease_id, [self._allocation(x) for x in new])
+                resp = self.memory.allocate(self.lease.lease_id, allocations[:n])
             except OutOfBlocks:
                 if not out.admitted:
                     raise
@@ -246,7 +269,6 @@ class Engine:
                 continue
             for x, t, g in zip(new, resp.sequences, resp.grants):
                 x.allocated(t, g)
-            return out.scheduled
 
     def _allocation(self, x: ScheduledSeq) -> mpb.SequenceAllocation:
         reserve = self.scheduler.reservation(x.request)
@@ -254,6 +276,7 @@ class Engine:
             return mpb.SequenceAllocation(num_tokens=reserve)
         s = x.seq
         known = s.tokens if s.compute_limit is None else s.tokens[:s.compute_limit]
+        known = known[:MAX_TOKEN_IDS_PER_CALL]  # the prefix-cache lookup covers at most this many
         return mpb.SequenceAllocation(num_tokens=x.num_new_tokens, token_ids=known, model_id=self.model_id,
                                       cache_salt=x.request.cache_salt)
 
@@ -311,8 +334,8 @@ class Engine:
                 req.metrics.finished = now
                 self.scheduler.finish(req)
                 finished.append(req.request_id)
-        if to_free:
-            self.memory.free(self.lease.lease_id, to_free, mpb.FREE_REASON_FINISHED)
+        for at in range(0, len(to_free), MAX_BATCH):
+            self.memory.free(self.lease.lease_id, to_free[at:at + MAX_BATCH], mpb.FREE_REASON_FINISHED)
         return finished
 
     def _commit(self, scheduled: list[ScheduledSeq], results: StepResults) -> None:
@@ -320,9 +343,7 @@ class Engine:
         computed there (later steps may read them; full blocks enter the prefix cache), and each
         sequence gets the grant for its next step."""
         receipts = [results.by_seq[x.seq.seq_id].receipt for x in scheduled]
-        if not receipts:
-            return
-        resp = self.memory.commit(self.lease.lease_id, receipts)
         by_id = {x.seq.seq_id: x.seq for x in scheduled}
-        for g in resp.grants:
-            by_id[g.seq_id].grant = g
+        for at in range(0, len(receipts), MAX_BATCH):
+            for g in self.memory.commit(self.lease.lease_id, receipts[at:at + MAX_BATCH]).grants:
+                by_id[g.seq_id].grant = g
