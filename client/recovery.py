@@ -170,7 +170,8 @@ class Recovery:
             plan.apply([])
         engine.lease_recoveries += 1
         log.warning("lease_recovered", old_lease_id=old.lease_id, lease_id=lease.lease_id, generation=pool.generation,
-                    requeued=[r.request_id for r in requeued], recoveries=engine.lease_recoveries)
+                    requeued=[r.request_id for r in requeued], branches_without_blocks=len(plan.branches) if plan else 0,
+                    recoveries=engine.lease_recoveries)
 
     def _wait_for_services(self) -> tuple[mpb.PoolDescriptor, Lease]:
         """Wait until the memory service serves the engine's layout, every worker maps its

@@ -127,9 +127,9 @@ BAD_INPUT = [
     ("unknown block table", "GetBlockTable", lambda l, s, f: pb.GetBlockTableRequest(seq_id=10**9), NOT_FOUND, "NOT_FOUND"),
     ("freed block table", "GetBlockTable", lambda l, s, f: pb.GetBlockTableRequest(seq_id=f), NOT_FOUND, "NOT_FOUND"),
     ("negative ttl", "CreateLease", lambda l, s, f: pb.CreateLeaseRequest(ttl_seconds=-1), INVALID, "INVALID_ARGUMENT"),
-    ("keep-alive unknown", "KeepAlive", lambda l, s, f: pb.KeepAliveRequest(lease_id="nope"), NOT_FOUND, "NOT_FOUND"),
-    ("release unknown", "ReleaseLease", lambda l, s, f: pb.ReleaseLeaseRequest(lease_id="nope"), NOT_FOUND, "NOT_FOUND"),
-    ("list unknown lease", "ListSequences", lambda l, s, f: pb.ListSequencesRequest(lease_id="nope"), NOT_FOUND, "NOT_FOUND"),
+    ("keep-alive unknown", "KeepAlive", lambda l, s, f: pb.KeepAliveRequest(lease_id="nope"), NOT_FOUND, "LEASE_NOT_FOUND"),
+    ("release unknown", "ReleaseLease", lambda l, s, f: pb.ReleaseLeaseRequest(lease_id="nope"), NOT_FOUND, "LEASE_NOT_FOUND"),
+    ("list unknown lease", "ListSequences", lambda l, s, f: pb.ListSequencesRequest(lease_id="nope"), NOT_FOUND, "LEASE_NOT_FOUND"),
 ]
 
 
