@@ -158,7 +158,11 @@ class Recovery:
         log.warning("lease_lost", lease_id=old.lease_id, generation=self.generation, reason=cause.reason,
                     code=cause.code.name, error=cause.message)
         old.close()
-        pool, lease = self._wait_for_services()
+        try:
+            pool, lease = self._wait_for_services()
+        except ServiceError:
+            self._consecutive = 0  # the caller fails every request: the next recovery starts afresh
+            raise
         engine.lease = lease
         self.generation = engine.runner.pool_generation = pool.generation
         try:

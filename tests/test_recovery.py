@@ -1,9 +1,9 @@
 """A Client that loses its lease recovers: a new lease, running requests recomputed, outputs unchanged.
 
-Each test pauses the engine thread mid-generation (a listener that blocks on the first request's
-output), loses the lease while it waits (the memory service SIGKILLed and restarted on the same
-port; or the keep-alives stopped until the lease expires), lets it go on, and compares every
-output with an undisturbed run of the same requests.
+Each test with processes pauses the engine thread mid-generation (a listener that blocks on the
+first request's output), loses the lease while it waits (the memory service SIGKILLed and
+restarted on the same port; or the keep-alives stopped until the lease expires), lets it go on,
+and compares every output with an undisturbed run of the same requests.
 """
 
 from __future__ import annotations
@@ -11,18 +11,20 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import types
 
 import grpc
 import pytest
 from conftest import ROOT, START_TIMEOUT, pagedkv_process
 
 from client import Client, SamplingParams
-from client.errors import FailedPrecondition
-from client.recovery import LayoutChanged
+from client.errors import FailedPrecondition, InvalidArgument, Unavailable
+from client.recovery import LayoutChanged, Recovery, is_lost
 from client.serve.metrics import ServeMetrics
 from client.services import MemoryClient
 from client.stack import LocalStack
 from pagedkv.errors import LEASE_EXPIRED
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
 MEMORY_ARGS = ["--num-blocks", "128", "--block-size", "16", "--grace", "0.5"]
 
@@ -167,3 +169,24 @@ def test_memory_service_back_with_another_layout_fails_every_request(restartable
             run_paused(client, "layout", 2, restart)
         restart.thread.join()
         assert client.engine.lease_recoveries == 0 and not client.engine.has_work()
+
+
+def test_recovery_raises_what_it_cannot_recover_from():
+    # No service at all: a lost lease waits at most `timeout`, then fails with what it waited for;
+    # an error that is not a lost lease or pool is raised as it is.
+    memory = MemoryClient(f"127.0.0.1:{free_port()}", timeout=1)
+    old = types.SimpleNamespace(lease_id="old", lost=None, close=lambda: None)
+    engine = types.SimpleNamespace(memory=memory, workers=[], lease=old)
+    recovery = Recovery(engine, mpb.PoolDescriptor(generation=1), timeout=0.3)
+    try:
+        with pytest.raises(Unavailable, match=r"could not get a new one \(not ready within 0.3 s\): the memory "
+                                              f"service at {memory.address} to serve"):
+            recovery.recover(Unavailable(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+        bad = InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "bad", "INVALID_ARGUMENT")
+        with pytest.raises(InvalidArgument) as exc:
+            recovery.recover(bad)
+        assert exc.value is bad and engine.lease is old
+        assert is_lost(FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION, "expired", LEASE_EXPIRED))
+        assert not is_lost(FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION, "other", "FAILED_PRECONDITION"))
+    finally:
+        memory.close()
