@@ -26,6 +26,7 @@ from pathlib import Path
 
 from client.engine import Engine
 from client.params import SamplingParams
+from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.request import Request, Status
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
@@ -171,6 +172,10 @@ class Client:
         lease_ttl: lease TTL in seconds (default: the memory service's).
         max_model_len: longest sequence (prompt + output), tokens; default: the model's context
             capped by the pool (vLLM's ``max_model_len``).
+        recovery_timeout: when the lease is lost (the memory service restarted, or the lease
+            expired), the engine waits at most this many seconds for the services, then carries
+            on with a new lease and its running requests recomputed, or fails every request if
+            the services are not back (client.recovery; ``engine.lease_recoveries`` counts them).
 
     Raises:
         client.errors.ServiceError: a service refused the connection-time calls.
@@ -179,7 +184,7 @@ class Client:
 
     def __init__(self, memory: str = "127.0.0.1:50051", workers: Iterable[str] = ("127.0.0.1:50052",), *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT):
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
@@ -193,7 +198,7 @@ class Client:
         self.tokenizer = load_tokenizer(source)
         self._engine = Engine(self.memory, self.workers, self.tokenizer,
                               config=SchedulerConfig(max_num_seqs, max_num_batched_tokens), lease_ttl=lease_ttl,
-                              max_model_len=max_model_len)
+                              max_model_len=max_model_len, recovery_timeout=recovery_timeout)
         self._handles: dict[str, RequestHandle] = {}
         self._wake = threading.Condition()
         self._closed = False
@@ -303,6 +308,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._engine.recovery.cancel()  # a recovery waiting for the services gives up
         self._thread.join(timeout=30)
         self._engine.close()
         self.memory.close()

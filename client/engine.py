@@ -21,7 +21,9 @@ One :meth:`Engine.step` (vLLM v1's schedule / execute / update_from_output, spli
                  free finished sequences                          (1 FreeSequences)
 
 so a step makes a constant number of memory-service calls (plus one per
-preemption) and one Step call per worker. Requests join between steps and
+preemption) and one Step call per worker. A lost lease or a new pool generation
+met by a step is recovered from before the next (client.recovery): a new lease,
+and the running requests recomputed. Requests join between steps and
 leave as soon as they finish. Sampling is reproducible without worker state:
 the draw for output position t depends on (seed + sample index, t), so a
 preempted request resumes on the same draws.
@@ -35,6 +37,8 @@ from dataclasses import dataclass, field
 
 from client.beam import BeamState, Branching
 from client.errors import OutOfBlocks, ServiceError
+from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
+from client.recovery import Recovery
 from client.request import Request, Status
 from client.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from client.services import Lease, MemoryClient, WorkerClient
@@ -86,7 +90,7 @@ class Engine:
 
     def __init__(self, memory: MemoryClient, workers: list[WorkerClient], tokenizer, *,
                  config: SchedulerConfig | None = None, lease_ttl: float | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT):
         self.memory = memory
         self.workers = workers
         self.tokenizer = tokenizer
@@ -111,6 +115,9 @@ class Engine:
         #: (request id, step_count when its abort was asked), most recent last.
         self.abort_log: collections.deque[tuple[str, int]] = collections.deque(maxlen=10_000)
         self.runner = StepRunner(workers, pool.generation)
+        #: Times a lost lease or a new pool generation was recovered from (client.recovery).
+        self.lease_recoveries = 0
+        self.recovery = Recovery(self, pool, lease_ttl, recovery_timeout)
 
     def add(self, request: Request) -> None:
         """Queue a request (thread-safe). Raises ValueError when it can never fit (:meth:`Scheduler.add`)."""
@@ -140,13 +147,31 @@ class Engine:
         return reqs
 
     def close(self) -> None:
+        self.recovery.cancel()
         self.runner.close()
         self.lease.close()
 
     def step(self) -> list[Request]:
-        """Run one step (the module's diagram); returns the requests it updated (finished ones included)."""
-        t0 = time.perf_counter()
+        """Run one step (the module's diagram); returns the requests it updated (finished ones included).
+
+        A step that finds the lease or the pool generation gone recovers instead (client.recovery)
+        and returns the requests it updated before that.
+
+        Raises:
+            client.errors.ServiceError: a service refused a call, or recovery failed.
+        """
         updated: dict[str, Request] = {}
+        try:
+            self.recovery.check_lease()
+            out = self._step(updated)
+        except ServiceError as e:
+            self.recovery.recover(e)  # raises what it cannot recover from
+            return list(updated.values())
+        self.recovery.step_done()
+        return out
+
+    def _step(self, updated: dict) -> list[Request]:
+        t0 = time.perf_counter()
         self._handle_aborts(updated)
         self._fork()
         out = self.scheduler.schedule(self._available_blocks())
@@ -168,10 +193,12 @@ class Engine:
 
     def _handle_aborts(self, updated: dict) -> None:
         victims = self.scheduler.take_aborted()
-        self._free(victims, mpb.FREE_REASON_ABORTED)
-        for r in victims:
-            r.abort()
-            updated[r.request_id] = r
+        try:
+            self._free(victims, mpb.FREE_REASON_ABORTED)
+        finally:  # aborted even when the lease is gone
+            for r in victims:
+                r.abort()
+                updated[r.request_id] = r
 
     def _free(self, reqs: list[Request], reason: int) -> None:
         """Free the sequences of ``reqs`` that hold blocks (1 FreeSequences, none when there are none)."""
@@ -181,7 +208,7 @@ class Engine:
 
     def _fork(self) -> None:
         """Fork parallel-sampling prompts and branching beams in one call; free dropped beams first."""
-        plan = self.branching.plan()
+        plan = self.recovery.fork_in_flight = self.branching.plan()
         for at in range(0, len(plan.drop), MAX_BATCH):
             self.memory.free(self.lease.lease_id, plan.drop[at:at + MAX_BATCH], mpb.FREE_REASON_ABORTED)
         branches, children, grants = plan.forkable, [], []
@@ -192,13 +219,16 @@ class Engine:
             children += resp.children
             grants += resp.grants
         plan.apply(children, grants)
+        self.recovery.fork_in_flight = None
 
     def _available_blocks(self) -> int:
         """The pool's free blocks now (0 when GetStats fails: nothing is admitted)."""
         try:
-            return self.memory.stats().available_blocks
+            stats = self.memory.stats()
         except ServiceError:
             return 0
+        self.recovery.check_generation(stats.generation)
+        return stats.available_blocks
 
     def _append(self, out: SchedulerOutput, updated: dict) -> tuple[dict[int, list[tuple[int, int]]], list[str]]:
         """Grow the scheduled sequences that hold blocks (reservations never grow), in calls within

@@ -253,6 +253,23 @@ class Scheduler:
             self.waiting.appendleft(request)
         log.info("preempted", request_id=request.request_id, generated=[len(s.generated) for s in request.seqs])
 
+    def requeue_running(self) -> list[Request]:
+        """Recompute every running request: the lease that held their blocks is gone (client.recovery).
+
+        Like :meth:`preempt` for all of them at once, but not counted as preemptions: each forgets
+        its KV (its tokens stay, so it resumes where it was) and they wait at the front of
+        ``waiting`` in admission order, ahead of the requests that were already waiting.
+        Returns them in that order.
+        """
+        with self._lock:
+            requeued, self.running = self.running, []
+            for r in requeued:
+                for s in r.seqs:
+                    s.reset()
+                r.status = Status.WAITING
+            self.waiting.extendleft(reversed(requeued))
+        return requeued
+
     def unadmit(self, request: Request) -> None:
         """Undo this step's admission of ``request`` (its allocation failed): it waits at the front."""
         self.running.remove(request)

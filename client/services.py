@@ -15,9 +15,10 @@ import threading
 
 import grpc
 
-from client.errors import from_rpc_error
+from client.errors import ServiceError, from_rpc_error
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
+from pagedkv.errors import LEASE_EXPIRED, LEASE_NOT_FOUND
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
@@ -135,13 +136,21 @@ class WorkerClient(_Channel):
 
 
 class Lease:
-    """A lease on ``memory`` renewed in the background until :meth:`close`."""
+    """A lease on ``memory`` renewed in the background until :meth:`close`.
+
+    When a keep-alive is refused because the memory service no longer knows the lease (reason
+    LEASE_NOT_FOUND: it restarted) or it expired (LEASE_EXPIRED), renewing stops and :attr:`lost`
+    holds that error; the engine then recovers with a new lease (client.recovery).
+    """
 
     def __init__(self, memory: MemoryClient, ttl: float | None = None):
         self.memory = memory
         resp = memory.create_lease(ttl)
         self.lease_id = resp.lease_id
         self.ttl = resp.ttl_seconds
+        #: The refusal that showed the lease is gone, once a keep-alive met one; None while it lives.
+        self.lost: ServiceError | None = None
+        self._closed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="pagedkv-lease", daemon=True)
         self._thread.start()
@@ -150,13 +159,24 @@ class Lease:
         while not self._stop.wait(self.ttl / 3):
             try:
                 self.memory.keep_alive(self.lease_id)
-            except Exception as e:  # noqa: BLE001 - keep trying; the engine sees the expiry on its next call
+            except Exception as e:  # noqa: BLE001 - keep trying unless the lease is gone
+                if isinstance(e, ServiceError) and e.reason in (LEASE_NOT_FOUND, LEASE_EXPIRED):
+                    self.lost = e
+                    log.warning("lease_lost", lease_id=self.lease_id, reason=e.reason, error=e.message)
+                    return
                 log.warning("keep_alive_failed", lease_id=self.lease_id, error=str(e))
+
+    def stop_renewing(self) -> None:
+        """Stop the keep-alives and keep the lease: it expires after its TTL unless :meth:`close` releases it."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def close(self) -> None:
         """Stop renewing and release the lease (its sequences are freed)."""
-        if self._stop.is_set():
+        if self._closed:
             return
+        self._closed = True
         self._stop.set()
         try:
             self.memory.release_lease(self.lease_id)

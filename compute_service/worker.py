@@ -26,7 +26,7 @@ from compute_service.step_inputs import StepInputs, build_step_inputs
 from compute_service.timing import AttentionClock
 from compute_service.weights import ModelConfig
 from pagedkv.compute.v1 import compute_service_pb2 as pb
-from pagedkv.errors import FailedPreconditionError
+from pagedkv.errors import POOL_GENERATION_MISMATCH, POOL_NOT_MAPPED, FailedPreconditionError
 
 
 class Worker:
@@ -72,12 +72,13 @@ class Worker:
             pool = self.pool
             if pool is None:
                 raise FailedPreconditionError(
-                    "the worker has no pool mapped (the memory service is restarting or gone); retry shortly")
+                    "the worker has no pool mapped (the memory service is restarting or gone); retry shortly",
+                    reason=POOL_NOT_MAPPED)
             if request.pool_generation != pool.generation:
                 raise FailedPreconditionError(
                     f"the request's pool generation {request.pool_generation} is not the mapped pool's "
                     f"{pool.generation}; the memory service restarted: re-read the pool descriptor, "
-                    "allocate the sequences again and recompute them")
+                    "allocate the sequences again and recompute them", reason=POOL_GENERATION_MISMATCH)
             t0 = time.perf_counter()
             lay = pool.descriptor.layout
             inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
@@ -89,7 +90,8 @@ class Worker:
             logits = self.model(*inputs.model_args(pool.tensor))
             t2 = time.perf_counter()
             if self.pool_lost.is_set():
-                raise FailedPreconditionError("the memory service went away during this step; its results are void")
+                raise FailedPreconditionError("the memory service went away during this step; its results are void",
+                                              reason=POOL_NOT_MAPPED)
             results = self._sample(request, inputs, logits)
             sign_receipts(request, results, pool.plane_key, lay.block_size)
             return pb.StepResponse(

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memory_service.live_table import LiveTable
-from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from pagedkv.errors import LEASE_EXPIRED, LEASE_NOT_FOUND, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from pagedkv.logs import get_logger
 
 log = get_logger("block_manager")
@@ -181,9 +181,9 @@ class LeaseTable(LiveTable[str, Lease]):
         if lease_id in self._expired:
             raise FailedPreconditionError(
                 f"lease {lease_id} expired (no keep-alive within its TTL) and its sequences were "
-                "freed; create a new lease and allocate again"
+                "freed; create a new lease and allocate again", reason=LEASE_EXPIRED
             )
-        raise NotFoundError(f"unknown lease {lease_id!r}; call CreateLease first")
+        raise NotFoundError(f"unknown lease {lease_id!r}; call CreateLease first", reason=LEASE_NOT_FOUND)
 
     def _drop(self, lease: Lease) -> int:
         n = self._on_drop(lease)

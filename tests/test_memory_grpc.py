@@ -106,12 +106,12 @@ BAD_INPUT = [
     ("zero tokens", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l, sequences=[pb.SequenceAllocation(num_tokens=0)]), INVALID, "INVALID_ARGUMENT"),
     ("negative tokens", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l, sequences=[pb.SequenceAllocation(num_tokens=-5)]), INVALID, "INVALID_ARGUMENT"),
     ("token ids past the pool", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l, sequences=[pb.SequenceAllocation(num_tokens=1, token_ids=range(257))]), INVALID, "INVALID_ARGUMENT"),
-    ("megabyte lease id", "KeepAlive", lambda l, s, f: pb.KeepAliveRequest(lease_id="x" * (1 << 20)), NOT_FOUND, "NOT_FOUND"),
+    ("megabyte lease id", "KeepAlive", lambda l, s, f: pb.KeepAliveRequest(lease_id="x" * (1 << 20)), NOT_FOUND, "LEASE_NOT_FOUND"),
     ("huge tokens", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l, sequences=[pb.SequenceAllocation(num_tokens=2**62)]), INVALID, "INVALID_ARGUMENT"),
     ("empty batch", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l), INVALID, "INVALID_ARGUMENT"),
     ("more than available", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id=l, sequences=[pb.SequenceAllocation(num_tokens=200), pb.SequenceAllocation(num_tokens=100)]), EXHAUSTED, "OUT_OF_BLOCKS"),
     ("no lease", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(sequences=[pb.SequenceAllocation(num_tokens=1)]), INVALID, "INVALID_ARGUMENT"),
-    ("unknown lease", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id="nope", sequences=[pb.SequenceAllocation(num_tokens=1)]), NOT_FOUND, "NOT_FOUND"),
+    ("unknown lease", "AllocateSequences", lambda l, s, f: pb.AllocateSequencesRequest(lease_id="nope", sequences=[pb.SequenceAllocation(num_tokens=1)]), NOT_FOUND, "LEASE_NOT_FOUND"),
     ("zero append", "AppendSlots", lambda l, s, f: pb.AppendSlotsRequest(lease_id=l, appends=[pb.SlotAppend(seq_id=s, num_tokens=0)]), INVALID, "INVALID_ARGUMENT"),
     ("negative append", "AppendSlots", lambda l, s, f: pb.AppendSlotsRequest(lease_id=l, appends=[pb.SlotAppend(seq_id=s, num_tokens=-1)]), INVALID, "INVALID_ARGUMENT"),
     ("append past capacity", "AppendSlots", lambda l, s, f: pb.AppendSlotsRequest(lease_id=l, appends=[pb.SlotAppend(seq_id=s, num_tokens=256)]), INVALID, "INVALID_ARGUMENT"),
@@ -128,9 +128,9 @@ BAD_INPUT = [
     ("unknown block table", "GetBlockTable", lambda l, s, f: pb.GetBlockTableRequest(seq_id=10**9), NOT_FOUND, "NOT_FOUND"),
     ("freed block table", "GetBlockTable", lambda l, s, f: pb.GetBlockTableRequest(seq_id=f), NOT_FOUND, "NOT_FOUND"),
     ("negative ttl", "CreateLease", lambda l, s, f: pb.CreateLeaseRequest(ttl_seconds=-1), INVALID, "INVALID_ARGUMENT"),
-    ("keep-alive unknown", "KeepAlive", lambda l, s, f: pb.KeepAliveRequest(lease_id="nope"), NOT_FOUND, "NOT_FOUND"),
-    ("release unknown", "ReleaseLease", lambda l, s, f: pb.ReleaseLeaseRequest(lease_id="nope"), NOT_FOUND, "NOT_FOUND"),
-    ("list unknown lease", "ListSequences", lambda l, s, f: pb.ListSequencesRequest(lease_id="nope"), NOT_FOUND, "NOT_FOUND"),
+    ("keep-alive unknown", "KeepAlive", lambda l, s, f: pb.KeepAliveRequest(lease_id="nope"), NOT_FOUND, "LEASE_NOT_FOUND"),
+    ("release unknown", "ReleaseLease", lambda l, s, f: pb.ReleaseLeaseRequest(lease_id="nope"), NOT_FOUND, "LEASE_NOT_FOUND"),
+    ("list unknown lease", "ListSequences", lambda l, s, f: pb.ListSequencesRequest(lease_id="nope"), NOT_FOUND, "LEASE_NOT_FOUND"),
 ]
 
 

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics, with vLLM's names under the ``pagedkv:`` prefix.
 
 Request metrics are updated on the engine thread as outputs are published
-(:meth:`ServeMetrics.observe`); queue lengths, preemptions and the pool's KV usage and
+(:meth:`ServeMetrics.observe`); queue lengths, preemptions, lease recoveries and the pool's KV usage and
 prefix-cache counters are read when scraped (:class:`_LiveCollector`), so they are never stale.
 
 | metric | kind | when it moves |
@@ -14,6 +14,7 @@ prefix-cache counters are read when scraped (:class:`_LiveCollector`), so they a
 | ``pagedkv:generation_tokens_total`` | counter | every output token of every choice |
 | ``pagedkv:request_success_total{finished_reason}`` | counter | a request finishes ("stop", "length", "abort") |
 | ``pagedkv:num_preemptions_total`` | counter | the engine preempts a request |
+| ``pagedkv:lease_recoveries_total`` | counter | the engine recovers from a lost lease or a new pool generation (client.recovery) |
 | ``pagedkv:kv_cache_usage_perc`` | gauge | used / total blocks of the pool, at scrape |
 | ``pagedkv:prefix_cache_queries_total`` / ``_hits_total`` | counter | the pool's, in tokens, at scrape |
 """
@@ -128,9 +129,12 @@ class _LiveCollector:
             g = GaugeMetricFamily(f"pagedkv:{name}", doc, labels=names)
             g.add_metric(values, value)
             yield g
-        c = CounterMetricFamily("pagedkv:num_preemptions", "Requests preempted (recompute).", labels=names)
-        c.add_metric(values, self.engine.preemptions)
-        yield c
+        for name, doc, value in (("num_preemptions", "Requests preempted (recompute).", self.engine.preemptions),
+                                 ("lease_recoveries", "Recoveries from a lost lease or a new pool generation "
+                                  "(running requests recomputed).", self.engine.lease_recoveries)):
+            c = CounterMetricFamily(f"pagedkv:{name}", doc, labels=names)
+            c.add_metric(values, value)
+            yield c
         try:
             stats = self.memory.stats()
         except Exception:  # noqa: BLE001 - the memory service is down: no pool metrics this scrape

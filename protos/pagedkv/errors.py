@@ -14,6 +14,15 @@ import grpc
 ERROR_DOMAIN = "pagedkv.dev"
 #: ErrorInfo reason of a block shortfall (clients act on it, not on the code alone).
 OUT_OF_BLOCKS = "OUT_OF_BLOCKS"
+#: ErrorInfo reason of a call on a lease the memory service does not know (never issued, released,
+#: or issued before the service restarted): the caller creates a new lease.
+LEASE_NOT_FOUND = "LEASE_NOT_FOUND"
+#: ErrorInfo reason of a call on a lease that expired (no keep-alive within its TTL): its sequences are gone.
+LEASE_EXPIRED = "LEASE_EXPIRED"
+#: ErrorInfo reason of a Step that names a pool generation other than the one the worker maps.
+POOL_GENERATION_MISMATCH = "POOL_GENERATION_MISMATCH"
+#: ErrorInfo reason of a Step on a worker that maps no pool (the memory service is gone or restarting).
+POOL_NOT_MAPPED = "POOL_NOT_MAPPED"
 
 
 class PagedKVError(Exception):
@@ -22,9 +31,11 @@ class PagedKVError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
     reason: str = ""
 
-    def __init__(self, message: str, *, metadata: dict[str, str] | None = None):
+    def __init__(self, message: str, *, metadata: dict[str, str] | None = None, reason: str | None = None):
         super().__init__(message)
         self.message = message
+        if reason is not None:  # a more specific reason than the class's
+            self.reason = reason
         #: ErrorInfo metadata (string to string).
         self.metadata = dict(metadata or {})
 
