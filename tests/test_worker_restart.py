@@ -35,10 +35,11 @@ def memory_on(port: int, tmp_path, name: str) -> ServiceProcess:
 
 def step(stub, generation: int, memory) -> cpb.StepResponse:
     lease = memory.CreateLease(mpb.CreateLeaseRequest()).lease_id
-    (seq,) = memory.AllocateSequences(mpb.AllocateSequencesRequest(
-        lease_id=lease, sequences=[mpb.SequenceAllocation(num_tokens=3)])).sequences
+    resp = memory.AllocateSequences(mpb.AllocateSequencesRequest(
+        lease_id=lease, sequences=[mpb.SequenceAllocation(num_tokens=3)]))
+    (seq,), (grant,) = resp.sequences, resp.grants
     return stub.Step(cpb.StepRequest(pool_generation=generation, sequences=[cpb.StepSequence(
-        seq_id=seq.seq_id, token_ids=[1, 2, 3], positions=[0, 1, 2], block_ids=seq.block_ids)]))
+        seq_id=seq.seq_id, token_ids=[1, 2, 3], positions=[0, 1, 2], block_ids=seq.block_ids, grant=grant)]))
 
 
 def wait_for(predicate, timeout: float = 60.0):
