@@ -28,7 +28,7 @@ from client.launcher import alive, check_tls, default_device, read_state
 from client.services import MemoryClient, WorkerClient
 from client.stack import LocalStack, serving
 from memory_service.layout import make_layout, parse_bytes
-from pagedkv.tls import TlsFiles
+from pagedkv.tls import TlsFiles, from_args
 from pagedkv.tls import channel as plane_channel
 
 
@@ -69,11 +69,13 @@ def resolve(args: argparse.Namespace) -> Backends:
     """Attach to running services or start embedded ones (the module's order).
 
     Raises:
-        ValueError: workers given without a memory service, or pool flags that differ from the
-            running pool's.
+        ValueError: workers given without a memory service, pool flags that differ from the
+            running pool's, or incomplete or unreadable TLS files.
         RuntimeError: embedded services failed to start (with their log's tail).
         client.errors.ServiceError: an attached service refused the descriptor calls.
     """
+    # The scheduler's files, read here (not at parsing) so a missing file is a start-up error.
+    args.tls = from_args(args)
     if args.memory:
         found = Backends(args.memory, args.workers or ["127.0.0.1:50052"], "flags", tls=args.tls)
     elif args.workers:

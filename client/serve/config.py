@@ -168,8 +168,4 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.tenants = Tenants.load(args.api_key, args.api_keys_file, args.admin_api_key)
     except (OSError, ValueError) as e:
         p.error(str(e))
-    try:
-        args.tls = plane_tls.from_args(args)
-    except ValueError as e:
-        p.error(str(e))
     return args
