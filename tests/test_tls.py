@@ -222,3 +222,32 @@ def test_pagedkv_certs_files_make_a_working_plane(tmp_path):
                 assert ch.unary_unary("/test.Role/Get")(b"", timeout=5) == b"admin"
     finally:
         server.stop(None)
+
+
+def test_kubernetes_manifest_runs_the_plane_with_mutual_tls(monkeypatch):
+    """deploy/kubernetes: `certs` runs first; every container presents its own member's files and its
+    command parses with the CLI's parsers."""
+    import yaml
+
+    from client.cli import build_parser as cli_parser
+    from client.serve.config import parse_args as serve_args
+    from compute_service.main import build_parser as compute_parser
+    from memory_service.main import build_parser as memory_parser
+
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "pagedkv-cpu.yaml").read_text()))
+    (pod,) = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"]
+    (init,) = pod["initContainers"]
+    assert init["args"][:4] == ["pagedkv", "certs", "--out", "/run/pagedkv/tls"]
+    cli_parser().parse_args(init["args"][1:])
+    members = {"memory": ("memory", memory_parser), "compute": ("worker", compute_parser),
+               "frontend": ("scheduler", None)}
+    for c in pod["containers"]:
+        member, parser = members[c["name"]]
+        args = c["args"][2:]
+        for k in list(os.environ):
+            if k.startswith("PAGEDKV_TLS_"):
+                monkeypatch.delenv(k)
+        ns = serve_args(args) if parser is None else parser().parse_args(args)
+        assert (ns.tls_cert, ns.tls_key, ns.tls_ca) == (f"/run/pagedkv/tls/{member}.pem",
+                                                        f"/run/pagedkv/tls/{member}-key.pem", "/run/pagedkv/tls/ca.pem")
+        assert {"name": "tls", "mountPath": "/run/pagedkv/tls", "readOnly": True} in c["volumeMounts"]
