@@ -267,7 +267,7 @@ mem=$(container memory)
 stats_py='
 from client.services import MemoryClient
 from pagedkv.tls import TlsFiles
-tls = TlsFiles("/run/pagedkv/tls/admin.pem", "/run/pagedkv/tls/admin-key.pem", "/run/pagedkv/tls/ca.pem")
+tls = TlsFiles("/etc/pagedkv/tls/admin.pem", "/etc/pagedkv/tls/admin-key.pem", "/etc/pagedkv/tls/ca.pem")
 m = MemoryClient("127.0.0.1:50051", tls=tls)
 s = m.stats()
 print(f"total={s.total_blocks} used={s.used_blocks} free={s.free_blocks} cached={s.cached_blocks} "
@@ -294,7 +294,7 @@ refused_py='
 import grpc
 from client.errors import ServiceError
 from client.services import MemoryClient
-ca = open("/run/pagedkv/tls/ca.pem", "rb").read()
+ca = open("/etc/pagedkv/tls/ca.pem", "rb").read()
 for name, creds in (("plaintext", None), ("no certificate", grpc.ssl_channel_credentials(ca))):
     m = MemoryClient("memory:50051", timeout=5)
     if creds is not None:
@@ -314,7 +314,7 @@ GRPCURL=${PAGEDKV_GRPCURL:-$(command -v grpcurl || true)}
 if [[ -n $GRPCURL ]]; then
     tls_dir=$CACHE/tls
     rm -rf "$tls_dir"
-    podman cp "$mem:/run/pagedkv/tls" "$tls_dir" || fail "podman cp of the certificates"
+    podman cp "$mem:/etc/pagedkv/tls" "$tls_dir" || fail "podman cp of the certificates"
     chmod 600 "$tls_dir"/*-key.pem
     grpc_tls=(-cacert "$tls_dir/ca.pem" -cert "$tls_dir/admin.pem" -key "$tls_dir/admin-key.pem")
     log "grpcurl ${grpc_tls[*]} localhost:$PAGEDKV_MEMORY_HOST_PORT list:"

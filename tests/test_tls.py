@@ -237,7 +237,7 @@ def test_kubernetes_manifest_runs_the_plane_with_mutual_tls(monkeypatch):
     docs = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "pagedkv-cpu.yaml").read_text()))
     (pod,) = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"]
     (init,) = pod["initContainers"]
-    assert init["args"][:4] == ["pagedkv", "certs", "--out", "/run/pagedkv/tls"]
+    assert init["args"][:4] == ["pagedkv", "certs", "--out", "/etc/pagedkv/tls"]
     cli_parser().parse_args(init["args"][1:])
     members = {"memory": ("memory", memory_parser), "compute": ("worker", compute_parser),
                "frontend": ("scheduler", None)}
@@ -248,6 +248,6 @@ def test_kubernetes_manifest_runs_the_plane_with_mutual_tls(monkeypatch):
             if k.startswith("PAGEDKV_TLS_"):
                 monkeypatch.delenv(k)
         ns = serve_args(args) if parser is None else parser().parse_args(args)
-        assert (ns.tls_cert, ns.tls_key, ns.tls_ca) == (f"/run/pagedkv/tls/{member}.pem",
-                                                        f"/run/pagedkv/tls/{member}-key.pem", "/run/pagedkv/tls/ca.pem")
-        assert {"name": "tls", "mountPath": "/run/pagedkv/tls", "readOnly": True} in c["volumeMounts"]
+        assert (ns.tls_cert, ns.tls_key, ns.tls_ca) == (f"/etc/pagedkv/tls/{member}.pem",
+                                                        f"/etc/pagedkv/tls/{member}-key.pem", "/etc/pagedkv/tls/ca.pem")
+        assert {"name": "tls", "mountPath": "/etc/pagedkv/tls", "readOnly": True} in c["volumeMounts"]
