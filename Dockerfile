@@ -81,7 +81,10 @@ RUN --mount=type=secret,id=pip-ca \
 
 # The source. Its dependencies are all in place, so this needs no network.
 COPY . .
-RUN pip install --no-deps --no-build-isolation .
+# /etc/pagedkv/tls: where the compose files mount the plane's certificates (`pagedkv certs`); made
+# here, owned by the image's user, so a new volume there belongs to it.
+RUN pip install --no-deps --no-build-isolation . \
+ && install -d -o pagedkv -g pagedkv -m 0700 /etc/pagedkv/tls
 
 USER pagedkv
 RUN cd / \

@@ -32,6 +32,7 @@ from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
 from client.tokenizer import Messages, encode_prompt, load_tokenizer
 from pagedkv.logs import get_logger
+from pagedkv.tls import TlsFiles
 
 log = get_logger("client")
 
@@ -176,6 +177,7 @@ class Client:
             expired), the engine waits at most this many seconds for the services, then carries
             on with a new lease and its running requests recomputed, or fails every request if
             the services are not back (client.recovery; ``engine.lease_recoveries`` counts them).
+        tls: mutual TLS files (:class:`pagedkv.tls.TlsFiles`) for both services; None: plaintext.
 
     Raises:
         client.errors.ServiceError: a service refused the connection-time calls.
@@ -184,12 +186,13 @@ class Client:
 
     def __init__(self, memory: str = "127.0.0.1:50051", workers: Iterable[str] = ("127.0.0.1:50052",), *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None,
-                 max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT):
+                 max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
+                 tls: TlsFiles | None = None):
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
-        self.memory = MemoryClient(memory)
-        self.workers = [WorkerClient(w) for w in workers]
+        self.memory = MemoryClient(memory, tls=tls)
+        self.workers = [WorkerClient(w, tls=tls) for w in workers]
         info = self.workers[0].model_info()
         # The worker's file when this host has it (same machine), else the named source.
         source = info.model_source

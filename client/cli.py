@@ -7,6 +7,10 @@
     pagedkv down              stop them
     pagedkv generate PROMPT   stream a generation  [--chat] [--n 3] [--max-tokens 64] [--temperature 0]
     pagedkv stats             pool, leases and sequences (block ids, refcounts, shared blocks)
+    pagedkv certs --out DIR   a CA and one certificate per member of the plane  [--hosts a,b] [--days N] [--force]
+
+``up``, ``generate``, ``stats`` (and every service) take ``--tls-cert/--tls-key/--tls-ca`` for
+mutual TLS on the internal plane (pagedkv.tls); without them the services listen on loopback only.
 
 Service subcommands are imported lazily, so ``pagedkv memory`` never loads model code.
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from pagedkv import tls as plane_tls
 
 _SERVICES = {"memory": "memory_service.main", "compute": "compute_service.main", "serve": "client.serve.main"}
 
@@ -36,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     size = up.add_mutually_exclusive_group()
     size.add_argument("--kv-cache-memory", default=None, help="pool size, e.g. 1GiB")
     size.add_argument("--num-blocks", type=int, default=None)
+    plane_tls.add_arguments(up)
     sub.add_parser("down", help="stop what `pagedkv up` started")
     gen = sub.add_parser("generate", help="stream a generation")
     gen.add_argument("prompt")
@@ -47,20 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--num-beams", type=int, default=1)
-    sub.add_parser("stats", help="show the pool, leases and sequences")
+    plane_tls.add_arguments(gen)
+    stats = sub.add_parser("stats", help="show the pool, leases and sequences")
+    plane_tls.add_arguments(stats)
+    from pagedkv.certs import build_parser as certs_parser
+
+    certs_parser(sub.add_parser("certs", help="make a CA and one certificate per member of the plane (mutual TLS)"))
     return p
 
 
 def _generate(args: argparse.Namespace) -> int:
     from client.api import Client
-    from client.launcher import addresses
+    from client.launcher import addresses, check_tls
     from client.params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n, num_beams=args.num_beams)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     memory, workers = addresses()
-    with Client(memory, workers) as llm:
+    tls = plane_tls.from_args(args)
+    check_tls(tls)
+    with Client(memory, workers, tls=tls) as llm:
         if args.n == 1 and args.num_beams == 1:
             printed = 0
             for out in llm.stream(prompt, params):
@@ -76,13 +90,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stats() -> int:
-    from client.launcher import addresses
+def _stats(args: argparse.Namespace) -> int:
+    from client.launcher import addresses, check_tls
     from client.report import print_stats
     from client.services import MemoryClient
 
     memory, _ = addresses()
-    m = MemoryClient(memory)
+    tls = plane_tls.from_args(args)
+    check_tls(tls)
+    m = MemoryClient(memory, tls=tls)
     try:
         print_stats(m.stats(), m.sequences())
     finally:
@@ -103,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             from client.launcher import up
 
             state = up(device=args.device, model=args.model, memory_port=args.memory_port, worker_port=args.worker_port,
-                       block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks)
+                       block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
+                       tls=plane_tls.from_args(args))
             print(f"memory service  {state['memory']['address']}  (pid {state['memory']['pid']})")
             for w in state["workers"]:
                 print(f"worker          {w['address']}  (pid {w['pid']}, {state['device']})")
@@ -117,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "stats":
-            return _stats()
+            return _stats(args)
+        if args.command == "certs":
+            from pagedkv.certs import run
+
+            return run(args)
     except (ServiceError, RuntimeError, TimeoutError, ValueError, FileNotFoundError) as e:
         print(f"pagedkv {args.command}: error: {e}", file=sys.stderr)
         return 1

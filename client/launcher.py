@@ -19,6 +19,7 @@ from pathlib import Path
 
 from client.stack import LocalStack, ServiceProcess
 from pagedkv.paths import pagedkv_home
+from pagedkv.tls import TlsFiles
 
 DEFAULT_MEMORY = "127.0.0.1:50051"
 DEFAULT_WORKER = "127.0.0.1:50052"
@@ -67,10 +68,26 @@ def _entry(svc: ServiceProcess) -> dict:
     return {"address": svc.address, "pid": svc.pid, "log": str(svc.log_path)}
 
 
+def check_tls(tls: TlsFiles | None) -> None:
+    """Refuse plaintext towards services that ``pagedkv up`` started with mutual TLS (the state
+    file says so), rather than fail later with an opaque handshake error.
+
+    Raises:
+        ValueError: the state file says TLS and ``tls`` is None.
+    """
+    state = read_state() or {}
+    if tls is None and state.get("tls") and not os.environ.get("PAGEDKV_MEMORY"):
+        raise ValueError("the services of `pagedkv up` run with mutual TLS: give --tls-cert, --tls-key and --tls-ca "
+                         "(e.g. the scheduler or admin files of `pagedkv certs`), or the PAGEDKV_TLS_* variables")
+
+
 def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 50051, worker_port: int = 50052,
        block_size: int = 16, kv_cache_memory: str | None = None, num_blocks: int | None = None,
-       timeout: float = 300.0) -> dict:
+       timeout: float = 300.0, tls: TlsFiles | None = None) -> dict:
     """Start a memory service and one worker, wait for both to be healthy, write the state file.
+
+    With ``tls`` both services get these files (``--tls-cert/--tls-key/--tls-ca``) and serve
+    mutual TLS; without, plaintext on loopback.
 
     Raises:
         RuntimeError: services from an earlier ``up`` still run, or one failed to start.
@@ -85,9 +102,9 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
     elif kv_cache_memory:
         mem_args += ["--kv-cache-memory", kv_cache_memory]
     stack = LocalStack(mem_args, device=device, model=model, host="127.0.0.1", run_dir=pagedkv_home() / "run",
-                       memory_port=memory_port, worker_port=worker_port, timeout=timeout, detach=True).start()
+                       memory_port=memory_port, worker_port=worker_port, timeout=timeout, detach=True, tls=tls).start()
     state = {"memory": _entry(stack.memory), "workers": [_entry(w) for w in stack.workers], "device": device,
-             "model": model, "started": time.time()}
+             "model": model, "tls": tls is not None, "started": time.time()}
     state_path().write_text(json.dumps(state, indent=2))
     return state
 

@@ -22,6 +22,8 @@ from pagedkv.errors import LEASE_EXPIRED, LEASE_NOT_FOUND
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+from pagedkv.tls import TlsFiles
+from pagedkv.tls import channel as plane_channel
 
 log = get_logger("client")
 
@@ -40,12 +42,18 @@ def _typed(fn):
 
 
 class _Channel:
-    """A channel to ``address`` (``host:port``) and the service's stub on it; ``timeout`` in seconds."""
+    """A channel to ``address`` (``host:port``) and the service's stub on it; ``timeout`` in seconds.
 
-    def __init__(self, address: str, timeout: float, stub_class):
+    With ``tls`` (:class:`pagedkv.tls.TlsFiles`) the channel is mutual TLS: the server must present
+    a certificate signed by ``tls.ca`` that names the host dialled, and this client presents
+    ``tls.cert`` (its role); without, plaintext (the services then listen on loopback only).
+    """
+
+    def __init__(self, address: str, timeout: float, stub_class, tls: TlsFiles | None = None):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.tls = tls
+        self.channel = plane_channel(address, tls, _OPTIONS)
         self.stub = stub_class(self.channel)
 
     def close(self) -> None:
@@ -55,8 +63,8 @@ class _Channel:
 class MemoryClient(_Channel):
     """The memory service at ``address`` (``host:port``)."""
 
-    def __init__(self, address: str, timeout: float = 30.0):
-        super().__init__(address, timeout, mpb_grpc.MemoryServiceStub)
+    def __init__(self, address: str, timeout: float = 30.0, tls: TlsFiles | None = None):
+        super().__init__(address, timeout, mpb_grpc.MemoryServiceStub, tls)
 
     @_typed
     def pool(self) -> mpb.PoolDescriptor:
@@ -123,8 +131,8 @@ class MemoryClient(_Channel):
 class WorkerClient(_Channel):
     """A compute worker at ``address``."""
 
-    def __init__(self, address: str, timeout: float = 600.0):
-        super().__init__(address, timeout, cpb_grpc.ComputeServiceStub)
+    def __init__(self, address: str, timeout: float = 600.0, tls: TlsFiles | None = None):
+        super().__init__(address, timeout, cpb_grpc.ComputeServiceStub, tls)
 
     @_typed
     def model_info(self) -> cpb.GetModelInfoResponse:

@@ -24,6 +24,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedkv.tls import TlsFiles
+from pagedkv.tls import channel as plane_channel
+
 #: Characters of a service's log quoted in a start-up error.
 LOG_TAIL = 3000
 
@@ -38,14 +41,15 @@ def serving(channel: grpc.Channel, timeout: float) -> bool:
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def wait_healthy(address: str, timeout: float) -> None:
-    """Block until ``address`` answers SERVING on the standard health service.
+def wait_healthy(address: str, timeout: float, tls: TlsFiles | None = None) -> None:
+    """Block until ``address`` answers SERVING on the standard health service (over mutual TLS
+    with ``tls``).
 
     Raises:
         TimeoutError: not healthy within ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    with plane_channel(address, tls) as ch:
         while time.monotonic() < deadline:
             if serving(ch, timeout=2):
                 return
@@ -156,6 +160,9 @@ class LocalStack:
     worker_port: int = 0
     #: Environment added to this process's for both services.
     env: dict[str, str] | None = None
+    #: Mutual TLS: both services get these files as ``--tls-cert/--tls-key/--tls-ca`` (and the
+    #: health checks here use them); None: plaintext, so ``host`` must be loopback.
+    tls: TlsFiles | None = None
     #: Working folder of the services; None: this process's.
     cwd: Path | None = None
     #: Seconds each service may take to write its ready file, and then to turn healthy.
@@ -206,7 +213,7 @@ class LocalStack:
             self._tmp = tempfile.TemporaryDirectory(prefix="pagedkv-stack-")
             run_dir = Path(self._tmp.name)
         both = [*(["--host", self.host] if self.host else []), *(["--device", self.device] if self.device else []),
-                *(["--model", str(self.model)] if self.model else [])]
+                *(["--model", str(self.model)] if self.model else []), *(self.tls.flags() if self.tls else [])]
         prefix = f"{self.name}-" if self.name else ""
         try:
             self.memory = self._service(["memory", *both, *self.memory_args], run_dir, f"{prefix}memory",
@@ -225,7 +232,7 @@ class LocalStack:
         svc = ServiceProcess.pagedkv(args, run_dir, name, port=port, env=self.env, cwd=self.cwd, timeout=self.timeout,
                                      detach=self.detach)
         try:
-            wait_healthy(svc.address, self.timeout)
+            wait_healthy(svc.address, self.timeout, self.tls)
         except TimeoutError as e:
             svc.stop()
             raise RuntimeError(f"{name} did not turn healthy (see {svc.log_path}): {e}\n{svc.log_tail()}") from e

@@ -33,11 +33,12 @@ from compute_service.pool_map import TORCH_DTYPES, MappedPool, map_pool
 from compute_service.server import SERVICE_NAME, ComputeServicer
 from compute_service.weights import ModelConfig, load_model_source
 from compute_service.worker import Worker
+from pagedkv import tls
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
-from pagedkv.service import ServerSpec, run_server, serve_main
+from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
 
 log = get_logger("compute_service")
 
@@ -54,6 +55,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="the memory service's worker socket here (default: the path its pool descriptor names)")
     p.add_argument("--memory-timeout", type=float, default=60.0, help="seconds to wait for the memory service at start (default 60)")
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
+    tls.add_arguments(p)  # also this worker's credentials towards the memory service
     return p
 
 
@@ -68,7 +70,7 @@ def check_layout(desc: mpb.PoolDescriptor, config: ModelConfig) -> None:
             f"this worker's model {config.name!r} {model}; start the memory service with --model matching the worker")
 
 
-def fetch_descriptor(address: str, timeout: float) -> mpb.PoolDescriptor:
+def fetch_descriptor(address: str, timeout: float, files: tls.TlsFiles | None = None) -> mpb.PoolDescriptor:
     """The memory service's pool descriptor, waiting up to ``timeout`` seconds for it to serve.
 
     Raises:
@@ -76,7 +78,7 @@ def fetch_descriptor(address: str, timeout: float) -> mpb.PoolDescriptor:
     """
     deadline = time.monotonic() + timeout
     last: Exception | None = None
-    with grpc.insecure_channel(address) as ch:
+    with tls.channel(address, files) as ch:
         stub = mpb_grpc.MemoryServiceStub(ch)
         while time.monotonic() < deadline:
             try:
@@ -98,14 +100,14 @@ def _torch_device(device: str, desc: mpb.PoolDescriptor) -> str:
 
 
 async def watch_memory_service(address: str, worker: Worker, health, compute: Executor,
-                               socket_path: str | None = None) -> None:
+                               socket_path: str | None = None, files: tls.TlsFiles | None = None) -> None:
     """Follow the memory service: drop the pool when it stops, map the new one when it is back.
 
     Mapping (through the worker socket, `socket_path` overriding the descriptor's) and dropping
     run on `compute`, the worker's one compute thread (see `swap_pool`). A mapping that fails
     (socket unreachable, another generation behind it) is logged and retried.
     """
-    channel = grpc.aio.insecure_channel(address)
+    channel = tls.aio_channel(address, files)
     stub = health_pb2_grpc.HealthStub(channel)
     memory = mpb_grpc.MemoryServiceStub(channel)
     while True:
@@ -164,7 +166,8 @@ def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str) -> tu
 
 
 async def serve(args: argparse.Namespace) -> None:
-    desc = await asyncio.to_thread(fetch_descriptor, args.memory, args.memory_timeout)
+    files = server_tls(args)
+    desc = await asyncio.to_thread(fetch_descriptor, args.memory, args.memory_timeout, files)
     device = _torch_device(args.device, desc)
     # Every torch call of this process runs on one thread: torch's OpenMP runtime then keeps one
     # team of worker threads, which hand work over quickly; a second calling thread would add a
@@ -179,7 +182,7 @@ async def serve(args: argparse.Namespace) -> None:
     spec = ServerSpec.from_flags(
         args, SERVICE_NAME, lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
         ready_info={"memory": args.memory, "model": args.model, "device": model_device, "generation": pool.generation},
-        background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute, args.memory_socket)],
+        background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute, args.memory_socket, files)],
         health=health_servicer,
     )
     await run_server(spec)

@@ -1,12 +1,14 @@
 """Container health check: exit 0 when a pagedkv server is healthy, 1 otherwise.
 
-    python docker/healthcheck.py ADDRESS [--service NAME] [--timeout SECONDS]
+    python docker/healthcheck.py ADDRESS [--service NAME] [--timeout SECONDS] [--tls-cert PEM --tls-key PEM --tls-ca PEM]
     python docker/healthcheck.py http://HOST:PORT/health [--timeout SECONDS]
 
 ADDRESS host:port (e.g. 127.0.0.1:50051): the server must answer SERVING on the standard gRPC
 health service (grpc.health.v1.Health/Check). The empty service name (the default) is the
 server's overall status: a memory service says NOT_SERVING while it shuts down, a compute worker
 while it has no pool mapped. Same answer as `grpcurl -plaintext ADDRESS grpc.health.v1.Health/Check`.
+With --tls-cert/--tls-key/--tls-ca (a server run with mutual TLS) the check presents that
+certificate, as `grpcurl -cacert CA -cert CERT -key KEY ADDRESS grpc.health.v1.Health/Check` does.
 
 An http:// URL (the HTTP front-end, `pagedkv serve`): a GET must answer 200. The front-end's
 /health does so only while the memory service and at least one worker serve. Only the standard
@@ -21,11 +23,17 @@ import argparse
 import sys
 
 
-def check_grpc(address: str, service: str, timeout: float) -> int:
+def check_grpc(address: str, service: str, timeout: float, tls: tuple[str, str, str] | None = None) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    if tls is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        cert, key, ca = (open(path, "rb").read() for path in tls)
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        channel = grpc.secure_channel(address, creds)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -65,12 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)"
     )
+    for name in ("cert", "key", "ca"):
+        p.add_argument(f"--tls-{name}", default=None, metavar="PEM", help=f"mutual TLS: the {name} file (all three or none)")
     args = p.parse_args(argv)
+    tls = (args.tls_cert, args.tls_key, args.tls_ca)
+    if any(tls) and not all(tls):
+        p.error("mutual TLS needs all of --tls-cert, --tls-key and --tls-ca")
     if args.address.startswith(("http://", "https://")):
-        if args.service:
-            p.error("--service applies to gRPC addresses only")
+        if args.service or any(tls):
+            p.error("--service and --tls-* apply to gRPC addresses only")
         return check_http(args.address, args.timeout)
-    return check_grpc(args.address, args.service, args.timeout)
+    return check_grpc(args.address, args.service, args.timeout, tls if all(tls) else None)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,10 @@ from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
 from memory_service.step_grants import GrantSigner
 from memory_service.worker_socket import WorkerSocketServer
+from pagedkv import tls
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
-from pagedkv.service import ServerSpec, run_server, serve_main
+from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
 
 log = get_logger("memory_service")
 
@@ -63,6 +64,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="Unix socket where workers (same uid) receive the pool's handle "
                         "(default $PAGEDKV_HOME/run/memory-<pid>.sock)")
     p.add_argument("--grace", type=float, default=2.0, help="seconds between NOT_SERVING and releasing the pool (default 2)")
+    tls.add_arguments(p)
     return p
 
 
@@ -90,6 +92,7 @@ def create_pool(args: argparse.Namespace) -> Pool:
 
 async def serve(args: argparse.Namespace) -> None:
     """Create the pool and serve until SIGTERM."""
+    server_tls(args)  # refuse bad TLS flags or a plaintext non-loopback bind before making the pool
     pool = create_pool(args)
     sock = WorkerSocketServer(pool, args.worker_socket)
     try:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The CPU compose stack, for real, with podman: build the image, bring docker-compose.cpu.yml up,
-# send one chat completion through the frontend (`pagedkv serve`), check that every KV block is
-# freed afterwards, and bring the stack down again (also on failure). Not part of `make test`.
+# The CPU compose stack, for real, with podman: build the image, bring docker-compose.cpu.yml up
+# with mutual TLS on the internal plane, send one chat completion through the frontend (`pagedkv
+# serve`), check that every KV block is freed afterwards and that the plane refuses a client
+# without a certificate, and bring the stack down again (also on failure). Not part of `make test`.
 #
 #   scripts/compose_check.sh [--skip-build] [--keep]
 #
@@ -19,11 +20,15 @@
 #   2. the CPU torch wheel (torch==2.13.0+cpu, never a CUDA build) downloaded once and handed to
 #      the build in /tmp/wheels; `podman build` with the CPU build args; the host's CA bundle is
 #      the build secret `pip-ca` (pip inside the build verifies the package index against it).
-#   3. `podman-compose up` service by service in dependency order, each one waited for with its
-#      own health check (`podman healthcheck run`): podman 4.3 has no `depends_on: condition:
-#      service_healthy`, and without systemd it runs no health checks on its own.
+#   3. `podman-compose up` service by service in dependency order: first the one-shot `certs`
+#      (`pagedkv certs` into the `tls` volume; it must exit 0), then each service waited for with
+#      its own health check (`podman healthcheck run`, over mutual TLS): podman 4.3 has no
+#      `depends_on: condition:`, and without systemd it runs no health checks on its own.
 #   4. POST /v1/chat/completions through the frontend with curl; the answer must mention Paris.
-#   5. GetStats on the memory service, from inside its container: used_blocks must be 0.
+#   5. GetStats on the memory service, from inside its container with the admin certificate:
+#      used_blocks must be 0; a plaintext client and one without a certificate must be refused
+#      (UNAVAILABLE). With grpcurl on PATH (or PAGEDKV_GRPCURL), the README's TLS commands run
+#      from the host against the published port, with the admin files copied out of the volume.
 #
 # Variables: PAGEDKV_IMAGE (pagedkv:cpu), PAGEDKV_BASE_IMAGE (localhost/debian:bookworm),
 # PAGEDKV_FRONTEND_HOST_PORT (8000), PAGEDKV_MEMORY_HOST_PORT (50051),
@@ -33,7 +38,8 @@
 # environment with podman-compose; made there when missing), PAGEDKV_PIP_CA (the CA bundle for
 # pip, /etc/ssl/certs/ca-certificates.crt), PAGEDKV_TORCH_INDEX_URL (an extra index that has
 # torch's +cpu wheels, e.g. https://download.pytorch.org/whl/cpu; none by default),
-# CONTAINERS_CONF (docker/podman-containers.conf: runc, the host's ulimits).
+# CONTAINERS_CONF (docker/podman-containers.conf: runc, the host's ulimits), PAGEDKV_GRPCURL
+# (a grpcurl binary for step 5; default: grpcurl on PATH, skipped when there is none).
 
 set -euo pipefail
 
@@ -168,7 +174,7 @@ down() {
     local rc=$?
     trap - EXIT INT TERM
     if ((rc != 0)); then
-        for svc in memory compute frontend; do
+        for svc in certs memory compute frontend; do
             c=$(container "$svc")
             [[ -n $c ]] && { log "--- logs of $c (last 25 lines)"; podman logs --tail 25 "$c" 2>&1 || true; }
         done
@@ -215,6 +221,17 @@ wait_healthy() {  # SERVICE TIMEOUT: start it, then run its health check until i
 }
 
 : >"$CACHE/up.log"
+# The plane's certificates first: `certs` runs `pagedkv certs` into the tls volume and exits.
+t=$SECONDS
+"${COMPOSE[@]}" up -d --no-build certs >>"$CACHE/up.log" 2>&1 || { tail -20 "$CACHE/up.log"; fail "up certs"; }
+c=$(container certs)
+[[ -n $c ]] || fail "no container for certs"
+until [[ $(podman inspect --format '{{.State.Status}}' "$c") == exited ]]; do
+    ((SECONDS - t < 60)) || fail "certs still running after 60s"
+    sleep 1
+done
+[[ $(podman inspect --format '{{.State.ExitCode}}' "$c") == 0 ]] || fail "certs exited $(podman inspect --format '{{.State.ExitCode}}' "$c")"
+log "certs done in $((SECONDS - t))s: $(podman logs "$c" 2>&1 | tail -1)"
 wait_healthy memory 120
 wait_healthy compute 300
 wait_healthy frontend 180
@@ -249,7 +266,9 @@ log "same request again: answered in ${again##*$'\n'}s"
 mem=$(container memory)
 stats_py='
 from client.services import MemoryClient
-m = MemoryClient("127.0.0.1:50051")
+from pagedkv.tls import TlsFiles
+tls = TlsFiles("/etc/pagedkv/tls/admin.pem", "/etc/pagedkv/tls/admin-key.pem", "/etc/pagedkv/tls/ca.pem")
+m = MemoryClient("127.0.0.1:50051", tls=tls)
 s = m.stats()
 print(f"total={s.total_blocks} used={s.used_blocks} free={s.free_blocks} cached={s.cached_blocks} "
       f"available={s.available_blocks} sequences={s.num_sequences} leases={s.num_leases}")
@@ -267,3 +286,46 @@ log "memory service GetStats: $stats"
 log "metrics on 127.0.0.1:$PAGEDKV_METRICS_HOST_PORT: $(curl -s "localhost:$PAGEDKV_METRICS_HOST_PORT/metrics" \
     | grep -E '^pagedkv_num_blocks_(used|total) ' | tr '\n' ' ')"
 log "every block freed"
+
+# ------------------------------------------------------------------------------------------
+# 6. The plane is for its own members
+
+refused_py='
+import grpc
+from client.errors import ServiceError
+from client.services import MemoryClient
+ca = open("/etc/pagedkv/tls/ca.pem", "rb").read()
+for name, creds in (("plaintext", None), ("no certificate", grpc.ssl_channel_credentials(ca))):
+    m = MemoryClient("memory:50051", timeout=5)
+    if creds is not None:
+        m.channel = grpc.secure_channel("memory:50051", creds)
+        m.stub = type(m.stub)(m.channel)
+    try:
+        m.stats()
+        print(f"{name}: SERVED")
+    except ServiceError as e:
+        print(f"{name}: {e.code.name}")
+'
+refused=$(podman exec "$(container frontend)" python -c "$refused_py" 2>/dev/null | tr '\n' ' ') || fail "the refusal probe failed"
+log "clients outside the plane, from the frontend's container: $refused"
+[[ $refused == "plaintext: UNAVAILABLE no certificate: UNAVAILABLE " ]] || fail "a client outside the plane was served"
+
+GRPCURL=${PAGEDKV_GRPCURL:-$(command -v grpcurl || true)}
+if [[ -n $GRPCURL ]]; then
+    tls_dir=$CACHE/tls
+    rm -rf "$tls_dir"
+    podman cp "$mem:/etc/pagedkv/tls" "$tls_dir" || fail "podman cp of the certificates"
+    chmod 600 "$tls_dir"/*-key.pem
+    grpc_tls=(-cacert "$tls_dir/ca.pem" -cert "$tls_dir/admin.pem" -key "$tls_dir/admin-key.pem")
+    log "grpcurl ${grpc_tls[*]} localhost:$PAGEDKV_MEMORY_HOST_PORT list:"
+    "$GRPCURL" "${grpc_tls[@]}" "localhost:$PAGEDKV_MEMORY_HOST_PORT" list | sed 's/^/  /' || fail "grpcurl list"
+    log "grpcurl ... pagedkv.memory.v1.MemoryService/GetStats: $("$GRPCURL" "${grpc_tls[@]}" \
+        "localhost:$PAGEDKV_MEMORY_HOST_PORT" pagedkv.memory.v1.MemoryService/GetStats | tr -d ' \n')" \
+        || fail "grpcurl GetStats"
+    "$GRPCURL" -plaintext "localhost:$PAGEDKV_MEMORY_HOST_PORT" list >/dev/null 2>&1 \
+        && fail "grpcurl -plaintext was served"
+    log "grpcurl -plaintext localhost:$PAGEDKV_MEMORY_HOST_PORT list: refused"
+    rm -rf "$tls_dir"
+else
+    log "no grpcurl on PATH: skipped the grpcurl commands (set PAGEDKV_GRPCURL)"
+fi

@@ -35,6 +35,7 @@ import yaml
 
 from client.services import MemoryClient
 from client.stack import ServiceProcess
+from pagedkv.tls import TlsFiles
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_FILE = ROOT / "docker-compose.yml"
@@ -56,7 +57,11 @@ COMPOSE_ONLY_VARS = {
 #: The gRPC services (published on the host's loopback only) and the HTTP front-end.
 GRPC_SERVICES = ("memory", "compute")
 #: `pagedkv <subcommand>` each service runs.
-SUBCOMMANDS = {"memory": "memory", "compute": "compute", "frontend": "serve", "client": "generate"}
+SUBCOMMANDS = {"certs": "certs", "memory": "memory", "compute": "compute", "frontend": "serve", "client": "generate"}
+#: Where the compose files mount the plane's certificates (the `tls` volume, made by `certs`).
+TLS_DIR = "/etc/pagedkv/tls"
+#: The certificate each service presents on the internal plane (`pagedkv certs` file stems).
+TLS_MEMBER = {"memory": "memory", "compute": "worker", "frontend": "scheduler", "client": "scheduler"}
 HEALTHCHECK = ROOT / "docker" / "healthcheck.py"
 
 #: Container environment variables read by libraries rather than by pagedkv.
@@ -284,6 +289,27 @@ def test_addresses_ports_and_health_checks_agree(path, monkeypatch):
     assert "--chat" in client["command"]
 
 
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_internal_plane_runs_mutual_tls(path):
+    """`certs` makes the certificates into the `tls` volume; every service mounts it read-only and
+    presents its own member's files, and the gRPC health checks do too."""
+    svcs = services(path)
+    certs = svcs["certs"]
+    assert flag(certs["command"], "--out") == TLS_DIR
+    assert set(flag(certs["command"], "--hosts").split(",")) >= {"memory", "compute"}
+    assert certs["volumes"] == [f"tls:{TLS_DIR}"] and certs["restart"] == "no"
+    assert "tls" in load(path)["volumes"]
+    for name, member in TLS_MEMBER.items():
+        svc = svcs[name]
+        want = [f"{TLS_DIR}/{member}.pem", f"{TLS_DIR}/{member}-key.pem", f"{TLS_DIR}/ca.pem"]
+        assert [flag(svc["command"], f) for f in ("--tls-cert", "--tls-key", "--tls-ca")] == want, name
+        assert f"tls:{TLS_DIR}:ro" in svc["volumes"], name
+        if name in GRPC_SERVICES:
+            test = svc["healthcheck"]["test"]
+            assert [flag(test, f) for f in ("--tls-cert", "--tls-key", "--tls-ca")] == want, name
+    assert svcs["memory"]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+
+
 def test_published_ports_follow_the_variables():
     """Each host port is a variable, so two stacks can run on one node."""
     for path in FILES:
@@ -435,6 +461,11 @@ def local_command(command: list[str], **replace: str) -> list[str]:
     return out
 
 
+def local_tls(args: list[str], tmp: Path) -> list[str]:
+    """``args`` with the compose files' certificate folder moved to ``tmp/tls``."""
+    return [a.replace(TLS_DIR, str(tmp / "tls")) if a.startswith(TLS_DIR) else a for a in args]
+
+
 def local_env(svc: dict, tmp: Path) -> dict[str, str]:
     env = {**os.environ, "PAGEDKV_LOG_LEVEL": "warning"}
     env.update({k: str(v) for k, v in svc.get("environment", {}).items()})
@@ -448,10 +479,13 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
     svcs = services(CPU_FILE)
     mem_svc, comp_svc, client_svc = svcs["memory"], svcs["compute"], svcs["client"]
     sock = tmp_path / "run" / "memory.sock"
+    r = subprocess.run(local_tls(local_command(svcs["certs"]["command"]), tmp_path), capture_output=True, text=True,
+                       timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
     started: list[ServiceProcess] = []
     try:
         memory = run_service(
-            local_command(mem_svc["command"], host="127.0.0.1", port="0", worker_socket=str(sock)),
+            local_tls(local_command(mem_svc["command"], host="127.0.0.1", port="0", worker_socket=str(sock)), tmp_path),
             local_env(mem_svc, tmp_path),
             tmp_path,
             "memory",
@@ -459,8 +493,8 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
         started.append(memory)
         assert memory.info["worker_socket"] == str(sock) and sock.exists()
         compute = run_service(
-            local_command(comp_svc["command"], host="127.0.0.1", port="0", memory=memory.address,
-                          memory_socket=str(sock)),
+            local_tls(local_command(comp_svc["command"], host="127.0.0.1", port="0", memory=memory.address,
+                                    memory_socket=str(sock)), tmp_path),
             local_env(comp_svc, tmp_path),
             tmp_path,
             "compute",
@@ -471,7 +505,7 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
             test = svc["healthcheck"]["test"]
             script = ROOT / test[2].removeprefix(IMAGE_ROOT + "/")
             r = subprocess.run(
-                [sys.executable, str(script), proc.address],
+                [sys.executable, str(script), proc.address, *local_tls(test[4:], tmp_path)],
                 capture_output=True,
                 text=True,
                 timeout=30,
@@ -483,7 +517,7 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
         env["PAGEDKV_MEMORY"] = memory.address
         env["PAGEDKV_WORKERS"] = compute.address
         r = subprocess.run(
-            local_command(client_svc["command"]),
+            local_tls(local_command(client_svc["command"]), tmp_path),
             env=env,
             cwd=tmp_path,
             capture_output=True,
@@ -498,8 +532,8 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
         # chat completion, and every block freed afterwards.
         front_svc = svcs["frontend"]
         frontend = run_service(
-            local_command(front_svc["command"], host="127.0.0.1", port="0", memory=memory.address,
-                          workers=compute.address),
+            local_tls(local_command(front_svc["command"], host="127.0.0.1", port="0", memory=memory.address,
+                                    workers=compute.address), tmp_path),
             local_env(front_svc, tmp_path),
             tmp_path,
             "frontend",
@@ -518,7 +552,8 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
             answer = json.load(resp)
         assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris.", answer
 
-        m = MemoryClient(memory.address)
+        tls = tmp_path / "tls"
+        m = MemoryClient(memory.address, tls=TlsFiles(tls / "admin.pem", tls / "admin-key.pem", tls / "ca.pem"))
         try:
             deadline = time.monotonic() + 10
             while (stats := m.stats()).used_blocks and time.monotonic() < deadline:

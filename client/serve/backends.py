@@ -8,6 +8,10 @@ In order (the first that names a memory service wins):
 3. embedded: a :class:`~client.stack.LocalStack` of one memory service and one worker as child
    processes on loopback free ports, stopped when the server stops.
 
+Every channel (health checks, the pool check, the engine's) uses ``args.tls``, the scheduler's
+mutual-TLS files (``--tls-cert/--tls-key/--tls-ca``), and embedded services get the same files;
+without them everything is plaintext on loopback.
+
 Attaching, the pool flags given (``--block-size``, ``--kv-cache-memory``, ``--kv-cache-dtype``,
 ``--dtype``, ``--model``) are checked against the running pool's descriptor and the worker's
 model, and refused when they differ: a server must never believe in a pool it does not have.
@@ -20,10 +24,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from client.launcher import alive, default_device, read_state
+from client.launcher import alive, check_tls, default_device, read_state
 from client.services import MemoryClient, WorkerClient
 from client.stack import LocalStack, serving
 from memory_service.layout import make_layout, parse_bytes
+from pagedkv.tls import TlsFiles, from_args
+from pagedkv.tls import channel as plane_channel
 
 
 @dataclass
@@ -35,6 +41,8 @@ class Backends:
     #: "flags", "state file" or "embedded".
     source: str
     stack: LocalStack | None = None
+    #: The scheduler's mutual-TLS files for every channel to the backends; None: plaintext.
+    tls: TlsFiles | None = None
     _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False)
 
     def healthy(self, timeout: float = 1.0) -> bool:
@@ -44,7 +52,7 @@ class Backends:
     def _serving(self, address: str, timeout: float) -> bool:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.insecure_channel(address)
+            ch = self._channels[address] = plane_channel(address, self.tls)
         return serving(ch, timeout)
 
     def close(self) -> None:
@@ -61,20 +69,24 @@ def resolve(args: argparse.Namespace) -> Backends:
     """Attach to running services or start embedded ones (the module's order).
 
     Raises:
-        ValueError: workers given without a memory service, or pool flags that differ from the
-            running pool's.
+        ValueError: workers given without a memory service, pool flags that differ from the
+            running pool's, or incomplete or unreadable TLS files.
         RuntimeError: embedded services failed to start (with their log's tail).
         client.errors.ServiceError: an attached service refused the descriptor calls.
     """
+    # The scheduler's files, read here (not at parsing) so a missing file is a start-up error.
+    args.tls = from_args(args)
     if args.memory:
-        found = Backends(args.memory, args.workers or ["127.0.0.1:50052"], "flags")
+        found = Backends(args.memory, args.workers or ["127.0.0.1:50052"], "flags", tls=args.tls)
     elif args.workers:
         raise ValueError("--workers needs --memory (the memory service whose pool they map)")
     else:
         state = read_state()
         procs = [state["memory"], *state.get("workers", [])] if state else []
         if procs and all(alive(p["pid"]) for p in procs) and state.get("workers"):
-            found = Backends(state["memory"]["address"], [w["address"] for w in state["workers"]], "state file")
+            check_tls(args.tls)
+            found = Backends(state["memory"]["address"], [w["address"] for w in state["workers"]], "state file",
+                             tls=args.tls)
         else:
             return _embedded(args)
     check_pool(args, found)
@@ -88,8 +100,8 @@ def _embedded(args: argparse.Namespace) -> Backends:
     if args.pool_dtype:
         memory_args += ["--dtype", args.pool_dtype]
     stack = LocalStack(memory_args, device=args.device or default_device(), model=args.model or "smollm2",
-                       host="127.0.0.1", name="serve").start()
-    return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack)
+                       host="127.0.0.1", name="serve", tls=args.tls).start()
+    return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, tls=args.tls)
 
 
 def check_pool(args: argparse.Namespace, backends: Backends) -> None:
@@ -98,7 +110,7 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
     Raises:
         ValueError: naming each flag, the value given and the pool's.
     """
-    memory = MemoryClient(backends.memory, timeout=10)
+    memory = MemoryClient(backends.memory, timeout=10, tls=backends.tls)
     try:
         layout = memory.pool().layout
     finally:
@@ -114,7 +126,7 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
         if want != layout.num_blocks:
             wrong.append(f"--kv-cache-memory {args.kv_cache_memory} ({want} blocks; the pool has {layout.num_blocks})")
     if args.model:
-        worker = WorkerClient(backends.workers[0])
+        worker = WorkerClient(backends.workers[0], tls=backends.tls)
         try:
             info = worker.model_info()
         finally:

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedkv import tls as plane_tls
+
 #: Model dtypes (``--dtype``) and pool dtypes (``--kv-cache-dtype``) this build runs.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = (*DTYPES, "fp8")
@@ -46,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--workers", default=_env("WORKERS"),
                        help="worker addresses, comma-separated (env PAGEDKV_WORKERS)")
     where.add_argument("--device", default=_env("DEVICE"), help="embedded services: cpu or cuda (default: cuda when present)")
+    plane = p.add_argument_group("internal plane (mutual TLS; the scheduler's certificate, also given to embedded "
+                                 "services; none: plaintext, loopback only)")
+    plane_tls.add_arguments(plane)
     http = p.add_argument_group("HTTP")
     http.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
     http.add_argument("--port", type=int, default=_env_int("PORT", 8000), help="port; 0 = any free port (default 8000)")

@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     client = None
     try:
         client = Client(backends.memory, backends.workers, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        tls=backends.tls)
         name = args.served_model_name or args.model or "smollm2"
         pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests, args.max_requests_per_tenant)
         server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5),

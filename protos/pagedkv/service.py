@@ -8,7 +8,9 @@
   whose bytes do not parse is INVALID_ARGUMENT (gRPC itself would answer
   UNKNOWN); :func:`run_server` registers every servicer through it.
 - :func:`run_server` starts a ``grpc.aio`` server with the standard health
-  service and server reflection, writes the bound address to a ready file,
+  service and server reflection, on a mutual-TLS port when the spec has TLS
+  files and on loopback only when it has none (:mod:`pagedkv.tls`), logs
+  which, writes the bound address to a ready file,
   and on SIGTERM/SIGINT marks NOT_SERVING, runs the caller's shutdown hook,
   then stops with a grace period (grpc examples: graceful shutdown).
 """
@@ -35,6 +37,8 @@ from grpc_status import rpc_status
 
 from pagedkv.errors import ERROR_DOMAIN, PagedKVError
 from pagedkv.logs import get_logger
+from pagedkv.tls import TlsFiles, check_bind, from_args, server_credentials
+from pagedkv.tls import mode as tls_mode
 
 log = get_logger("rpc")
 
@@ -225,6 +229,8 @@ class ServerSpec:
     background: Iterable[Callable[[], Awaitable[None]]] = ()
     #: The health servicer to register (created when None); background tasks may flip it.
     health: health.aio.HealthServicer | None = None
+    #: Mutual TLS (``--tls-cert/--tls-key/--tls-ca``); None: plaintext, and ``host`` must be loopback.
+    tls: TlsFiles | None = None
 
     @classmethod
     def from_flags(
@@ -235,16 +241,34 @@ class ServerSpec:
         **rest,
     ) -> ServerSpec:
         """The spec of one service started from the command line: it binds ``args.host`` and
-        ``args.port`` and writes ``args.ready_file`` (the ``--host``, ``--port`` and
-        ``--ready-file`` flags every ``pagedkv`` service has); ``rest`` sets the other fields."""
+        ``args.port``, with the TLS files of ``--tls-cert/--tls-key/--tls-ca``, and writes
+        ``args.ready_file`` (the flags every ``pagedkv`` service has); ``rest`` sets the other fields.
+
+        Raises:
+            ValueError: incomplete TLS flags, an unreadable TLS file, or a non-loopback host without TLS.
+        """
+        tls = server_tls(args)
         return cls(
             service_names=[service_name],
             add_servicers=add_servicers,
             host=args.host,
             port=args.port,
             ready_file=args.ready_file,
+            tls=tls,
             **rest,
         )
+
+
+def server_tls(args: argparse.Namespace) -> TlsFiles | None:
+    """The TLS files of a server's ``--tls-cert/--tls-key/--tls-ca`` flags, checked against its
+    ``--host`` (call it first thing, so a bad start fails before any slow work).
+
+    Raises:
+        ValueError: incomplete TLS flags, an unreadable TLS file, or a non-loopback host without TLS.
+    """
+    tls = from_args(args)
+    check_bind(args.host, tls)
+    return tls
 
 
 async def run_server(spec: ServerSpec) -> None:
@@ -252,7 +276,9 @@ async def run_server(spec: ServerSpec) -> None:
 
     Raises:
         OSError: the address could not be bound.
+        ValueError: no TLS files and a host that is not loopback (:func:`pagedkv.tls.check_bind`).
     """
+    check_bind(spec.host, spec.tls)
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -264,16 +290,21 @@ async def run_server(spec: ServerSpec) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{spec.host}:{spec.port}")
+    if spec.tls is None:
+        port = server.add_insecure_port(f"{spec.host}:{spec.port}")
+    else:
+        port = server.add_secure_port(f"{spec.host}:{spec.port}", server_credentials(spec.tls))
     if port == 0:
         raise OSError(f"could not bind {spec.host}:{spec.port}; is another service using the port?")
     await server.start()
     for name in ["", *spec.service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{spec.host}:{port}"
-    log.info("serving", address=address, services=spec.service_names, pid=os.getpid())
+    log.info("serving", address=address, services=spec.service_names, pid=os.getpid(),
+             mode=tls_mode(spec.host, spec.tls))
     if spec.ready_file:
-        write_ready_file(spec.ready_file, {"address": address, "host": spec.host, "port": port, "pid": os.getpid(), **spec.ready_info})
+        write_ready_file(spec.ready_file, {"address": address, "host": spec.host, "port": port, "pid": os.getpid(),
+                                           "tls": spec.tls is not None, **spec.ready_info})
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
