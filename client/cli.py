@@ -6,7 +6,8 @@
     pagedkv up                start both on this machine in the background
     pagedkv down              stop them
     pagedkv generate PROMPT   stream a generation  [--chat] [--n 3] [--max-tokens 64] [--temperature 0]
-    pagedkv stats             pool, leases and sequences (block ids, refcounts, shared blocks)
+    pagedkv stats             pool, leases and every lease's sequences (block ids, refcounts, shared blocks);
+                              reads the memory service's admin token ($PAGEDKV_HOME/admin-token)
 
 Service subcommands are imported lazily, so ``pagedkv memory`` never loads model code.
 """
@@ -47,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--num-beams", type=int, default=1)
-    sub.add_parser("stats", help="show the pool, leases and sequences")
+    st = sub.add_parser("stats", help="show the pool, leases and sequences")
+    st.add_argument("--admin-token-file", default=None,
+                    help="the memory service's admin token (default $PAGEDKV_ADMIN_TOKEN_FILE, else $PAGEDKV_HOME/admin-token)")
     return p
 
 
@@ -76,14 +79,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stats() -> int:
+def _stats(args: argparse.Namespace) -> int:
     from client.launcher import addresses
-    from client.report import print_stats
-    from client.services import MemoryClient
+    from client.report import print_stats, stats_table
+    from client.services import MemoryClient, admin_token_path, read_admin_token
 
     memory, _ = addresses()
-    m = MemoryClient(memory)
+    path = args.admin_token_file or admin_token_path()
+    m = MemoryClient(memory, admin_token=read_admin_token(path))
     try:
+        if m.admin_token is None:  # the counters are open to all; every lease's sequences only to the admin
+            from rich.console import Console
+
+            Console(width=140).print(stats_table(m.stats()))
+            print(f"no admin token at {path}, so no block tables: run this as the user of the memory service, "
+                  "or pass --admin-token-file", file=sys.stderr)
+            return 1
         print_stats(m.stats(), m.sequences())
     finally:
         m.close()
@@ -117,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "stats":
-            return _stats()
-    except (ServiceError, RuntimeError, TimeoutError, ValueError, FileNotFoundError) as e:
+            return _stats(args)
+    except (ServiceError, RuntimeError, TimeoutError, ValueError, OSError) as e:
         print(f"pagedkv {args.command}: error: {e}", file=sys.stderr)
         return 1
     return 2

@@ -6,9 +6,8 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from credentials import admin_md, new_lease
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.errors import error_info
 from pagedkv.memory.v1 import memory_service_pb2 as pb

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from credentials import new_lease
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from model_fixtures import PROMPT, chat_ids, hf_greedy
 
@@ -23,18 +24,19 @@ class Driver:
         self.channels = [grpc.insecure_channel(a) for a in stack.worker_addresses]
         self.workers = [cpb_grpc.ComputeServiceStub(c) for c in self.channels]
         self.pool = self.mem.GetPoolDescriptor(mpb.GetPoolDescriptorRequest()).pool
-        self.lease = self.mem.CreateLease(mpb.CreateLeaseRequest()).lease_id
+        self.lease, self.md = new_lease(self.mem)
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
     def allocate(self, n: int) -> int:
         (s,) = self.mem.AllocateSequences(mpb.AllocateSequencesRequest(
-            lease_id=self.lease, sequences=[mpb.SequenceAllocation(num_tokens=n)])).sequences
+            lease_id=self.lease, sequences=[mpb.SequenceAllocation(num_tokens=n)]), metadata=self.md).sequences
         self.tables[s.seq_id], self.lens[s.seq_id] = list(s.block_ids), 0
         return s.seq_id
 
     def fork(self, seq: int) -> int:
-        (c,) = self.mem.ForkSequences(mpb.ForkSequencesRequest(lease_id=self.lease, forks=[mpb.SequenceFork(parent_seq_id=seq)])).children
+        (c,) = self.mem.ForkSequences(mpb.ForkSequencesRequest(lease_id=self.lease, forks=[mpb.SequenceFork(parent_seq_id=seq)]),
+                                      metadata=self.md).children
         self.tables[c.seq_id], self.lens[c.seq_id] = list(c.block_ids), self.lens[seq]
         return c.seq_id
 
@@ -44,7 +46,7 @@ class Driver:
         copies = []
         if grow:
             resp = self.mem.AppendSlots(mpb.AppendSlotsRequest(lease_id=self.lease, appends=[
-                mpb.SlotAppend(seq_id=s, num_tokens=n) for s, n in grow]))
+                mpb.SlotAppend(seq_id=s, num_tokens=n) for s, n in grow]), metadata=self.md)
             for u in resp.updates:
                 self.tables[u.seq_id][u.first_changed:] = list(u.block_ids)
             copies = [cpb.BlockCopy(src=c.src, dst=c.dst) for c in resp.copies]
@@ -58,7 +60,7 @@ class Driver:
         return {r.seq_id: r for r in self.workers[worker].Step(req).results}
 
     def close(self):
-        self.mem.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=self.lease))
+        self.mem.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=self.lease), metadata=self.md)
         for c in [self.mem_channel, *self.channels]:
             c.close()
 
