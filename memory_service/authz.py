@@ -42,6 +42,7 @@ import grpc
 from memory_service.leases import LEASE_SECRET_METADATA, Lease, LeaseTable
 from memory_service.sequence import Sequence
 from pagedkv.errors import PermissionDeniedError, UnauthenticatedError
+from pagedkv.paths import pagedkv_home
 
 try:  # the TLS module reads a client certificate's role; without it every caller is on loopback
     from pagedkv.tls import peer_role
@@ -89,15 +90,18 @@ def create_admin_token(path: str | os.PathLike) -> str:
     """A fresh random admin token (43 URL-safe characters), written to ``path``.
 
     The file is mode 0600 and replaced atomically (written beside it, then renamed),
-    so a reader sees the old token or the new one, never half; a missing parent
-    folder is created mode 0700.
+    so a reader sees the old token or the new one, never half. Its folder is made
+    mode 0700 when missing, and also when it is ``$PAGEDKV_HOME`` (pagedkv's own);
+    a folder the operator chose otherwise keeps its mode.
 
     Raises:
         OSError: the folder cannot be created or written.
     """
-    path = Path(path)
+    path = Path(path).absolute()
     if not path.parent.exists():
         path.parent.mkdir(mode=0o700, parents=True)
+    elif path.parent == pagedkv_home().absolute():
+        path.parent.chmod(0o700)
     token = secrets.token_urlsafe(32)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)

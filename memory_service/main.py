@@ -101,7 +101,7 @@ def create_pool(args: argparse.Namespace) -> Pool:
 
 async def serve(args: argparse.Namespace) -> None:
     """Create the pool and serve until SIGTERM."""
-    token_file = str(args.admin_token_file or pagedkv_home() / "admin-token")
+    token_file = os.path.abspath(args.admin_token_file or pagedkv_home() / "admin-token")
     admin_token = create_admin_token(token_file)
     pool = create_pool(args)
     manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl,

@@ -126,15 +126,13 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def ListSequences(self, request, context):
         """One page of sequences by id: a lease's (with its secret, or as the admin), or every lease's (admin)."""
-        if request.HasField("lease_id"):
-            caller = self.authz.caller(context)
-            if not caller.is_admin:
-                self.authz.lease(context, request.lease_id)
-        else:
+        lease_id = request.lease_id if request.HasField("lease_id") else None
+        if lease_id is None:
             caller = self.authz.require_admin(context, "ListSequences without lease_id (every lease's sequences)")
+        elif not (caller := self.authz.caller(context)).is_admin:
+            self.authz.lease(context, lease_id)
         limit, start = page_size(request.page_size), decode_page_token(request.page_token)
-        infos, next_id = self.manager.sequence_page(request.lease_id if request.HasField("lease_id") else None,
-                                                    start, limit)
+        infos, next_id = self.manager.sequence_page(lease_id, start, limit)
         return pb.ListSequencesResponse(sequences=[_info(s, caller.is_admin) for s in infos],
                                         next_page_token=encode_page_token(next_id))
 

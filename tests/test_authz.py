@@ -264,3 +264,25 @@ def test_listings_page_through_every_sequence_once(memory_stub, memory_service, 
     m.close()
     stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease), metadata=md)
     stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=other), metadata=omd)
+
+
+def test_sequence_pages_skip_freed_ids_across_compactions():
+    from memory_service.block_manager import BlockManager
+    from memory_service.paging import decode_page_token, encode_page_token
+
+    m = BlockManager(8, 4)
+    lease = m.leases.create().lease_id
+    (root,) = m.allocate(lease, [5])
+    ids = [root.seq_id] + [c.seq_id for c in m.fork(lease, [root.seq_id] * 4000)]
+    for chunk in range(0, 3900, 300):  # free most of them, in several batches (the paging order is compacted)
+        m.free(lease, ids[1 + chunk:1 + chunk + 250])
+    live = sorted(m.sequences)
+    for lease_id in (None, lease):
+        got, start = [], 0
+        while start is not None:
+            page, start = m.sequence_page(lease_id, start, 333)
+            assert start is None or decode_page_token(encode_page_token(start)) == start
+            got += [s.seq_id for s in page]
+        assert got == live
+    m.check_invariants()
+    assert len(m.sequences._order) < 2 * len(live) + 1024 + 1
