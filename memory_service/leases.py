@@ -11,20 +11,23 @@ remembered (with their secret's hash) so their owner hears "expired" or
 
 Secrets: :meth:`LeaseTable.open` returns a new lease's secret once
 (``secrets.token_urlsafe(32)``, 256 random bits); the table keeps only its
-SHA-256. :meth:`LeaseTable.authorize` checks a secret before a call touches the
-lease, and answers so that a lease id alone tells a caller nothing::
+SHA-256, and the lease's id is derived from the secret too (:func:`lease_id_of`,
+a different hash), so whoever holds the secret can prove a lease id is theirs
+even to a service that never heard of it (after a restart).
+:meth:`LeaseTable.authorize` checks a secret before a call touches the lease,
+and answers so that a lease id alone tells a caller nothing::
 
     secret missing                                   -> UNAUTHENTICATED
     live lease, its secret                           -> the lease
     ended lease (remembered), its secret             -> FAILED_PRECONDITION (expired)
                                                         / NOT_FOUND (released)
-    any other case: wrong secret, unknown id,        -> PERMISSION_DENIED, one message
-      ended lease with a wrong secret, forgotten id     for all of them
+    unknown lease, a secret the id derives from      -> NOT_FOUND (e.g. the service restarted)
+    any other case: wrong secret for a live, ended   -> PERMISSION_DENIED, one message
+      or unknown lease                                  for all of them
 
 So NOT_FOUND / FAILED_PRECONDITION about a lease go only to whoever proves
-they held it; everyone else, whether the lease exists or not, gets the same
-PERMISSION_DENIED. After a restart of the service nobody can prove anything,
-so the owner too gets PERMISSION_DENIED, and should create a new lease.
+they hold it; everyone else gets the same PERMISSION_DENIED whether the lease
+exists or not.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import hashlib
 import hmac
 import secrets
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +63,15 @@ _NO_HASH = hashlib.sha256(b"no lease").digest()
 def secret_hash(secret: str) -> bytes:
     """SHA-256 of a lease secret (32 bytes); the table keeps only this."""
     return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+
+
+def lease_id_of(secret: str) -> str:
+    """The id of the lease whose secret is ``secret``: 32 hex characters of a domain-separated SHA-256.
+
+    Public, and says nothing about the secret; it lets the holder of a secret prove which
+    lease id is theirs without the service remembering anything.
+    """
+    return hashlib.sha256(b"pagedkv lease id\0" + secret.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 #: Longest TTL a lease may ask for, seconds.
 MAX_TTL = 86_400
 
@@ -69,7 +80,7 @@ MAX_TTL = 86_400
 class Lease:
     """A client session owning sequences."""
 
-    #: Opaque id (uuid4 hex).
+    #: Public id: :func:`lease_id_of` its secret (32 hex characters).
     lease_id: str
     #: Lifetime without keep-alive, seconds.
     ttl: float
@@ -124,7 +135,7 @@ class LeaseTable(LiveTable[str, Lease]):
             raise InvalidArgumentError(f"ttl_seconds must be in (0, {MAX_TTL}], got {ttl}")
         self.expire()
         secret = secrets.token_urlsafe(32)
-        lease = Lease(uuid.uuid4().hex, ttl, self.clock() + ttl, owner, secret_hash=secret_hash(secret))
+        lease = Lease(lease_id_of(secret), ttl, self.clock() + ttl, owner, secret_hash=secret_hash(secret))
         self._live[lease.lease_id] = lease
         log.info("lease_created", lease_id=lease.lease_id, ttl=ttl, owner=owner)
         return lease, secret
@@ -141,8 +152,8 @@ class LeaseTable(LiveTable[str, Lease]):
         Raises:
             InvalidArgumentError: an empty id.
             UnauthenticatedError: no secret.
-            FailedPreconditionError / NotFoundError: the lease expired / was released, and
-                ``secret`` was its secret.
+            FailedPreconditionError / NotFoundError: the lease expired / was released or is
+                unknown here, and ``secret`` is its secret.
             PermissionDeniedError: any other mismatch (the same message whether the lease exists or not).
         """
         if not lease_id:
@@ -160,6 +171,8 @@ class LeaseTable(LiveTable[str, Lease]):
             if lease is not None:
                 return lease
             return self.lookup(lease_id)  # raises: expired (FAILED_PRECONDITION) or released (NOT_FOUND)
+        if lease is None and ended is None and hmac.compare_digest(lease_id_of(secret), lease_id):
+            return self.lookup(lease_id)  # raises NOT_FOUND: the holder of this id's secret hears it is gone
         raise PermissionDeniedError(
             f"the secret in {LEASE_SECRET_METADATA!r} is not the secret of lease {lease_id!r}: the lease is another "
             "caller's, or it no longer exists here (released, expired, or the memory service restarted); send the "

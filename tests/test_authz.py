@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import os
+import secrets
 import stat
 import subprocess
 import sys
@@ -17,10 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import ROOT, local_stack
-from credentials import LEASE_SECRET, admin_md, new_lease
+from credentials import LEASE_SECRET, admin_md, lease_md, new_lease
 
 from client.errors import QuotaExceeded, error_info
 from client.services import MemoryClient
+from memory_service.leases import lease_id_of
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 
@@ -106,6 +108,12 @@ def test_another_tenant_with_only_the_lease_id_cannot_touch_it(stub, quota_servi
     denied = refused(stub.KeepAlive, pb.KeepAliveRequest(lease_id=victim), amd).details()
     unknown = refused(stub.KeepAlive, pb.KeepAliveRequest(lease_id="f" * 32), amd).details()
     assert denied.replace(victim, "f" * 32) == unknown
+    # Only the holder of a lease's secret hears that the lease is unknown here (e.g. after a restart of the
+    # service): a lease id is derived from its secret, so the holder proves it without the service's memory.
+    secret = secrets.token_urlsafe(32)
+    gone = refused(stub.KeepAlive, pb.KeepAliveRequest(lease_id=lease_id_of(secret)), lease_md(secret))
+    assert gone.code() == NOT_FOUND and "unknown lease" in gone.details()
+    assert refused(stub.KeepAlive, pb.KeepAliveRequest(lease_id=lease_id_of(secret)), amd).code() == DENIED
     # Every lease's sequences are the admin's to list.
     err = refused(stub.ListSequences, pb.ListSequencesRequest(), vmd)
     assert err.code() == DENIED and "admin role" in err.details()
