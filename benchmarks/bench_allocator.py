@@ -78,18 +78,19 @@ def append_latency_inprocess(batch: int, iters: int) -> list[float]:
 
 
 def append_latency_grpc(stub, batch: int, iters: int) -> list[float]:
-    lease = stub.CreateLease(pb.CreateLeaseRequest(ttl_seconds=3600)).lease_id
+    created = stub.CreateLease(pb.CreateLeaseRequest(ttl_seconds=3600))
+    lease, md = created.lease_id, (("pagedkv-lease-secret", created.lease_secret),)
     seqs = stub.AllocateSequences(pb.AllocateSequencesRequest(
-        lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=100)] * batch)).sequences
+        lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=100)] * batch), metadata=md).sequences
     request = pb.AppendSlotsRequest(lease_id=lease, appends=[pb.SlotAppend(seq_id=s.seq_id, num_tokens=1) for s in seqs])
     for _ in range(10):  # warm up the channel
         stub.GetStats(pb.GetStatsRequest())
     times = []
     for _ in range(iters):
         t = time.perf_counter()
-        stub.AppendSlots(request)
+        stub.AppendSlots(request, metadata=md)
         times.append((time.perf_counter() - t) * 1e6)
-    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease))
+    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease), metadata=md)
     return times
 
 

@@ -66,12 +66,13 @@ def median_ms(xs: list[float]) -> float:
 class PagedRun:
     """Sequences of one (batch, context) case in the memory service, driven through the worker."""
 
-    def __init__(self, memory, worker, pool, lease: str, batch: int, ctx: int, generation: int):
+    def __init__(self, memory, worker, pool, lease: mpb.CreateLeaseResponse, batch: int, ctx: int, generation: int):
         self.memory, self.worker, self.pool = memory, worker, pool
-        self.lease, self.batch, self.ctx, self.generation = lease, batch, ctx, generation
+        self.lease, self.batch, self.ctx, self.generation = lease.lease_id, batch, ctx, generation
+        self.md = (("pagedkv-lease-secret", lease.lease_secret),)  # the lease's secret, on every call on it
         tables = memory.AllocateSequences(
-            mpb.AllocateSequencesRequest(lease_id=lease, sequences=[mpb.SequenceAllocation(num_tokens=ctx)] * batch)
-        ).sequences
+            mpb.AllocateSequencesRequest(lease_id=self.lease, sequences=[mpb.SequenceAllocation(num_tokens=ctx)] * batch),
+            metadata=self.md).sequences
         self.seq_ids = [t.seq_id for t in tables]
         self.tables = [list(t.block_ids) for t in tables]
         self.lengths = [ctx] * batch
@@ -101,7 +102,7 @@ class PagedRun:
         """AppendSlots + Step of one token per sequence; returns timings in seconds."""
         t0 = time.perf_counter()
         appends = [mpb.SlotAppend(seq_id=s, num_tokens=1) for s in self.seq_ids]
-        resp = self.memory.AppendSlots(mpb.AppendSlotsRequest(lease_id=self.lease, appends=appends))
+        resp = self.memory.AppendSlots(mpb.AppendSlotsRequest(lease_id=self.lease, appends=appends), metadata=self.md)
         index = {s: i for i, s in enumerate(self.seq_ids)}
         for u in resp.updates:  # only the tables that changed come back
             self.tables[index[u.seq_id]][u.first_changed :] = list(u.block_ids)
@@ -134,7 +135,7 @@ class PagedRun:
         }
 
     def free(self) -> None:
-        self.memory.FreeSequences(mpb.FreeSequencesRequest(lease_id=self.lease, seq_ids=self.seq_ids))
+        self.memory.FreeSequences(mpb.FreeSequencesRequest(lease_id=self.lease, seq_ids=self.seq_ids), metadata=self.md)
 
 
 def attention_share(model, pool, request: cpb.StepRequest, reps: int) -> dict:
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             mstub, wstub = mpb_grpc.MemoryServiceStub(mch), cpb_grpc.ComputeServiceStub(wch)
             desc = mstub.GetPoolDescriptor(mpb.GetPoolDescriptorRequest()).pool
             pool = map_pool(desc)
-            lease = mstub.CreateLease(mpb.CreateLeaseRequest(ttl_seconds=86400.0)).lease_id
+            lease = mstub.CreateLease(mpb.CreateLeaseRequest(ttl_seconds=86400.0))
             config, weights = load_model_source("smollm2")
             model = LlamaForPagedLM(config, weights)
             del weights
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     run.free()
                     rows.append(make_row(batch, ctx, timings, share, hf_times))
                     print_row(rows[-1], header=len(rows) == 1)
-            mstub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease))
+            mstub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease.lease_id), metadata=(("pagedkv-lease-secret", lease.lease_secret),))
             pool.close()
         except Exception:
             for svc in (memory, worker):  # the services' logs go with the temporary directory

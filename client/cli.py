@@ -6,7 +6,8 @@
     pagedkv up                start both on this machine in the background
     pagedkv down              stop them
     pagedkv generate PROMPT   stream a generation  [--chat] [--n 3] [--max-tokens 64] [--temperature 0]
-    pagedkv stats             pool, leases and sequences (block ids, refcounts, shared blocks)
+    pagedkv stats             pool, leases and every lease's sequences (block ids, refcounts, shared blocks);
+                              reads the memory service's admin token ($PAGEDKV_HOME/admin-token)
     pagedkv certs --out DIR   a CA and one certificate per member of the plane  [--hosts a,b] [--days N] [--force]
 
 ``up``, ``generate``, ``stats`` (and every service) take ``--tls-cert/--tls-key/--tls-ca`` for
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-beams", type=int, default=1)
     plane_tls.add_arguments(gen)
     stats = sub.add_parser("stats", help="show the pool, leases and sequences")
+    stats.add_argument("--admin-token-file", default=None,
+                       help="the memory service's admin token (default $PAGEDKV_ADMIN_TOKEN_FILE, else "
+                            "$PAGEDKV_HOME/admin-token); under TLS an admin certificate serves instead")
     plane_tls.add_arguments(stats)
     from pagedkv.certs import build_parser as certs_parser
 
@@ -92,14 +96,22 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     from client.launcher import addresses, check_tls
-    from client.report import print_stats
-    from client.services import MemoryClient
+    from client.report import print_stats, stats_table
+    from client.services import MemoryClient, admin_token_path, read_admin_token
 
     memory, _ = addresses()
     tls = plane_tls.from_args(args)
     check_tls(tls)
-    m = MemoryClient(memory, tls=tls)
+    path = args.admin_token_file or admin_token_path()
+    m = MemoryClient(memory, tls=tls, admin_token=read_admin_token(path))
     try:
+        if m.admin_token is None and tls is None:  # counters are open to all; block tables only to the admin
+            from rich.console import Console
+
+            Console(width=140).print(stats_table(m.stats()))
+            print(f"no admin token at {path}, so no block tables: run this as the user of the memory service, "
+                  "or pass --admin-token-file", file=sys.stderr)
+            return 1
         print_stats(m.stats(), m.sequences())
     finally:
         m.close()
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             from pagedkv.certs import run
 
             return run(args)
-    except (ServiceError, RuntimeError, TimeoutError, ValueError, FileNotFoundError) as e:
+    except (ServiceError, RuntimeError, TimeoutError, ValueError, OSError) as e:
         print(f"pagedkv {args.command}: error: {e}", file=sys.stderr)
         return 1
     return 2

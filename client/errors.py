@@ -12,7 +12,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from pagedkv.errors import OUT_OF_BLOCKS
+from pagedkv.errors import OUT_OF_BLOCKS, QUOTA_EXCEEDED
 
 
 class ServiceError(Exception):
@@ -51,6 +51,41 @@ class OutOfBlocks(ServiceError):
         return int(self.metadata.get("available", 0))
 
 
+class QuotaExceeded(ServiceError):
+    """RESOURCE_EXHAUSTED with reason QUOTA_EXCEEDED: the lease would pass a per-lease quota (nothing changed).
+
+    ``quota`` is "blocks" (block-table entries) or "sequences"; ``limit``, ``requested`` and ``held`` are counts.
+    """
+
+    @property
+    def quota(self) -> str:
+        return self.metadata.get("quota", "")
+
+    @property
+    def limit(self) -> int:
+        return int(self.metadata.get("limit", 0))
+
+    @property
+    def requested(self) -> int:
+        return int(self.metadata.get("requested", 0))
+
+    @property
+    def held(self) -> int:
+        return int(self.metadata.get("held", 0))
+
+
+class Unauthenticated(ServiceError):
+    """UNAUTHENTICATED: no credential where one is needed (a lease's secret), or a bad admin token."""
+
+
+class PermissionDenied(ServiceError):
+    """PERMISSION_DENIED: a credential without the right (another lease's secret, a role that may not).
+
+    Also what the owner of a lease hears once the memory service no longer knows it (a restart):
+    create a new lease.
+    """
+
+
 class InvalidArgument(ServiceError):
     """INVALID_ARGUMENT: a malformed request."""
 
@@ -72,7 +107,11 @@ _BY_CODE = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
+#: RESOURCE_EXHAUSTED has several meanings; the ErrorInfo reason picks the type.
+_BY_REASON = {OUT_OF_BLOCKS: OutOfBlocks, QUOTA_EXCEEDED: QuotaExceeded}
 
 
 def error_info(error: grpc.RpcError) -> tuple[str, dict[str, str]]:
@@ -91,8 +130,8 @@ def from_rpc_error(error: grpc.RpcError) -> ServiceError:
     """The typed exception for ``error``."""
     code = error.code()
     reason, metadata = error_info(error)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == OUT_OF_BLOCKS:
-        cls = OutOfBlocks
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason in _BY_REASON:
+        cls = _BY_REASON[reason]
     else:
         cls = _BY_CODE.get(code, ServiceError)
     return cls(code, error.details() or "", reason, metadata)

@@ -1,4 +1,8 @@
-"""Tables of the pool and its sequences (``pagedkv stats`` and the demo), drawn with rich."""
+"""Tables of the pool and its sequences (``pagedkv stats`` and the demo), drawn with rich.
+
+Rich lays out a table cell by cell (seconds for 10,000 rows), so past :data:`RICH_MAX_ROWS`
+sequences the block tables print as plain aligned text with the same columns.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,31 @@ def stats_table(stats) -> Table:
     return t
 
 
+#: Most sequences drawn as a rich table; more print as plain text.
+RICH_MAX_ROWS = 200
+
+
+def _cells(s, max_blocks: int) -> tuple[str, int]:
+    """(the block table as ``id`` / ``id*rc`` cells, shared block count) of one sequence."""
+    cells = [f"{b}*{rc}" if rc > 1 else str(b) for b, rc in zip(s.block_ids, s.ref_counts)]
+    if len(cells) > max_blocks:
+        cells = cells[:max_blocks] + [f"... +{len(cells) - max_blocks}"]
+    return " ".join(cells), sum(rc > 1 for rc in s.ref_counts)
+
+
+def sequences_text(sequences, labels: dict[int, str] | None = None, max_blocks: int = 12) -> str:
+    """The rows of :func:`sequences_table` as plain aligned text (fast for any count), one line each."""
+    head = ["seq", *(["request"] if labels is not None else []), "tokens", "blocks", "shared", "block table"]
+    rows = [head]
+    for s in sequences:
+        table, shared = _cells(s, max_blocks)
+        rows.append([str(s.seq_id), *([labels.get(s.seq_id, "")] if labels is not None else []), str(s.num_tokens),
+                     str(len(s.block_ids)), str(shared), table])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    title = f"Block tables of {len(rows) - 1} sequences (block id, *refcount when shared)"
+    return "\n".join([title, *("  ".join([*(c.rjust(w) for c, w in zip(r, widths)), r[-1]]) for r in rows)])
+
+
 def sequences_table(sequences, labels: dict[int, str] | None = None, max_blocks: int = 12) -> Table:
     """One row per sequence: its block ids with refcounts (``id*rc`` when shared)."""
     t = Table(title="Block tables (block id, *refcount when shared)", show_header=True)
@@ -30,17 +59,17 @@ def sequences_table(sequences, labels: dict[int, str] | None = None, max_blocks:
     t.add_column("shared", justify="right")
     t.add_column("block table")
     for s in sequences:
-        cells = [f"{b}*{rc}" if rc > 1 else str(b) for b, rc in zip(s.block_ids, s.ref_counts)]
-        if len(cells) > max_blocks:
-            cells = cells[:max_blocks] + [f"... +{len(cells) - max_blocks}"]
-        shared = sum(rc > 1 for rc in s.ref_counts)
+        table, shared = _cells(s, max_blocks)
         row = [str(s.seq_id)] + ([labels.get(s.seq_id, "")] if labels is not None else [])
-        t.add_row(*row, str(s.num_tokens), str(len(s.block_ids)), str(shared), " ".join(cells))
+        t.add_row(*row, str(s.num_tokens), str(len(s.block_ids)), str(shared), table)
     return t
 
 
 def print_stats(stats, sequences, labels: dict[int, str] | None = None, console: Console | None = None) -> None:
-    """Print both tables."""
+    """Print both tables (the block tables as plain text past :data:`RICH_MAX_ROWS` sequences)."""
     console = console or Console(width=140)
     console.print(stats_table(stats))
-    console.print(sequences_table(sequences, labels))
+    if len(sequences) <= RICH_MAX_ROWS:
+        console.print(sequences_table(sequences, labels))
+    else:
+        console.file.write(sequences_text(sequences, labels) + "\n")

@@ -4,6 +4,12 @@ Each method is one RPC; ``grpc.RpcError`` becomes a :mod:`client.errors`
 exception. :class:`Lease` renews itself from a daemon thread every third of
 its TTL and is released on :meth:`Lease.close`; a client process that dies
 stops renewing, and the memory service frees its sequences when the TTL runs out.
+
+Credentials (memory_service/authz.py): :class:`MemoryClient` keeps the secret of
+each lease it created and sends it (metadata ``pagedkv-lease-secret``) on every
+call on that lease; given an admin token (:func:`read_admin_token`) it sends
+``authorization: Bearer <token>`` on the admin calls (every lease's sequences,
+ResetPrefixCache, CheckInvariants).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import functools
 import os
 import socket
 import threading
+from pathlib import Path
 
 import grpc
 
@@ -22,12 +29,35 @@ from pagedkv.errors import LEASE_EXPIRED, LEASE_NOT_FOUND
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+from pagedkv.paths import pagedkv_home
 from pagedkv.tls import TlsFiles
 from pagedkv.tls import channel as plane_channel
 
 log = get_logger("client")
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+#: Metadata key of a lease's secret.
+LEASE_SECRET_METADATA = "pagedkv-lease-secret"
+#: Sequences asked for in each page of ListSequences (the service's default; at most 10,000).
+LIST_PAGE_SIZE = 1000
+
+
+def admin_token_path() -> Path:
+    """Where the memory service on this host wrote its admin token: ``$PAGEDKV_ADMIN_TOKEN_FILE``,
+    default ``$PAGEDKV_HOME/admin-token`` (the service's ``--admin-token-file`` default)."""
+    return Path(os.environ.get("PAGEDKV_ADMIN_TOKEN_FILE") or pagedkv_home() / "admin-token")
+
+
+def read_admin_token(path: str | os.PathLike | None = None) -> str | None:
+    """The admin token in ``path`` (default :func:`admin_token_path`), or None when there is no such file.
+
+    Raises:
+        PermissionError: the file exists but this user may not read it (it is mode 0600).
+    """
+    try:
+        return Path(path or admin_token_path()).read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def _typed(fn):
@@ -61,10 +91,35 @@ class _Channel:
 
 
 class MemoryClient(_Channel):
-    """The memory service at ``address`` (``host:port``)."""
+    """The memory service at ``address`` (``host:port``).
 
-    def __init__(self, address: str, timeout: float = 30.0, tls: TlsFiles | None = None):
+    Args:
+        address: ``host:port``.
+        timeout: seconds per call.
+        tls: mutual-TLS files (pagedkv.tls); None = plaintext (loopback only).
+        admin_token: the service's admin token (:func:`read_admin_token`), for the admin calls;
+            None = no admin rights (under TLS, an admin certificate gives them instead).
+
+    Each lease created through :meth:`create_lease` has its secret kept here and sent
+    on every call naming the lease; :meth:`add_lease` adds one created elsewhere.
+    """
+
+    def __init__(self, address: str, timeout: float = 30.0, tls: TlsFiles | None = None,
+                 admin_token: str | None = None):
         super().__init__(address, timeout, mpb_grpc.MemoryServiceStub, tls)
+        self.admin_token = admin_token
+        self._secrets: dict[str, str] = {}  # lease id -> its secret
+
+    def add_lease(self, lease_id: str, secret: str) -> None:
+        """Send ``secret`` on the calls on ``lease_id`` from now on."""
+        self._secrets[lease_id] = secret
+
+    def _lease_md(self, lease_id: str | None) -> tuple[tuple[str, str], ...]:
+        secret = self._secrets.get(lease_id) if lease_id else None
+        return ((LEASE_SECRET_METADATA, secret),) if secret else ()
+
+    def _admin_md(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.admin_token}"),) if self.admin_token else ()
 
     @_typed
     def pool(self) -> mpb.PoolDescriptor:
@@ -72,16 +127,23 @@ class MemoryClient(_Channel):
 
     @_typed
     def create_lease(self, ttl: float | None = None) -> mpb.CreateLeaseResponse:
+        """A new lease; its secret (``lease_secret``) is kept for the calls on it."""
         owner = f"{socket.gethostname()}:{os.getpid()}"
-        return self.stub.CreateLease(mpb.CreateLeaseRequest(ttl_seconds=ttl, owner=owner), timeout=self.timeout)
+        resp = self.stub.CreateLease(mpb.CreateLeaseRequest(ttl_seconds=ttl, owner=owner), timeout=self.timeout)
+        self._secrets[resp.lease_id] = resp.lease_secret
+        return resp
 
     @_typed
     def keep_alive(self, lease_id: str) -> float:
-        return self.stub.KeepAlive(mpb.KeepAliveRequest(lease_id=lease_id), timeout=self.timeout).expires_in_seconds
+        return self.stub.KeepAlive(mpb.KeepAliveRequest(lease_id=lease_id), timeout=self.timeout,
+                                   metadata=self._lease_md(lease_id)).expires_in_seconds
 
     @_typed
     def release_lease(self, lease_id: str) -> int:
-        return self.stub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout).freed_sequences
+        freed = self.stub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout,
+                                       metadata=self._lease_md(lease_id)).freed_sequences
+        self._secrets.pop(lease_id, None)
+        return freed
 
     @_typed
     def allocate(self, lease_id: str, sequences: list[mpb.SequenceAllocation | int]) -> mpb.AllocateSequencesResponse:
@@ -89,43 +151,71 @@ class MemoryClient(_Channel):
         the reply has their block tables and grants."""
         seqs = [mpb.SequenceAllocation(num_tokens=s) if isinstance(s, int) else s for s in sequences]
         req = mpb.AllocateSequencesRequest(lease_id=lease_id, sequences=seqs)
-        return self.stub.AllocateSequences(req, timeout=self.timeout)
+        return self.stub.AllocateSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
     def append(self, lease_id: str, appends: list[tuple[int, int] | tuple[int, int, list[int]]]) -> mpb.AppendSlotsResponse:
         """Grow sequences by ``(seq_id, num_tokens[, token_ids])``."""
         req = mpb.AppendSlotsRequest(lease_id=lease_id, appends=[
             mpb.SlotAppend(seq_id=a[0], num_tokens=a[1], token_ids=a[2] if len(a) > 2 else ()) for a in appends])
-        return self.stub.AppendSlots(req, timeout=self.timeout)
+        return self.stub.AppendSlots(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
     def commit(self, lease_id: str, receipts: list) -> mpb.CommitComputedTokensResponse:
         """Hand in workers' receipts (``StepResult.receipt``, unchanged); the reply has fresh grants."""
         req = mpb.CommitComputedTokensRequest(lease_id=lease_id, receipts=receipts)
-        return self.stub.CommitComputedTokens(req, timeout=self.timeout)
+        return self.stub.CommitComputedTokens(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
     def fork(self, lease_id: str, parents: list[int]) -> mpb.ForkSequencesResponse:
         """Fork each parent; the reply has the children's block tables and grants."""
         req = mpb.ForkSequencesRequest(lease_id=lease_id, forks=[mpb.SequenceFork(parent_seq_id=p) for p in parents])
-        return self.stub.ForkSequences(req, timeout=self.timeout)
+        return self.stub.ForkSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
     def free(self, lease_id: str, seq_ids: list[int], reason: int = mpb.FREE_REASON_FINISHED) -> int:
         req = mpb.FreeSequencesRequest(lease_id=lease_id, seq_ids=seq_ids, reason=reason)
-        return self.stub.FreeSequences(req, timeout=self.timeout).freed_blocks
+        return self.stub.FreeSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id)).freed_blocks
 
     @_typed
-    def block_table(self, seq_id: int) -> mpb.SequenceInfo:
-        return self.stub.GetBlockTable(mpb.GetBlockTableRequest(seq_id=seq_id), timeout=self.timeout).sequence
+    def block_table(self, seq_id: int, lease_id: str | None = None) -> mpb.SequenceInfo:
+        """Sequence ``seq_id``'s block table, read with the secret of ``lease_id`` (default: this client's only
+        lease) and the admin token when there is one (needed for another lease's sequence)."""
+        if lease_id is None and len(self._secrets) == 1:
+            lease_id = next(iter(self._secrets))
+        md = self._lease_md(lease_id) + self._admin_md()
+        return self.stub.GetBlockTable(mpb.GetBlockTableRequest(seq_id=seq_id), timeout=self.timeout,
+                                       metadata=md).sequence
 
     @_typed
-    def sequences(self, lease_id: str | None = None) -> list[mpb.SequenceInfo]:
-        return list(self.stub.ListSequences(mpb.ListSequencesRequest(lease_id=lease_id), timeout=self.timeout).sequences)
+    def sequences(self, lease_id: str | None = None, page_size: int = LIST_PAGE_SIZE) -> list[mpb.SequenceInfo]:
+        """Every live sequence of ``lease_id`` (with its secret), or of every lease (None: needs the admin
+        token), by id, read page by page."""
+        md = self._lease_md(lease_id) + self._admin_md()
+        out: list[mpb.SequenceInfo] = []
+        token = ""
+        while True:
+            req = mpb.ListSequencesRequest(lease_id=lease_id, page_size=page_size, page_token=token)
+            resp = self.stub.ListSequences(req, timeout=self.timeout, metadata=md)
+            out.extend(resp.sequences)
+            token = resp.next_page_token
+            if not token:
+                return out
 
     @_typed
     def stats(self) -> mpb.GetStatsResponse:
         return self.stub.GetStats(mpb.GetStatsRequest(), timeout=self.timeout)
+
+    @_typed
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block (admin); returns blocks cleared."""
+        return self.stub.ResetPrefixCache(mpb.ResetPrefixCacheRequest(), timeout=self.timeout,
+                                          metadata=self._admin_md()).blocks_cleared
+
+    @_typed
+    def check_invariants(self) -> mpb.CheckInvariantsResponse:
+        """The block manager's invariants checked now (admin)."""
+        return self.stub.CheckInvariants(mpb.CheckInvariantsRequest(), timeout=self.timeout, metadata=self._admin_md())
 
 
 class WorkerClient(_Channel):
@@ -155,6 +245,8 @@ class Lease:
         self.memory = memory
         resp = memory.create_lease(ttl)
         self.lease_id = resp.lease_id
+        #: The lease's secret (``memory`` sends it on every call on the lease).
+        self.secret = resp.lease_secret
         self.ttl = resp.ttl_seconds
         #: The refusal that showed the lease is gone, once a keep-alive met one; None while it lives.
         self.lost: ServiceError | None = None

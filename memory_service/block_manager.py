@@ -38,7 +38,7 @@ from memory_service.requests import (
     check_token_ids,
 )
 from memory_service.sequence import Sequence, SequenceInfo, SequenceTable, blocks_for
-from pagedkv.errors import InvalidArgumentError, NotFoundError
+from pagedkv.errors import InvalidArgumentError, NotFoundError, QuotaExceededError
 from pagedkv.grants import token_digest
 from pagedkv.limits import MAX_FORK_CHILDREN
 from pagedkv.logs import get_logger
@@ -64,14 +64,30 @@ class BlockManager:
         prefix_caching: keep computed full blocks for reuse (vLLM's automatic prefix caching).
         max_events: KV events retained for replay.
         epochs: the pool's shared epoch table, int64 [num_blocks] (default: a private one).
+        max_blocks_per_lease: quota of block-table entries a lease's sequences may hold
+            together (a block shared by two of them counts twice); None = unlimited.
+        max_sequences_per_lease: quota of live sequences per lease; None = unlimited.
+
+    NOTE: quotas. Allocate, append and fork check the lease's quotas after validating
+    the batch and before the pool's availability, so a refusal (QuotaExceededError,
+    RESOURCE_EXHAUSTED + QUOTA_EXCEEDED) changes nothing, not even a counter. Blocks
+    count as table entries, not distinct blocks, because that is what a lease can make
+    the service track: forking a long sequence adds entries without taking a block.
 
     Raises:
-        ValueError: a non-positive size or TTL.
+        ValueError: a non-positive size, TTL or quota.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, lease_ttl: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True, max_events: int = 10_000,
-                 epochs: np.ndarray | None = None):
+                 epochs: np.ndarray | None = None, max_blocks_per_lease: int | None = None,
+                 max_sequences_per_lease: int | None = None):
+        for name, quota in (("max_blocks_per_lease", max_blocks_per_lease),
+                            ("max_sequences_per_lease", max_sequences_per_lease)):
+            if quota is not None and quota < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset for no quota), got {quota}")
+        self.max_blocks_per_lease = max_blocks_per_lease
+        self.max_sequences_per_lease = max_sequences_per_lease
         self.leases = LeaseTable(lease_ttl, self._free_lease_sequences, clock)  # checks the TTL first
         self.pool = BlockPool(num_blocks, block_size, epochs)  # refcounts, fill levels, epochs, the free queue
         self.block_size = block_size
@@ -94,6 +110,30 @@ class BlockManager:
     def sequence_info(self, seq_id: int) -> SequenceInfo:
         """A snapshot of sequence ``seq_id`` with its blocks' refcounts (errors as :meth:`get_sequence`)."""
         return SequenceInfo.of(self.get_sequence(seq_id), self.pool.ref_counts)
+
+    def sequence_page(self, lease_id: str | None, start: int, limit: int) -> tuple[list[SequenceInfo], int | None]:
+        """Up to ``limit`` snapshots of live sequences with id >= ``start``, by id, and the next page's start.
+
+        ``lease_id``: only that lease's (O(its sequences)); None = all (amortized O(page)).
+        The next start is None on the last page.
+
+        Raises:
+            NotFoundError / FailedPreconditionError: unknown / expired lease.
+        """
+        ids = None if lease_id is None else self.leases.lookup(lease_id).seq_ids
+        if lease_id is None:
+            self.leases.expire()
+        seqs, nxt = self.sequences.page(start, limit, ids)
+        return [SequenceInfo.of(s, self.pool.ref_counts) for s in seqs], nxt
+
+    def _check_quota(self, lease: Lease, what: str, blocks: int, sequences: int) -> None:
+        """Refuse (before any change) a call that adds ``blocks`` table entries and ``sequences`` to ``lease``."""
+        limit = self.max_sequences_per_lease
+        if limit is not None and sequences and len(lease.seq_ids) + sequences > limit:
+            raise QuotaExceededError("sequences", limit, sequences, len(lease.seq_ids), what)
+        limit = self.max_blocks_per_lease
+        if limit is not None and blocks and lease.num_block_entries + blocks > limit:
+            raise QuotaExceededError("blocks", limit, blocks, lease.num_block_entries, what)
 
     def sequence_infos(self, lease_id: str | None = None) -> list[SequenceInfo]:
         """Snapshots of the live sequences by id, optionally only those of one lease."""
@@ -130,6 +170,7 @@ class BlockManager:
             InvalidArgumentError: empty/oversized batch, a count outside [1, pool tokens],
                 more token ids than the pool's tokens, token ids outside int32.
             NotFoundError / FailedPreconditionError: unknown / expired lease.
+            QuotaExceededError: the lease's sequences or block-table entries would pass its quota.
         """
         lease = self.leases.lookup(lease_id)
         check_batch(len(requests), "AllocateSequences")
@@ -152,6 +193,7 @@ class BlockManager:
             pinned.update(b for b in hit.block_ids if self.pool.ref_counts[b] == 0)
             required += blocks_for(total, bs) - len(hit.block_ids)
             plans.append((r, hit, total))
+        self._check_quota(lease, "AllocateSequences", sum(blocks_for(t, bs) for _, _, t in plans), len(plans))
         if required > self.pool.num_available - len(pinned):
             if self.releasing_refs:  # released blocks count as available: finish returning them, plan again
                 self.drain_released()
@@ -198,6 +240,7 @@ class BlockManager:
         Raises:
             InvalidArgumentError: empty batch, duplicate ids, a count < 1, growth past pool capacity.
             NotFoundError / FailedPreconditionError: unknown sequence or lease, expired lease.
+            QuotaExceededError: the lease's block-table entries would pass its quota.
         """
         lease = self.leases.lookup(lease_id)
         seqs = self.sequences.owned(lease.lease_id, (a.seq_id for a in appends), "AppendSlots")
@@ -206,6 +249,7 @@ class BlockManager:
         ref_counts = pool.ref_counts
         # Pass 1: validate and count blocks, simulating the refcount drops of earlier copies.
         required = 0
+        grown = 0  # table entries added (a copy-on-write replaces an entry)
         dropped: Counter[int] = Counter()
         capacity = pool.num_blocks * bs
         for seq, a in zip(seqs, appends):
@@ -219,7 +263,10 @@ class BlockManager:
             if n % bs and ref_counts[last] > 1 and ref_counts[last] - dropped[last] > 1:
                 dropped[last] += 1
                 required += 1
-            required += -(-(n + k) // bs) - len(seq.block_ids)
+            grow = -(-(n + k) // bs) - len(seq.block_ids)
+            required += grow
+            grown += grow
+        self._check_quota(lease, "AppendSlots", grown, 0)
         if required > pool.num_available:
             if self.releasing_refs:  # as in allocate
                 self.drain_released()
@@ -242,6 +289,7 @@ class BlockManager:
             grow = -(-(n + k) // bs) - len(table)
             if grow:
                 table.extend(pool.allocate(grow))
+                lease.num_block_entries += grow
             seq.num_tokens = n + k
             pool.fill_tokens(table, n, n + k)
             if first < len(table):  # only tables that changed are reported
@@ -259,6 +307,7 @@ class BlockManager:
                 children or :data:`MAX_FORK_BLOCK_IDS` block-table entries in the reply (nothing
                 is forked).
             NotFoundError / FailedPreconditionError: unknown parent or lease, expired lease.
+            QuotaExceededError: the lease's sequences or block-table entries would pass its quota.
         """
         lease = self.leases.lookup(lease_id)
         if len(parent_ids) > MAX_FORK_CHILDREN:  # before check_batch: the more precise limit (<= MAX_BATCH)
@@ -272,6 +321,7 @@ class BlockManager:
             raise InvalidArgumentError(f"ForkSequences: the children's block tables would hold {entries} entries, more "
                                        f"than the {MAX_FORK_BLOCK_IDS} one reply may carry (pagedkv.limits.MAX_FORK_BLOCK_IDS); "
                                        "fork in several calls")
+        self._check_quota(lease, "ForkSequences", entries, len(parent_ids))
         children = []
         for parent in (by_id[p] for p in parent_ids):
             self.pool.incref(parent.block_ids)

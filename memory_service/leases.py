@@ -4,10 +4,8 @@ A lease that is released, or that sees no keep-alive within its TTL, is
 dropped: the table calls ``on_drop(lease)``, which frees every sequence the
 lease owns (the block manager passes its own), so no client crash leaks
 blocks. Expiry is lazy (checked at each lookup) plus periodic
-(:meth:`LeaseTable.expire` from a background task). Recently expired ids are
-remembered so a late call says "expired" rather than "unknown". Time comes
-from an injectable ``clock`` (seconds, monotonic), so tests can advance it by
-hand.
+(:meth:`LeaseTable.expire` from a background task). Time comes from an
+injectable ``clock`` (seconds, monotonic), so tests can advance it by hand.
 
 Keep-alives are never starved by the service's own stalls. Once the periodic
 sweep runs (:meth:`LeaseTable.watch_stalls`), the table knows it looks at the
@@ -21,24 +19,75 @@ process paused, the host suspended), not that clients fell silent. Then:
 * no lease expires during the next ``period`` seconds, so the keep-alives that
   queued during the stall are served first (a lookup in that window finds an
   overdue lease still live; its keep-alive renews it).
+
+Recently ended ids are remembered (with their secret's hash) so their owner
+hears "expired" or "released" rather than "unknown".
+
+Secrets: :meth:`LeaseTable.open` returns a new lease's secret once
+(``secrets.token_urlsafe(32)``, 256 random bits); the table keeps only its
+SHA-256, and the lease's id is derived from the secret too (:func:`lease_id_of`,
+a different hash), so whoever holds the secret can prove a lease id is theirs
+even to a service that never heard of it (after a restart).
+:meth:`LeaseTable.authorize` checks a secret before a call touches the lease,
+and answers so that a lease id alone tells a caller nothing::
+
+    secret missing                                   -> UNAUTHENTICATED
+    live lease, its secret                           -> the lease
+    ended lease (remembered), its secret             -> FAILED_PRECONDITION (expired)
+                                                        / NOT_FOUND (released)
+    unknown lease, a secret the id derives from      -> NOT_FOUND (e.g. the service restarted)
+    any other case: wrong secret for a live, ended   -> PERMISSION_DENIED, one message
+      or unknown lease                                  for all of them
+
+So NOT_FOUND / FAILED_PRECONDITION about a lease go only to whoever proves
+they hold it; everyone else gets the same PERMISSION_DENIED whether the lease
+exists or not.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memory_service.live_table import LiveTable
-from pagedkv.errors import LEASE_EXPIRED, LEASE_NOT_FOUND, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from pagedkv.errors import (
+    LEASE_EXPIRED,
+    LEASE_NOT_FOUND,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
 from pagedkv.logs import get_logger
 
 log = get_logger("block_manager")
 
-#: Expired lease ids remembered, so a late call says "expired" rather than "unknown".
+#: Ended (expired or released) lease ids remembered, so their owner hears why rather than "unknown".
 EXPIRED_LEASES_REMEMBERED = 4096
+#: Metadata key carrying a lease's secret on every call on the lease.
+LEASE_SECRET_METADATA = "pagedkv-lease-secret"
+#: Compared against when a lease id is unknown, so every refusal costs the same.
+_NO_HASH = hashlib.sha256(b"no lease").digest()
+
+
+def secret_hash(secret: str) -> bytes:
+    """SHA-256 of a lease secret (32 bytes); the table keeps only this."""
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+
+
+def lease_id_of(secret: str) -> str:
+    """The id of the lease whose secret is ``secret``: 32 hex characters of a domain-separated SHA-256.
+
+    Public, and says nothing about the secret; it lets the holder of a secret prove which
+    lease id is theirs without the service remembering anything.
+    """
+    return hashlib.sha256(b"pagedkv lease id\0" + secret.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 #: Longest TTL a lease may ask for, seconds.
 MAX_TTL = 86_400
 
@@ -47,7 +96,7 @@ MAX_TTL = 86_400
 class Lease:
     """A client session owning sequences."""
 
-    #: Opaque id (uuid4 hex).
+    #: Public id: :func:`lease_id_of` its secret (32 hex characters).
     lease_id: str
     #: Lifetime without keep-alive, seconds.
     ttl: float
@@ -57,6 +106,10 @@ class Lease:
     owner: str = ""
     #: Ids of its live sequences.
     seq_ids: set[int] = field(default_factory=set)
+    #: SHA-256 of its secret (the secret itself is never kept).
+    secret_hash: bytes = b""
+    #: Block-table entries of its sequences (a block shared by two of them counts twice); quotas count these.
+    num_block_entries: int = 0
 
 
 class LeaseTable(LiveTable[str, Lease]):
@@ -82,8 +135,6 @@ class LeaseTable(LiveTable[str, Lease]):
         #: Time source, seconds.
         self.clock = clock
         self._on_drop = on_drop
-        #: Recently expired lease id -> clock time of expiry, oldest first.
-        self._expired: OrderedDict[str, float] = OrderedDict()
         #: Longest expected gap between two looks at the clock, seconds (None: stalls are not credited).
         self.sweep_period: float | None = None
         #: Clock time of the last look (expire()).
@@ -116,9 +167,13 @@ class LeaseTable(LiveTable[str, Lease]):
         self._hold_until = now + self.sweep_period
         self.stall_credit += late
         log.warning("stall_credited", seconds=round(late, 3), leases=len(self._live))
+        #: Recently ended lease id -> (how it ended: "expired" / "released", its secret's hash), oldest first.
+        self._ended: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
 
-    def create(self, ttl: float | None = None, owner: str = "") -> Lease:
-        """Open a lease with ``ttl`` seconds (default: the table's).
+    def open(self, ttl: float | None = None, owner: str = "") -> tuple[Lease, str]:
+        """Open a lease with ``ttl`` seconds (default: the table's); returns it and its secret.
+
+        The secret (43 URL-safe characters) is returned only here; the table keeps its hash.
 
         Raises:
             InvalidArgumentError: ttl not in (0, 86400].
@@ -127,10 +182,53 @@ class LeaseTable(LiveTable[str, Lease]):
         if not 0 < ttl <= MAX_TTL:
             raise InvalidArgumentError(f"ttl_seconds must be in (0, {MAX_TTL}], got {ttl}")
         self.expire()
-        lease = Lease(uuid.uuid4().hex, ttl, self.clock() + ttl, owner)
+        secret = secrets.token_urlsafe(32)
+        lease = Lease(lease_id_of(secret), ttl, self.clock() + ttl, owner, secret_hash=secret_hash(secret))
         self._live[lease.lease_id] = lease
         log.info("lease_created", lease_id=lease.lease_id, ttl=ttl, owner=owner)
-        return lease
+        return lease, secret
+
+    def create(self, ttl: float | None = None, owner: str = "") -> Lease:
+        """:meth:`open` for callers inside the process, which need no secret."""
+        return self.open(ttl, owner)[0]
+
+    def authorize(self, lease_id: str, secret: str | None) -> Lease:
+        """The live lease ``lease_id`` if ``secret`` is its secret (module docstring: the answers).
+
+        Checked before anything changes; the comparison is constant-time.
+
+        Raises:
+            InvalidArgumentError: an empty id.
+            UnauthenticatedError: no secret.
+            FailedPreconditionError / NotFoundError: the lease expired / was released or is
+                unknown here, and ``secret`` is its secret.
+            PermissionDeniedError: any other mismatch (the same message whether the lease exists or not).
+        """
+        if not lease_id:
+            raise InvalidArgumentError("lease_id is empty; call CreateLease first and pass its lease_id")
+        if not secret:
+            raise UnauthenticatedError(
+                f"a call on lease {lease_id!r} needs the lease's secret in metadata {LEASE_SECRET_METADATA!r} "
+                "(CreateLease returned it as lease_secret)")
+        self.expire()
+        presented = secret_hash(secret)
+        lease = self._live.get(lease_id)
+        ended = self._ended.get(lease_id) if lease is None else None
+        known = lease.secret_hash if lease is not None else ended[1] if ended is not None else _NO_HASH
+        if hmac.compare_digest(presented, known) and known is not _NO_HASH:
+            if lease is not None:
+                return lease
+            return self.lookup(lease_id)  # raises: expired (FAILED_PRECONDITION) or released (NOT_FOUND)
+        if lease is None and ended is None and hmac.compare_digest(lease_id_of(secret), lease_id):
+            return self.lookup(lease_id)  # raises NOT_FOUND: the holder of this id's secret hears it is gone
+        raise PermissionDeniedError(
+            f"the secret in {LEASE_SECRET_METADATA!r} is not the secret of lease {lease_id!r}: the lease is another "
+            "caller's, or it no longer exists here (released, expired, or the memory service restarted); send the "
+            "lease_secret CreateLease returned for it, or create a new lease")
+
+    def matches(self, lease: Lease, secret: str | None) -> bool:
+        """Whether ``secret`` is the secret of the live ``lease`` (constant-time)."""
+        return bool(secret) and hmac.compare_digest(secret_hash(secret), lease.secret_hash)
 
     def keep_alive(self, lease_id: str) -> float:
         """Renew a lease for another TTL; returns seconds until it expires (errors as :meth:`lookup`)."""
@@ -140,7 +238,9 @@ class LeaseTable(LiveTable[str, Lease]):
 
     def release(self, lease_id: str) -> int:
         """Free every sequence of the lease and forget it; returns sequences freed (errors as :meth:`lookup`)."""
-        n = self._drop(self.lookup(lease_id))
+        lease = self.lookup(lease_id)
+        n = self._drop(lease)
+        self._remember(lease, "released")
         log.info("lease_released", lease_id=lease_id, freed_sequences=n)
         return n
 
@@ -158,9 +258,7 @@ class LeaseTable(LiveTable[str, Lease]):
         expired = [lease for lease in self._live.values() if lease.expires_at <= now]
         for lease in expired:
             n = self._drop(lease)
-            self._expired[lease.lease_id] = now
-            if len(self._expired) > EXPIRED_LEASES_REMEMBERED:
-                self._expired.popitem(last=False)
+            self._remember(lease, "expired")
             log.info("lease_expired", lease_id=lease.lease_id, freed_sequences=n, owner=lease.owner)
         return [lease.lease_id for lease in expired]
 
@@ -178,12 +276,21 @@ class LeaseTable(LiveTable[str, Lease]):
         lease = self._live.get(lease_id)
         if lease is not None:
             return lease
-        if lease_id in self._expired:
+        how = self._ended.get(lease_id, ("",))[0]
+        if how == "expired":
             raise FailedPreconditionError(
                 f"lease {lease_id} expired (no keep-alive within its TTL) and its sequences were "
                 "freed; create a new lease and allocate again", reason=LEASE_EXPIRED
             )
+        if how == "released":
+            raise NotFoundError(f"lease {lease_id} was released and its sequences freed; create a new lease",
+                                reason=LEASE_NOT_FOUND)
         raise NotFoundError(f"unknown lease {lease_id!r}; call CreateLease first", reason=LEASE_NOT_FOUND)
+
+    def _remember(self, lease: Lease, how: str) -> None:
+        self._ended[lease.lease_id] = (how, lease.secret_hash)
+        if len(self._ended) > EXPIRED_LEASES_REMEMBERED:
+            self._ended.popitem(last=False)
 
     def _drop(self, lease: Lease) -> int:
         n = self._on_drop(lease)

@@ -6,9 +6,13 @@ Example::
         --kv-cache-memory 1GiB --model smollm2 --lease-ttl 10 --ready-file /tmp/mem.json
 
 ``--port 0`` binds a free port; the ready file (JSON: address, host, port, pid,
-pool_id, generation, metrics_port, worker_socket) says which. Workers of the same uid
+pool_id, generation, metrics_port, worker_socket, admin_token_file) says which. Workers of the same uid
 receive the pool's handle on the Unix socket ``--worker-socket`` (default
-``$PAGEDKV_HOME/run/memory-<pid>.sock``; see :mod:`memory_service.worker_socket`). Automatic prefix caching is on
+``$PAGEDKV_HOME/run/memory-<pid>.sock``; see :mod:`memory_service.worker_socket`). At start the service
+writes a fresh admin token to ``--admin-token-file`` (mode 0600; default
+``$PAGEDKV_HOME/admin-token``): ``authorization: Bearer <token>`` makes a caller the
+admin (memory_service/authz.py). ``--max-blocks-per-lease`` and
+``--max-sequences-per-lease`` set per-lease quotas (default: none). Automatic prefix caching is on
 unless ``--no-prefix-caching``; ``--metrics-port`` serves Prometheus metrics. SIGTERM marks the service NOT_SERVING (workers
 watching health drop their mapping), closes the worker socket, waits the grace
 period, stops the server, then releases the pool.
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import os
 
+from memory_service.authz import create_admin_token
 from memory_service.block_manager import BlockManager
 from memory_service.layout import make_layout, parse_bytes
 from memory_service.pool import CpuPool, CudaPool, Pool
@@ -29,6 +34,7 @@ from memory_service.worker_socket import WorkerSocketServer
 from pagedkv import tls
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from pagedkv.paths import pagedkv_home
 from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
 
 log = get_logger("memory_service")
@@ -37,6 +43,14 @@ log = get_logger("memory_service")
 DEFAULT_CPU_KV_MEMORY = "1GiB"
 #: GPU pool size when neither is given.
 DEFAULT_CUDA_KV_MEMORY = "4GiB"
+
+
+def _quota(text: str) -> int:
+    """A quota flag's value: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a quota must be >= 1 (leave the flag out for none), got {value}")
+    return value
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -65,6 +79,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "(default $PAGEDKV_HOME/run/memory-<pid>.sock)")
     p.add_argument("--grace", type=float, default=2.0, help="seconds between NOT_SERVING and releasing the pool (default 2)")
     tls.add_arguments(p)
+    p.add_argument("--admin-token-file", default=None,
+                   help="write a fresh admin token here at start, mode 0600 (default $PAGEDKV_HOME/admin-token)")
+    p.add_argument("--max-blocks-per-lease", type=_quota, default=None,
+                   help="quota of block-table entries per lease, a shared block counting for each holder (default: none)")
+    p.add_argument("--max-sequences-per-lease", type=_quota, default=None,
+                   help="quota of live sequences per lease (default: none)")
     return p
 
 
@@ -93,6 +113,8 @@ def create_pool(args: argparse.Namespace) -> Pool:
 async def serve(args: argparse.Namespace) -> None:
     """Create the pool and serve until SIGTERM."""
     server_tls(args)  # refuse bad TLS flags or a plaintext non-loopback bind before making the pool
+    token_file = os.path.abspath(args.admin_token_file or pagedkv_home() / "admin-token")
+    admin_token = create_admin_token(token_file)
     pool = create_pool(args)
     sock = WorkerSocketServer(pool, args.worker_socket)
     try:
@@ -101,14 +123,17 @@ async def serve(args: argparse.Namespace) -> None:
         pool.close()
         raise
     manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl,
-                           prefix_caching=args.prefix_caching, epochs=pool.epochs, max_events=args.max_kv_events)
+                           prefix_caching=args.prefix_caching, epochs=pool.epochs, max_events=args.max_kv_events,
+                           max_blocks_per_lease=args.max_blocks_per_lease,
+                           max_sequences_per_lease=args.max_sequences_per_lease)
     ready_info = {"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks,
-                  "worker_socket": pool.worker_socket}
+                  "worker_socket": pool.worker_socket, "admin_token_file": token_file}
     if args.metrics_port is not None:
         from memory_service.metrics import start_metrics_server
 
         ready_info["metrics_port"] = start_metrics_server(manager, args.host, args.metrics_port)
-    servicer = MemoryServicer(manager, pool, GrantSigner(pool.plane_key, pool.generation, manager.pool.epochs))
+    servicer = MemoryServicer(manager, pool, GrantSigner(pool.plane_key, pool.generation, manager.pool.epochs),
+                              admin_token=admin_token, admin_token_file=token_file)
 
     async def grace() -> None:
         # Workers watching health see NOT_SERVING now; no new one gets the pool; give them time

@@ -7,6 +7,8 @@ holds token positions ``[i * block_size, (i + 1) * block_size)``.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
@@ -91,18 +93,29 @@ class SequenceTable(LiveTable[int, Sequence]):
 
     Because ids are never reused, a lookup tells a freed sequence apart from
     one never allocated, so errors can say which.
+
+    NOTE: paging. ``_order`` holds ids in increasing order (appended as they are
+    handed out), including freed ones until the next compaction, which runs once
+    freed ids outnumber live ones (plus :data:`_COMPACT_SLACK`), so a page costs
+    O(log n + page + freed ids in its range), amortized O(page).
     """
+
+    #: Freed ids tolerated in ``_order`` beyond the live count before it is compacted.
+    _COMPACT_SLACK = 1024
 
     def __init__(self) -> None:
         super().__init__()
         self._next_id = 0  # ids below it were allocated
+        self._order: list[int] = []  # ids handed out, increasing; freed ones dropped at compaction
 
     def add(self, lease: Lease, num_tokens: int, block_ids: list[int], parent: int | None = None) -> Sequence:
         """A new sequence of ``lease`` with the next id (entered in ``lease.seq_ids``)."""
         seq = Sequence(self._next_id, lease.lease_id, num_tokens, block_ids, parent)
         self._next_id += 1
         self._live[seq.seq_id] = seq
+        self._order.append(seq.seq_id)
         lease.seq_ids.add(seq.seq_id)
+        lease.num_block_entries += len(block_ids)
         return seq
 
     def fork(self, lease: Lease, parent: Sequence) -> Sequence:
@@ -117,6 +130,30 @@ class SequenceTable(LiveTable[int, Sequence]):
         """Forget a live sequence of ``lease`` (its id is never reused)."""
         del self._live[seq.seq_id]
         lease.seq_ids.discard(seq.seq_id)
+        lease.num_block_entries -= len(seq.block_ids)
+        if len(self._order) > 2 * len(self._live) + self._COMPACT_SLACK:
+            self._order = [s for s in self._order if s in self._live]
+
+    def page(self, start: int, limit: int, ids: Iterable[int] | None = None) -> tuple[list[Sequence], int | None]:
+        """Up to ``limit`` live sequences with id >= ``start``, by id, and the id to start the next page at.
+
+        ``ids``: only these ids (a lease's, O(len(ids)) to filter); None = every live sequence
+        (amortized O(page), see the class NOTE). The next start is None on the last page.
+        """
+        if ids is not None:
+            chosen = heapq.nsmallest(limit + 1, (s for s in ids if s >= start))
+            more = len(chosen) > limit
+            return [self._live[s] for s in chosen[:limit]], (chosen[limit] if more else None)
+        out: list[Sequence] = []
+        order, live = self._order, self._live
+        for i in range(bisect.bisect_left(order, start), len(order)):
+            seq = live.get(order[i])
+            if seq is None:
+                continue
+            if len(out) == limit:
+                return out, seq.seq_id
+            out.append(seq)
+        return out, None
 
     def was_allocated(self, seq_id: int) -> bool:
         """True if ``seq_id`` was ever handed out (live or freed)."""
@@ -163,3 +200,8 @@ class SequenceTable(LiveTable[int, Sequence]):
             assert seq.seq_id in leases[seq.lease_id].seq_ids, f"sequence {seq.seq_id} not in its lease"
         for lease in leases.values():
             assert all(s in self._live for s in lease.seq_ids), f"lease {lease.lease_id} names a freed sequence"
+            entries = sum(len(self._live[s].block_ids) for s in lease.seq_ids)
+            assert lease.num_block_entries == entries, (
+                f"lease {lease.lease_id}: counts {lease.num_block_entries} block-table entries, holds {entries}")
+        assert all(a < b for a, b in zip(self._order, self._order[1:])), "paging order is not increasing"
+        assert set(self._live) <= set(self._order), "a live sequence is missing from the paging order"

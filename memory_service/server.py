@@ -4,6 +4,8 @@ Thin: each handler converts the request's protos to the block manager's typed
 requests (:mod:`memory_service.requests`), calls the :class:`BlockManager`
 (synchronously, on the event loop, so every call is atomic) and converts the
 typed result back. Errors map to codes in one place (:func:`pagedkv.service.map_errors`).
+Each handler's first line checks the caller's right to make the call
+(:mod:`memory_service.authz` has the table), before anything changes.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from memory_service.authz import Authorizer
 from memory_service.block_hash import CacheKey
 from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
+from memory_service.paging import decode_page_token, encode_page_token, page_size
 from memory_service.pool import Pool
 from memory_service.prefix_cache import KvEvent, PrefixCache
 from memory_service.requests import Allocation, Append, OutOfBlocks, check_request_size
@@ -34,18 +38,21 @@ def _table(seq: Sequence) -> pb.SequenceBlockTable:
                                  num_cached_tokens=seq.num_cached_tokens)
 
 
-def _event(e: KvEvent) -> pb.KvEvent:
+def _event(e: KvEvent, with_token_ids: bool) -> pb.KvEvent:
+    """The event as sent; a stored block's token ids only when ``with_token_ids`` (the admin)."""
     if e.kind == "stored":
         return pb.KvEvent(sequence_number=e.sequence_number, block_stored=pb.BlockStored(
-            block_hash=e.block_hash, parent_block_hash=e.parent_hash, block_id=e.block_id, token_ids=e.token_ids))
+            block_hash=e.block_hash, parent_block_hash=e.parent_hash, block_id=e.block_id,
+            token_ids=e.token_ids if with_token_ids else ()))
     if e.kind == "removed":
         return pb.KvEvent(sequence_number=e.sequence_number,
                           block_removed=pb.BlockRemoved(block_hash=e.block_hash, block_id=e.block_id))
     return pb.KvEvent(sequence_number=e.sequence_number, all_cleared=pb.AllBlocksCleared())
 
 
-def _info(info: SequenceInfo) -> pb.SequenceInfo:
-    return pb.SequenceInfo(seq_id=info.seq_id, lease_id=info.lease_id, num_tokens=info.num_tokens,
+def _info(info: SequenceInfo, with_lease_id: bool) -> pb.SequenceInfo:
+    """The snapshot as sent; its lease id only when ``with_lease_id`` (the admin)."""
+    return pb.SequenceInfo(seq_id=info.seq_id, lease_id=info.lease_id if with_lease_id else "", num_tokens=info.num_tokens,
                            block_ids=info.block_ids, ref_counts=info.ref_counts, parent_seq_id=info.parent_seq_id)
 
 
@@ -58,12 +65,18 @@ def _ok(result, what: str):
 
 @map_errors
 class MemoryServicer(pb_grpc.MemoryServiceServicer):
-    """Serves one :class:`BlockManager` over one :class:`Pool`; ``signer`` signs its grants."""
+    """Serves one :class:`BlockManager` over one :class:`Pool`; ``signer`` signs its grants.
 
-    def __init__(self, manager: BlockManager, pool: Pool, signer: GrantSigner):
+    ``admin_token``: the loopback admin credential (None: admin only by TLS certificate);
+    ``admin_token_file``: where it was written (named in refusals).
+    """
+
+    def __init__(self, manager: BlockManager, pool: Pool, signer: GrantSigner, *, admin_token: str | None = None,
+                 admin_token_file: str | None = None):
         self.manager = manager
         self.pool = pool
         self.signer = signer
+        self.authz = Authorizer(manager.leases, admin_token, admin_token_file)
 
     def _grants(self, lease_id: str, seqs, copies=()) -> list:
         """Signed grants for ``seqs`` (valid for their lease's TTL); ``copies`` go to the sequence holding dst."""
@@ -75,19 +88,22 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def CreateLease(self, request, context):
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
-        lease = self.manager.leases.create(ttl, request.owner)
-        return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl)
+        lease, secret = self.manager.leases.open(ttl, request.owner)
+        return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl, lease_secret=secret)
 
     async def KeepAlive(self, request, context):
+        self.authz.lease(context, request.lease_id)
         return pb.KeepAliveResponse(expires_in_seconds=self.manager.leases.keep_alive(request.lease_id))
 
     async def ReleaseLease(self, request, context):
+        self.authz.lease(context, request.lease_id)
         return pb.ReleaseLeaseResponse(freed_sequences=self.manager.leases.release(request.lease_id))
 
     async def GetPoolDescriptor(self, request, context):
         return pb.GetPoolDescriptorResponse(pool=self.pool.descriptor())
 
     async def AllocateSequences(self, request, context):
+        self.authz.lease(context, request.lease_id)
         check_request_size(request.sequences, "AllocateSequences")  # before the work of converting it
         reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None, CacheKey(s.model_id, s.cache_salt))
                 for s in request.sequences]
@@ -95,6 +111,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs], grants=self._grants(request.lease_id, seqs))
 
     async def AppendSlots(self, request, context):
+        self.authz.lease(context, request.lease_id)
         check_request_size(request.appends, "AppendSlots")
         appends = [Append(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
         result = _ok(self.manager.append_slots(request.lease_id, appends), "append")
@@ -106,11 +123,13 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             grants=self._grants(request.lease_id, seqs, result.copies))
 
     async def ForkSequences(self, request, context):
+        self.authz.lease(context, request.lease_id)
         children = self.manager.fork(request.lease_id, [f.parent_seq_id for f in request.forks])
         return pb.ForkSequencesResponse(children=[_table(s) for s in children],
                                         grants=self._grants(request.lease_id, children))
 
     async def FreeSequences(self, request, context):
+        self.authz.lease(context, request.lease_id)
         if request.reason not in pb.FreeReason.values():
             raise InvalidArgumentError(f"unknown free reason {request.reason}")
         preempted = request.reason == pb.FREE_REASON_PREEMPTED
@@ -118,17 +137,40 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.FreeSequencesResponse(freed_blocks=freed)
 
     async def GetBlockTable(self, request, context):
-        return pb.GetBlockTableResponse(sequence=_info(self.manager.sequence_info(request.seq_id)))
+        caller, seq = self.authz.read_sequence(context, request.seq_id, self.manager.get_sequence)
+        return pb.GetBlockTableResponse(sequence=_info(self.manager.sequence_info(seq.seq_id), caller.is_admin))
 
     async def ListSequences(self, request, context):
+        """One page of sequences by id: a lease's (with its secret, or as the admin), or every lease's (admin)."""
         lease_id = request.lease_id if request.HasField("lease_id") else None
-        return pb.ListSequencesResponse(sequences=[_info(s) for s in self.manager.sequence_infos(lease_id)])
+        if lease_id is None:
+            caller = self.authz.require_admin(context, "ListSequences without lease_id (every lease's sequences)")
+        elif not (caller := self.authz.caller(context)).is_admin:
+            self.authz.lease(context, lease_id)
+        limit, start = page_size(request.page_size), decode_page_token(request.page_token)
+        infos, next_id = self.manager.sequence_page(lease_id, start, limit)
+        return pb.ListSequencesResponse(sequences=[_info(s, caller.is_admin) for s in infos],
+                                        next_page_token=encode_page_token(next_id))
 
     async def GetStats(self, request, context):
+        return self._stats()
+
+    def _stats(self) -> pb.GetStatsResponse:
         s = self.manager.stats()
         return pb.GetStatsResponse(**{f: getattr(s, f) for f in s.__slots__}, generation=self.pool.generation)
 
+    async def CheckInvariants(self, request, context):
+        """Assert the block manager's invariants now (admin); a broken one is reported, not raised."""
+        self.authz.require_admin(context, "CheckInvariants")
+        try:
+            self.manager.check_invariants()
+        except AssertionError as e:
+            log.error("invariant_broken", method="CheckInvariants", error=str(e))
+            return pb.CheckInvariantsResponse(ok=False, violation=str(e) or repr(e), stats=self._stats())
+        return pb.CheckInvariantsResponse(ok=True, stats=self._stats())
+
     async def CommitComputedTokens(self, request, context):
+        self.authz.lease(context, request.lease_id)
         if request.sequences:
             raise PermissionDeniedError("CommitComputedTokens: computed tokens count only with a worker's receipt; "
                                         "send StepResult.receipt in `receipts` (nothing was committed)")
@@ -138,6 +180,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
                                                grants=self._grants(request.lease_id, result.accepted))
 
     async def ResetPrefixCache(self, request, context):
+        self.authz.require_admin(context, "ResetPrefixCache (it drops every lease's cached blocks)")
         return pb.ResetPrefixCacheResponse(blocks_cleared=self.manager.reset_prefix_cache())
 
     async def StreamKvEvents(self, request, context):
@@ -146,7 +189,9 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         Every event in order, sent as soon as it is logged (the stream wakes on each event, no
         polling); a subscriber that falls more than the retained window behind, or asks for an
         event no longer kept, ends with FAILED_PRECONDITION naming the first number it lost.
+        Token ids only for the admin role (routers and others get hashes and block ids).
         """
+        with_token_ids = self.authz.caller(context).is_admin
         first = request.from_sequence_number if request.HasField("from_sequence_number") else None
         changes = _kv_changes(self.manager.prefix_cache)
         cursor = self.manager.prefix_cache.subscribe(first)
@@ -154,7 +199,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             changed = changes.current()  # taken before the poll, so no event can slip between
             batch = cursor.poll(EVENTS_PER_WAKE)
             for e in batch:
-                yield _event(e)
+                yield _event(e, with_token_ids)
             if not batch:
                 await changed.wait()
 

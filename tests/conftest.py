@@ -19,15 +19,24 @@ START_TIMEOUT = 120.0
 
 def pagedkv_process(args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = START_TIMEOUT,
                     port: int = 0) -> ServiceProcess:
-    """``pagedkv <args>`` on ``port`` (0: a free one) as its own process, logging under ``tmp``."""
+    """``pagedkv <args>`` on ``port`` (0: a free one) as its own process, logging under ``tmp``.
+
+    A memory service writes its admin token beside its log (``<name>.admin-token``), not to
+    the shared ``$PAGEDKV_HOME``, so services started at once do not overwrite each other's.
+    """
+    if args[:1] == ["memory"] and "--admin-token-file" not in args:
+        args = [*args, "--admin-token-file", str(Path(tmp) / f"{name}.admin-token")]
     return ServiceProcess.pagedkv(args, tmp, name, port=port, env=env, timeout=timeout, cwd=ROOT)
 
 
 def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: str = "stack") -> LocalStack:
     """``pagedkv memory <memory_args>`` and ``num_workers`` workers on free ports, logging under ``tmp``.
 
-    Not started: use it as ``with local_stack(...) as s:``.
+    Not started: use it as ``with local_stack(...) as s:``. Its memory service writes its admin
+    token under ``tmp`` (the ready file's ``admin_token_file`` names it).
     """
+    if "--admin-token-file" not in memory_args:
+        memory_args = [*memory_args, "--admin-token-file", str(Path(tmp) / f"{name or 'stack'}.admin-token")]
     return LocalStack(memory_args, num_workers=num_workers, run_dir=tmp, name=name, cwd=ROOT, timeout=START_TIMEOUT)
 
 

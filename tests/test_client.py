@@ -243,7 +243,8 @@ async def test_async_client_generate_and_stream(stack):
 
 def test_cli_generate_and_stats(stack):
     env = {**os.environ, "PAGEDKV_MEMORY": stack.memory.address, "PAGEDKV_WORKERS": ",".join(stack.worker_addresses),
-           "PAGEDKV_LOG_LEVEL": "error", "COLUMNS": "160"}
+           "PAGEDKV_LOG_LEVEL": "error", "COLUMNS": "160",
+           "PAGEDKV_ADMIN_TOKEN_FILE": stack.memory.info["admin_token_file"]}  # stats shows every lease's sequences
     out = subprocess.run([sys.executable, "-m", "client.cli", "generate", CHATS[0], "--chat", "--max-tokens", "12"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -254,6 +255,9 @@ def test_cli_generate_and_stats(stack):
     assert out.returncode == 0 and out.stdout.count("--- [") == 2, out.stdout + out.stderr
     stats = subprocess.run([sys.executable, "-m", "client.cli", "stats"], env=env, capture_output=True, text=True, timeout=120)
     assert stats.returncode == 0 and "KV-cache pool" in stats.stdout and "512" in stats.stdout
+    no_token = subprocess.run([sys.executable, "-m", "client.cli", "stats"], env={**env, "PAGEDKV_ADMIN_TOKEN_FILE": "/nonexistent"},
+                              capture_output=True, text=True, timeout=120)
+    assert no_token.returncode == 1 and "KV-cache pool" in no_token.stdout and "no admin token at /nonexistent" in no_token.stderr
     bad = subprocess.run([sys.executable, "-m", "client.cli", "generate", "x", "--temperature", "-1"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "temperature" in bad.stderr

@@ -1,4 +1,4 @@
-"""Inspection with the real grpcurl binary: list, GetStats and a block table as JSON."""
+"""Inspection with the real grpcurl binary: list, GetStats and, as the admin, block tables as JSON."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from credentials import admin_token, new_lease
 
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 
@@ -40,18 +41,25 @@ def test_list_shows_service_health_reflection(grpcurl_bin, memory_service):
 
 
 def test_stats_and_block_table_as_json(grpcurl_bin, memory_service, memory_stub):
-    lease = memory_stub.CreateLease(pb.CreateLeaseRequest()).lease_id
+    lease, md = new_lease(memory_stub)
     (seq,) = memory_stub.AllocateSequences(pb.AllocateSequencesRequest(
-        lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=10)])).sequences
-    memory_stub.ForkSequences(pb.ForkSequencesRequest(lease_id=lease, forks=[pb.SequenceFork(parent_seq_id=seq.seq_id)]))
+        lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=10)]), metadata=md).sequences
+    memory_stub.ForkSequences(pb.ForkSequencesRequest(lease_id=lease, forks=[pb.SequenceFork(parent_seq_id=seq.seq_id)]),
+                              metadata=md)
+    admin = ("-H", f"authorization: Bearer {admin_token(memory_service)}")  # the README's commands
     try:
+        # GetStats needs no credential.
         stats = json.loads(grpcurl(memory_service.address, "-emit-defaults", "pagedkv.memory.v1.MemoryService/GetStats"))
         assert stats["used_blocks"] == 3 and stats["total_blocks"] == 64 and stats["num_sequences"] == 2
-        table = json.loads(grpcurl(memory_service.address, "-d", json.dumps({"seq_id": seq.seq_id}),
+        table = json.loads(grpcurl(memory_service.address, *admin, "-d", json.dumps({"seq_id": seq.seq_id}),
                                    "pagedkv.memory.v1.MemoryService/GetBlockTable"))
         assert table["sequence"]["block_ids"] == list(seq.block_ids)
-        assert table["sequence"]["ref_counts"] == [2, 2, 2]
+        assert table["sequence"]["ref_counts"] == [2, 2, 2] and table["sequence"]["lease_id"] == lease
+        listed = json.loads(grpcurl(memory_service.address, *admin, "pagedkv.memory.v1.MemoryService/ListSequences"))
+        assert [s.get("seq_id", "0") for s in listed["sequences"]] == [str(seq.seq_id), str(seq.seq_id + 1)]
+        checked = json.loads(grpcurl(memory_service.address, *admin, "pagedkv.memory.v1.MemoryService/CheckInvariants"))
+        assert checked["ok"] is True and checked["stats"]["num_sequences"] == 2
         health = json.loads(grpcurl(memory_service.address, "grpc.health.v1.Health/Check"))
         assert health == {"status": "SERVING"}
     finally:
-        memory_stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease))
+        memory_stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease), metadata=md)

@@ -73,7 +73,7 @@ def test_prefix_cache_cannot_be_poisoned(stack, victim):
     # 2. Report the blocks computed without computing them: only receipts count.
     assert "receipt" in denied(lambda: m.stub.CommitComputedTokens(mpb.CommitComputedTokensRequest(
         lease_id=lease, sequences=[mpb.ComputedTokens(seq_id=a.sequences[0].seq_id, num_computed_tokens=len(france))]),
-        timeout=10))
+        timeout=10, metadata=m._lease_md(lease)))
     forged = grant_pb2.StepReceipt(pool_generation=gen, seq_id=a.sequences[0].seq_id, start=0, end=len(france),
                                    block_ids=a.sequences[0].block_ids, block_epochs=a.grants[0].block_epochs,
                                    signature=b"\1" * 32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from credentials import new_lease
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from model_fixtures import PROMPT, chat_ids, hf_greedy
 
@@ -23,7 +24,7 @@ class Driver:
         self.channels = [grpc.insecure_channel(a) for a in stack.worker_addresses]
         self.workers = [cpb_grpc.ComputeServiceStub(c) for c in self.channels]
         self.pool = self.mem.GetPoolDescriptor(mpb.GetPoolDescriptorRequest()).pool
-        self.lease = self.mem.CreateLease(mpb.CreateLeaseRequest()).lease_id
+        self.lease, self.md = new_lease(self.mem)
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
         #: Each sequence's latest grant (from the memory service's replies).
@@ -31,13 +32,14 @@ class Driver:
 
     def allocate(self, n: int) -> int:
         resp = self.mem.AllocateSequences(mpb.AllocateSequencesRequest(
-            lease_id=self.lease, sequences=[mpb.SequenceAllocation(num_tokens=n)]))
+            lease_id=self.lease, sequences=[mpb.SequenceAllocation(num_tokens=n)]), metadata=self.md)
         (s,), (g,) = resp.sequences, resp.grants
         self.tables[s.seq_id], self.lens[s.seq_id], self.grants[s.seq_id] = list(s.block_ids), 0, g
         return s.seq_id
 
     def fork(self, seq: int) -> int:
-        resp = self.mem.ForkSequences(mpb.ForkSequencesRequest(lease_id=self.lease, forks=[mpb.SequenceFork(parent_seq_id=seq)]))
+        resp = self.mem.ForkSequences(mpb.ForkSequencesRequest(lease_id=self.lease, forks=[mpb.SequenceFork(parent_seq_id=seq)]),
+                                      metadata=self.md)
         (c,), (g,) = resp.children, resp.grants
         self.tables[c.seq_id], self.lens[c.seq_id], self.grants[c.seq_id] = list(c.block_ids), self.lens[seq], g
         return c.seq_id
@@ -45,7 +47,7 @@ class Driver:
     def commit(self, results) -> None:
         """Hand the step's receipts to the memory service; keep the fresh grants."""
         resp = self.mem.CommitComputedTokens(mpb.CommitComputedTokensRequest(
-            lease_id=self.lease, receipts=[r.receipt for r in results]))
+            lease_id=self.lease, receipts=[r.receipt for r in results]), metadata=self.md)
         self.grants.update((g.seq_id, g) for g in resp.grants)
 
     def step(self, worker: int, chunks: dict[int, list[int]], num_logprobs: int | None = None) -> dict[int, cpb.StepResult]:
@@ -54,7 +56,7 @@ class Driver:
         copies = []
         if grow:
             resp = self.mem.AppendSlots(mpb.AppendSlotsRequest(lease_id=self.lease, appends=[
-                mpb.SlotAppend(seq_id=s, num_tokens=n) for s, n in grow]))
+                mpb.SlotAppend(seq_id=s, num_tokens=n) for s, n in grow]), metadata=self.md)
             for u in resp.updates:
                 self.tables[u.seq_id][u.first_changed:] = list(u.block_ids)
             self.grants.update((g.seq_id, g) for g in resp.grants)
@@ -71,7 +73,7 @@ class Driver:
         return {r.seq_id: r for r in results}
 
     def close(self):
-        self.mem.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=self.lease))
+        self.mem.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=self.lease), metadata=self.md)
         for c in [self.mem_channel, *self.channels]:
             c.close()
 

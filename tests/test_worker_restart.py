@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import pagedkv_process
+from credentials import new_lease
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.stack import ServiceProcess
@@ -34,9 +35,9 @@ def memory_on(port: int, tmp_path, name: str) -> ServiceProcess:
 
 
 def step(stub, generation: int, memory) -> cpb.StepResponse:
-    lease = memory.CreateLease(mpb.CreateLeaseRequest()).lease_id
+    lease, md = new_lease(memory)
     resp = memory.AllocateSequences(mpb.AllocateSequencesRequest(
-        lease_id=lease, sequences=[mpb.SequenceAllocation(num_tokens=3)]))
+        lease_id=lease, sequences=[mpb.SequenceAllocation(num_tokens=3)]), metadata=md)
     (seq,), (grant,) = resp.sequences, resp.grants
     return stub.Step(cpb.StepRequest(pool_generation=generation, sequences=[cpb.StepSequence(
         seq_id=seq.seq_id, token_ids=[1, 2, 3], positions=[0, 1, 2], block_ids=seq.block_ids, grant=grant)]))

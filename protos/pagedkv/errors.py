@@ -64,13 +64,6 @@ class FailedPreconditionError(PagedKVError):
     reason = "FAILED_PRECONDITION"
 
 
-class PermissionDeniedError(PagedKVError):
-    """A credential without the right: a foreign lease's secret, a step outside its grant, a forged receipt."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
-    reason = "PERMISSION_DENIED"
-
-
 class OutOfBlocksError(PagedKVError):
     """Not enough available blocks for an all-or-nothing request.
 
@@ -89,3 +82,43 @@ class OutOfBlocksError(PagedKVError):
         )
         self.required = required
         self.available = available
+
+
+#: ErrorInfo reason of a per-lease quota refusal (``--max-blocks-per-lease``, ``--max-sequences-per-lease``).
+QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
+
+
+class UnauthenticatedError(PagedKVError):
+    """No credential where one is needed, or a credential that is not valid at all (a bad admin token)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(PagedKVError):
+    """A credential without the right: another lease's secret, a role that may not make the call, a step
+    outside its grant, a receipt no worker signed."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
+
+
+class QuotaExceededError(PagedKVError):
+    """A call that would take a lease past its quota (nothing changed).
+
+    Carries ``quota`` ("blocks" or "sequences"), ``limit``, ``requested`` (what the call
+    adds) and ``held`` (what the lease holds now) in ErrorInfo metadata. Blocks count as
+    block-table entries: a block shared by two of the lease's sequences counts twice.
+    """
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = QUOTA_EXCEEDED
+
+    def __init__(self, quota: str, limit: int, requested: int, held: int, what: str = "request"):
+        flag = f"--max-{quota}-per-lease"
+        super().__init__(
+            f"{what}: the lease holds {held} {quota} and asks for {requested} more, past its quota of {limit} "
+            f"({flag}); free or finish sequences first, or start the memory service with a larger {flag}",
+            metadata={"quota": quota, "limit": str(limit), "requested": str(requested), "held": str(held)},
+        )
+        self.quota, self.limit, self.requested, self.held = quota, limit, requested, held

@@ -1,0 +1,35 @@
+"""Credentials for tests that call the memory service's stub directly (memory_service/authz.py).
+
+    lease, md = new_lease(stub)                     # md: the lease's secret as call metadata
+    stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease), metadata=md)
+    stub.ListSequences(pb.ListSequencesRequest(), metadata=admin_md(memory_service))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagedkv.memory.v1 import memory_service_pb2 as pb
+
+LEASE_SECRET = "pagedkv-lease-secret"
+
+
+def lease_md(secret: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying a lease's secret."""
+    return ((LEASE_SECRET, secret),)
+
+
+def new_lease(stub, **kwargs) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """CreateLease(**kwargs) on ``stub``: (lease id, metadata with its secret)."""
+    resp = stub.CreateLease(pb.CreateLeaseRequest(**kwargs))
+    return resp.lease_id, lease_md(resp.lease_secret)
+
+
+def admin_token(service) -> str:
+    """The admin token of a started memory service (a ServiceProcess; its ready file names the file)."""
+    return Path(service.info["admin_token_file"]).read_text().strip()
+
+
+def admin_md(service) -> tuple[tuple[str, str], ...]:
+    """Call metadata making the caller the admin of ``service``."""
+    return (("authorization", f"Bearer {admin_token(service)}"),)
