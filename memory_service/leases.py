@@ -135,6 +135,8 @@ class LeaseTable(LiveTable[str, Lease]):
         #: Time source, seconds.
         self.clock = clock
         self._on_drop = on_drop
+        #: Recently ended lease id -> (how it ended: "expired" / "released", its secret's hash), oldest first.
+        self._ended: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
         #: Longest expected gap between two looks at the clock, seconds (None: stalls are not credited).
         self.sweep_period: float | None = None
         #: Clock time of the last look (expire()).
@@ -167,8 +169,6 @@ class LeaseTable(LiveTable[str, Lease]):
         self._hold_until = now + self.sweep_period
         self.stall_credit += late
         log.warning("stall_credited", seconds=round(late, 3), leases=len(self._live))
-        #: Recently ended lease id -> (how it ended: "expired" / "released", its secret's hash), oldest first.
-        self._ended: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
 
     def open(self, ttl: float | None = None, owner: str = "") -> tuple[Lease, str]:
         """Open a lease with ``ttl`` seconds (default: the table's); returns it and its secret.

@@ -33,3 +33,23 @@ def admin_token(service) -> str:
 def admin_md(service) -> tuple[tuple[str, str], ...]:
     """Call metadata making the caller the admin of ``service``."""
     return (("authorization", f"Bearer {admin_token(service)}"),)
+
+
+def computed(stack, stub, lease: str, md, tokens: list[int], salt: str):
+    """Allocate ``tokens`` on ``lease`` of ``stack``'s memory service, compute them on its first worker and
+    hand in the receipt (so their full blocks enter the prefix cache); returns the sequence's block table."""
+    from pagedkv.compute.v1 import compute_service_pb2 as cpb
+    from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
+
+    resp = stub.AllocateSequences(pb.AllocateSequencesRequest(lease_id=lease, sequences=[
+        pb.SequenceAllocation(num_tokens=len(tokens), token_ids=tokens, cache_salt=salt)]), metadata=md)
+    (seq,), (grant,) = resp.sequences, resp.grants
+    import grpc
+
+    with grpc.insecure_channel(stack.worker_addresses[0]) as ch:
+        (result,) = cpb_grpc.ComputeServiceStub(ch).Step(cpb.StepRequest(
+            pool_generation=grant.pool_generation, sequences=[cpb.StepSequence(
+                seq_id=seq.seq_id, token_ids=tokens, positions=range(len(tokens)), block_ids=seq.block_ids,
+                grant=grant)])).results
+    stub.CommitComputedTokens(pb.CommitComputedTokensRequest(lease_id=lease, receipts=[result.receipt]), metadata=md)
+    return seq

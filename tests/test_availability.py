@@ -15,6 +15,7 @@ import time
 
 import grpc
 import pytest
+from credentials import admin_md, new_lease
 
 from client.errors import error_info
 from client.services import Lease, MemoryClient
@@ -113,29 +114,29 @@ def test_a_lease_kept_alive_survives_a_pause_longer_than_its_ttl(start_service):
 # ----------------------------------------------------------------------- bounded work
 def test_a_keep_alive_is_answered_while_a_huge_fork_is_refused(memory_stub):
     stub = memory_stub
-    lease = stub.CreateLease(pb.CreateLeaseRequest(owner="forker")).lease_id
+    lease, md = new_lease(stub, owner="forker")
     (parent,) = stub.AllocateSequences(pb.AllocateSequencesRequest(
-        lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=5)])).sequences
+        lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=5)]), metadata=md).sequences
     before = stats(stub)
     fork = stub.ForkSequences.future(pb.ForkSequencesRequest(
-        lease_id=lease, forks=[pb.SequenceFork(parent_seq_id=parent.seq_id)] * 40_000))
-    assert stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease)).expires_in_seconds == 30
+        lease_id=lease, forks=[pb.SequenceFork(parent_seq_id=parent.seq_id)] * 40_000), metadata=md)
+    assert stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease), metadata=md).expires_in_seconds == 30
     with pytest.raises(grpc.RpcError) as exc:
         fork.result()
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"more than the {MAX_FORK_CHILDREN}" in exc.value.details()
     assert "pagedkv.limits.MAX_FORK_CHILDREN" in exc.value.details()
     assert stats(stub) == before
-    info = stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=parent.seq_id)).sequence
+    info = stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=parent.seq_id), metadata=md).sequence
     assert list(info.ref_counts) == [1, 1]
-    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease))
+    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease), metadata=md)
 
 
 def test_per_call_limits_are_refused_before_anything_changes(memory_stub):
     stub = memory_stub
-    lease = stub.CreateLease(pb.CreateLeaseRequest(owner="limits")).lease_id
+    lease, md = new_lease(stub, owner="limits")
     (seq,) = stub.AllocateSequences(pb.AllocateSequencesRequest(
-        lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=1, token_ids=[1])])).sequences
+        lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=1, token_ids=[1])]), metadata=md).sequences
     before = stats(stub)
     too_many = [
         (stub.AllocateSequences, pb.AllocateSequencesRequest(
@@ -149,11 +150,11 @@ def test_per_call_limits_are_refused_before_anything_changes(memory_stub):
     ]
     for call, request, limit in too_many:
         with pytest.raises(grpc.RpcError) as exc:
-            call(request)
+            call(request, metadata=md)
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, limit
         assert f"pagedkv.limits.{limit}" in exc.value.details()
         assert stats(stub) == before
-    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease))
+    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease), metadata=md)
 
 
 def test_a_big_lease_is_released_in_chunks_with_exact_accounting(monkeypatch):
@@ -214,7 +215,7 @@ def test_a_cursor_that_falls_behind_is_told_which_event_it_lost():
     assert [e.sequence_number for e in m.prefix_cache.subscribe(3).poll(2)] == [3, 4]
 
 
-def produce_events(address: str, total: int, rate: float, threads: int = 4) -> int:
+def produce_events(address: str, total: int, rate: float, md, threads: int = 4) -> int:
     """ResetPrefixCache calls (one "cleared" event each) from ``threads`` clients at about ``rate``
     events/s in all, until ``total`` events; returns how many were logged. (Stored and removed
     events need workers' receipts; a reset logs its event the same way.)"""
@@ -234,7 +235,7 @@ def produce_events(address: str, total: int, rate: float, threads: int = 4) -> i
                     ahead = made / rate - (time.monotonic() - t0)
                 if ahead > 0:
                     time.sleep(ahead)
-                stub.ResetPrefixCache(pb.ResetPrefixCacheRequest())
+                stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), metadata=md)
 
     workers = [threading.Thread(target=run) for _ in range(threads)]
     for w in workers:
@@ -263,10 +264,10 @@ def test_an_event_stream_under_load_has_no_gap_and_a_lost_replay_is_named(start_
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         while not seen:  # a "cleared" event at a time until the stream shows it follows
-            stub.ResetPrefixCache(pb.ResetPrefixCacheRequest())
+            stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), metadata=admin_md(svc))
             time.sleep(0.05)
         start = len(seen)
-        made = produce_events(svc.address, 2_500, rate=5_000)  # 2.5 times the events the service keeps
+        made = produce_events(svc.address, 2_500, rate=5_000, md=admin_md(svc))  # 2.5 times the events the service keeps
         wait_until(lambda: len(seen) >= start + made, f"{made} events on the stream")
         stream.cancel()
         reader.join()
