@@ -138,6 +138,7 @@ def test_lease_expired_by_a_pause_is_recovered(restartable, undisturbed):
     memory = MemoryClient(restartable.memory_address)
     with Client(restartable.memory_address, restartable.worker_addresses, lease_ttl=1.0) as client:
         old_lease = client.lease_id
+        memory.add_lease(old_lease, client.engine.lease.secret)
 
         def expire() -> None:
             client.engine.lease.stop_renewing()
