@@ -16,6 +16,7 @@ from compute_service.worker import Worker
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
 from pagedkv.service import map_errors
+from pagedkv.tls import require_role
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
 
@@ -36,6 +37,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             self.model_name, self.weights_path = worker.config.name, str(Path(model_source).resolve())
 
     async def Step(self, request, context):
+        require_role(context, {"scheduler"}, "Step")  # under TLS: schedulers (and the admin) only
         return await asyncio.get_running_loop().run_in_executor(self.compute, self.worker.step, request)
 
     async def GetModelInfo(self, request, context):

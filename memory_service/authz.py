@@ -43,23 +43,17 @@ from memory_service.leases import LEASE_SECRET_METADATA, Lease, LeaseTable
 from memory_service.sequence import Sequence
 from pagedkv.errors import PermissionDeniedError, UnauthenticatedError
 from pagedkv.paths import pagedkv_home
-
-try:  # the TLS module reads a client certificate's role; without it every caller is on loopback
-    from pagedkv.tls import peer_role
-except ImportError:  # pragma: no cover - until pagedkv.tls lands
-
-    def peer_role(context: grpc.ServicerContext) -> str | None:
-        """No TLS support: no certificate, so no role."""
-        return None
-
+from pagedkv.tls import over_tls, peer_role
 
 ADMIN = "admin"
 WORKER = "worker"
 SCHEDULER = "scheduler"
 ROUTER = "router"
 ANONYMOUS_LOOPBACK = "anonymous-loopback"
+#: A certificate of the plane's CA that names no role (or several): a member with no rights beyond reading.
+NO_ROLE = "no-role"
 #: Every role a caller can have.
-ROLES = (ADMIN, WORKER, SCHEDULER, ROUTER, ANONYMOUS_LOOPBACK)
+ROLES = (ADMIN, WORKER, SCHEDULER, ROUTER, ANONYMOUS_LOOPBACK, NO_ROLE)
 #: Metadata key of the admin credential: ``authorization: Bearer <token>``.
 AUTHORIZATION_METADATA = "authorization"
 
@@ -145,9 +139,8 @@ class Authorizer:
                     f"the {AUTHORIZATION_METADATA!r} header is not 'Bearer <admin token>' with this service's admin "
                     f"token; read it from {self._where()} (it changes at every start) or send no such header")
             return Caller(ADMIN, "admin-token")
-        role = peer_role(context)
-        if role is not None:
-            return Caller(role, "tls-certificate")
+        if over_tls(context):  # a certificate of the plane's CA; its role, or none
+            return Caller(peer_role(context) or NO_ROLE, "tls-certificate")
         return Caller(ANONYMOUS_LOOPBACK, "loopback")
 
     def require_admin(self, context: grpc.ServicerContext, what: str) -> Caller:
@@ -197,5 +190,5 @@ class Authorizer:
         return self.admin_token_file or "the admin token file (--admin-token-file)"
 
 
-__all__ = ["ADMIN", "ANONYMOUS_LOOPBACK", "Authorizer", "Caller", "ROLES", "ROUTER", "SCHEDULER", "WORKER",
+__all__ = ["ADMIN", "ANONYMOUS_LOOPBACK", "Authorizer", "Caller", "NO_ROLE", "ROLES", "ROUTER", "SCHEDULER", "WORKER",
            "create_admin_token", "metadata_value", "peer_role"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from memory_service.authz import Authorizer
+from memory_service.authz import SCHEDULER, Authorizer
 from memory_service.block_hash import CacheKey
 from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
 from memory_service.paging import decode_page_token, encode_page_token, page_size
@@ -27,6 +27,7 @@ from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.service import map_errors
+from pagedkv.tls import require_role
 
 log = get_logger("memory_service")
 
@@ -87,6 +88,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return [self.signer.grant(s, ttl, by_seq.get(s.seq_id, ())) for s in seqs]
 
     async def CreateLease(self, request, context):
+        require_role(context, {SCHEDULER}, "CreateLease")  # routers and workers hold no leases
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
         lease, secret = self.manager.leases.open(ttl, request.owner)
         return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl, lease_secret=secret)

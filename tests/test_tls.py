@@ -94,6 +94,28 @@ def test_memory_service_serves_a_scheduler_over_mutual_tls(plane, tls_memory):
                 "grpc.reflection.v1alpha.ServerReflection"} <= names
 
 
+@pytest.mark.parametrize("role", ["router", "worker", None])
+def test_a_certificate_without_the_scheduler_role_holds_no_lease(plane, tls_memory, role):
+    # Least authority: routers read stats and events, workers compute; neither holds leases, and a
+    # certificate of the plane's CA that names no role gets no more. A scheduler (and the admin) may.
+    files = _role_cert(plane["ca"], plane["tmp"], f"member-{role}", role)
+    m = MemoryClient(tls_memory.address, timeout=10, tls=files)
+    try:
+        assert m.stats().total_blocks == 16  # every member reads the counters
+        with pytest.raises(ServiceError) as e:
+            m.create_lease()
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert f"has {role or 'no role'}" in str(e.value) and "role scheduler" in str(e.value)
+    finally:
+        m.close()
+    ok = MemoryClient(tls_memory.address, timeout=10, tls=plane["scheduler"])
+    try:
+        lease = ok.create_lease()
+        assert ok.release_lease(lease.lease_id) == 0
+    finally:
+        ok.close()
+
+
 @pytest.mark.parametrize("who", ["plaintext", "no certificate", "another CA"])
 def test_client_outside_the_plane_is_refused(plane, tls_memory, who):
     if who == "plaintext":

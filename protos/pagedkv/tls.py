@@ -171,6 +171,29 @@ def peer_role(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> str |
     return _role_of_uris(tuple(u.decode(errors="replace") for u in auth.get("peer_uri", ())))
 
 
+def over_tls(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> bool:
+    """True when the call came over TLS (the peer then showed a certificate of the plane's CA)."""
+    return (context.auth_context() or {}).get("transport_security_type") == [b"ssl"]
+
+
+def require_role(context: grpc.ServicerContext | grpc.aio.ServicerContext, allowed: set[str], what: str) -> None:
+    """Under TLS, refuse a caller whose certificate's role is not in ``allowed`` (the admin always
+    passes); without TLS (loopback only) every local caller passes: roles need certificates.
+
+    Raises:
+        pagedkv.errors.PermissionDeniedError: a certificate with another role, or with none.
+    """
+    if not over_tls(context):
+        return
+    role = peer_role(context)
+    if role != "admin" and role not in allowed:
+        from pagedkv.errors import PermissionDeniedError
+
+        raise PermissionDeniedError(
+            f"{what} needs a certificate with the role {' or '.join(sorted(allowed))} (SAN URI "
+            f"{ROLE_URI_PREFIX}<role>); this caller's certificate has {role or 'no role'}")
+
+
 @functools.lru_cache(maxsize=256)
 def _role_of_pem(pem: bytes) -> str | None:
     from cryptography import x509
