@@ -212,3 +212,20 @@ def test_batch_pins_every_hit_before_any_eviction(m, lease):
     assert a.block_ids == [4]  # evicted p2's blocks, never b's hits
     assert m.stats().prefix_cache_evictions == 2
     m.check_invariants()
+
+
+def test_a_chunked_prompt_caches_the_tokens_it_was_computed_with():
+    # The first chunk's allocation sends the whole prompt (for the lookup) but holds slots for 8 tokens;
+    # the next chunk's append sends its own tokens. The blocks after the prompt must hash the tokens
+    # appended there, not the prompt's tail seen twice.
+    m = BlockManager(16, 4)
+    lease = m.leases.create().lease_id
+    prompt = list(range(100, 112))
+    (seq,) = m.allocate(lease, [Allocation(8, tuple(prompt))])
+    assert seq.num_tokens == 8 and seq.token_ids == prompt[:8]
+    m.append_slots(lease, [Append(seq.seq_id, 4, prompt[8:])])
+    m.append_slots(lease, [Append(seq.seq_id, 4, [7, 8, 9, 10])])
+    assert seq.token_ids == prompt + [7, 8, 9, 10]
+    assert m.commit_computed(lease, [Commit(seq.seq_id, 16)]).blocks_registered == 4
+    (again,) = m.allocate(lease, [Allocation(1, tuple(prompt + [7, 8, 9, 10, 11]))])
+    assert again.num_cached_tokens == 16 and again.block_ids[:4] == seq.block_ids
