@@ -38,7 +38,7 @@ log = get_logger("client")
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 #: Metadata key of a lease's secret.
 LEASE_SECRET_METADATA = "pagedkv-lease-secret"
-#: Sequences asked for in each page of ListSequences (the service's default; at most 10,000).
+#: Sequences asked for in each page of ListSequences (the service's default; at most 2,000).
 LIST_PAGE_SIZE = 1000
 
 

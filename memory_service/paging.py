@@ -14,8 +14,9 @@ from pagedkv.errors import InvalidArgumentError
 
 #: Sequences in a page when the request leaves page_size at 0.
 DEFAULT_PAGE_SIZE = 1000
-#: Most sequences one page may hold (keeps a reply well under the message limit).
-MAX_PAGE_SIZE = 10_000
+#: Most sequences one page may hold: a page is built on the event loop, and 10,000 took ~90 ms on a
+#: quiet 2-core VM (benchmarks/bench_memory_latency.py), over the ~50 ms any call may hold it.
+MAX_PAGE_SIZE = 2_000
 #: Longest page token this service issues, characters.
 _MAX_TOKEN_CHARS = 40
 _PREFIX = "seq:"

@@ -138,7 +138,7 @@ BAD_INPUT = [
     ("keep-alive unknown", "KeepAlive", lambda l, s, f: pb.KeepAliveRequest(lease_id="nope"), DENIED, "PERMISSION_DENIED"),
     ("release unknown", "ReleaseLease", lambda l, s, f: pb.ReleaseLeaseRequest(lease_id="nope"), DENIED, "PERMISSION_DENIED"),
     ("list unknown lease", "ListSequences", lambda l, s, f: pb.ListSequencesRequest(lease_id="nope"), DENIED, "PERMISSION_DENIED"),
-    ("page too large", "ListSequences", lambda l, s, f: pb.ListSequencesRequest(lease_id=l, page_size=10_001), INVALID, "INVALID_ARGUMENT"),
+    ("page too large", "ListSequences", lambda l, s, f: pb.ListSequencesRequest(lease_id=l, page_size=2_001), INVALID, "INVALID_ARGUMENT"),
     ("bad page token", "ListSequences", lambda l, s, f: pb.ListSequencesRequest(lease_id=l, page_token="not-a-token"), INVALID, "INVALID_ARGUMENT"),
 ]
 
