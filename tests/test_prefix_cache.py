@@ -229,3 +229,22 @@ def test_a_chunked_prompt_caches_the_tokens_it_was_computed_with():
     assert m.commit_computed(lease, [Commit(seq.seq_id, 16)]).blocks_registered == 4
     (again,) = m.allocate(lease, [Allocation(1, tuple(prompt + [7, 8, 9, 10, 11]))])
     assert again.num_cached_tokens == 16 and again.block_ids[:4] == seq.block_ids
+
+
+def test_a_reset_in_steps_drops_what_was_cached_and_lets_the_cache_change_between_steps():
+    m = BlockManager(16, 4)
+    lease = m.leases.create().lease_id
+    (seq,) = m.allocate(lease, [Allocation(24, tuple(range(24)))])
+    m.commit_computed(lease, [Commit(seq.seq_id, 24)])
+    m.free(lease, [seq.seq_id])
+    assert m.stats().cached_blocks == 6
+    steps = m.reset_prefix_cache_steps(2)
+    assert next(steps) == 2 and m.stats().cached_blocks == 4
+    # Between steps an allocation takes the 12 free blocks (2 of them dropped by the first step) and
+    # evicts 3 of the 4 still cached.
+    m.allocate(lease, [4 * 15])
+    assert (m.stats().cached_blocks, m.prefix_cache.evictions) == (1, 3)
+    assert list(steps)[-1] == 3  # 2 dropped in the first step, the 1 left in the rest
+    m.check_invariants()
+    assert m.stats().cached_blocks == 0 and len(m.prefix_cache.cached) == 0
+    assert m.prefix_cache.subscribe(1).poll()[-1].kind == "cleared"
