@@ -75,6 +75,9 @@ class RequestOutput:
     finished: bool
     #: Seconds: ttft (time to first token), tpot (mean per output token), e2e; preemptions.
     metrics: dict = field(default_factory=dict)
+    #: Prompt tokens served from the prefix cache (vLLM's ``num_cached_tokens``); None before the
+    #: request got its blocks.
+    num_cached_tokens: int | None = None
 
 
 def build_output(req: Request, tokenizer) -> RequestOutput:
@@ -101,7 +104,7 @@ def build_output(req: Request, tokenizer) -> RequestOutput:
     metrics = {"ttft": m.ttft, "tpot": m.tpot(n_tokens), "preemptions": m.preemptions,
                "e2e": None if m.finished is None else m.finished - m.arrival}
     return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
-                         req.status == Status.FINISHED, metrics)
+                         req.status == Status.FINISHED, metrics, req.num_cached_tokens)
 
 
 class RequestHandle:

@@ -125,6 +125,10 @@ class Request:
     error: Exception | None = None
     #: Prefix-cache isolation: only requests with equal salts share cached blocks.
     cache_salt: str = ""
+    #: Prompt tokens found in the prefix cache at the request's first allocation (the memory
+    #: service's ``num_cached_tokens``); None until then. A preempted or recovered request keeps
+    #: its first figure: it is what the request was served from the cache, as vLLM reports it.
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.seqs:

@@ -69,8 +69,11 @@ class ScheduledSeq:
     def allocated(self, table, grant=None) -> None:
         """The sequence got its blocks: ``table`` is the memory service's SequenceBlockTable (seq_id,
         block_ids, num_tokens allocated, num_cached_tokens found in the prefix cache), ``grant`` its
-        StepGrant; cached tokens count as computed and are not computed again."""
+        StepGrant; cached tokens count as computed and are not computed again. The request's
+        first allocation records its cached tokens (``Request.num_cached_tokens``)."""
         s = self.seq
+        if self.request.num_cached_tokens is None:
+            self.request.num_cached_tokens = table.num_cached_tokens
         s.seq_id, s.block_table, s.grant = table.seq_id, list(table.block_ids), grant
         s.num_computed = table.num_cached_tokens
         self.num_new_tokens = min(self.num_new_tokens, table.num_tokens - table.num_cached_tokens)

@@ -223,6 +223,11 @@ def test_allocated_counts_prefix_cache_hits_as_computed():
     x.allocated(SimpleNamespace(seq_id=5, block_ids=[3, 9, 4], num_tokens=10, num_cached_tokens=8))
     assert (x.seq.seq_id, x.seq.block_table, x.seq.num_computed) == (5, [3, 9, 4], 8)
     assert x.num_new_tokens == 2 and x.token_ids == [9, 10]
+    assert x.request.num_cached_tokens == 8
+    sch.preempt(x.request)  # recomputed later with nothing cached: the request keeps its first figure
+    (y,) = sch.schedule(available_blocks=100).scheduled
+    y.allocated(SimpleNamespace(seq_id=6, block_ids=[1, 2, 7], num_tokens=10, num_cached_tokens=0))
+    assert y.seq.num_computed == 0 and y.request.num_cached_tokens == 8
 
 
 @pytest.mark.parametrize(("policy", "tokens", "blocks"), [(OrcaMax(40), 40, 10), (OrcaPow2(), 32, 8), (OrcaOracle(), 19, 5)])

@@ -32,6 +32,9 @@ CHATS = [
     "Explain in one sentence what a block table is in an operating system's paging.",
 ]
 KEY_A, KEY_B, ADMIN = "key-tenant-a", "key-tenant-b", "key-admin"
+#: Tenants c and d share one prefix cache (--cache-sharing-group team=tenant-c,tenant-d).
+KEY_C, KEY_D = "key-tenant-c", "key-tenant-d"
+BLOCK = 16  # the stack's block size
 
 
 def chat(text: str) -> list[dict]:
@@ -42,10 +45,10 @@ def chat(text: str) -> list[dict]:
 def server(stack, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     keys = tmp / "keys.txt"
-    keys.write_text(f"# key tenant\n{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
+    keys.write_text(f"# key tenant\n{KEY_A} tenant-a\n{KEY_B} tenant-b\n{KEY_C} tenant-c\n{KEY_D} tenant-d\n")
     svc = pagedkv_process(["serve", "--memory", stack.memory.address, "--workers", ",".join(stack.worker_addresses),
-                           "--api-keys-file", str(keys), "--admin-api-key", ADMIN, "--max-num-batched-tokens", "256"],
-                          tmp, "serve")
+                           "--api-keys-file", str(keys), "--admin-api-key", ADMIN, "--max-num-batched-tokens", "256",
+                           "--cache-sharing-group", "team=tenant-c,tenant-d"], tmp, "serve")
     yield svc
     svc.stop()
 
@@ -105,7 +108,11 @@ def test_greedy_chat_equals_transformers_and_stream_equals_reply(oai, hf_model, 
         chunks = list(stream)
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
-        assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+        # The stream repeats the reply's prompt: every whole block but the one holding its last token is cached.
+        cached = (r.usage.prompt_tokens - 1) // BLOCK * BLOCK
+        assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+        assert chunks[-1].usage.model_dump(exclude={"prompt_tokens_details"}) == \
+            r.usage.model_dump(exclude={"prompt_tokens_details"})
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
     assert oai.chat.completions.create(model="smollm2", messages=chat(CHATS[0]), max_tokens=24,
                                        temperature=0).choices[0].message.content == "The capital of France is Paris."
@@ -447,3 +454,80 @@ def test_one_tenant_cannot_fill_the_server(stack, tmp_path, memory):
     finally:
         svc.stop()
     assert memory.stats().used_blocks == 0
+
+
+def complete(url: str, key: str, prompt: str, **extra) -> dict:
+    """One greedy 3-token completion as ``key``'s tenant; the reply body."""
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0, **extra},
+                   headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached_tokens(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+LONG = ("A paged KV cache splits each sequence's keys and values into fixed-size blocks, so that requests "
+        "which begin with the same system prompt can share the blocks of that prompt instead of computing "
+        "and storing them again for every caller of the server.")
+
+
+def test_tenant_salts_isolate_the_prefix_cache(url):
+    first = complete(url, KEY_A, LONG)
+    n = first["usage"]["prompt_tokens"]
+    shared = (n - 1) // BLOCK * BLOCK  # whole blocks; the block holding the last token is computed again
+    assert n > 2 * BLOCK and cached_tokens(first) == 0
+    again = complete(url, KEY_A, LONG)
+    assert cached_tokens(again) == shared and again["choices"][0]["text"] == first["choices"][0]["text"]
+    other = complete(url, KEY_B, LONG)  # the same prompt from another tenant: nothing from A's cache
+    assert cached_tokens(other) == 0 and other["choices"][0]["text"] == first["choices"][0]["text"]
+    # A request's own salt narrows sharing, never widens it: A's salted prompt is not A's unsalted one,
+    # and B sending A's salt stays in B's namespace.
+    assert cached_tokens(complete(url, KEY_A, LONG, cache_salt="shared-salt")) == 0
+    assert cached_tokens(complete(url, KEY_B, LONG, cache_salt="shared-salt")) == 0
+    assert cached_tokens(complete(url, KEY_A, LONG, cache_salt="shared-salt")) == shared
+
+
+def test_a_cache_sharing_group_shares_its_prefix_cache(url, oai):
+    prompt = "The tenants of one sharing group " + LONG
+    first = complete(url, KEY_C, prompt)
+    shared = (first["usage"]["prompt_tokens"] - 1) // BLOCK * BLOCK
+    assert cached_tokens(first) == 0 and shared > 0
+    second = complete(url, KEY_D, prompt)  # the group's other tenant hits C's blocks
+    assert cached_tokens(second) == shared and second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert cached_tokens(complete(url, KEY_A, prompt)) == 0  # a tenant outside the group does not
+    # Chat replies carry the figure too (openai's typed usage).
+    r = oai.chat.completions.create(model="smollm2", messages=chat(prompt), max_tokens=1, temperature=0)
+    again = oai.chat.completions.create(model="smollm2", messages=chat(prompt), max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens_details.cached_tokens == \
+        (again.usage.prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def test_cache_sharing_groups_are_checked_at_start(tmp_path, monkeypatch, capsys):
+    from client.serve.config import parse_args
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k1 t1\nk2 t2\nk3 t3\n")
+    base = ["--api-keys-file", str(keys)]
+    args = parse_args([*base, "--cache-sharing-group", "x=t1,t2", "--cache-sharing-group", "y=t3"])
+    assert args.tenants.groups == {"t1": "x", "t2": "x", "t3": "y"}
+    monkeypatch.setenv("PAGEDKV_CACHE_SHARING_GROUP", "x=t1,t2; y=t3")
+    assert parse_args(base).tenants.groups == {"t1": "x", "t2": "x", "t3": "y"}
+    assert parse_args([*base, "--cache-sharing-group", "z=t2"]).tenants.groups == {"t2": "z"}  # the flag wins
+    monkeypatch.delenv("PAGEDKV_CACHE_SHARING_GROUP")
+    refused = {
+        ("x=t1,t2", "y=t2,t3"): "tenant 't2' is in group 'x' and in group 'y'",
+        ("x=t1", "x=t2"): "group 'x' is given twice",
+        ("x=t1,nobody",): "no API key maps to tenant 'nobody'",
+        ("x=t1,t1",): "tenant 't1' is listed twice",
+        ("x",): "expected NAME=TENANT[,TENANT...]",
+        ("x=t1,",): "expected NAME=TENANT[,TENANT...]",
+    }
+    for groups, message in refused.items():
+        with pytest.raises(SystemExit) as e:
+            parse_args([*base, *(a for g in groups for a in ("--cache-sharing-group", g))])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--cache-sharing-group", "x=default"])  # no keys: no tenants to group
+    assert "groups need tenants" in capsys.readouterr().err

@@ -67,7 +67,7 @@ class Server:
     #: Requests one tenant may have in flight (queued + running); None: no limit.
     max_requests_per_tenant: int | None = None
     metrics: ServeMetrics = field(init=False)
-    #: Keys the per-tenant cache salts (DESIGN.md, trust model): new for each server start.
+    #: Keys the per-tenant and per-group cache salts (DESIGN.md, trust model): new for each server start.
     secret: bytes = field(default_factory=lambda: os.urandom(32))
     #: (time.monotonic() of the last health check, its result); requests reuse it for a second.
     _health: tuple[float, bool] = field(default=(float("-inf"), False), init=False, repr=False)
@@ -120,9 +120,20 @@ class Server:
         return tenant
 
     def cache_salt(self, tenant: str, salt: str | None) -> str:
-        """The tenant's salt, HMAC(secret, tenant), joined with the request's own (it can only narrow sharing)."""
-        mine = hmac.new(self.secret, tenant.encode(), hashlib.sha256).hexdigest()[:32] if tenant else ""
-        return ":".join(s for s in (mine, salt or "") if s)
+        """The prefix-cache salt of ``tenant``'s request: its namespace's salt joined with the request's
+        own ``salt`` (which can only narrow sharing, never widen it).
+
+        The namespace is the tenant's own, HMAC(secret, "tenant:" + tenant), or for a tenant in a
+        cache-sharing group (``--cache-sharing-group``) the group's, HMAC(secret, "group:" + name);
+        the prefixes keep a tenant named like a group out of the group. 32 hex digits, so the
+        namespace always ends at the first ':'. Open servers (tenant "") have no namespace.
+        """
+        if not tenant:
+            return salt or ""
+        group = self.tenants.groups.get(tenant)
+        label = f"group:{group}" if group is not None else f"tenant:{tenant}"
+        mine = hmac.new(self.secret, label.encode(), hashlib.sha256).hexdigest()[:32]
+        return f"{mine}:{salt}" if salt else mine
 
 
 def create_app(server: Server) -> FastAPI:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedkv import tls as plane_tls
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keys and their tenants: a JSON object {key: tenant} or lines 'KEY TENANT'")
     http.add_argument("--admin-api-key", default=_env("ADMIN_API_KEY"),
                       help="the key that may read every tenant's state and the debug routes")
+    http.add_argument("--cache-sharing-group", action="append", default=None, metavar="NAME=TENANT,TENANT",
+                      help="tenants that share one prefix cache (each tenant's is its own otherwise); repeatable, a "
+                      "tenant in one group at most (env PAGEDKV_CACHE_SHARING_GROUP, groups separated by ';')")
     http.add_argument("--max-queued-requests", type=int, default=_env_int("MAX_QUEUED_REQUESTS", 1024),
                       help="requests that may wait for admission; more get 429 (default 1024)")
     http.add_argument("--max-requests-per-tenant", type=int, default=_env_int("MAX_REQUESTS_PER_TENANT", None),
@@ -91,10 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass(frozen=True, slots=True)
 class Tenants:
     """API keys → tenant names; with no tenant keys the API routes need no key (every caller is
-    tenant ""), and only the admin routes need the admin key."""
+    tenant ""), and only the admin routes need the admin key. ``groups`` maps each tenant the
+    operator put in a cache-sharing group to that group's name (client.serve.app.Server.cache_salt)."""
 
     keys: dict[str, str]
     admin_key: str | None = None
+    groups: dict[str, str] = field(default_factory=dict)
 
     @property
     def open(self) -> bool:
@@ -109,11 +114,14 @@ class Tenants:
         return self.keys.get(key) if key is not None else None
 
     @classmethod
-    def load(cls, api_keys: list[str], keys_file: str | None, admin_key: str | None) -> Tenants:
-        """Keys from ``--api-key`` (tenant "default") and ``--api-keys-file``.
+    def load(cls, api_keys: list[str], keys_file: str | None, admin_key: str | None,
+             sharing_groups: list[str] = ()) -> Tenants:
+        """Keys from ``--api-key`` (tenant "default") and ``--api-keys-file``; cache-sharing groups
+        from ``--cache-sharing-group`` values ``NAME=TENANT,TENANT``.
 
         Raises:
-            ValueError: an unreadable or malformed keys file, an empty key.
+            ValueError: an unreadable or malformed keys file, an empty key, a malformed group, a
+                group given twice, a group tenant no key maps to, a tenant in two groups.
         """
         keys = {k: "default" for k in api_keys}
         if keys_file:
@@ -135,7 +143,44 @@ class Tenants:
             keys.update({str(k): str(v) for k, v in entries.items()})
         if any(not k for k in keys) or admin_key == "":
             raise ValueError("an API key must not be empty")
-        return cls(keys, admin_key)
+        known = set(keys.values()) | ({"admin"} if admin_key is not None else set())
+        return cls(keys, admin_key, _sharing_groups(sharing_groups, known))
+
+
+def _sharing_groups(values: list[str], known: set[str]) -> dict[str, str]:
+    """``NAME=TENANT,TENANT`` values as {tenant: group name}.
+
+    Raises:
+        ValueError: naming the value that is malformed, repeats a group, names a tenant no key
+            maps to, or puts a tenant in a second group.
+    """
+    groups: dict[str, str] = {}
+    names: set[str] = set()
+    for value in values:
+        name, sep, members = value.partition("=")
+        name = name.strip()
+        tenants = [t.strip() for t in members.split(",")]
+        if not sep or not name or not all(tenants):
+            raise ValueError(f"--cache-sharing-group {value!r}: expected NAME=TENANT[,TENANT...], e.g. "
+                             "team=tenant-a,tenant-b")
+        if not known:
+            raise ValueError(f"--cache-sharing-group {value!r}: groups need tenants; give API keys with "
+                             "--api-key or --api-keys-file")
+        if name in names:
+            raise ValueError(f"--cache-sharing-group: group {name!r} is given twice; list all its tenants once")
+        names.add(name)
+        for tenant in tenants:
+            if tenant not in known:
+                raise ValueError(f"--cache-sharing-group {value!r}: no API key maps to tenant {tenant!r}; name "
+                                 "tenants as --api-keys-file does ('default' for --api-key)")
+            if tenant in groups:
+                other = groups[tenant]
+                raise ValueError(f"--cache-sharing-group: tenant {tenant!r} is in group {other!r} and in group "
+                                 f"{name!r}; a tenant may share its prefix cache with one group only"
+                                 if other != name else
+                                 f"--cache-sharing-group {value!r}: tenant {tenant!r} is listed twice")
+            groups[tenant] = name
+    return groups
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -144,6 +189,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.api_key is None:
         args.api_key = _env_list("API_KEY")
+    if args.cache_sharing_group is None:  # the values hold commas: groups are separated by ';'
+        args.cache_sharing_group = [g.strip() for g in (_env("CACHE_SHARING_GROUP") or "").split(";") if g.strip()]
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -165,7 +212,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.pool_dtype = kv_dtype or model_dtype
     args.workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else []
     try:
-        args.tenants = Tenants.load(args.api_key, args.api_keys_file, args.admin_api_key)
+        args.tenants = Tenants.load(args.api_key, args.api_keys_file, args.admin_api_key, args.cache_sharing_group)
     except (OSError, ValueError) as e:
         p.error(str(e))
     return args

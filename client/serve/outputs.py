@@ -149,7 +149,12 @@ class Choices:
 
 
 def usage(outputs: list[RequestOutput]) -> dict:
-    """Prompt tokens (each prompt once), completion tokens (every choice), and their sum."""
+    """Prompt tokens (each prompt once), completion tokens (every choice), their sum, and
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens served from the prefix cache (each
+    prompt's figure at its first allocation, whole blocks, never its last token; 0 for a prompt
+    that never got blocks)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.num_cached_tokens or 0 for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
