@@ -402,6 +402,11 @@ class BlockManager:
                 log.warning("receipt_tokens_differ", seq_id=seq.seq_id, start=r.start, end=r.end)
                 seq.token_ids = None
             seq.num_proven = r.end
+            # The blocks just proven get a new epoch: every grant issued before (the one this receipt
+            # answers included) no longer matches them, so no grant is good for more than one step
+            # that counts. Without it, a replayed copy-on-write grant re-copied its source over
+            # positions proven (and cached) since.
+            self.pool.epochs[list(r.block_ids)] += 1
         registered = sum(self.prefix_cache.commit(seq, seq.num_proven) for seq, _ in taken)
         return CommitResult(registered, len(receipts) - len(taken), tuple(seq for seq, _ in taken))
 

@@ -107,9 +107,10 @@ class BlockPool:
         if epochs is not None and (epochs.dtype != np.int64 or epochs.shape != (num_blocks,)):
             raise ValueError(f"epochs must be int64 [{num_blocks}], got {epochs.dtype} {epochs.shape}")
         #: epochs[b]: bumped each time block b is handed out anew (allocated from the free
-        #: queue, its old content evicted). Grants and receipts name blocks with their epoch, so
-        #: a grant for a block that was freed and handed to someone else no longer matches. With
-        #: a shared array (the pool's epoch table) workers see the same values.
+        #: queue, its old content evicted) and each time a receipt proves positions in it (the
+        #: block manager). Grants and receipts name blocks with their epoch, so a grant for a block
+        #: that was freed and handed to someone else, or that a later receipt proved, no longer
+        #: matches. With a shared array (the pool's epoch table) workers see the same values.
         self.epochs = epochs if epochs is not None else np.zeros(num_blocks, dtype=np.int64)
         #: Blocks in the pool.
         self.num_blocks = num_blocks

@@ -160,6 +160,10 @@ def test_copy_on_write_is_granted_and_stale_receipts_are_skipped(plane):
     sign_receipts(request, results, KEY, BS)
     receipts = signer.receipts([results[0].receipt])
     assert m.commit_receipts(lease, receipts).accepted == (child,)
+    # The grant is spent: replaying it (its copy would re-copy the source, which its parent may have
+    # written since, over positions now proven) is refused, since the receipt gave the block a new epoch.
+    with pytest.raises(PermissionDeniedError, match="handed out anew"):
+        check_grants(request, KEY, 7, epochs, now=NOW)
     # The same receipt again is stale (it does not continue the sequence): skipped, nothing changes.
     again = m.commit_receipts(lease, receipts)
     assert (again.skipped, again.accepted, child.num_proven) == (1, (), 7)
