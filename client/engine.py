@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from client.beam import BeamState, Branching
-from client.errors import OutOfBlocks, ServiceError
+from client.errors import OutOfBlocks, QuotaExceeded, ServiceError
 from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.recovery import Recovery
 from client.request import Request, Status
@@ -249,7 +249,7 @@ class Engine:
             try:
                 resp = self.memory.append(self.lease.lease_id,
                                           [(x.seq.seq_id, x.num_new_tokens, x.token_ids) for x in chunk])
-            except OutOfBlocks as e:
+            except (OutOfBlocks, QuotaExceeded) as e:  # the pool, or this lease's quota, is full
                 victim = self.scheduler.pick_victim(out.scheduled)
                 if victim is None:  # a lone request that cannot grow: the pool is too small for it
                     victim = out.scheduled[0].request
@@ -290,7 +290,7 @@ class Engine:
             n = _fits(allocations, lambda a: len(a.token_ids))
             try:
                 resp = self.memory.allocate(self.lease.lease_id, allocations[:n])
-            except OutOfBlocks:
+            except (OutOfBlocks, QuotaExceeded):
                 if not out.admitted:
                     raise
                 last = out.admitted[-1]

@@ -446,6 +446,9 @@ def test_one_tenant_cannot_fill_the_server(stack, tmp_path, memory):
             r = httpx.post(url, json=body, headers=a, timeout=120)
             assert r.status_code == 429 and r.json()["error"]["code"] == "tenant_limit"
             assert httpx.post(url, json=body, headers=b, timeout=120).status_code == 200  # another tenant is served
+            # The limit counts sequences: two samples of one prompt are two.
+            r = httpx.post(url, json={**body, "n": 2, "temperature": 1.0, "seed": 1}, headers=b, timeout=120)
+            assert r.status_code == 429 and "adds 2" in r.json()["error"]["message"]
         # The stream is gone: its slot is free again once the server has seen the disconnect.
         deadline = time.monotonic() + 30
         while (r := httpx.post(url, json=body, headers=a, timeout=120)).status_code == 429 and time.monotonic() < deadline:

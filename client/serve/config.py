@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-queued-requests", type=int, default=_env_int("MAX_QUEUED_REQUESTS", 1024),
                       help="requests that may wait for admission; more get 429 (default 1024)")
     http.add_argument("--max-requests-per-tenant", type=int, default=_env_int("MAX_REQUESTS_PER_TENANT", None),
-                      help="requests (queued and running) one tenant may have in flight; more get 429, so one "
-                      "tenant cannot fill the queue for all (default: no per-tenant limit; needs API keys)")
+                      help="sequences (queued and running; each prompt counts its n samples or beams) one tenant "
+                      "may have in flight; more get 429, so one tenant cannot fill the server for all (default: no "
+                      "per-tenant limit; needs API keys)")
     http.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
     model = p.add_argument_group("model and pool")
     model.add_argument("--model", default=_env("MODEL"), help="'smollm2', a .gguf file or a Hugging Face directory "

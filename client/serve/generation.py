@@ -111,15 +111,17 @@ async def generate(server: Server, request: Request, tenant: str, req, prompt_id
                        f"--max-queued-requests {server.max_queued_requests})", type="rate_limit_error",
                        code="queue_full")
     limit = server.max_requests_per_tenant
-    if limit is not None and tenant and server.in_flight[tenant] + len(prompt_ids) > limit:
-        raise APIError(429, f"tenant {tenant!r} has {server.in_flight[tenant]} requests in flight; "
-                       f"--max-requests-per-tenant {limit}", type="rate_limit_error", code="tenant_limit")
+    weight = sum(max(p.n, p.num_beams) for p in params)  # sequences: n samples or beams count each
+    if limit is not None and tenant and server.in_flight[tenant] + weight > limit:
+        raise APIError(429, f"tenant {tenant!r} has {server.in_flight[tenant]} sequences in flight and this request "
+                       f"adds {weight} (n samples or beams per prompt); --max-requests-per-tenant {limit}",
+                       type="rate_limit_error", code="tenant_limit")
     if not await server.backends_up():
         raise APIError(503, "the memory service or every worker is down", type="server_error", code="unavailable")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choices = Choices(rid, server.model_name, chat, req.n, server.client.tokenizer, logprobs,
                       req.return_tokens_as_token_ids, req.return_token_ids)
-    run = _Run(server, rid, len(prompt_ids), tenant)
+    run = _Run(server, rid, len(prompt_ids), tenant, weight)
     salt = server.cache_salt(tenant, req.cache_salt)
     try:
         for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
@@ -158,15 +160,15 @@ async def _disconnected(request: Request) -> None:
 class _Run:
     """One HTTP request's engine requests (one per prompt) and the queue their outputs arrive on."""
 
-    def __init__(self, server: Server, rid: str, num_prompts: int, tenant: str):
-        self.server, self.tenant, self.closed = server, tenant, False
+    def __init__(self, server: Server, rid: str, num_prompts: int, tenant: str, weight: int):
+        self.server, self.tenant, self.closed, self.weight = server, tenant, False, weight
         self.ids = [rid] if num_prompts == 1 else [f"{rid}-{i}" for i in range(num_prompts)]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.last: list[RequestOutput | None] = [None] * num_prompts
         self.done = [False] * num_prompts
         server.runs.add(self)
-        server.in_flight[tenant] += num_prompts
+        server.in_flight[tenant] += weight
 
     def listener(self, i: int):
         rid = self.ids[i]
@@ -214,7 +216,7 @@ class _Run:
         self.closed = True
         self.abort()
         self.server.runs.discard(self)
-        self.server.in_flight[self.tenant] -= len(self.ids)
+        self.server.in_flight[self.tenant] -= self.weight
         if self.server.in_flight[self.tenant] <= 0:
             del self.server.in_flight[self.tenant]
 
