@@ -67,6 +67,7 @@ class BlockManager:
         max_blocks_per_lease: quota of block-table entries a lease's sequences may hold
             together (a block shared by two of them counts twice); None = unlimited.
         max_sequences_per_lease: quota of live sequences per lease; None = unlimited.
+        max_leases: most live leases; None = unlimited.
 
     NOTE: quotas. Allocate, append and fork check the lease's quotas after validating
     the batch and before the pool's availability, so a refusal (QuotaExceededError,
@@ -81,14 +82,14 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, lease_ttl: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True, max_events: int = 10_000,
                  epochs: np.ndarray | None = None, max_blocks_per_lease: int | None = None,
-                 max_sequences_per_lease: int | None = None):
+                 max_sequences_per_lease: int | None = None, max_leases: int | None = None):
         for name, quota in (("max_blocks_per_lease", max_blocks_per_lease),
                             ("max_sequences_per_lease", max_sequences_per_lease)):
             if quota is not None and quota < 1:
                 raise ValueError(f"{name} must be >= 1 (or unset for no quota), got {quota}")
         self.max_blocks_per_lease = max_blocks_per_lease
         self.max_sequences_per_lease = max_sequences_per_lease
-        self.leases = LeaseTable(lease_ttl, self._free_lease_sequences, clock)  # checks the TTL first
+        self.leases = LeaseTable(lease_ttl, self._free_lease_sequences, clock, max_leases)  # checks the TTL first
         self.pool = BlockPool(num_blocks, block_size, epochs)  # refcounts, fill levels, epochs, the free queue
         self.block_size = block_size
         self.sequences = SequenceTable()

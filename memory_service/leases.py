@@ -62,6 +62,7 @@ from pagedkv.errors import (
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
+    QuotaExceededError,
     UnauthenticatedError,
 )
 from pagedkv.logs import get_logger
@@ -90,6 +91,8 @@ def lease_id_of(secret: str) -> str:
     return hashlib.sha256(b"pagedkv lease id\0" + secret.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 #: Longest TTL a lease may ask for, seconds.
 MAX_TTL = 86_400
+#: Longest owner label of a lease, characters.
+MAX_OWNER_CHARS = 256
 
 
 @dataclass(slots=True)
@@ -126,7 +129,7 @@ class LeaseTable(LiveTable[str, Lease]):
     """
 
     def __init__(self, default_ttl: float, on_drop: Callable[[Lease], int],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_leases: int | None = None):
         if default_ttl <= 0:
             raise ValueError(f"lease_ttl must be > 0 seconds, got {default_ttl}")
         super().__init__()
@@ -135,6 +138,9 @@ class LeaseTable(LiveTable[str, Lease]):
         #: Time source, seconds.
         self.clock = clock
         self._on_drop = on_drop
+        #: Most live leases (None: no limit): bounds the table every expiry sweep walks, and what one
+        #: caller can hold by opening lease after lease (each lease has its own quotas).
+        self.max_leases = max_leases
         #: Recently ended lease id -> (how it ended: "expired" / "released", its secret's hash), oldest first.
         self._ended: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
         #: Longest expected gap between two looks at the clock, seconds (None: stalls are not credited).
@@ -181,7 +187,12 @@ class LeaseTable(LiveTable[str, Lease]):
         ttl = self.default_ttl if ttl is None else ttl
         if not 0 < ttl <= MAX_TTL:
             raise InvalidArgumentError(f"ttl_seconds must be in (0, {MAX_TTL}], got {ttl}")
+        if len(owner) > MAX_OWNER_CHARS:
+            raise InvalidArgumentError(f"owner is {len(owner)} characters; at most {MAX_OWNER_CHARS}")
         self.expire()
+        if self.max_leases is not None and len(self._live) >= self.max_leases:
+            raise QuotaExceededError("leases", self.max_leases, 1, len(self._live), "CreateLease",
+                                     holder="the memory service", flag="--max-leases")
         secret = secrets.token_urlsafe(32)
         lease = Lease(lease_id_of(secret), ttl, self.clock() + ttl, owner, secret_hash=secret_hash(secret))
         self._live[lease.lease_id] = lease

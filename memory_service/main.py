@@ -50,6 +50,9 @@ DEFAULT_CUDA_KV_MEMORY = "4GiB"
 #: released lease's sequences leave the table in one turn of the event loop (65,536 took ~90 ms on
 #: a quiet 2-core VM, 16,384 take ~22 ms), and a scheduler runs far fewer at once (vLLM: 256).
 DEFAULT_MAX_SEQUENCES_PER_LEASE = 16_384
+#: Live leases unless --max-leases says otherwise: every lookup's expiry check walks the table
+#: (~55 ns a lease), and one caller could otherwise open leases without end.
+DEFAULT_MAX_LEASES = 4096
 
 
 def _quota(text: str) -> int:
@@ -90,6 +93,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="write a fresh admin token here at start, mode 0600 (default $PAGEDKV_HOME/admin-token)")
     p.add_argument("--max-blocks-per-lease", type=_quota, default=None,
                    help="quota of block-table entries per lease, a shared block counting for each holder (default: none)")
+    p.add_argument("--max-leases", type=_quota, default=DEFAULT_MAX_LEASES,
+                   help=f"most live leases (default {DEFAULT_MAX_LEASES}); CreateLease past it is RESOURCE_EXHAUSTED "
+                        "with reason QUOTA_EXCEEDED, so per-lease quotas bound what leases can hold in all")
     p.add_argument("--max-sequences-per-lease", type=_quota, default=DEFAULT_MAX_SEQUENCES_PER_LEASE,
                    help=f"quota of live sequences per lease (default {DEFAULT_MAX_SEQUENCES_PER_LEASE}: dropping a "
                         "lease removes its sequences in one turn of the event loop)")
@@ -133,7 +139,7 @@ async def serve(args: argparse.Namespace) -> None:
     manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl,
                            prefix_caching=args.prefix_caching, epochs=pool.epochs, max_events=args.max_kv_events,
                            max_blocks_per_lease=args.max_blocks_per_lease,
-                           max_sequences_per_lease=args.max_sequences_per_lease)
+                           max_sequences_per_lease=args.max_sequences_per_lease, max_leases=args.max_leases)
     ready_info = {"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks,
                   "worker_socket": pool.worker_socket, "admin_token_file": token_file}
     if args.metrics_port is not None:

@@ -42,7 +42,8 @@ def refused(call, request, metadata=()) -> grpc.RpcError:
 def quota_service(tmp_path_factory):
     """A memory service of 64 blocks of 4 tokens, each lease held to 8 table entries and 3 sequences."""
     with local_stack(tmp_path_factory.mktemp("quota"), ["--num-blocks", "64", "--block-size", "4", "--lease-ttl", "30",
-                                                        "--max-blocks-per-lease", "8", "--max-sequences-per-lease", "3", "--grace", "0.1"],
+                                                        "--max-blocks-per-lease", "8", "--max-sequences-per-lease", "3", "--grace", "0.1",
+                                                        "--max-leases", "12"],
                      num_workers=0, name="quota") as s:
         yield s.memory
 
@@ -318,3 +319,19 @@ def test_a_scheduler_over_its_block_quota_preempts_instead_of_failing(tmp_path):
             together = [r.outputs[0].token_ids for r in c.generate(prompts, sp, cache_salt="together")]
             assert c.engine.preemptions > 0
         assert together == alone
+
+
+def test_leases_are_bounded_too(stub, quota_service):
+    # Per-lease quotas bound what one lease holds; --max-leases bounds how many leases there are.
+    held = stub.GetStats(pb.GetStatsRequest()).num_leases
+    opened = [new_lease(stub) for _ in range(12 - held)]
+    before = snapshot(stub, quota_service)
+    err = refused(stub.CreateLease, pb.CreateLeaseRequest())
+    assert err.code() == EXHAUSTED and "--max-leases" in err.details()
+    assert error_info(err) == ("QUOTA_EXCEEDED", {"quota": "leases", "limit": "12", "requested": "1", "held": "12"})
+    assert snapshot(stub, quota_service) == before
+    assert refused(stub.CreateLease, pb.CreateLeaseRequest(owner="x" * 257)).code() == INVALID
+    for lease, md in opened:
+        stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease), metadata=md)
+    lease, md = new_lease(stub, owner="x" * 256)
+    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease), metadata=md)

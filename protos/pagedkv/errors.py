@@ -104,21 +104,22 @@ class PermissionDeniedError(PagedKVError):
 
 
 class QuotaExceededError(PagedKVError):
-    """A call that would take a lease past its quota (nothing changed).
+    """A call that would take a lease (or the service's lease table) past its quota (nothing changed).
 
-    Carries ``quota`` ("blocks" or "sequences"), ``limit``, ``requested`` (what the call
-    adds) and ``held`` (what the lease holds now) in ErrorInfo metadata. Blocks count as
-    block-table entries: a block shared by two of the lease's sequences counts twice.
+    Carries ``quota`` ("blocks", "sequences" or "leases"), ``limit``, ``requested`` (what the
+    call adds) and ``held`` (what the lease, or the service, holds now) in ErrorInfo metadata.
+    Blocks count as block-table entries: a block shared by two of the lease's sequences counts twice.
     """
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = QUOTA_EXCEEDED
 
-    def __init__(self, quota: str, limit: int, requested: int, held: int, what: str = "request"):
-        flag = f"--max-{quota}-per-lease"
+    def __init__(self, quota: str, limit: int, requested: int, held: int, what: str = "request", *,
+                 holder: str = "the lease", flag: str | None = None):
+        flag = flag or f"--max-{quota}-per-lease"
         super().__init__(
-            f"{what}: the lease holds {held} {quota} and asks for {requested} more, past its quota of {limit} "
-            f"({flag}); free or finish sequences first, or start the memory service with a larger {flag}",
+            f"{what}: {holder} holds {held} {quota} and asks for {requested} more, past its quota of {limit} "
+            f"({flag}); release what is not needed first, or start the memory service with a larger {flag}",
             metadata={"quota": quota, "limit": str(limit), "requested": str(requested), "held": str(held)},
         )
         self.quota, self.limit, self.requested, self.held = quota, limit, requested, held
