@@ -534,3 +534,9 @@ def test_cache_sharing_groups_are_checked_at_start(tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit):
         parse_args(["--cache-sharing-group", "x=default"])  # no keys: no tenants to group
     assert "groups need tenants" in capsys.readouterr().err
+    # Tenant names the server gives a meaning of its own are refused.
+    for reserved in ("admin", " "):
+        keys.write_text(json.dumps({"k1": reserved}))
+        with pytest.raises(SystemExit) as e:
+            parse_args(base)
+        assert e.value.code == 2 and "reserved or empty" in capsys.readouterr().err

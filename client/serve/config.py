@@ -144,6 +144,9 @@ class Tenants:
             keys.update({str(k): str(v) for k, v in entries.items()})
         if any(not k for k in keys) or admin_key == "":
             raise ValueError("an API key must not be empty")
+        for tenant in set(keys.values()):
+            if not tenant.strip() or tenant == "admin":  # "" is the open server's, "admin" the admin key's
+                raise ValueError(f"tenant name {tenant!r} is reserved or empty; name tenants otherwise")
         known = set(keys.values()) | ({"admin"} if admin_key is not None else set())
         return cls(keys, admin_key, _sharing_groups(sharing_groups, known))
 
