@@ -103,3 +103,42 @@ def test_prefix_cache_cannot_be_poisoned(stack, victim):
     assert m.stats().prefix_cache_hits - hits == cached
     m.close()
     w.close()
+
+
+def test_a_replayed_copy_on_write_grant_cannot_rewrite_a_cached_block(stack, victim):
+    # A grant with a copy, replayed after its sequence wrote further and the block entered the cache,
+    # would re-copy the source's current KV over the cached positions. The receipt spent the grant.
+    salt = uuid.uuid4().hex
+    prompt = encode_prompt(victim.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    other = encode_prompt(victim.tokenizer, "Tokyo " * 12)[:12]
+    reference = run(victim, Request("cow-ref", prompt, GREEDY, cache_salt=salt + "-ref"))
+    m, w = MemoryClient(stack.memory.address), WorkerClient(stack.worker_addresses[1])
+    lease = m.create_lease().lease_id
+    gen = m.pool().generation
+
+    def go(seq, tokens, start, grant, copies=()):
+        resp = w.step(cpb.StepRequest(pool_generation=gen, copies=[cpb.BlockCopy(src=c.src, dst=c.dst) for c in copies],
+                                      sequences=[cpb.StepSequence(seq_id=seq, token_ids=tokens, skip_sampling=True,
+                                                                  positions=range(start, start + len(tokens)),
+                                                                  block_ids=grant.block_ids, grant=grant)]))
+        return m.commit(lease, [resp.results[0].receipt])
+
+    a = m.allocate(lease, [mpb.SequenceAllocation(num_tokens=20, token_ids=prompt[:20], model_id=victim.model_id,
+                                                  cache_salt=salt)])
+    parent = a.sequences[0].seq_id
+    go(parent, prompt[:20], 0, a.grants[0])
+    child = m.fork(lease, [parent]).children[0].seq_id
+    first = m.append(lease, [(child, 4, prompt[20:24])])  # copy-on-write of the shared, partly filled block
+    assert len(first.copies) == 1
+    go(child, prompt[20:24], 20, first.grants[0], first.copies)
+    second = m.append(lease, [(child, 8, prompt[24:32])])
+    assert go(child, prompt[24:32], 24, second.grants[0]).blocks_registered == 1  # the copied block, now full
+    theirs = m.append(lease, [(parent, 12, other)])
+    go(parent, other, 20, theirs.grants[0])  # the copy's source now holds other tokens' KV
+    assert "handed out anew" in denied(lambda: go(child, prompt[20:24], 20, first.grants[0], first.copies))
+    m.release_lease(lease)
+    hits = m.stats().prefix_cache_hits
+    assert run(victim, Request("cow-victim", prompt, GREEDY, cache_salt=salt)) == reference
+    assert m.stats().prefix_cache_hits - hits == 32  # it read the two blocks the attacker cached
+    m.close()
+    w.close()
