@@ -20,7 +20,7 @@ from memory_service.requests import BlockCopy, Receipt
 from memory_service.sequence import Sequence
 from pagedkv.errors import PermissionDeniedError
 from pagedkv.grant.v1 import grant_pb2
-from pagedkv.grants import receipt_signed, sign_grant, token_digest
+from pagedkv.grants import grant_parts_message, mac, receipt_signed, token_digest
 
 
 class GrantSigner:
@@ -46,13 +46,17 @@ class GrantSigner:
         toks = seq.token_ids
         digest = token_digest(toks[readable:end]) if toks is not None and len(toks) >= end > readable else b""
         ep = self.epochs
-        g = grant_pb2.StepGrant(
-            pool_generation=self.generation, seq_id=seq.seq_id, block_ids=seq.block_ids,
-            block_epochs=ep[seq.block_ids].tolist(), readable_tokens=readable, write_end=end, token_digest=digest,
-            copies=[grant_pb2.GrantedCopy(src=c.src, src_epoch=int(ep[c.src]), dst=c.dst, dst_epoch=int(ep[c.dst]))
-                    for c in copies],
-            expires_at=self.wall_clock() + ttl)
-        return sign_grant(self.key, g)
+        ids = seq.block_ids
+        epochs = ep[ids].tolist()
+        copied = [(c.src, int(ep[c.src]), c.dst, int(ep[c.dst])) for c in copies]
+        expires = self.wall_clock() + ttl
+        # Signed from the fields (not read back out of the message): this runs once per sequence per step.
+        signature = mac(self.key, grant_parts_message(self.generation, seq.seq_id, ids, epochs, readable, end,
+                                                       digest, copied, expires))
+        return grant_pb2.StepGrant(
+            pool_generation=self.generation, seq_id=seq.seq_id, block_ids=ids, block_epochs=epochs,
+            readable_tokens=readable, write_end=end, token_digest=digest, expires_at=expires, signature=signature,
+            copies=[grant_pb2.GrantedCopy(src=s, src_epoch=se, dst=d, dst_epoch=de) for s, se, d, de in copied])
 
     def receipts(self, msgs: Seq[grant_pb2.StepReceipt]) -> list[Receipt]:
         """Check every receipt's signature and generation; returns them typed.

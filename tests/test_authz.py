@@ -248,8 +248,8 @@ def test_listings_page_through_every_sequence_once(memory_stub, memory_service, 
         pb.SequenceAllocation(num_tokens=5)]), metadata=md).sequences
     (theirs,) = stub.AllocateSequences(pb.AllocateSequencesRequest(lease_id=other, sequences=[
         pb.SequenceAllocation(num_tokens=1)]), metadata=omd).sequences
-    children = [c for n in (2048, 451) for c in stub.ForkSequences(pb.ForkSequencesRequest(lease_id=lease, forks=[
-        pb.SequenceFork(parent_seq_id=root.seq_id)] * n), metadata=md).children]
+    children = [c for n in (1024, 1024, 451) for c in stub.ForkSequences(pb.ForkSequencesRequest(
+        lease_id=lease, forks=[pb.SequenceFork(parent_seq_id=root.seq_id)] * n), metadata=md).children]
     # Free every third child, so pages skip freed ids.
     gone = [c.seq_id for c in children[::3]]
     stub.FreeSequences(pb.FreeSequencesRequest(lease_id=lease, seq_ids=gone), metadata=md)
@@ -289,7 +289,7 @@ def test_sequence_pages_skip_freed_ids_across_compactions():
     m = BlockManager(8, 4)
     lease = m.leases.create().lease_id
     (root,) = m.allocate(lease, [5])
-    ids = [root.seq_id] + [c.seq_id for _ in range(2) for c in m.fork(lease, [root.seq_id] * 2000)]
+    ids = [root.seq_id] + [c.seq_id for _ in range(4) for c in m.fork(lease, [root.seq_id] * 1000)]
     for chunk in range(0, 3900, 300):  # free most of them, in several batches (the paging order is compacted)
         m.free(lease, ids[1 + chunk:1 + chunk + 250])
     live = sorted(m.sequences)

@@ -19,11 +19,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+import sys
+from array import array
 from collections.abc import Sequence as Seq
 
-import numpy as np
-
 from pagedkv.grant.v1 import grant_pb2
+
+_BIG_ENDIAN = sys.byteorder == "big"
+assert array("i").itemsize == 4 and array("I").itemsize == 4 and array("Q").itemsize == 8
 
 #: Bytes of a plane key.
 KEY_BYTES = 32
@@ -31,26 +34,34 @@ _GRANT_DOMAIN = b"pagedkv.grant.v1.StepGrant\x00"
 _RECEIPT_DOMAIN = b"pagedkv.grant.v1.StepReceipt\x00"
 
 
-def token_digest(token_ids: Seq[int] | np.ndarray) -> bytes:
+def _packed(typecode: str, values) -> bytes:
+    """``values`` as a little-endian C array of ``typecode`` (the array module: no numpy per call,
+    which cost more than the hashing on short lists).
+
+    Raises:
+        OverflowError: a value outside the type.
+    """
+    arr = array(typecode, values)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def token_digest(token_ids: Seq[int]) -> bytes:
     """SHA-256 (32 bytes) of ``token_ids`` as int32 little-endian.
 
     Raises:
         OverflowError: an id outside int32.
     """
-    arr = np.asarray(token_ids, dtype=np.int64)
-    if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
-        raise OverflowError("token id outside int32")
-    return hashlib.sha256(arr.astype("<i4").tobytes()).digest()
+    return hashlib.sha256(_packed("i", token_ids)).digest()
 
 
 def _u32(values) -> bytes:
-    arr = np.asarray(values, dtype="<u4")
-    return struct.pack("<I", arr.size) + arr.tobytes()
+    return struct.pack("<I", len(values)) + _packed("I", values)
 
 
 def _u64(values) -> bytes:
-    arr = np.asarray(values, dtype="<u8")
-    return struct.pack("<I", arr.size) + arr.tobytes()
+    return struct.pack("<I", len(values)) + _packed("Q", values)
 
 
 def _bytes(b: bytes) -> bytes:
@@ -59,12 +70,20 @@ def _bytes(b: bytes) -> bytes:
 
 def grant_message(g: grant_pb2.StepGrant) -> bytes:
     """The canonical bytes a grant's signature covers (every field but ``signature``)."""
-    copies = b"".join(struct.pack("<IQIQ", c.src, c.src_epoch, c.dst, c.dst_epoch) for c in g.copies)
+    return grant_parts_message(g.pool_generation, g.seq_id, g.block_ids, g.block_epochs, g.readable_tokens,
+                               g.write_end, g.token_digest, [(c.src, c.src_epoch, c.dst, c.dst_epoch) for c in g.copies],
+                               g.expires_at)
+
+
+def grant_parts_message(pool_generation: int, seq_id: int, block_ids, block_epochs, readable_tokens: int,
+                        write_end: int, digest: bytes, copies, expires_at: float) -> bytes:
+    """:func:`grant_message` from the fields themselves (``copies``: ``(src, src_epoch, dst, dst_epoch)``),
+    so the signer need not read them back out of a message it is building."""
     return b"".join((
         _GRANT_DOMAIN,
-        struct.pack("<QQqqd", g.pool_generation, g.seq_id, g.readable_tokens, g.write_end, g.expires_at),
-        _u32(g.block_ids), _u64(g.block_epochs), _bytes(g.token_digest),
-        struct.pack("<I", len(g.copies)), copies,
+        struct.pack("<QQqqd", pool_generation, seq_id, readable_tokens, write_end, expires_at),
+        _u32(block_ids), _u64(block_epochs), _bytes(digest),
+        struct.pack("<I", len(copies)), *(struct.pack("<IQIQ", *c) for c in copies),
     ))
 
 
@@ -77,31 +96,32 @@ def receipt_message(r: grant_pb2.StepReceipt) -> bytes:
     ))
 
 
-def _mac(key: bytes, message: bytes) -> bytes:
-    return hmac.new(key, message, hashlib.sha256).digest()
+def mac(key: bytes, message: bytes) -> bytes:
+    """HMAC-SHA256 of ``message`` under ``key`` (32 bytes)."""
+    return hmac.digest(key, message, "sha256")
 
 
 def sign_grant(key: bytes, grant: grant_pb2.StepGrant) -> grant_pb2.StepGrant:
     """Set ``grant.signature`` under ``key``; returns ``grant``."""
-    grant.signature = _mac(key, grant_message(grant))
+    grant.signature = mac(key, grant_message(grant))
     return grant
 
 
 def grant_signed(key: bytes, grant: grant_pb2.StepGrant) -> bool:
     """True when ``grant.signature`` is the memory service's signature of its fields (constant-time compare)."""
-    return hmac.compare_digest(grant.signature, _mac(key, grant_message(grant)))
+    return hmac.compare_digest(grant.signature, mac(key, grant_message(grant)))
 
 
 def sign_receipt(key: bytes, receipt: grant_pb2.StepReceipt) -> grant_pb2.StepReceipt:
     """Set ``receipt.signature`` under ``key``; returns ``receipt``."""
-    receipt.signature = _mac(key, receipt_message(receipt))
+    receipt.signature = mac(key, receipt_message(receipt))
     return receipt
 
 
 def receipt_signed(key: bytes, receipt: grant_pb2.StepReceipt) -> bool:
     """True when ``receipt.signature`` is a worker's signature of its fields (constant-time compare)."""
-    return hmac.compare_digest(receipt.signature, _mac(key, receipt_message(receipt)))
+    return hmac.compare_digest(receipt.signature, mac(key, receipt_message(receipt)))
 
 
-__all__ = ["KEY_BYTES", "grant_message", "grant_signed", "receipt_message", "receipt_signed", "sign_grant",
+__all__ = ["KEY_BYTES", "grant_message", "grant_parts_message", "mac", "grant_signed", "receipt_message", "receipt_signed", "sign_grant",
            "sign_receipt", "token_digest"]

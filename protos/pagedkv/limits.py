@@ -14,13 +14,14 @@ from __future__ import annotations
 MAX_LOGPROBS = 20
 
 #: Most entries one batched memory-service call may carry (sequences allocated, appended, freed,
-#: committed, forked). An AllocateSequences of 2048 sequences takes ~30-45 ms on the loop,
-#: 65,536 took ~0.9 s. The engine's batches are at most its ``max_num_seqs`` running sequences.
-MAX_BATCH = 2048
+#: committed, forked). Each allocated, appended or forked sequence also gets a signed grant: an
+#: AllocateSequences of 2048 sequences took 60-140 ms on the loop (docs/benchmarks.md), 65,536
+#: took ~0.9 s before grants. The engine splits its calls to fit.
+MAX_BATCH = 1024
 
 #: Most children one ForkSequences call may create (bounded work per call); the memory service
 #: refuses more, the client forks more in several calls. At most :data:`MAX_BATCH`.
-MAX_FORK_CHILDREN = 2048
+MAX_FORK_CHILDREN = 1024
 
 #: Most block-table entries one ForkSequences reply may carry (children x their parents' tables):
 #: each is an incref and a reply entry (~0.16 us each: 4 Mi entries took ~0.67 s, 256 Ki ~45 ms),
