@@ -230,7 +230,9 @@ class LeaseTable(LiveTable[str, Lease]):
             if lease is not None:
                 return lease
             return self.lookup(lease_id)  # raises: expired (FAILED_PRECONDITION) or released (NOT_FOUND)
-        if lease is None and ended is None and hmac.compare_digest(lease_id_of(secret), lease_id):
+        # Bytes: compare_digest refuses str with non-ASCII characters, and a caller may send any id.
+        if lease is None and ended is None and hmac.compare_digest(
+                lease_id_of(secret).encode(), lease_id.encode("utf-8", "surrogatepass")):
             return self.lookup(lease_id)  # raises NOT_FOUND: the holder of this id's secret hears it is gone
         raise PermissionDeniedError(
             f"the secret in {LEASE_SECRET_METADATA!r} is not the secret of lease {lease_id!r}: the lease is another "

@@ -46,20 +46,28 @@ log = get_logger("rpc")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-#: Longest error message and ErrorInfo metadata value sent back; messages may quote caller input
-#: (a lease id, a sequence id), which must not grow a reply past what its trailers can carry.
-MAX_DETAIL_CHARS = 1024
-MAX_METADATA_CHARS = 256
+#: Longest error message and ErrorInfo metadata key or value sent back, in bytes of UTF-8; messages
+#: may quote caller input (a lease id, a sequence id), which must not grow a reply past what its
+#: trailers can carry. Bytes, not characters: the trailers carry the message percent-encoded (up to
+#: 3 bytes for each byte outside printable ASCII) and again, base64, in the status details, and a
+#: peer refuses trailers over its metadata limit (8 KiB by default), so 1,024 characters of 4-byte
+#: UTF-8 (~10 KiB of trailers) reached the caller as RESOURCE_EXHAUSTED "Stream removed".
+MAX_DETAIL_BYTES = 1024
+MAX_METADATA_BYTES = 256
 
 
 def _truncate(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was left out."""
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+    """``text`` cut to at most ``limit`` bytes of UTF-8 (whole characters), saying how much was left out."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return text
+    kept = data[:limit].decode("utf-8", "ignore")  # drops a character cut in half
+    return f"{kept}… ({len(text) - len(kept)} more characters)"
 
 
 def _status_for(code: grpc.StatusCode, message: str, reason: str, metadata: dict[str, str]) -> grpc.Status:
-    message = _truncate(message, MAX_DETAIL_CHARS)
-    metadata = {_truncate(k, MAX_METADATA_CHARS): _truncate(v, MAX_METADATA_CHARS) for k, v in metadata.items()}
+    message = _truncate(message, MAX_DETAIL_BYTES)
+    metadata = {_truncate(k, MAX_METADATA_BYTES): _truncate(v, MAX_METADATA_BYTES) for k, v in metadata.items()}
     info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
