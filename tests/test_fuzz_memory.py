@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from client.errors import error_info
+from memory_service.leases import MAX_OWNER_CHARS
 from memory_service.paging import MAX_PAGE_SIZE, encode_page_token
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.grants import grant_signed, sign_receipt, token_digest
@@ -303,7 +304,7 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
     def create_lease(self, ttl, owner, cred):
         req = pb.CreateLeaseRequest(owner=owner) if ttl is None else pb.CreateLeaseRequest(ttl_seconds=ttl, owner=owner)
         resp = self.call("CreateLease", req, self._md(cred, None))
-        assert (resp is not None) == (ttl is None or 0 < ttl <= 86_400), (ttl, resp)
+        assert (resp is not None) == ((ttl is None or 0 < ttl <= 86_400) and len(owner) <= MAX_OWNER_CHARS), (ttl, resp)
         if resp is not None:
             assert len(resp.lease_id) == 32 and resp.lease_secret and resp.ttl_seconds == (ttl or DEFAULT_TTL)
             self.leases.append(LeaseModel(resp.lease_id, resp.lease_secret, ttl is None or ttl >= DEFAULT_TTL))
