@@ -14,9 +14,10 @@ Printed per case: the call, its size, its outcome (OK or the status code), the c
 caller sees it (an upper bound of its time on the loop: request parsing, the work, the reply),
 and the slowest keep-alive answered while it ran (what a bystander waits).
 
-Cases: AllocateSequences of many 1-token sequences; FreeSequences of as many; ReleaseLease and
-expiry of a lease holding as many; ListSequences (admin) over 10,000 sequences, one page of the
-default and of the largest size; ResetPrefixCache with many cached blocks; AllocateSequences and
+Cases: AllocateSequences of many 1-token sequences; FreeSequences of as many; ReleaseLease of a
+lease holding the whole pool and expiry of a big lease (each at most the service's default quota of
+sequences per lease); ListSequences (admin) over 10,000 sequences, one page of the default, of the
+largest size and one over it; ResetPrefixCache with many cached blocks; AllocateSequences and
 AppendSlots carrying many token ids; ForkSequences at its limits. Sizes over a per-call limit are
 refused (INVALID_ARGUMENT) before any work, which the table shows too.
 
@@ -43,6 +44,8 @@ import grpc
 import torch
 from common import Service, admin_token, machine, table, write_result
 
+from memory_service.main import DEFAULT_MAX_SEQUENCES_PER_LEASE
+from memory_service.paging import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
 from pagedkv.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
@@ -223,27 +226,30 @@ def cases(stub, worker, generation: int, admin: tuple, probe: KeepAliveProbe, nu
             pb.FreeSequencesRequest(lease_id=a, seq_ids=ids), timeout=300, metadata=md(a)))
         release(a)
 
+    # The service's default per-lease quota of sequences bounds what one lease's end drops at once.
+    per_lease = min(DEFAULT_MAX_SEQUENCES_PER_LEASE, num_blocks)
     a = lease()
-    allocate(a, num_blocks // 4, 4 * BLOCK_SIZE)  # the whole pool
-    row("ReleaseLease", f"{num_blocks // 4} seqs x 4 blocks", lambda: release(a))
+    each = num_blocks // per_lease
+    allocate(a, per_lease, each * BLOCK_SIZE)  # the whole pool
+    row("ReleaseLease", f"{per_lease} seqs x {each} blocks", lambda: release(a))
     time.sleep(0.5)  # the rest of its blocks return in chunks; the probe sees those turns too
     rows[-1][-1] = f"{max(float(rows[-1][-1]), probe.worst_between(time.perf_counter() - 0.6, time.perf_counter()) * 1e3):.1f}"
 
     a = lease(ttl=1)
-    allocate(a, big)
+    allocate(a, min(big, per_lease))
     # The expiry sweep runs within a second of the TTL; watch the keep-alives over that window.
     t = time.perf_counter()
     while stub.GetStats(pb.GetStatsRequest()).num_sequences:
         time.sleep(0.01)
     time.sleep(0.5)  # its blocks return in chunks meanwhile
     end = time.perf_counter()
-    rows.append(["(lease expiry)", f"{big} seqs", "OK", "-", f"{probe.worst_between(t, end) * 1e3:.1f}"])
+    rows.append(["(lease expiry)", f"{min(big, per_lease)} seqs", "OK", "-", f"{probe.worst_between(t, end) * 1e3:.1f}"])
     print(rows[-1], flush=True)
 
     a = lease()
     allocate(a, 10_000)
-    for size in (0, 10_000):  # 0: the default page (1,000)
-        row("ListSequences (admin)", f"10000 seqs, page of {size or 1000}", lambda size=size: stub.ListSequences(
+    for size in (DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, 10_000):  # the default page, the largest, one over it
+        row("ListSequences (admin)", f"10000 seqs, page of {size}", lambda size=size: stub.ListSequences(
             pb.ListSequencesRequest(page_size=size), timeout=300, metadata=admin))
     release(a)
 
