@@ -48,14 +48,14 @@ def ops_per_second(n: int) -> dict[str, float]:
     lease = m.leases.create(ttl=3600).lease_id
     out = {}
     t = time.perf_counter()
-    seqs = [m.allocate(lease, [16]).sequences[0].seq_id for _ in range(n)]
+    seqs = [m.allocate(lease, [16])[0].seq_id for _ in range(n)]
     out["allocate"] = n / (time.perf_counter() - t)
     t = time.perf_counter()
     for s in seqs:
         m.append_slots(lease, [Append(s, 1)])
     out["append"] = n / (time.perf_counter() - t)
     t = time.perf_counter()
-    children = [m.fork(lease, [s]).children[0].seq_id for s in seqs]
+    children = [m.fork(lease, [s])[0].seq_id for s in seqs]
     out["fork"] = n / (time.perf_counter() - t)
     t = time.perf_counter()
     for s in seqs + children:
@@ -67,7 +67,7 @@ def ops_per_second(n: int) -> dict[str, float]:
 def append_latency_inprocess(batch: int, iters: int) -> list[float]:
     m = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
     lease = m.leases.create(ttl=3600).lease_id
-    seqs = [s.seq_id for s in m.allocate(lease, [100] * batch).sequences]
+    seqs = [s.seq_id for s in m.allocate(lease, [100] * batch)]
     appends = [Append(s, 1) for s in seqs]
     times = []
     for _ in range(iters):

@@ -1,21 +1,28 @@
 """Compute worker decode speed on CPU, against transformers' dense forward (issue 4, "Speed").
 
 For each (batch, context): a real memory service and compute worker run as their own processes
-(as `pagedkv up` starts them). The benchmark allocates `batch` sequences through the memory
-service and fills their contexts: sequence 0 is prefilled with real Step calls, and its KV blocks
-are then copied into every other sequence's own blocks through the shared pool (the same bytes a
-prefill writes, without paying `batch` prefills; every sequence reads distinct memory). Then it
-times decode steps as a client runs them: AppendSlots (one token per sequence) + Step (greedy).
+(as `pagedkv up` starts them), and this process drives them as the engine does, with the lease's
+secret on every memory-service call and each sequence's grant on every Step. Every sequence gets
+its own random prompt of `context` tokens, prefilled with real Steps (chunked prefill: several
+sequences per Step, up to PREFILL_CHUNK tokens; a chunk is allocated or appended with its token
+ids, stepped with its grant, and the Step's receipts are handed in with CommitComputedTokens, the
+only way positions become readable by later steps). Then it times decode steps as the engine runs
+them: AppendSlots (one token per sequence, with its id) + Step (greedy) + CommitComputedTokens
+(the step's receipts; its reply carries the next step's grants). The commit is part of a step's
+cost since grants and receipts (docs/security.md).
 
 Columns:
-- pagedkv tok/s: batch / median(AppendSlots + Step wall time), seen by the client.
+- pagedkv tok/s: batch / median(AppendSlots + Step + CommitComputedTokens wall time), seen by
+  the client; `append ms` and `commit ms` are the two memory-service calls' medians.
 - transformers tok/s: batch / median(forward + argmax) of `LlamaForCausalLM` (same GGUF, fp32)
   over a `DynamicCache` holding `context` positions per sequence, in this process. Its steps
   alternate with the worker's (one each, in turn), so drift in the machine's speed hits both.
 - model ms: the worker's reported model time; attention ms: attention's share of a model forward
-  (plan + cache writes + paged attention, timed in this process on the same batch and pool by
+  (plan + cache writes + paged attention, timed in this process on the same batch and pool,
+  mapped here through the memory service's worker socket as a worker maps it (same uid), by
   wrapping the kernels the model calls); RPC ms: Step wall - the worker's step_seconds (gRPC,
-  protobuf, the request's parsing and validation are inside step_seconds; this is the transport).
+  protobuf, the request's parsing, validation and grant checks are inside step_seconds; this is
+  the transport).
 
 The worker's projections run through oneDNN's packed matmul and its decode attention through the
 native CPU kernel; `--no-packed-linear` (F.linear, as transformers) and `--no-native` (gather +
@@ -45,6 +52,7 @@ from client.stack import LocalStack
 from compute_service.pool_map import map_pool
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
+from pagedkv.grant.v1 import grant_pb2
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
 
@@ -64,72 +72,126 @@ def median_ms(xs: list[float]) -> float:
 
 
 class PagedRun:
-    """Sequences of one (batch, context) case in the memory service, driven through the worker."""
+    """Sequences of one (batch, context) case, driven as the engine drives them.
 
-    def __init__(self, memory, worker, pool, lease: mpb.CreateLeaseResponse, batch: int, ctx: int, generation: int):
-        self.memory, self.worker, self.pool = memory, worker, pool
+    Every call carries the lease's secret; every Step sequence carries the grant of its latest
+    memory-service reply (AllocateSequences, AppendSlots, CommitComputedTokens), and after every
+    Step the workers' receipts go back in one CommitComputedTokens, whose grants the next step uses.
+    """
+
+    def __init__(self, memory, worker, lease: mpb.CreateLeaseResponse, batch: int, ctx: int, generation: int):
+        self.memory, self.worker = memory, worker
         self.lease, self.batch, self.ctx, self.generation = lease.lease_id, batch, ctx, generation
         self.md = (("pagedkv-lease-secret", lease.lease_secret),)  # the lease's secret, on every call on it
-        tables = memory.AllocateSequences(
-            mpb.AllocateSequencesRequest(lease_id=self.lease, sequences=[mpb.SequenceAllocation(num_tokens=ctx)] * batch),
-            metadata=self.md).sequences
-        self.seq_ids = [t.seq_id for t in tables]
-        self.tables = [list(t.block_ids) for t in tables]
-        self.lengths = [ctx] * batch
+        gen = torch.Generator().manual_seed(batch * 100_003 + ctx)  # a prompt per sequence, none shared
+        self.prompts = [torch.randint(100, 40000, (ctx,), generator=gen).tolist() for _ in range(batch)]
+        self.seq_ids: list[int | None] = [None] * batch
+        self.tables: list[list[int]] = [[] for _ in range(batch)]
+        self.grants: list[grant_pb2.StepGrant | None] = [None] * batch
+        self.lengths = [0] * batch  # positions proven computed (receipts handed in)
         self.last_tokens = [0] * batch
         self.step_no = 0
+        self.prefill_steps = 0
+
+    def _index(self) -> dict[int, int]:
+        return {s: i for i, s in enumerate(self.seq_ids) if s is not None}
+
+    def _take_grants(self, grants) -> None:
+        index = self._index()
+        for g in grants:
+            self.grants[index[g.seq_id]] = g
+
+    def _commit(self, results) -> None:
+        """Hand in the step's receipts: its positions become readable; keep the fresh grants."""
+        resp = self.memory.CommitComputedTokens(
+            mpb.CommitComputedTokensRequest(lease_id=self.lease, receipts=[r.receipt for r in results]),
+            metadata=self.md)
+        if resp.skipped:
+            raise RuntimeError(f"CommitComputedTokens skipped {resp.skipped} receipts (stale: a sequence changed)")
+        self._take_grants(resp.grants)
+        index = self._index()
+        for r in results:
+            self.lengths[index[r.seq_id]] = r.receipt.end
+
+    def _seq(self, i: int, tokens: list[int], sample: bool, output_index: int) -> cpb.StepSequence:
+        """Sequence ``i``'s entry in a Step: ``tokens`` at the positions its grant makes writable next."""
+        g = self.grants[i]
+        return cpb.StepSequence(
+            seq_id=self.seq_ids[i], token_ids=tokens, positions=range(g.readable_tokens, g.readable_tokens + len(tokens)),
+            block_ids=self.tables[i], skip_sampling=not sample, output_index=output_index, grant=g)  # fmt: skip
 
     def fill(self) -> None:
-        """Prefill sequence 0 for real, copy its KV blocks into every other sequence's blocks."""
-        gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(100, 40000, (self.ctx,), generator=gen).tolist()
-        for p0 in range(0, self.ctx, PREFILL_CHUNK):
-            chunk = prompt[p0 : p0 + PREFILL_CHUNK]
-            last = p0 + len(chunk) == self.ctx
-            seq = cpb.StepSequence(
-                seq_id=self.seq_ids[0], token_ids=chunk, positions=range(p0, p0 + len(chunk)),
-                block_ids=self.tables[0], skip_sampling=not last, output_index=0,
-            )  # fmt: skip
-            resp = self.worker.Step(cpb.StepRequest(pool_generation=self.generation, sequences=[seq]))
-        first = resp.results[0].token_id
-        src = self.tables[0][: -(-self.ctx // BLOCK_SIZE)]
-        for table in self.tables[1:]:
-            dst = table[: len(src)]
-            self.pool.tensor[dst] = self.pool.tensor[src]
-        self.last_tokens = [first] * self.batch
+        """Prefill every sequence's prompt with real Steps of up to PREFILL_CHUNK tokens each (several
+        sequences per Step, a long prompt over several), as the engine's chunked prefill: each chunk
+        is allocated (first chunk) or appended (later ones) with its token ids, stepped with the
+        grants, and its receipts committed."""
+        while True:
+            budget, plan = PREFILL_CHUNK, []  # (sequence index, tokens this step)
+            for i in range(self.batch):
+                n = min(self.ctx - self.lengths[i], budget)
+                if n > 0:
+                    plan.append((i, n))
+                    budget -= n
+                if budget == 0:
+                    break
+            if not plan:
+                return
+            new = [(i, n) for i, n in plan if self.seq_ids[i] is None]
+            old = [(i, n) for i, n in plan if self.seq_ids[i] is not None]
+            if new:  # the whole prompt goes along (the prefix-cache lookup); num_tokens is this chunk
+                resp = self.memory.AllocateSequences(mpb.AllocateSequencesRequest(lease_id=self.lease, sequences=[
+                    mpb.SequenceAllocation(num_tokens=n, token_ids=self.prompts[i]) for i, n in new]), metadata=self.md)
+                for (i, _), t, g in zip(new, resp.sequences, resp.grants):
+                    self.seq_ids[i], self.tables[i], self.grants[i] = t.seq_id, list(t.block_ids), g
+            if old:
+                self._append([(i, n, self.prompts[i][self.lengths[i]:self.lengths[i] + n]) for i, n in old])
+            seqs = []
+            for i, _ in plan:
+                g = self.grants[i]  # a cached prefix starts later: the grant says where
+                seqs.append(self._seq(i, self.prompts[i][g.readable_tokens:g.write_end], g.write_end == self.ctx, 0))
+            out = self.worker.Step(cpb.StepRequest(pool_generation=self.generation, sequences=seqs))
+            self._commit(out.results)
+            index = self._index()
+            for r in out.results:
+                if r.HasField("token_id"):
+                    self.last_tokens[index[r.seq_id]] = r.token_id
+            self.prefill_steps += 1
 
-    def decode_step(self) -> dict:
-        """AppendSlots + Step of one token per sequence; returns timings in seconds."""
-        t0 = time.perf_counter()
-        appends = [mpb.SlotAppend(seq_id=s, num_tokens=1) for s in self.seq_ids]
-        resp = self.memory.AppendSlots(mpb.AppendSlotsRequest(lease_id=self.lease, appends=appends), metadata=self.md)
-        index = {s: i for i, s in enumerate(self.seq_ids)}
+    def _append(self, appends: list[tuple[int, int, list[int]]]) -> list[cpb.BlockCopy]:
+        """AppendSlots of (sequence index, tokens, their ids); updates tables and grants, returns the copies."""
+        resp = self.memory.AppendSlots(mpb.AppendSlotsRequest(lease_id=self.lease, appends=[
+            mpb.SlotAppend(seq_id=self.seq_ids[i], num_tokens=n, token_ids=ids) for i, n, ids in appends]),
+            metadata=self.md)
+        index = self._index()
         for u in resp.updates:  # only the tables that changed come back
             self.tables[index[u.seq_id]][u.first_changed :] = list(u.block_ids)
-        copies = [cpb.BlockCopy(src=c.src, dst=c.dst) for c in resp.copies]
+        self._take_grants(resp.grants)
+        return [cpb.BlockCopy(src=c.src, dst=c.dst) for c in resp.copies]
+
+    def decode_step(self) -> dict:
+        """One decode step as the engine runs it: AppendSlots (one token per sequence, with its id),
+        Step (greedy, every sequence with its grant), CommitComputedTokens (the step's receipts);
+        returns each part's wall time in seconds and the worker's model / step time."""
+        t0 = time.perf_counter()
+        copies = self._append([(i, 1, [self.last_tokens[i]]) for i in range(self.batch)])
         t1 = time.perf_counter()
-        seqs = [
-            cpb.StepSequence(
-                seq_id=s,
-                token_ids=[self.last_tokens[i]],
-                positions=[self.lengths[i]],
-                block_ids=self.tables[i],
-                output_index=self.step_no,
-            )
-            for i, s in enumerate(self.seq_ids)
-        ]
+        seqs = [self._seq(i, [self.last_tokens[i]], True, self.step_no + 1) for i in range(self.batch)]
         req = cpb.StepRequest(pool_generation=self.generation, sequences=seqs, copies=copies)
         t2 = time.perf_counter()
         out = self.worker.Step(req)
         t3 = time.perf_counter()
-        self.last_tokens = [r.token_id for r in out.results]
-        self.lengths = [n + 1 for n in self.lengths]
+        self._commit(out.results)
+        t4 = time.perf_counter()
+        index = self._index()
+        for r in out.results:
+            self.last_tokens[index[r.seq_id]] = r.token_id
         self.step_no += 1
         self.last_request = req
         return {
             "append": t1 - t0,
             "build": t2 - t1,
             "step_wall": t3 - t2,
+            "commit": t4 - t3,
             "model": out.model_seconds,
             "step": out.step_seconds,
         }
@@ -257,8 +319,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_worker_") as tmp:
         tmp = Path(tmp)
-        stack = LocalStack(["--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE), "--lease-ttl", "600"],
-                           run_dir=tmp, env=env, cwd=ROOT, timeout=180.0).start()
+        stack = LocalStack(["--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE), "--lease-ttl", "600",
+                            "--admin-token-file", str(tmp / "admin-token")], run_dir=tmp, env=env, cwd=ROOT, timeout=180.0).start()
         memory, worker = stack.memory, stack.workers[0]
         try:
             mch = grpc.insecure_channel(memory.address, options=_OPTIONS)
@@ -274,7 +336,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
             for ctx in contexts:
                 for batch in batches:
-                    run = PagedRun(mstub, wstub, pool, lease, batch, ctx, desc.generation)
+                    run = PagedRun(mstub, wstub, lease, batch, ctx, desc.generation)
                     run.fill()
                     dense = HfRun(hf, batch, ctx)
                     # Interleaved step by step, so a machine that slows down or speeds up during
@@ -288,8 +350,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     share = attention_share(model, pool, run.last_request, reps=max(5, steps))
                     run.free()
                     rows.append(make_row(batch, ctx, timings, share, hf_times))
+                    rows[-1]["prefill_steps"] = run.prefill_steps
                     print_row(rows[-1], header=len(rows) == 1)
-            mstub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease.lease_id), metadata=(("pagedkv-lease-secret", lease.lease_secret),))
+            mstub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease.lease_id),
+                               metadata=(("pagedkv-lease-secret", lease.lease_secret),))
             pool.close()
         except Exception:
             for svc in (memory, worker):  # the services' logs go with the temporary directory
@@ -309,7 +373,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def make_row(batch: int, ctx: int, timings: list[dict], share: dict, hf_times: list[float]):
     col = {k: [t[k] for t in timings] for k in timings[0]}
-    client = [t["append"] + t["build"] + t["step_wall"] for t in timings]
+    client = [t["append"] + t["build"] + t["step_wall"] + t["commit"] for t in timings]
     rpc = [t["step_wall"] - t["step"] for t in timings]
     step_wall = statistics.median(col["step_wall"])
     attn = share["plan"] + share["cache_write"] + share["attention"]
@@ -323,6 +387,7 @@ def make_row(batch: int, ctx: int, timings: list[dict], share: dict, hf_times: l
         "ratio": paged_tps / hf_tps,
         "client_step_ms": median_ms(client),
         "append_ms": median_ms(col["append"]),
+        "commit_ms": median_ms(col["commit"]),
         "step_wall_ms": step_wall * 1e3,
         "worker_step_ms": median_ms(col["step"]),
         "model_ms": median_ms(col["model"]),
@@ -344,7 +409,7 @@ TABLE = [
     ("ratio", "ratio", "{:.2f}"), ("model_ms", "model ms", "{:.1f}"),
     ("attention_ms", "attn ms", "{:.2f}"), ("attention_pct_of_model", "attn %", "{:.1f}"),
     ("rpc_ms", "RPC ms", "{:.2f}"), ("rpc_pct_of_step", "RPC %", "{:.1f}"),
-    ("append_ms", "append ms", "{:.2f}"),
+    ("append_ms", "append ms", "{:.2f}"), ("commit_ms", "commit ms", "{:.2f}"),
 ]  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +58,19 @@ def machine() -> dict:
 
 # ----------------------------------------------------------------- services
 def Service(args: list[str], name: str, tmp: Path, timeout: float = 180.0, env: dict | None = None):  # noqa: N802
-    """``python -m client.cli <args>`` on a free port as a child process (a :class:`ServiceProcess`)."""
+    """``python -m client.cli <args>`` on a free port as a child process (a :class:`ServiceProcess`).
+
+    A memory service writes its admin token to ``tmp/<name>.admin-token`` (:func:`admin_token`),
+    not to ``$PAGEDKV_HOME/admin-token``, which belongs to the host's ``pagedkv up``.
+    """
+    if args[:1] == ["memory"] and "--admin-token-file" not in args:
+        args = [*args, "--admin-token-file", str(Path(tmp) / f"{name}.admin-token")]
     return ServiceProcess.pagedkv(args, tmp, name, env=env, timeout=timeout, cwd=ROOT)
+
+
+def admin_token(name: str, tmp: Path) -> str:
+    """The admin token of the memory service :func:`Service` started as ``name`` under ``tmp``."""
+    return (Path(tmp) / f"{name}.admin-token").read_text().strip()
 
 
 class Stack(LocalStack):
@@ -71,8 +83,15 @@ class Stack(LocalStack):
 
     def __init__(self, memory_args: list[str], name: str = "stack", device: str | None = None,
                  model: str | None = None):
-        super().__init__(["--lease-ttl", "600", *memory_args], device=device, model=model, name=name,
-                         cwd=ROOT, timeout=180.0)
+        # The admin token goes to a folder of its own, not to $PAGEDKV_HOME (the host's `pagedkv up`).
+        self._token_dir = tempfile.TemporaryDirectory(prefix="pagedkv-bench-")
+        self.admin_token_file = Path(self._token_dir.name) / "admin-token"
+        super().__init__(["--lease-ttl", "600", "--admin-token-file", str(self.admin_token_file), *memory_args],
+                         device=device, model=model, name=name, cwd=ROOT, timeout=180.0)
+
+    def stop(self) -> None:
+        super().stop()
+        self._token_dir.cleanup()
 
     @property
     def worker(self) -> ServiceProcess:

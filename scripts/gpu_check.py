@@ -5,8 +5,9 @@
 2. stack: a memory service (`--device cuda`) and a worker as separate processes, the pool shared
    by CUDA IPC (its handle only over the memory service's worker socket: GetPoolDescriptor has
    none; this script, a third process of the same uid, maps the pool through the socket and sees
-   the worker's K/V, the read-only epoch table and the plane key), serving a seeded random Llama with SmolLM2's layout written as a Hugging Face
-   directory. Its greedy tokens (fp32 pool and model, so the comparison is exact) must equal
+   the worker's K/V, the read-only epoch table and the plane key; a Step without the memory
+   service's grant is refused and writes nothing), serving a seeded random Llama with SmolLM2's
+   layout written as a Hugging Face directory. Its greedy tokens (fp32 pool and model, so the comparison is exact) must equal
    those of a second stack on the CPU torch path (cpu pool) on the same machine; parallel
    sampling (fork + copy-on-write on the GPU pool) must repeat the greedy answer; nothing may
    leak; the production bf16 stack must generate; `pagedkv serve` attached to the GPU stack must
@@ -392,8 +393,8 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
         try:
             stack = start_stack(name, dev, model, env, work, dtype="float32")
             runs[name] = generate(stack)
-            if name == "test" and device == "cuda":
-                check_pool_handle(stack)
+            if name == "test":
+                check_pool_handle(stack, device)
             if name == "test":
                 check_serve(stack, env, work, runs[name][0][0])
             report(
@@ -450,49 +451,71 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
     check_producer_exit(device, model, env, work)
 
 
-def check_pool_handle(stack: LocalStack) -> None:
-    """The CUDA pool's handle travels only over the worker socket.
+def check_pool_handle(stack: LocalStack, device: str) -> None:
+    """The pool's handle travels only over the worker socket, and a worker steps only with a grant.
 
     GetPoolDescriptor (anyone) has the layout and the socket's path, no handle; the socket gives
-    this process (same uid) the 64-byte IPC handle, the GPU's UUID, the epoch table's read-only fd
-    and a 32-byte plane key; mapping the pool through it here, a third process, shows the K/V the
-    worker wrote (the prompts' full blocks stay in the prefix cache after the run).
+    this process (same uid) the handle (a CUDA pool: the 64-byte IPC handle and the GPU's UUID; a
+    cpu pool: the pool's memfd), the epoch table's read-only fd and a 32-byte plane key; mapping
+    the pool through it here, a third process, shows the K/V the worker wrote (the prompts' full
+    blocks stay in the prefix cache after the run). A Step whose sequence carries no grant is
+    PERMISSION_DENIED and writes nothing (the mapped block it names is unchanged).
     """
-    import torch
+    import grpc
 
     from compute_service.pool_map import map_pool
+    from pagedkv.compute.v1 import compute_service_pb2 as cpb
+    from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
     from pagedkv.memory.v1 import memory_service_pb2 as mpb
     from pagedkv.pool_socket import receive_handle
 
+    cuda = device == "cuda"
+    label = "cuda pool" if cuda else "cpu pool"
     desc = descriptor(stack)
     report(
-        "cuda pool: GetPoolDescriptor carries no handle",
-        desc.backend == mpb.POOL_BACKEND_CUDA and not desc.cuda_ipc_handle and not desc.cuda_device_uuid
-        and not desc.shm_path and bool(desc.worker_socket),
+        f"{label}: GetPoolDescriptor carries no handle",
+        desc.backend == (mpb.POOL_BACKEND_CUDA if cuda else mpb.POOL_BACKEND_CPU) and not desc.cuda_ipc_handle
+        and not desc.cuda_device_uuid and not desc.shm_path and bool(desc.worker_socket),
         f"backend={mpb.PoolBackend.Name(desc.backend)} worker_socket={desc.worker_socket}",
     )
     handle = receive_handle(desc.worker_socket)
     try:
         got = handle.descriptor
+        if cuda:
+            ok = len(got.cuda_ipc_handle) == 64 and got.cuda_device_uuid.startswith("GPU-") \
+                and sorted(handle.fds) == ["epochs"]
+        else:
+            ok = sorted(handle.fds) == ["epochs", "pool"]
         report(
-            "cuda pool: the worker socket hands over the IPC handle, epochs and plane key",
-            len(got.cuda_ipc_handle) == 64 and got.cuda_device_uuid.startswith("GPU-")
-            and got.generation == desc.generation and sorted(handle.fds) == ["epochs"]
-            and len(handle.plane_key) == 32,
-            f"uuid={got.cuda_device_uuid} fds={sorted(handle.fds)} worker={stack.workers[0].info['device']}",
+            f"{label}: the worker socket hands over the {'IPC handle' if cuda else 'pool memfd'}, epochs and plane key",
+            ok and got.generation == desc.generation and len(handle.plane_key) == 32,
+            f"uuid={got.cuda_device_uuid or '-'} fds={sorted(handle.fds)} worker={stack.workers[0].info['device']}",
         )
     finally:
         handle.close()
     mapped = map_pool(desc)
     try:
-        nonzero = int(torch.count_nonzero(mapped.tensor))
         epochs = mapped.epochs
+        nonzero = int(mapped.tensor.count_nonzero())
         report(
-            "cuda pool mapped through the socket by a third process sees the worker's K/V",
-            mapped.tensor.is_cuda and nonzero > 0 and epochs.shape == (desc.layout.num_blocks,)
+            f"{label} mapped through the socket by a third process sees the worker's K/V",
+            mapped.tensor.is_cuda == cuda and nonzero > 0 and epochs.shape == (desc.layout.num_blocks,)
             and not epochs.flags.writeable,
             f"device={mapped.tensor.device} nonzero={nonzero} epochs[:4]={epochs[:4].tolist()} nbytes={desc.nbytes}",
         )
+        block = desc.layout.num_blocks - 1
+        before = mapped.tensor[block].clone()
+        step = cpb.StepRequest(pool_generation=desc.generation, sequences=[cpb.StepSequence(
+            seq_id=1, token_ids=[1], positions=[0], block_ids=[block])])
+        with grpc.insecure_channel(stack.worker_addresses[0]) as ch:
+            try:
+                cpb_grpc.ComputeServiceStub(ch).Step(step, timeout=60)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+        same = bool((mapped.tensor[block] == before).all())
+        report(f"{label}: a Step without a grant is refused and writes nothing",
+               code == "PERMISSION_DENIED" and same, f"code={code}, block {block} unchanged={same}")
     finally:
         mapped.close()
 
