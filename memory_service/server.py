@@ -183,9 +183,12 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def ResetPrefixCache(self, request, context):
         self.authz.require_admin(context, "ResetPrefixCache (it drops every lease's cached blocks)")
-        cleared = 0
+        cleared, t = 0, time.perf_counter()
         for cleared in self.manager.reset_prefix_cache_steps(RESET_CHUNK_BLOCKS):  # noqa: B007 - the last is the answer
-            await asyncio.sleep(0)  # bounded work per turn of the loop: other calls run between steps
+            # Rest as long as the step took (as the release drain does): a waiting call needs several
+            # loop turns, and gRPC's poller thread the GIL, to be answered; one bare yield is not enough.
+            await asyncio.sleep(max(0.001, time.perf_counter() - t))
+            t = time.perf_counter()
         return pb.ResetPrefixCacheResponse(blocks_cleared=cleared)
 
     async def StreamKvEvents(self, request, context):
