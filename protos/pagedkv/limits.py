@@ -24,9 +24,10 @@ MAX_BATCH = 1024
 MAX_FORK_CHILDREN = 1024
 
 #: Most block-table entries one ForkSequences reply may carry (children x their parents' tables):
-#: each is an incref and a reply entry (~0.16 us each: 4 Mi entries took ~0.67 s, 256 Ki ~45 ms),
-#: so the reply always fits a gRPC message and the call stays under ~50 ms.
-MAX_FORK_BLOCK_IDS = 1 << 18
+#: each is an incref, a reply entry and, in the child's signed grant, a block id with its epoch
+#: (256 Ki entries took ~170 ms with grants), so the reply always fits a gRPC message and the call
+#: stays near 50 ms.
+MAX_FORK_BLOCK_IDS = 1 << 16
 
 #: Most token ids one AllocateSequences or AppendSlots call may carry, over all its entries
 #: (~0.2-0.3 us each on the loop: 1 Mi ids took ~0.26 s, 256 Ki ~60-80 ms).
