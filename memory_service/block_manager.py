@@ -22,6 +22,7 @@ import numpy as np
 from memory_service.block_pool import BlockPool
 from memory_service.leases import Lease, LeaseTable
 from memory_service.prefix_cache import PrefixCache
+from memory_service.receipts import commit_unproven, take_receipts
 from memory_service.requests import (
     MAX_FORK_BLOCK_IDS,
     Allocation,
@@ -38,8 +39,7 @@ from memory_service.requests import (
     check_token_ids,
 )
 from memory_service.sequence import Sequence, SequenceInfo, SequenceTable, blocks_for
-from pagedkv.errors import InvalidArgumentError, NotFoundError, QuotaExceededError
-from pagedkv.grants import token_digest
+from pagedkv.errors import InvalidArgumentError, QuotaExceededError
 from pagedkv.limits import MAX_FORK_CHILDREN
 from pagedkv.logs import get_logger
 
@@ -330,86 +330,20 @@ class BlockManager:
         return children
 
     def commit_computed(self, lease_id: str, entries: Seq[Commit]) -> CommitResult:
-        """Register the full blocks of each :class:`Commit`'s computed tokens in the prefix cache.
-
-        A block is cacheable only once its KV is written, which only the client
-        knows; it reports here after each step. Entries naming a sequence that
-        was freed or preempted meanwhile are skipped (counted in the result).
-
-        Raises:
-            InvalidArgumentError: empty batch, duplicates, a count outside [0, num_tokens].
-            NotFoundError: a sequence never allocated, or of another lease.
-            FailedPreconditionError: the lease expired.
-        """
+        """Count each :class:`Commit`'s tokens as computed without a receipt (in-process callers
+        only: the gRPC API takes receipts, :meth:`commit_receipts`); errors as :func:`commit_unproven`."""
         self.leases.lookup(lease_id)
-        check_batch(len(entries), "CommitComputedTokens")
-        if len({c.seq_id for c in entries}) != len(entries):
-            raise InvalidArgumentError("CommitComputedTokens: a sequence appears more than once in the batch")
-        live = []
-        for c in entries:
-            seq = self.sequences.get(c.seq_id)
-            if seq is None and self.sequences.was_allocated(c.seq_id):
-                continue  # freed or preempted meanwhile: nothing to register
-            if seq is None or seq.lease_id != lease_id:
-                raise NotFoundError(f"CommitComputedTokens: sequence {c.seq_id} is not a live sequence of lease {lease_id}")
-            if not 0 <= c.num_computed_tokens <= seq.num_tokens:
-                raise InvalidArgumentError(f"CommitComputedTokens(sequence {c.seq_id}): num_computed_tokens must be in "
-                                           f"[0, {seq.num_tokens}], got {c.num_computed_tokens}")
-            live.append((seq, c.num_computed_tokens))
-        for seq, n in live:
-            seq.num_proven = max(seq.num_proven, n)
-        registered = sum(self.prefix_cache.commit(seq, n) for seq, n in live)
-        return CommitResult(registered, len(entries) - len(live))
+        return commit_unproven(self.sequences, self.prefix_cache, lease_id, entries)
 
     def commit_receipts(self, lease_id: str, receipts: Seq[Receipt]) -> CommitResult:
-        """Take workers' receipts (signatures checked by the caller): positions become proven computed.
-
-        A receipt is taken when it continues its sequence exactly (``start`` equals the tokens
-        proven so far, ``end`` within the sequence) and names the sequence's current blocks
-        for those positions with their current epochs; otherwise it is stale (a sequence freed,
-        preempted or handed other blocks meanwhile) and skipped. A taken receipt whose token
-        digest differs from the token ids the sequence was given ends prefix caching for that
-        sequence (its KV is not of those tokens), so no block enters the cache without proof
-        that a worker computed exactly its tokens. Full blocks of proven, known tokens are then
-        registered in the prefix cache.
+        """Take workers' receipts (signatures checked by the caller): :func:`take_receipts`.
 
         Raises:
-            InvalidArgumentError: empty batch, a sequence twice.
-            NotFoundError: a sequence never allocated, or of another lease.
-            FailedPreconditionError: the lease expired.
+            FailedPreconditionError / NotFoundError: the lease expired or is unknown; and as
+                :func:`take_receipts`.
         """
         self.leases.lookup(lease_id)
-        check_batch(len(receipts), "CommitComputedTokens")
-        if len({r.seq_id for r in receipts}) != len(receipts):
-            raise InvalidArgumentError("CommitComputedTokens: a sequence appears more than once in the batch")
-        bs, epochs = self.block_size, self.pool.epochs
-        taken: list[tuple[Sequence, Receipt]] = []
-        for r in receipts:
-            seq = self.sequences.get(r.seq_id)
-            if seq is None and self.sequences.was_allocated(r.seq_id):
-                continue
-            if seq is None or seq.lease_id != lease_id:
-                raise NotFoundError(f"CommitComputedTokens: sequence {r.seq_id} is not a live sequence of lease {lease_id}")
-            first, last = r.start // bs, -(-r.end // bs)
-            if not (r.start == seq.num_proven < r.end <= seq.num_tokens) or \
-                    tuple(seq.block_ids[first:last]) != r.block_ids or \
-                    tuple(int(e) for e in epochs[list(r.block_ids)]) != r.block_epochs:
-                log.info("receipt_stale", seq_id=r.seq_id, start=r.start, end=r.end, proven=seq.num_proven)
-                continue
-            taken.append((seq, r))
-        for seq, r in taken:
-            toks = seq.token_ids
-            if toks is not None and (len(toks) < r.end or token_digest(toks[r.start:r.end]) != r.token_digest):
-                log.warning("receipt_tokens_differ", seq_id=seq.seq_id, start=r.start, end=r.end)
-                seq.token_ids = None
-            seq.num_proven = r.end
-            # The blocks just proven get a new epoch: every grant issued before (the one this receipt
-            # answers included) no longer matches them, so no grant is good for more than one step
-            # that counts. Without it, a replayed copy-on-write grant re-copied its source over
-            # positions proven (and cached) since.
-            self.pool.epochs[list(r.block_ids)] += 1
-        registered = sum(self.prefix_cache.commit(seq, seq.num_proven) for seq, _ in taken)
-        return CommitResult(registered, len(receipts) - len(taken), tuple(seq for seq, _ in taken))
+        return take_receipts(self.sequences, self.pool, self.prefix_cache, lease_id, receipts)
 
     def reset_prefix_cache(self) -> int:
         """Drop the whole prefix cache; returns refcount-0 blocks cleared."""
