@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -349,9 +349,9 @@ class BlockManager:
         """Drop the whole prefix cache; returns refcount-0 blocks cleared."""
         return self.prefix_cache.reset(self.sequences.values())
 
-    def reset_prefix_cache_steps(self, chunk: int) -> Iterator[int]:
+    def reset_prefix_cache_steps(self, chunk: int) -> Generator[int, None, int]:
         """:meth:`reset_prefix_cache` in steps of at most ``chunk`` blocks (PrefixCache.reset_steps),
-        for a caller that lets other calls run between steps; the last value is the blocks cleared."""
+        for a caller that lets other calls run where it yields; it returns the blocks cleared."""
         return self.prefix_cache.reset_steps(list(self.sequences.values()), chunk)
 
     def free(self, lease_id: str, seq_ids: Seq[int], *, preempted: bool = False) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -170,29 +170,35 @@ class PrefixCache:
 
         The ``live`` sequences forget their hash chains too: their next commit re-registers their full blocks.
         """
-        *_, cleared = self.reset_steps(live, chunk=None)
-        return cleared
+        steps = self.reset_steps(live, chunk=None)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
 
-    def reset_steps(self, live: Iterable[Sequence], chunk: int | None) -> Iterator[int]:
-        """:meth:`reset` in steps of at most ``chunk`` blocks (None: one step), yielding the blocks
-        cleared so far after each, so a caller on an event loop can let other calls run between
-        steps (bounded work per turn). What is cached when the reset starts is dropped; a block
-        evicted or registered anew between steps is left to what happened to it meanwhile. The
-        "cleared" event comes after the last step.
+    def reset_steps(self, live: Iterable[Sequence], chunk: int | None) -> Generator[int, None, int]:
+        """:meth:`reset` in steps of at most ``chunk`` blocks (None: one step). Between two steps it
+        yields the blocks cleared so far, so a caller on an event loop can let other calls run
+        there (bounded work per turn); it returns (StopIteration.value) the blocks cleared in all.
+        What is cached when the reset starts is dropped; a block evicted or registered anew between
+        steps is left to what happened to it meanwhile. The "cleared" event comes after the last step.
         """
         for seq in live:
             seq.block_hashes = []
         blocks = list(self.cached.values())
+        step = chunk or max(1, len(blocks))
         cleared = 0
-        for at in range(0, len(blocks), chunk or max(1, len(blocks))):
-            for b in blocks[at:at + (chunk or len(blocks))]:
+        for at in range(0, len(blocks), step):
+            if at:
+                yield cleared
+            for b in blocks[at:at + step]:
                 if self.hash_of[b] is not None:  # not evicted since the reset began
                     self._forget(b)
                     cleared += self.pool.drop_content(b)
-            yield cleared
         self._emit("cleared")
         log.info("prefix_cache_reset", blocks_cleared=cleared)
-        yield cleared
+        return cleared
 
     def _evicted(self, block_id: int) -> None:
         """The pool reused cached block ``block_id``: it leaves the cache."""

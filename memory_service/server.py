@@ -183,13 +183,16 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def ResetPrefixCache(self, request, context):
         self.authz.require_admin(context, "ResetPrefixCache (it drops every lease's cached blocks)")
-        cleared, t = 0, time.perf_counter()
-        for cleared in self.manager.reset_prefix_cache_steps(RESET_CHUNK_BLOCKS):  # noqa: B007 - the last is the answer
-            # Rest as long as the step took (as the release drain does): a waiting call needs several
-            # loop turns, and gRPC's poller thread the GIL, to be answered; one bare yield is not enough.
+        steps, t = self.manager.reset_prefix_cache_steps(RESET_CHUNK_BLOCKS), time.perf_counter()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return pb.ResetPrefixCacheResponse(blocks_cleared=done.value)
+            # Rest between steps as long as the step took (as the release drain does): a waiting call
+            # needs several loop turns, and gRPC's poller thread the GIL, to be answered.
             await asyncio.sleep(max(0.001, time.perf_counter() - t))
             t = time.perf_counter()
-        return pb.ResetPrefixCacheResponse(blocks_cleared=cleared)
 
     async def StreamKvEvents(self, request, context):
         """Server streaming: replay retained events from a sequence number, then follow.
