@@ -24,9 +24,15 @@ from memory_service.block_manager import BlockManager
 from memory_service.leases import LeaseTable
 from memory_service.requests import Allocation
 from pagedkv.errors import FailedPreconditionError, NotFoundError
+from pagedkv.grant.v1 import grant_pb2
+from pagedkv.grants import sign_receipt, token_digest
 from pagedkv.limits import MAX_BATCH, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
+from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from pagedkv.pool_socket import receive_handle
+
+log = get_logger("test")
 
 
 def stats(stub) -> dict:
@@ -215,39 +221,44 @@ def test_a_cursor_that_falls_behind_is_told_which_event_it_lost():
     assert [e.sequence_number for e in m.prefix_cache.subscribe(3).poll(2)] == [3, 4]
 
 
-def produce_events(address: str, total: int, rate: float, md, threads: int = 4) -> int:
-    """ResetPrefixCache calls (one "cleared" event each) from ``threads`` clients at about ``rate``
-    events/s in all, until ``total`` events; returns how many were logged. (Stored and removed
-    events need workers' receipts; a reset logs its event the same way.)"""
-    made = 0
-    lock = threading.Lock()
-    t0 = time.monotonic()
-
-    def run() -> None:
-        nonlocal made
-        with grpc.insecure_channel(address) as channel:
-            stub = pb_grpc.MemoryServiceStub(channel)
-            while True:
-                with lock:
-                    if made >= total:
-                        return
-                    made += 1
-                    ahead = made / rate - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
-                stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), metadata=md)
-
-    workers = [threading.Thread(target=run) for _ in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return made
+def produce_events(stub, total: int, rate: float) -> tuple[int, float]:
+    """Prefix-cache events at about ``rate`` events/s until at least ``total``, as a scheduler and
+    its worker make them: each cycle allocates a 32-block prompt never seen before, hands in a
+    worker's receipt for it (32 "stored" events in one call: this process holds the plane key, as a
+    worker of the same uid does) and frees it, so later allocations evict its blocks ("removed"
+    events). Returns (events made, seconds taken)."""
+    pool = stub.GetPoolDescriptor(pb.GetPoolDescriptorRequest()).pool
+    handle = receive_handle(pool.worker_socket)
+    handle.close()
+    lease, md = new_lease(stub)
+    tokens_per_seq = 32 * pool.layout.block_size
+    stats = lambda: stub.GetStats(pb.GetStatsRequest())  # noqa: E731
+    evictions0 = stats().prefix_cache_evictions
+    made, cycle, t0 = 0, 0, time.monotonic()
+    while made < total:
+        tokens = list(range(cycle * tokens_per_seq, (cycle + 1) * tokens_per_seq))
+        resp = stub.AllocateSequences(pb.AllocateSequencesRequest(lease_id=lease, sequences=[
+            pb.SequenceAllocation(num_tokens=len(tokens), token_ids=tokens)]), metadata=md)
+        (seq,), (grant,) = resp.sequences, resp.grants
+        receipt = sign_receipt(handle.plane_key, grant_pb2.StepReceipt(
+            pool_generation=pool.generation, seq_id=seq.seq_id, start=0, end=len(tokens),
+            token_digest=token_digest(tokens), block_ids=grant.block_ids, block_epochs=grant.block_epochs))
+        assert stub.CommitComputedTokens(pb.CommitComputedTokensRequest(lease_id=lease, receipts=[receipt]),
+                                         metadata=md).blocks_registered == 32
+        stub.FreeSequences(pb.FreeSequencesRequest(lease_id=lease, seq_ids=[seq.seq_id]), metadata=md)
+        cycle += 1
+        made = 32 * cycle + stats().prefix_cache_evictions - evictions0
+        ahead = made / rate - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+    seconds = time.monotonic() - t0
+    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease), metadata=md)
+    return made, seconds
 
 
 def test_an_event_stream_under_load_has_no_gap_and_a_lost_replay_is_named(start_service):
     svc = start_service(["memory", "--num-blocks", "64", "--block-size", "4", "--max-kv-events", "1000",
-                         "--grace", "0"], name="events")
+                         "--grace", "0"], name="events")  # a 32-block prompt: its blocks are evicted two prompts on
     with grpc.insecure_channel(svc.address) as channel:
         stub = pb_grpc.MemoryServiceStub(channel)
         stream = stub.StreamKvEvents(pb.StreamKvEventsRequest())
@@ -267,7 +278,8 @@ def test_an_event_stream_under_load_has_no_gap_and_a_lost_replay_is_named(start_
             stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), metadata=admin_md(svc))
             time.sleep(0.05)
         start = len(seen)
-        made = produce_events(svc.address, 2_500, rate=5_000, md=admin_md(svc))  # 2.5 times the events the service keeps
+        made, seconds = produce_events(stub, 10_000, rate=5_000)  # 10 times the events the service keeps
+        log.info("kv_event_load", events=made, seconds=round(seconds, 2), rate=round(made / seconds))
         wait_until(lambda: len(seen) >= start + made, f"{made} events on the stream")
         stream.cancel()
         reader.join()
