@@ -13,7 +13,7 @@ exceptions before anything changes.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Generator
 from collections.abc import Sequence as Seq
 
@@ -23,6 +23,7 @@ from memory_service.block_pool import BlockPool
 from memory_service.leases import Lease, LeaseTable
 from memory_service.prefix_cache import PrefixCache
 from memory_service.receipts import commit_unproven, take_receipts
+from memory_service.release_queue import RELEASE_CHUNK_BLOCKS, ReleaseQueue
 from memory_service.requests import (
     MAX_FORK_BLOCK_IDS,
     Allocation,
@@ -45,9 +46,6 @@ from pagedkv.logs import get_logger
 
 log = get_logger("block_manager")
 
-#: Block references a dropped lease returns to the pool at a time (~1-2 us each, so < ~20 ms):
-#: the first chunk at once, the rest from :meth:`BlockManager.drain_released`.
-RELEASE_CHUNK_BLOCKS = 8192
 
 
 class BlockManager:
@@ -96,10 +94,8 @@ class BlockManager:
         self.prefix_cache = PrefixCache(self.pool, enabled=prefix_caching, max_events=max_events)
         self.allocation_failures = 0  # requests refused with OutOfBlocks
         self.preemptions = 0  # sequences freed as preempted
-        #: Block tables of dropped leases' sequences not yet decref'd, oldest first (see _free_lease_sequences).
-        self._releasing: deque[list[int]] = deque()
-        #: Block references in _releasing.
-        self.releasing_refs = 0
+        #: Block references of dropped leases' sequences not yet returned (see _free_lease_sequences).
+        self.releasing = ReleaseQueue(self.pool)
         #: Called (no arguments) when references are left to release; the server wakes its drain task.
         self.on_releasing: Callable[[], None] | None = None
 
@@ -376,44 +372,30 @@ class BlockManager:
     def _free_lease_sequences(self, lease: Lease) -> int:
         """Free every sequence of a lease being dropped (released or expired); returns how many.
 
-        Bounded work per call: the sequences leave the table at once (no call can name them from
-        here on), but their blocks' references return to the pool :data:`RELEASE_CHUNK_BLOCKS` at
-        a time: the first chunk now, the rest from :meth:`drain_released` over the next loop
-        turns (the server's drain task, woken through :attr:`on_releasing`), in the order a
-        whole free would (sequences by id, each table last block first), so the free queue and
-        the block ids handed out later are the same as with one synchronous free.
-
-        OUT_OF_BLOCKS stays exact: references not yet returned still count as used in GetStats
-        (refcount == table entries + references releasing, :meth:`check_invariants`), and an
-        allocation or append that would be refused first returns every pending reference and
-        plans again, so a refusal never happens while released blocks could have served it.
+        The sequences leave the table at once; their blocks return to the pool in chunks
+        (:mod:`memory_service.release_queue`): the first now, the rest from :meth:`drain_released`
+        over the next loop turns (the server's drain task, woken through :attr:`on_releasing`).
+        OUT_OF_BLOCKS stays exact: references not yet returned count as used (refcount == table
+        entries + references releasing, :meth:`check_invariants`), and an allocation or append that
+        would be refused first returns every pending reference and plans again.
         """
         seqs = [self.sequences[s] for s in sorted(lease.seq_ids)]
         for seq in seqs:
             self.sequences.remove(seq, lease)
-            if seq.block_ids:
-                self._releasing.append(seq.block_ids)
-                self.releasing_refs += len(seq.block_ids)
+            self.releasing.push(seq.block_ids)
         if self.drain_released(RELEASE_CHUNK_BLOCKS) and self.on_releasing is not None:
             self.on_releasing()
         return len(seqs)
 
-    def drain_released(self, max_blocks: int | None = None) -> int:
-        """Return up to ``max_blocks`` (None: all) references of dropped leases' blocks to the pool.
+    @property
+    def releasing_refs(self) -> int:
+        """Block references of dropped leases not yet returned to the pool."""
+        return self.releasing.refs
 
-        Returns the references still pending (0 when done).
-        """
-        budget = self.releasing_refs if max_blocks is None else max_blocks
-        while self._releasing and budget > 0:
-            table = self._releasing[0]
-            take = min(len(table), budget)
-            self.pool.decref(table[len(table) - take:])  # a table's tail first, as decref(table) would
-            del table[len(table) - take:]
-            if not table:
-                self._releasing.popleft()
-            budget -= take
-            self.releasing_refs -= take
-        return self.releasing_refs
+    def drain_released(self, max_blocks: int | None = None) -> int:
+        """Return up to ``max_blocks`` (None: all) references of dropped leases' blocks to the pool;
+        returns the references still pending (0 when done)."""
+        return self.releasing.drain(max_blocks)
 
     def stats(self) -> Stats:
         """Counters for GetStats (DESIGN.md, Observability)."""
@@ -435,7 +417,7 @@ class BlockManager:
         self.prefix_cache.check()
         self.sequences.check(self.leases, self.block_size)
         refs = Counter(b for seq in self.sequences.values() for b in seq.block_ids)
-        refs.update(b for table in self._releasing for b in table)
-        assert self.releasing_refs == sum(len(t) for t in self._releasing), "releasing count drifted"
+        refs.update(self.releasing.blocks())
+        self.releasing.check()
         for b, rc in enumerate(self.pool.ref_counts):
             assert rc == refs[b], f"block {b}: refcount {rc} but {refs[b]} block-table entries"
