@@ -16,6 +16,7 @@ import time
 from memory_service.authz import SCHEDULER, Authorizer
 from memory_service.block_hash import CacheKey
 from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
+from memory_service.leases import Lease
 from memory_service.paging import decode_page_token, encode_page_token, page_size
 from memory_service.pool import Pool
 from memory_service.prefix_cache import KvEvent, PrefixCache
@@ -79,9 +80,10 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         self.signer = signer
         self.authz = Authorizer(manager.leases, admin_token, admin_token_file)
 
-    def _grants(self, lease_id: str, seqs, copies=()) -> list:
-        """Signed grants for ``seqs`` (valid for their lease's TTL); ``copies`` go to the sequence holding dst."""
-        ttl = self.manager.leases.lookup(lease_id).ttl
+    def _grants(self, lease: Lease, seqs, copies=()) -> list:
+        """Signed grants for ``seqs`` (valid for ``lease``'s TTL, the lease authorized at the call's
+        start: no second lookup after the change); ``copies`` go to the sequence holding dst."""
+        ttl = lease.ttl
         by_seq: dict[int, list] = {}
         for c in copies:
             by_seq.setdefault(c.seq_id, []).append(c)
@@ -105,15 +107,15 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.GetPoolDescriptorResponse(pool=self.pool.descriptor())
 
     async def AllocateSequences(self, request, context):
-        self.authz.lease(context, request.lease_id)
+        lease = self.authz.lease(context, request.lease_id)
         check_request_size(request.sequences, "AllocateSequences")  # before the work of converting it
         reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None, CacheKey(s.model_id, s.cache_salt))
                 for s in request.sequences]
         seqs = _ok(self.manager.allocate(request.lease_id, reqs), "allocation")
-        return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs], grants=self._grants(request.lease_id, seqs))
+        return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs], grants=self._grants(lease, seqs))
 
     async def AppendSlots(self, request, context):
-        self.authz.lease(context, request.lease_id)
+        lease = self.authz.lease(context, request.lease_id)
         check_request_size(request.appends, "AppendSlots")
         appends = [Append(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
         result = _ok(self.manager.append_slots(request.lease_id, appends), "append")
@@ -122,13 +124,13 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
             updates=[pb.BlockTableUpdate(seq_id=u.seq_id, num_tokens=u.num_tokens, first_changed=u.first_changed,
                                          block_ids=u.block_ids) for u in result.updates],
             copies=[pb.BlockCopy(src=c.src, dst=c.dst) for c in result.copies],
-            grants=self._grants(request.lease_id, seqs, result.copies))
+            grants=self._grants(lease, seqs, result.copies))
 
     async def ForkSequences(self, request, context):
-        self.authz.lease(context, request.lease_id)
+        lease = self.authz.lease(context, request.lease_id)
         children = self.manager.fork(request.lease_id, [f.parent_seq_id for f in request.forks])
         return pb.ForkSequencesResponse(children=[_table(s) for s in children],
-                                        grants=self._grants(request.lease_id, children))
+                                        grants=self._grants(lease, children))
 
     async def FreeSequences(self, request, context):
         self.authz.lease(context, request.lease_id)
@@ -172,14 +174,14 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.CheckInvariantsResponse(ok=True, stats=self._stats())
 
     async def CommitComputedTokens(self, request, context):
-        self.authz.lease(context, request.lease_id)
+        lease = self.authz.lease(context, request.lease_id)
         if request.sequences:
             raise PermissionDeniedError("CommitComputedTokens: computed tokens count only with a worker's receipt; "
                                         "send StepResult.receipt in `receipts` (nothing was committed)")
         receipts = self.signer.receipts(request.receipts)
         result = self.manager.commit_receipts(request.lease_id, receipts)
         return pb.CommitComputedTokensResponse(blocks_registered=result.blocks_registered, skipped=result.skipped,
-                                               grants=self._grants(request.lease_id, result.accepted))
+                                               grants=self._grants(lease, result.accepted))
 
     async def ResetPrefixCache(self, request, context):
         self.authz.require_admin(context, "ResetPrefixCache (it drops every lease's cached blocks)")
