@@ -101,7 +101,6 @@ class Engine:
         self.model_info = info
         #: Prefix-cache identity of this model's KV.
         self.model_id = f"{info.model_name}:{info.model_source}"
-        self.prefix_caching = memory.stats().prefix_caching
         self.eos_ids = set(info.eos_token_ids)
         self.max_context = min(info.max_context or 1 << 30, self.num_blocks * self.block_size, max_model_len or 1 << 30)
         self.lease = Lease(memory, lease_ttl)
@@ -202,15 +201,17 @@ class Engine:
 
     def _free(self, reqs: list[Request], reason: int) -> None:
         """Free the sequences of ``reqs`` that hold blocks (1 FreeSequences, none when there are none)."""
-        ids = [i for r in reqs for i in r.seq_ids()]
-        for at in range(0, len(ids), MAX_BATCH):
-            self.memory.free(self.lease.lease_id, ids[at:at + MAX_BATCH], reason)
+        self._free_ids([i for r in reqs for i in r.seq_ids()], reason)
+
+    def _free_ids(self, seq_ids: list[int], reason: int) -> None:
+        """Free sequences by id, in calls of at most MAX_BATCH (none when there are none)."""
+        for at in range(0, len(seq_ids), MAX_BATCH):
+            self.memory.free(self.lease.lease_id, seq_ids[at:at + MAX_BATCH], reason)
 
     def _fork(self) -> None:
         """Fork parallel-sampling prompts and branching beams in one call; free dropped beams first."""
         plan = self.recovery.fork_in_flight = self.branching.plan()
-        for at in range(0, len(plan.drop), MAX_BATCH):
-            self.memory.free(self.lease.lease_id, plan.drop[at:at + MAX_BATCH], mpb.FREE_REASON_ABORTED)
+        self._free_ids(plan.drop, mpb.FREE_REASON_ABORTED)
         branches, children, grants = plan.forkable, [], []
         while len(children) < len(branches):  # in calls within the memory service's per-call bounds
             rest = branches[len(children):]
@@ -364,8 +365,7 @@ class Engine:
                 req.metrics.finished = now
                 self.scheduler.finish(req)
                 finished.append(req.request_id)
-        for at in range(0, len(to_free), MAX_BATCH):
-            self.memory.free(self.lease.lease_id, to_free[at:at + MAX_BATCH], mpb.FREE_REASON_FINISHED)
+        self._free_ids(to_free, mpb.FREE_REASON_FINISHED)
         return finished
 
     def _commit(self, scheduled: list[ScheduledSeq], results: StepResults) -> None:

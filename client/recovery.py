@@ -83,7 +83,7 @@ class Recovery:
 
     Args:
         engine: the engine; recovery replaces its ``lease``, the generation its steps carry
-            (``engine.runner.pool_generation``) and its ``prefix_caching``, requeues its
+            (``engine.runner.pool_generation``), requeues its
             scheduler's running requests and counts ``engine.lease_recoveries``.
         pool: the pool descriptor the engine started with (its layout must stay the same).
         lease_ttl: the TTL to ask for each new lease, seconds (None: the service's default).
@@ -165,10 +165,6 @@ class Recovery:
             raise
         engine.lease = lease
         self.generation = engine.runner.pool_generation = pool.generation
-        try:
-            engine.prefix_caching = engine.memory.stats().prefix_caching
-        except ServiceError:
-            pass  # keep the last known setting; the next step's calls will tell
         requeued = engine.scheduler.requeue_running()
         if plan is not None:  # every parent forgot its blocks: the branches start without any
             plan.apply([])
