@@ -31,6 +31,7 @@ from common import Service, machine  # noqa: E402
 
 from memory_service.block_manager import BlockManager  # noqa: E402
 from memory_service.requests import Append  # noqa: E402
+from pagedkv.credentials import LEASE_SECRET_METADATA  # noqa: E402
 from pagedkv.memory.v1 import memory_service_pb2 as pb  # noqa: E402
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -79,7 +80,7 @@ def append_latency_inprocess(batch: int, iters: int) -> list[float]:
 
 def append_latency_grpc(stub, batch: int, iters: int) -> list[float]:
     created = stub.CreateLease(pb.CreateLeaseRequest(ttl_seconds=3600))
-    lease, md = created.lease_id, (("pagedkv-lease-secret", created.lease_secret),)
+    lease, md = created.lease_id, ((LEASE_SECRET_METADATA, created.lease_secret),)
     seqs = stub.AllocateSequences(pb.AllocateSequencesRequest(
         lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=100)] * batch), metadata=md).sequences
     request = pb.AppendSlotsRequest(lease_id=lease, appends=[pb.SlotAppend(seq_id=s.seq_id, num_tokens=1) for s in seqs])

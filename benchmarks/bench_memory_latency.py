@@ -48,6 +48,7 @@ from memory_service.main import DEFAULT_MAX_SEQUENCES_PER_LEASE
 from memory_service.paging import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
+from pagedkv.credentials import LEASE_SECRET_METADATA
 from pagedkv.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
@@ -64,7 +65,7 @@ CACHE_FILL_BATCH = 255
 
 def secret_md(lease: pb.CreateLeaseResponse) -> tuple[tuple[str, str], ...]:
     """The metadata that authorizes calls on ``lease``."""
-    return (("pagedkv-lease-secret", lease.lease_secret),)
+    return ((LEASE_SECRET_METADATA, lease.lease_secret),)
 
 
 class KeepAliveProbe:

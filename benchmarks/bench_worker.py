@@ -52,6 +52,7 @@ from client.stack import LocalStack
 from compute_service.pool_map import map_pool
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
+from pagedkv.credentials import LEASE_SECRET_METADATA
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
@@ -82,7 +83,7 @@ class PagedRun:
     def __init__(self, memory, worker, lease: mpb.CreateLeaseResponse, batch: int, ctx: int, generation: int):
         self.memory, self.worker = memory, worker
         self.lease, self.batch, self.ctx, self.generation = lease.lease_id, batch, ctx, generation
-        self.md = (("pagedkv-lease-secret", lease.lease_secret),)  # the lease's secret, on every call on it
+        self.md = ((LEASE_SECRET_METADATA, lease.lease_secret),)  # the lease's secret, on every call on it
         gen = torch.Generator().manual_seed(batch * 100_003 + ctx)  # a prompt per sequence, none shared
         self.prompts = [torch.randint(100, 40000, (ctx,), generator=gen).tolist() for _ in range(batch)]
         self.seq_ids: list[int | None] = [None] * batch
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     rows[-1]["prefill_steps"] = run.prefill_steps
                     print_row(rows[-1], header=len(rows) == 1)
             mstub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease.lease_id),
-                               metadata=(("pagedkv-lease-secret", lease.lease_secret),))
+                               metadata=((LEASE_SECRET_METADATA, lease.lease_secret),))
             pool.close()
         except Exception:
             for svc in (memory, worker):  # the services' logs go with the temporary directory

@@ -25,19 +25,17 @@ import grpc
 from client.errors import ServiceError, from_rpc_error
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
+from pagedkv.credentials import LEASE_SECRET_METADATA, default_admin_token_file
 from pagedkv.errors import LEASE_EXPIRED, LEASE_NOT_FOUND
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
-from pagedkv.paths import pagedkv_home
 from pagedkv.tls import TlsFiles
 from pagedkv.tls import channel as plane_channel
 
 log = get_logger("client")
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-#: Metadata key of a lease's secret.
-LEASE_SECRET_METADATA = "pagedkv-lease-secret"
 #: Sequences asked for in each page of ListSequences (the service's default; at most 2,000).
 LIST_PAGE_SIZE = 1000
 
@@ -45,7 +43,7 @@ LIST_PAGE_SIZE = 1000
 def admin_token_path() -> Path:
     """Where the memory service on this host wrote its admin token: ``$PAGEDKV_ADMIN_TOKEN_FILE``,
     default ``$PAGEDKV_HOME/admin-token`` (the service's ``--admin-token-file`` default)."""
-    return Path(os.environ.get("PAGEDKV_ADMIN_TOKEN_FILE") or pagedkv_home() / "admin-token")
+    return Path(os.environ.get("PAGEDKV_ADMIN_TOKEN_FILE") or default_admin_token_file())
 
 
 def read_admin_token(path: str | os.PathLike | None = None) -> str | None:

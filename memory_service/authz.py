@@ -39,8 +39,9 @@ from pathlib import Path
 
 import grpc
 
-from memory_service.leases import LEASE_SECRET_METADATA, Lease, LeaseTable
+from memory_service.leases import Lease, LeaseTable
 from memory_service.sequence import Sequence
+from pagedkv.credentials import AUTHORIZATION_METADATA, LEASE_SECRET_METADATA
 from pagedkv.errors import PermissionDeniedError, UnauthenticatedError
 from pagedkv.paths import pagedkv_home
 from pagedkv.tls import over_tls, peer_role
@@ -55,7 +56,6 @@ NO_ROLE = "no-role"
 #: Every role a caller can have.
 ROLES = (ADMIN, WORKER, SCHEDULER, ROUTER, ANONYMOUS_LOOPBACK, NO_ROLE)
 #: Metadata key of the admin credential: ``authorization: Bearer <token>``.
-AUTHORIZATION_METADATA = "authorization"
 
 
 @dataclass(frozen=True, slots=True)

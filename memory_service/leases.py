@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memory_service.live_table import LiveTable
+from pagedkv.credentials import LEASE_SECRET_METADATA
 from pagedkv.errors import (
     LEASE_EXPIRED,
     LEASE_NOT_FOUND,
@@ -71,8 +72,6 @@ log = get_logger("block_manager")
 
 #: Ended (expired or released) lease ids remembered, so their owner hears why rather than "unknown".
 EXPIRED_LEASES_REMEMBERED = 4096
-#: Metadata key carrying a lease's secret on every call on the lease.
-LEASE_SECRET_METADATA = "pagedkv-lease-secret"
 #: Compared against when a lease id is unknown, so every refusal costs the same.
 _NO_HASH = hashlib.sha256(b"no lease").digest()
 

@@ -33,9 +33,9 @@ from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_fo
 from memory_service.step_grants import GrantSigner
 from memory_service.worker_socket import WorkerSocketServer
 from pagedkv import tls
+from pagedkv.credentials import default_admin_token_file
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
-from pagedkv.paths import pagedkv_home
 from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
 
 log = get_logger("memory_service")
@@ -127,7 +127,7 @@ def create_pool(args: argparse.Namespace) -> Pool:
 async def serve(args: argparse.Namespace) -> None:
     """Create the pool and serve until SIGTERM."""
     server_tls(args)  # refuse bad TLS flags or a plaintext non-loopback bind before making the pool
-    token_file = os.path.abspath(args.admin_token_file or pagedkv_home() / "admin-token")
+    token_file = os.path.abspath(args.admin_token_file or default_admin_token_file())
     admin_token = create_admin_token(token_file)
     pool = create_pool(args)
     sock = WorkerSocketServer(pool, args.worker_socket)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pagedkv.credentials import LEASE_SECRET_METADATA
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 
-LEASE_SECRET = "pagedkv-lease-secret"
+LEASE_SECRET = LEASE_SECRET_METADATA
 
 
 def lease_md(secret: str) -> tuple[tuple[str, str], ...]:
