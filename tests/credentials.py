@@ -1,4 +1,4 @@
-"""Credentials for tests that call the memory service's stub directly (memory_service/authz.py).
+"""Credentials (and a worker-computed sequence) for tests that call the services' stubs directly (memory_service/authz.py).
 
     lease, md = new_lease(stub)                     # md: the lease's secret as call metadata
     stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease), metadata=md)
@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
+
+from pagedkv.compute.v1 import compute_service_pb2 as cpb
+from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
 from pagedkv.credentials import LEASE_SECRET_METADATA
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 
@@ -39,14 +43,9 @@ def admin_md(service) -> tuple[tuple[str, str], ...]:
 def computed(stack, stub, lease: str, md, tokens: list[int], salt: str):
     """Allocate ``tokens`` on ``lease`` of ``stack``'s memory service, compute them on its first worker and
     hand in the receipt (so their full blocks enter the prefix cache); returns the sequence's block table."""
-    from pagedkv.compute.v1 import compute_service_pb2 as cpb
-    from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
-
     resp = stub.AllocateSequences(pb.AllocateSequencesRequest(lease_id=lease, sequences=[
         pb.SequenceAllocation(num_tokens=len(tokens), token_ids=tokens, cache_salt=salt)]), metadata=md)
     (seq,), (grant,) = resp.sequences, resp.grants
-    import grpc
-
     with grpc.insecure_channel(stack.worker_addresses[0]) as ch:
         (result,) = cpb_grpc.ComputeServiceStub(ch).Step(cpb.StepRequest(
             pool_generation=grant.pool_generation, sequences=[cpb.StepSequence(

@@ -9,7 +9,7 @@ import urllib.request
 import uuid
 
 import grpc
-from credentials import admin_md, new_lease
+from credentials import admin_md, computed, new_lease
 
 from client import Client, SamplingParams
 from client.engine import Engine
@@ -17,7 +17,6 @@ from client.request import Request
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
 from client.tokenizer import encode_prompt, load_tokenizer
-from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 
@@ -99,14 +98,7 @@ def test_kv_events_stream(stack):
         start = stub.GetStats(pb.GetStatsRequest())
         lease, md = new_lease(stub)
         tokens = list(range(1000, 1040))  # 2 full blocks of 16 + 8
-        resp = stub.AllocateSequences(pb.AllocateSequencesRequest(lease_id=lease, sequences=[
-            pb.SequenceAllocation(num_tokens=40, token_ids=tokens, cache_salt=uuid.uuid4().hex)]), metadata=md)
-        (seq,), (grant,) = resp.sequences, resp.grants
-        worker = WorkerClient(stack.worker_addresses[0])
-        (result,) = worker.step(cpb.StepRequest(pool_generation=grant.pool_generation, sequences=[cpb.StepSequence(
-            seq_id=seq.seq_id, token_ids=tokens, positions=range(40), block_ids=seq.block_ids, grant=grant)])).results
-        worker.close()
-        stub.CommitComputedTokens(pb.CommitComputedTokensRequest(lease_id=lease, receipts=[result.receipt]), metadata=md)
+        seq = computed(stack, stub, lease, md, tokens, uuid.uuid4().hex)  # a worker's step and its receipt
         stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease), metadata=md)
         del start
         # Token ids in events go to the admin only (tests/test_authz.py: others get none).
