@@ -1,4 +1,4 @@
-"""Frozen projections for the model, with oneDNN's prepacked fp32 matmul on CPU.
+"""Frozen projections for the model, with oneDNN's prepacked matmul on CPU (fp32, and bf16 on AMX).
 
 A CPU-library choice kept out of the architecture (gpt-fast's model.py holds none): the model
 builds every projection as `Linear(weight, packed=packed_linear_wanted(device, dtype))`.
@@ -17,25 +17,27 @@ PACKED_LINEAR_ENV = "PAGEDKV_PACKED_LINEAR"
 
 
 def packed_linear_wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `Linear` packs its weight: CPU, fp32, oneDNN in this torch build, and not turned off
-    with `PAGEDKV_PACKED_LINEAR=0`."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and os.environ.get(PACKED_LINEAR_ENV, "1") != "0"
-    )
+    """Whether `Linear` packs its weight: CPU, oneDNN in this torch build, fp32 or (where oneDNN
+    has bf16 kernels for this CPU: AVX512-BF16 or AMX) bf16, and not turned off with
+    `PAGEDKV_PACKED_LINEAR=0`."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if os.environ.get(PACKED_LINEAR_ENV, "1") == "0":
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 class Linear(nn.Module):
     """y = x W^T for a frozen weight W [out_features, in_features].
 
-    With `packed`, W is reordered once into oneDNN's blocked layout and applied by oneDNN's fp32
-    matmul (`torch.ops.mkldnn`, the prepacked path torch.compile's CPU backend uses for frozen
-    linear weights); only the packed copy is kept. At the few rows of a decode step this is much
-    faster on CPU than `F.linear`'s MKL call (see docs/benchmarks.md), and the sums are ordered
-    differently (results agree to fp32 rounding). Otherwise, or if oneDNN refuses the weight,
-    `F.linear`.
+    With `packed`, W is reordered once into oneDNN's blocked layout and applied by oneDNN's matmul
+    (`torch.ops.mkldnn`, the prepacked path torch.compile's CPU backend uses for frozen linear
+    weights; in bf16 it runs on AMX tiles where the CPU has them, accumulating in fp32); only the
+    packed copy is kept. At the few rows of a decode step this is much faster on CPU than
+    `F.linear` (see docs/benchmarks.md), and the sums are ordered differently (results agree to
+    the dtype's rounding). Otherwise, or if oneDNN refuses the weight, `F.linear`.
     """
 
     def __init__(self, weight: torch.Tensor, packed: bool) -> None:
