@@ -1,0 +1,189 @@
+"""What each speed change bought: the compute worker's model step, variant by variant, side by side.
+
+A *variant* is a checkout of this repository (a commit; default the working tree), a dtype (pool
+and model) and environment switches (``PAGEDKV_PACKED_LINEAR=0``: projections through
+``F.linear``; ``PAGEDKV_NATIVE_CPU=0``: attention and cache writes on the torch path). Each variant
+runs in a process of its own, started from its checkout (``git worktree add --detach`` into a
+temporary folder for a commit), which loads SmolLM2-135M-Instruct, maps nothing (a private pool
+tensor in the variant's dtype) and, per case, builds the step the worker would build
+(``compute_service.step_inputs.build_step_inputs`` from a ``StepRequest``), then times
+``model(*inputs.model_args(pool))`` plus greedy sampling: the worker's step without gRPC and
+grant checks (benchmarks/bench_worker.py measures those).
+
+Cases: single-stream decode (batch 1, context 256), batched decode (batch 32, context 256) and a
+prefill step (2 prompts of 256 tokens). The variants run in rounds, one case each in turn, so the
+machine's drift weighs on all alike; medians over rounds.
+
+    python benchmarks/bench_ablation.py                       # the default ladder at the working tree
+    python benchmarks/bench_ablation.py --variant "before=d1392cf:float32" \\
+        --variant "bf16 packed=HEAD:bfloat16" --variant "no native=HEAD:bfloat16:PAGEDKV_NATIVE_CPU=0"
+
+``--variant LABEL=COMMIT:DTYPE[:ENV=VALUE,...]`` (COMMIT ``.`` is the working tree). Prints one table
+(ms per step and tokens/s per case), writes benchmarks/results/bench_ablation.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = [("decode b1", 1, 256, 1), ("decode b32", 32, 256, 1), ("prefill 2x256", 2, 0, 256)]
+DEFAULT_VARIANTS = [
+    "fp32, F.linear, torch attention=.:float32:PAGEDKV_PACKED_LINEAR=0,PAGEDKV_NATIVE_CPU=0",
+    "fp32, packed, native=.:float32",
+    "bf16, F.linear, torch attention=.:bfloat16:PAGEDKV_PACKED_LINEAR=0,PAGEDKV_NATIVE_CPU=0",
+    "bf16, packed, torch attention=.:bfloat16:PAGEDKV_NATIVE_CPU=0",
+    "bf16, packed, native=.:bfloat16",
+]
+
+
+def child(dtype_name: str) -> None:
+    """Run in a variant's checkout: load, then for each line `CASE REPS` on stdin print JSON timings."""
+    sys.path[:0] = [str(Path.cwd() / "protos"), str(Path.cwd())]
+    import torch
+
+    from compute_service.model import LlamaForPagedLM
+    from compute_service.sampling import sample
+    from compute_service.step_inputs import build_step_inputs
+    from compute_service.weights import load_model_source
+    from pagedkv.compute.v1 import compute_service_pb2 as pb
+
+    dtype = getattr(torch, dtype_name)
+    config, weights = load_model_source("smollm2")
+    model = LlamaForPagedLM(config, weights, dtype=dtype)
+    del weights
+    block_size, num_blocks = 16, 32 * (256 // 16 + 2) + 8
+    pool = torch.zeros(num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+
+    def request(batch: int, ctx: int, new: int) -> pb.StepRequest:
+        seqs = []
+        per = -(-(ctx + new) // block_size)
+        for b in range(batch):
+            ids = torch.randint(0, config.vocab_size, (new,), generator=gen).tolist()
+            seqs.append(pb.StepSequence(
+                seq_id=b, token_ids=ids, positions=list(range(ctx, ctx + new)),
+                block_ids=list(range(b * per, (b + 1) * per)), sampling=pb.SamplingParams(temperature=0.0)))
+        return pb.StepRequest(sequences=seqs)
+
+    steps = {}
+    for name, batch, ctx, new in CASES:
+        req = request(batch, ctx, new)
+        steps[name] = (req, build_step_inputs(req, block_size=block_size, num_blocks=num_blocks,
+                                              vocab_size=config.vocab_size, device=torch.device("cpu")))
+
+    def run(name: str) -> float:
+        req, inputs = steps[name]
+        t = time.perf_counter()
+        logits = model(*inputs.model_args(pool))
+        sample(logits, inputs.sampling, [0] * len(inputs.sample_rows))
+        return time.perf_counter() - t
+
+    for name in steps:  # warm up (oneDNN's kernels are made on a shape's first call)
+        run(name), run(name)
+    print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        name, reps = line.rsplit(" ", 1)
+        print(json.dumps({"seconds": [run(name) for _ in range(int(reps))]}), flush=True)
+
+
+class Variant:
+    def __init__(self, spec: str, tmp: Path) -> None:
+        self.label, rest = spec.split("=", 1)
+        parts = rest.split(":", 2)
+        self.commit, self.dtype = parts[0], parts[1]
+        self.env = dict(kv.split("=", 1) for kv in parts[2].split(",")) if len(parts) > 2 and parts[2] else {}
+        self.tree = ROOT
+        if self.commit != ".":
+            sha = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", self.commit], text=True).strip()
+            self.commit = sha[:10]
+            self.tree = tmp / sha[:10]
+            if not self.tree.exists():
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(self.tree), sha], check=True)
+        env = {**os.environ, **self.env, "PYTHONPATH": f"{self.tree / 'protos'}:{self.tree}"}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", self.dtype],
+                                     cwd=self.tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.times: dict[str, list[float]] = {name: [] for name, *_ in CASES}
+
+    def ready(self) -> None:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"variant {self.label!r} failed to start")
+        self.threads = json.loads(line)["threads"]
+
+    def run(self, name: str, reps: int) -> None:
+        self.proc.stdin.write(f"{name} {reps}\n")
+        self.proc.stdin.flush()
+        self.times[name] += json.loads(self.proc.stdout.readline())["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", help="LABEL=COMMIT:DTYPE[:ENV=VALUE,...] (repeat)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--result-name", default="bench_ablation")
+    ap.add_argument("--child", metavar="DTYPE", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child)
+        return 0
+    from common import fmt, machine, pyplot, save_plot, table, write_result
+
+    specs = args.variant or DEFAULT_VARIANTS
+    reps = {"decode b1": 5, "decode b32": 3, "prefill 2x256": 1}
+    with tempfile.TemporaryDirectory(prefix="pagedkv-ablation-") as tmp:
+        variants = [Variant(s, Path(tmp)) for s in specs]
+        try:
+            for v in variants:
+                v.ready()
+            for _ in range(args.rounds):
+                for name, *_ in CASES:
+                    for v in variants:
+                        v.run(name, reps[name])
+        finally:
+            for v in variants:
+                v.close()
+            for v in variants:
+                if v.tree != ROOT:
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(v.tree)], check=False)
+    rows, result = [], {"machine": machine(), "cases": CASES, "variants": []}
+    for v in variants:
+        rec = {"label": v.label, "commit": v.commit, "dtype": v.dtype, "env": v.env, "threads": v.threads}
+        row = [v.label, v.commit, v.dtype]
+        for name, batch, _ctx, new in CASES:
+            ms = statistics.median(v.times[name]) * 1e3
+            tok_s = batch * new / ms * 1e3
+            rec[name] = {"ms": ms, "tok_s": tok_s, "samples": len(v.times[name])}
+            row += [fmt(ms, ".1f"), fmt(tok_s, ".0f")]
+        rows.append(row)
+        result["variants"].append(rec)
+    header = ["variant", "commit", "dtype"] + [f"{n} {u}" for n, *_ in CASES for u in ("ms", "tok/s")]
+    table("model step per variant (medians over rounds)", header, rows)
+    write_result(args.result_name, result)
+    plt = pyplot()
+    if plt is not None:
+        fig, axes = plt.subplots(1, len(CASES), figsize=(5 * len(CASES), 0.5 * len(variants) + 2))
+        for ax, (name, *_) in zip(axes, CASES):
+            ax.barh([v["label"] for v in result["variants"]], [v[name]["tok_s"] for v in result["variants"]])
+            ax.set_title(f"{name} (tokens/s)")
+            ax.invert_yaxis()
+        for ax in axes[1:]:
+            ax.set_yticklabels([])
+        save_plot(fig, args.result_name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
