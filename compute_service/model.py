@@ -3,10 +3,10 @@
 One forward runs a *packed* batch: the new tokens of every sequence laid end to end (T tokens
 for S sequences), whatever mix of prefill chunks and decode tokens it holds. Per layer, the new
 K/V are written into their slots (`kernels.reshape_and_cache`), then every new query attends
-causally over its sequence's paged context (`kernels.paged_prefill_attention`, PagedAttention,
-Kwon et al. SOSP 2023, §4.1); the attention's host-side metadata (`kernels.plan_attention`) is
-built once per forward and shared by every layer. Only the logits the caller asks for are
-computed.
+causally over its sequence's paged context (`kernels.paged_attention`, PagedAttention, Kwon et
+al. SOSP 2023, §4.1). The attention plan (`kernels.plan_attention`: metadata checked on the host,
+kernel chosen) is built once per step by the caller and shared by every layer. Only the logits
+the caller asks for are computed.
 
 Architecture as in Hugging Face `LlamaForCausalLM` (RMSNorm, RoPE with rotate-half, GQA, SwiGLU,
 optional tied embeddings); layout of the file after gpt-fast's model.py: the architecture only.
@@ -90,10 +90,7 @@ class StepMeta:
     cos: torch.Tensor  # [T, 1, head_dim] model dtype, each frequency twice
     sin: torch.Tensor  # [T, 1, head_dim], first half negated (see `apply_rope`)
     slot_mapping: torch.Tensor  # [T] int64, pool slot of each new token
-    block_tables: torch.Tensor  # [S, max_blocks] int32
-    query_start_loc: torch.Tensor  # [S + 1] int32
-    seq_lens: torch.Tensor  # [S] int32, tokens in cache after this step
-    plan: kernels.AttentionPlan  # attention host work of this step, built once for all layers
+    plan: kernels.AttentionPlan  # the step's attention metadata and kernel, shared by all layers
 
 
 class PagedAttention(nn.Module):
@@ -118,16 +115,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; key_cache, value_cache: [num_blocks, block_size, Hkv, Dh]
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        return kernels.paged_prefill_attention(
-            q,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            self.scale,
-            plan=meta.plan,
-        )  # [T, Hq, Dh]
+        return kernels.paged_attention(q, key_cache, value_cache, meta.plan, self.scale)  # [T, Hq, Dh]
 
 
 class Attention(nn.Module):
@@ -238,17 +226,18 @@ class LlamaForPagedLM(nn.Module):
         positions: torch.Tensor,  # [T] int64, position of each new token in its sequence
         kv_pool: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, Hkv, Dh]
         slot_mapping: torch.Tensor,  # [T] int64, block * block_size + offset of each new token
-        block_tables: torch.Tensor,  # [S, max_blocks] int32
-        query_start_loc: torch.Tensor,  # [S + 1] int32, cumulative new-token counts
-        seq_lens: torch.Tensor,  # [S] int32, tokens in cache after this step
+        plan: kernels.AttentionPlan,  # this step's attention plan (block tables, lengths, kernel)
         logits_indices: torch.Tensor,  # [S'] int64, packed rows whose logits to return
     ) -> torch.Tensor:  # [S', vocab] float32
         """One model step: writes the new tokens' K/V into the pool, returns chosen logits.
 
-        New token j of a sequence with n new tokens sits at position seq_len - n + j and sees
+        `plan` is `kernels.plan_attention(block_tables, query_start_loc, seq_lens, block_size,
+        host_query_start_loc=..., host_seq_lens=..., num_kv_heads=...)` of the step (see
+        `compute_service.step_inputs.StepInputs.attention_plan`), built once on the host. New
+        token j of a sequence with n new tokens sits at position seq_len - n + j and sees
         positions [0, seq_len - n + j] (causal, bottom-right aligned). Every tensor must be on
         the model's device; the pool may be any dtype the kernels accept. Raises ValueError when
-        the pool's layout does not match the model.
+        the pool's layout does not match the model, or the plan the pool's block size.
         """
         # input_ids, positions, slot_mapping: [T]; kv_pool: [N, L, 2, B, Hkv, Dh] -> [S', vocab]
         c = self.config
@@ -262,6 +251,8 @@ class LlamaForPagedLM(nn.Module):
                 f"kv_pool shape {tuple(kv_pool.shape)} does not match the model: expected "
                 f"[num_blocks, {c.num_layers}, 2, block_size, {c.num_kv_heads}, {c.head_dim}]"
             )
+        if plan.block_size != kv_pool.shape[3]:
+            raise ValueError(f"the attention plan is for block size {plan.block_size}, the pool's is {kv_pool.shape[3]}")
         # positions: [T] -> cos, sin: [T, 1, Dh]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         freqs = torch.cat((freqs, freqs), dim=-1)
@@ -269,10 +260,7 @@ class LlamaForPagedLM(nn.Module):
             freqs.cos()[:, None].to(self.dtype),
             signed_sin(freqs.sin()[:, None]).to(self.dtype),
             slot_mapping,
-            block_tables,
-            query_start_loc,
-            seq_lens,
-            kernels.plan_attention(block_tables, query_start_loc, seq_lens, kv_pool.shape[3]),
+            plan,
         )
         x = F.embedding(input_ids, self.embed)  # [T, D]
         for i, layer in enumerate(self.layers):

@@ -9,7 +9,9 @@ sequence with block table ``bt``::
     slot = bt[p // block_size] * block_size + p % block_size        (int64)
 
 plus the packed batch's block tables, ``query_start_loc``, ``seq_lens`` and the rows whose
-logits are sampled (vLLM v1's ``InputBatch`` / model-runner inputs). Nothing here touches the pool.
+logits are sampled (vLLM v1's ``InputBatch`` / model-runner inputs), and keeps host copies of the
+lengths so that the step's attention plan (`StepInputs.attention_plan`) is built without waiting
+on the device. Nothing here touches the pool.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from compute_service.sampling import SamplingParams
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.errors import InvalidArgumentError
@@ -41,6 +44,8 @@ class StepInputs:
     block_tables: torch.Tensor  # block_tables: [S, max_blocks] int32, zero-padded past each table
     query_start_loc: torch.Tensor  # query_start_loc: [S + 1] int32, cumulative new-token counts
     seq_lens: torch.Tensor  # seq_lens: [S] int32, tokens in the cache after this step
+    host_query_start_loc: torch.Tensor  # [S + 1] int32 on the CPU, the values of query_start_loc
+    host_seq_lens: torch.Tensor  # [S] int32 on the CPU, the values of seq_lens
     logits_indices: torch.Tensor  # logits_indices: [S'] int64, packed row of each sampled sequence's last token
     block_copies: torch.Tensor  # block_copies: [C, 2] int64 (src, dst) copy-on-write pairs, done before the forward
     sample_rows: list[int]  # [S'] batch index of each sampled sequence
@@ -50,6 +55,8 @@ class StepInputs:
         t, s = self.token_ids.shape[0], self.seq_lens.shape[0]
         assert self.positions.shape == (t,) and self.slot_mapping.shape == (t,), "one position and slot per token"
         assert self.block_tables.shape[0] == s and self.query_start_loc.shape == (s + 1,), "one row per sequence"
+        assert self.host_query_start_loc.shape == (s + 1,) and self.host_seq_lens.shape == (s,), "host lengths"
+        assert self.host_query_start_loc.device.type == self.host_seq_lens.device.type == "cpu", "host lengths"
         n = self.logits_indices.shape[0]
         assert len(self.sample_rows) == n and len(self.sampling) == n, "one logits row per sampled sequence"
         assert self.block_copies.dim() == 2 and self.block_copies.shape[1] == 2, "copies are (src, dst) rows"
@@ -59,11 +66,21 @@ class StepInputs:
         """T, new tokens in the step."""
         return int(self.token_ids.shape[0])
 
-    def model_args(self, kv_pool: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Positional arguments of `LlamaForPagedLM.forward` over `kv_pool`."""
+    def attention_plan(self, kv_pool: torch.Tensor) -> kernels.AttentionPlan:
+        """The step's attention plan over `kv_pool` [num_blocks, L, 2, block_size, Hkv, Dh],
+        built from the host copies of the lengths (no device sync); shared by every layer."""
+        return kernels.plan_attention(
+            self.block_tables, self.query_start_loc, self.seq_lens, kv_pool.shape[3],
+            host_query_start_loc=self.host_query_start_loc, host_seq_lens=self.host_seq_lens,
+            num_kv_heads=kv_pool.shape[4],
+        )  # fmt: skip
+
+    def model_args(self, kv_pool: torch.Tensor) -> tuple:
+        """Positional arguments of `LlamaForPagedLM.forward` over `kv_pool` (plans the step's
+        attention: `attention_plan`)."""
         return (
-            self.token_ids, self.positions, kv_pool, self.slot_mapping, self.block_tables,
-            self.query_start_loc, self.seq_lens, self.logits_indices,
+            self.token_ids, self.positions, kv_pool, self.slot_mapping, self.attention_plan(kv_pool),
+            self.logits_indices,
         )  # fmt: skip
 
 
@@ -173,13 +190,16 @@ def build_step_inputs(
     torch.cumsum(lens_t, 0, out=qsl[1:])
     logits_indices = (qsl[1:].to(torch.int64) - 1)[torch.tensor(out_idx, dtype=torch.int64)]
     copies = torch.tensor([[c.src, c.dst] for c in request.copies], dtype=torch.int64).view(-1, 2)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
     return StepInputs(
         token_ids=torch.tensor(tokens, dtype=torch.int64).to(device),
         positions=torch.tensor(positions, dtype=torch.int64).to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
         block_tables=block_tables.to(device),
         query_start_loc=qsl.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        seq_lens=seq_lens_t.to(device),
+        host_query_start_loc=qsl,
+        host_seq_lens=seq_lens_t,
         logits_indices=logits_indices.to(device),
         block_copies=copies.to(device),
         sample_rows=out_idx,

@@ -1,26 +1,30 @@
 """Paged KV-cache kernels: attention that reads keys and values through a block table.
 
 PagedAttention (Kwon et al., SOSP 2023, §4.1). Triton kernels on CUDA; the same ops as vectorized
-torch on CPU, where fp32 decode attention and cache writes go to small native C kernels when the
-host can build them (`kernels.cpu_native`). Every op takes `backend=None|"triton"|"torch"`; None picks Triton for CUDA tensors.
-Triton is imported only when a Triton op runs. `plan_attention` does a step's host work once
-(grouping, gather indices, checks) for every layer's attention call (FlashInfer's plan/run).
+torch on CPU, where decode attention and cache writes go to small native C kernels when the host
+can build them (`kernels.cpu_native`). Triton is imported only when a Triton kernel runs.
+
+Attention is planned once per step and run per layer (FlashInfer's plan/run):
+`plan_attention(block_tables, query_start_loc, seq_lens, block_size, host_query_start_loc=...,
+host_seq_lens=...)` checks the metadata on the host and picks the kernel (split-KV decode for a
+decode-only batch on Triton, the prefill kernel for any other Triton batch, native/torch on
+CPU); `paged_attention(query, key_cache, value_cache, plan, scale)` runs it.
+`reshape_and_cache` and `copy_blocks` take `backend=None|"triton"|"torch"`; None picks Triton
+for CUDA tensors.
 
 Cache views are one layer of the block-major pool
 `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`:
 `key_cache = pool[:, layer, 0]`, `value_cache = pool[:, layer, 1]`.
 """
 
+from kernels.attention import paged_attention
 from kernels.cache_ops import copy_blocks, reshape_and_cache
-from kernels.decode import paged_decode_attention
 from kernels.plan import AttentionPlan, plan_attention
-from kernels.prefill import paged_prefill_attention
 
 __all__ = [
     "AttentionPlan",
     "copy_blocks",
-    "paged_decode_attention",
-    "paged_prefill_attention",
+    "paged_attention",
     "plan_attention",
     "reshape_and_cache",
 ]

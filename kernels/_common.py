@@ -72,39 +72,6 @@ def check_int_vector(name: str, t: torch.Tensor, length: int | None, dtypes) -> 
         raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
 
 
-def check_attention_args(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_seqs: int,
-) -> tuple[int, int, int, int, int]:
-    """Shared checks of the attention ops; return (num_q_heads, num_kv_heads, head_dim,
-    block_size, max_blocks_per_seq)."""
-    _, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
-    if query.dim() != 3 or query.shape[2] != head_dim:
-        raise ValueError(
-            f"query must be [tokens, num_q_heads, {head_dim}], got shape {tuple(query.shape)}"
-        )
-    if query.dtype not in CACHE_DTYPES:
-        raise ValueError(f"query dtype must be one of {CACHE_DTYPES}, got {query.dtype}")
-    num_q_heads = query.shape[1]
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"block_tables must be [num_seqs={num_seqs}, max_blocks], "
-            f"got shape {tuple(block_tables.shape)}"
-        )
-    if block_tables.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_tables must be int32 (or int64), got {block_tables.dtype}")
-    check_int_vector("seq_lens", seq_lens, num_seqs, (torch.int32, torch.int64))
-    return num_q_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1]
-
-
 def check_host_lengths(
     seq_lens: torch.Tensor, q_lens: torch.Tensor, block_size: int, max_blocks: int
 ) -> None:

@@ -1,124 +1,108 @@
-"""Attention plan: the per-step host work of paged attention, done once and reused by every layer.
+"""Attention plan: one step's paged-attention metadata, checked once, and the kernel that will run.
 
 After FlashInfer's `plan()` / `run()` split: a model step calls `plan_attention` once with the
-step's block tables, query_start_loc and seq_lens, then passes the plan to the attention op of
-each layer, which then does no host-side work, no device-to-host sync and no value validation.
+step's block tables, query_start_loc and seq_lens (plus host copies of the lengths), then passes
+the plan to `kernels.paged_attention` in every layer, which takes no metadata, does no host work,
+no device-to-host sync and no value validation.
 
-Torch path (CPU): sequences are sorted by (new tokens, context length) and packed into *groups*
-of similar shape. For each group the plan holds the padded query rows, the pool row of every
-context position (positions past a sequence's length are clamped to its last valid position, so
-no byte outside a sequence's context is ever gathered), and, when lengths differ inside the
-group, the causal bottom-right aligned visibility mask. A layer then runs, per group, two
-`index_select`s (keys, values) into a reused workspace and one batched
-`scaled_dot_product_attention` (padded batched SDPA, GQA). When the native CPU decode kernel is
-available (`kernels.cpu_native`), sequences with one new token are not grouped: the plan lists
-them (`decode`) and the kernel reads their blocks in place; their gather groups are built only
-if a call cannot use the kernel (a non-fp32 cache).
+The plan picks the kernel (`AttentionPlan.kernel`):
 
-Triton path (CUDA): the plan holds int32 contiguous copies of the metadata and max(seq_lens),
-so the per-layer launch needs no conversion and no sync.
+- "triton_decode": Triton backend, every sequence has exactly one new token. The split-KV
+  decode kernel (flash-decoding: `kernels.triton_decode`) with its number of context splits
+  fixed here from the batch's shape (`default_num_splits`).
+- "triton_prefill": Triton backend, any other batch (prompts, chunked prefill, prefix hits and
+  decode tokens mixed): `kernels.triton_prefill`.
+- "torch": the torch backend (the CPU production path): decode rows to the native CPU kernel
+  when it is built (`plan.decode`), every other row in padded gather groups (`plan.groups`;
+  `kernels.torch_groups`).
+
+Planning never waits on the device: lengths are read from host copies (`host_query_start_loc`,
+`host_seq_lens`; CPU metadata tensors are their own host copies), and only device-side
+conversions of the metadata tensors are queued.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from kernels import cpu_native
-from kernels._common import check_host_lengths, check_int_vector, choose_backend
+from kernels._common import BACKENDS, check_host_lengths, check_int_vector
+from kernels.torch_groups import AttentionGroup, DecodeRows, make_groups
 
-# Gathered context positions per group (keys of all its sequences, padded): 4096 positions of
-# SmolLM2's 3 KV heads x 64 is 3 MiB of keys and values, which stays in the last-level cache
-# between the gather and the attention that reads it.
-GROUP_TOKENS = 4096
-# A sequence joins a group only if padding it to the group's largest shape costs at most this
-# factor over the group's smallest member (plus `GROUP_SLACK_TOKENS` positions).
-GROUP_PAD_FACTOR = 1.25
-GROUP_SLACK_TOKENS = 64
+KERNELS = ("triton_decode", "triton_prefill", "torch")
 
-
-@dataclass(slots=True)
-class AttentionGroup:
-    """Sequences attended together as one padded batch [n, heads, q_pad, ctx_pad]."""
-
-    num_seqs: int  # n, sequences in the group
-    q_pad: int  # padded new tokens per sequence (1 for decode)
-    ctx_pad: int  # padded context positions per sequence
-    q_rows: torch.Tensor  # [n * q_pad] int64 packed query rows; padding repeats a real row
-    out_rows: torch.Tensor  # [m] int64 packed rows this group writes (its real queries)
-    out_sel: torch.Tensor | None  # [m] int64 rows of the padded result to keep; None: all
-    blocks: torch.Tensor  # [n * ctx_pad] int64 block id of each gathered position (clamped)
-    offsets: torch.Tensor  # [n * ctx_pad] int64 offset inside the block of each position
-    mask: torch.Tensor | None  # [n, 1, q_pad, ctx_pad] bool visibility; None: see is_causal
-    is_causal: bool  # no mask and top-left causal (a whole prompt: q_pad == ctx_pad)
-    # NOTE: rows of the per-layer flat cache view depend only on the pool's block stride,
-    # which is the same for every layer: computed by the first layer, reused by the others.
-    _rows: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def rows(self, rows_per_block: int) -> torch.Tensor:
-        """[n * ctx_pad] int64 row of each position in a cache view flattened to rows."""
-        r = self._rows.get(rows_per_block)
-        if r is None:
-            r = self._rows[rows_per_block] = self.blocks * rows_per_block + self.offsets
-        return r
+# Split-KV policy of the Triton decode kernel: below this context length one pass per
+# (sequence, KV head) is used.
+SPLIT_KV_MIN_TOKENS = 1024
+# Context positions per split when splitting.
+SPLIT_KV_TOKENS_PER_SPLIT = 512
+# Split only while (sequences x KV heads) leaves the GPU under-filled: aim for this many programs.
+SPLIT_KV_TARGET_PROGRAMS = 1024
+# Upper bound on splits.
+SPLIT_KV_MAX_SPLITS = 64
 
 
-@dataclass(slots=True)
-class DecodeRows:
-    """Sequences with one new token each, attended in place by the native CPU decode kernel."""
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Split-KV ranges of the Triton decode kernel for a batch of this shape (host arithmetic).
 
-    seq_index: torch.Tensor  # [n] int64 sequence (row of block_tables / seq_lens)
-    q_index: torch.Tensor  # [n] int64 packed query row of each
-    _build_groups: Callable[[], list[AttentionGroup]]  # their gather groups (torch path)
-    _groups: list[AttentionGroup] | None = None
-
-    def gather_groups(self) -> list[AttentionGroup]:
-        """The same rows as gather groups, for a call the native kernel cannot serve (built once)."""
-        if self._groups is None:
-            self._groups = self._build_groups()
-        return self._groups
+    One range up to `SPLIT_KV_MIN_TOKENS` positions; beyond, one per `SPLIT_KV_TOKENS_PER_SPLIT`
+    positions, but only as many as needed to reach `SPLIT_KV_TARGET_PROGRAMS` programs
+    (num_seqs x num_kv_heads x splits), at most `SPLIT_KV_MAX_SPLITS`.
+    """
+    if max_seq_len <= SPLIT_KV_MIN_TOKENS:
+        return 1
+    by_length = -(-max_seq_len // SPLIT_KV_TOKENS_PER_SPLIT)
+    by_occupancy = max(1, SPLIT_KV_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))
+    return max(1, min(by_length, by_occupancy, SPLIT_KV_MAX_SPLITS))
 
 
 @dataclass(slots=True)
 class AttentionPlan:
-    """Metadata of one step's batch, shared by every layer's attention call.
+    """One step's batch for every layer's `kernels.paged_attention`; build with `plan_attention`.
 
-    Build with `plan_attention`; pass as `plan=` to `paged_prefill_attention` (or
-    `paged_decode_attention` for a batch of one new token per sequence).
+    NOTE: invariants (checked by `plan_attention`, trusted by `paged_attention`):
+    - 0 = query_start_loc[0] <= ... <= query_start_loc[S] = total_q, and for every sequence
+      0 <= new tokens <= seq_len <= block_size * block_tables.shape[1], seq_len >= 1 if it
+      has new tokens.
+    - kernel "triton_decode" iff backend "triton" and every sequence has one new token
+      (`decode_only`); then `num_splits` (if set) >= 1 and `max_seq_len` = max(seq_lens).
+    - groups/decode/max_group_tokens are set only for kernel "torch".
+    - sliding_window, k_scale and v_scale are None (not implemented yet, see `plan_attention`).
     """
 
     backend: str  # "torch" or "triton"
+    kernel: str  # one of KERNELS: what `paged_attention` runs
     num_seqs: int  # S
-    total_q: int  # packed new tokens of the batch
-    block_size: int  # tokens per block
-    max_seq_len: int | None  # max(seq_lens) (triton decode); None if not computed
-    decode_only: bool | None  # every sequence has exactly one new token; None: not computed
-    source_ptrs: tuple[int, int, int]  # data_ptr of block_tables, query_start_loc, seq_lens
-    groups: list[AttentionGroup]  # torch path: padded batches covering every query row not in decode
-    max_group_tokens: int  # torch path: largest n * ctx_pad of `groups` (workspace rows)
-    block_tables: torch.Tensor  # [S, max_blocks] int32 contiguous
+    total_q: int  # packed new tokens of the batch (query rows)
+    block_size: int  # tokens per cache block
+    max_seq_len: int  # max(seq_lens), 0 for an empty batch (from the host copy)
+    decode_only: bool  # every sequence has exactly one new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32 contiguous, on the metadata's device
     query_start_loc: torch.Tensor  # [S + 1] int32 contiguous
     seq_lens: torch.Tensor  # [S] int32 contiguous
-    # Torch path with the native CPU decode kernel: the one-new-token sequences; else None.
+    # triton_decode: split-KV ranges per sequence, fixed at plan time when num_kv_heads is known;
+    # None: chosen by `default_num_splits` from the cache's KV heads at the first call.
+    num_splits: int | None = None
+    # torch: padded batches covering every query row not in `decode`.
+    groups: list[AttentionGroup] = field(default_factory=list)
+    max_group_tokens: int = 0  # torch: largest n * ctx_pad of `groups` (workspace rows)
+    # torch with the native CPU decode kernel: the one-new-token sequences; else None.
     decode: DecodeRows | None = None
-    # Gather buffers reused by every layer, keyed by (dtype, num_kv_heads, head_dim).
+    # Room for later features; None only for now (a set value is refused by plan_attention).
+    sliding_window: int | None = None  # tokens a query sees back from itself (incl. itself)
+    k_scale: torch.Tensor | None = None  # [num_layers, num_kv_heads] fp32 fp8 key scales
+    v_scale: torch.Tensor | None = None  # [num_layers, num_kv_heads] fp32 fp8 value scales
+    # Gather buffers reused by every layer, keyed by (dtype, num_kv_heads, head_dim) (torch).
     workspace: dict = field(default_factory=dict)
 
-    def check_source(self, block_tables, query_start_loc, seq_lens, total_q: int) -> None:
-        """Raise ValueError unless the plan was built from these tensors for this query.
-
-        `query_start_loc` None (decode) skips that tensor's check.
-        """
-        qsl_ptr = self.source_ptrs[1] if query_start_loc is None else query_start_loc.data_ptr()
-        ptrs = (block_tables.data_ptr(), qsl_ptr, seq_lens.data_ptr())
-        if ptrs != self.source_ptrs or total_q != self.total_q:
-            raise ValueError(
-                "the attention plan was built for other block_tables/query_start_loc/seq_lens "
-                "or another number of query tokens; call plan_attention once per step with the "
-                "tensors passed to the attention op"
-            )
+    def splits_for(self, num_kv_heads: int) -> int:
+        """Split-KV ranges of the decode kernel for a cache with `num_kv_heads` heads."""
+        if self.num_splits is None:
+            self.num_splits = default_num_splits(self.num_seqs, num_kv_heads, self.max_seq_len)
+        return self.num_splits
 
 
 def plan_attention(
@@ -127,158 +111,166 @@ def plan_attention(
     seq_lens: torch.Tensor,
     block_size: int,
     *,
+    host_query_start_loc: torch.Tensor | list[int] | None = None,
+    host_seq_lens: torch.Tensor | list[int] | None = None,
+    num_kv_heads: int | None = None,
+    num_splits: int | None = None,
+    sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> AttentionPlan:
-    """Plan one step's paged attention (host work, once per step; FlashInfer's `plan()`).
+    """Check one step's attention metadata and pick its kernel (host work, once per step).
 
     Args:
-        block_tables: [num_seqs, max_blocks] int32 block ids; entries past a sequence's last
-            block are never read.
-        query_start_loc: [num_seqs + 1] int32, cumulative new-token counts.
+        block_tables: [num_seqs, max_blocks] int32 block ids (int64 accepted on the CPU when
+            every id to be read fits in int32); entries past a sequence's last block are never
+            read.
+        query_start_loc: [num_seqs + 1] int32, cumulative new-token counts (0 first).
         seq_lens: [num_seqs] int32, tokens in the cache after this step (cached + new).
         block_size: tokens per cache block.
-        backend: None (Triton for CUDA tensors, torch otherwise), "triton" or "torch"; must be
-            the backend of the attention calls that use the plan.
+        host_query_start_loc, host_seq_lens: the same values on the host (CPU int tensors or
+            lists), read instead of the metadata tensors, which are never read back. Required
+            when the metadata is not on the CPU; CPU metadata tensors are their own host copies.
+        num_kv_heads: KV heads of the cache; lets the Triton decode split policy be fixed here
+            (else at the first `paged_attention` call, from the cache's shape).
+        num_splits: force this many split-KV ranges (>= 1) on the Triton decode kernel (tests,
+            benchmarks); only for a plan whose kernel is "triton_decode".
+        sliding_window: not implemented yet; must be None.
+        k_scale, v_scale: per-(layer, KV head) fp8 scales, [num_layers, num_kv_heads] float32;
+            not implemented yet: must be None.
+        backend: None (Triton for CUDA tensors, torch otherwise), "triton" or "torch"; planning
+            for "triton" needs no GPU and launches nothing.
 
     Returns:
-        An `AttentionPlan`; reuse it for every layer of the step with the same tensors.
+        An `AttentionPlan` for every layer of the step; it keeps its own int32 copies of the
+        metadata, so later in-place changes to the caller's tensors do not reach it.
 
     Raises:
-        ValueError: bad shapes/dtypes/devices; on the torch path also new tokens > seq_len,
-            query_start_loc not starting at 0, a seq_len past the block table, or an int64
-            block id to be read that does not fit in int32.
+        ValueError: bad shapes/dtypes/devices, a missing or misshapen host copy, query_start_loc
+            not starting at 0 or decreasing, new tokens > seq_len, a seq_len past the block
+            table, an int64 block id to be read that does not fit in int32 (or int64 block
+            tables off the CPU), num_splits < 1 or given for another kernel, a malformed
+            sliding_window / k_scale / v_scale.
+        NotImplementedError: a sliding_window, k_scale or v_scale that is set.
     """
     if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             "block_tables must be [num_seqs, max_blocks] int32, got "
             f"{tuple(block_tables.shape)} {block_tables.dtype}"
         )
-    num_seqs = block_tables.shape[0]
+    num_seqs, max_blocks = block_tables.shape
     ints = (torch.int32, torch.int64)
     check_int_vector("seq_lens", seq_lens, num_seqs, ints)
     check_int_vector("query_start_loc", query_start_loc, num_seqs + 1, ints)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    backend = choose_backend(backend, block_tables, query_start_loc, seq_lens)
-    ptrs = (block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr())
-    bt32 = block_tables.to(torch.int32).contiguous()
-    qsl32 = query_start_loc.to(torch.int32).contiguous()
-    sl32 = seq_lens.to(torch.int32).contiguous()
-    if backend == "triton":
-        # One sync per step (not per layer) for the decode kernel's grid.
-        max_len = int(seq_lens.max()) if num_seqs else 0
-        total_q = int(query_start_loc[-1])
-        return AttentionPlan(
-            "triton", num_seqs, total_q, block_size, max_len, None, ptrs, [], 0,
-            bt32, qsl32, sl32,
-        )  # fmt: skip
-    qsl = query_start_loc.to("cpu", torch.int64)
-    lens = seq_lens.to("cpu", torch.int64)
+    if num_kv_heads is not None and num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be >= 1 or None, got {num_kv_heads}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+    _check_unimplemented(sliding_window, k_scale, v_scale)
+    devices = {t.device for t in (block_tables, query_start_loc, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = block_tables.device
+    if backend is None:
+        backend = "triton" if device.type == "cuda" else "torch"
+    elif backend not in BACKENDS:
+        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    on_host = device.type == "cpu"
+    qsl = _host_copy("query_start_loc", host_query_start_loc, query_start_loc, on_host)
+    lens = _host_copy("seq_lens", host_seq_lens, seq_lens, on_host)
     if int(qsl[0]) != 0:
         raise ValueError(f"query_start_loc must start at 0, got {int(qsl[0])}")
     q_lens = qsl[1:] - qsl[:-1]
-    check_host_lengths(lens, q_lens, block_size, block_tables.shape[1])
-    if block_tables.dtype == torch.int64 and block_tables.numel():
-        # The int32 copy must not wrap an id that will be read into another, valid one.
-        read = torch.arange(block_tables.shape[1])[None, :] < ((lens + block_size - 1) // block_size)[:, None]
-        ids = block_tables.to("cpu")[read]
-        if ids.numel() and (int(ids.min()) < -(2**31) or int(ids.max()) >= 2**31):
-            raise ValueError("block ids must fit in int32")
-    # The plan keeps its own copies: a caller changing its tensors in place cannot desync it.
-    bt32, qsl32, sl32 = (
-        t.clone() if t.data_ptr() == src.data_ptr() else t
-        for t, src in ((bt32, block_tables), (qsl32, query_start_loc), (sl32, seq_lens))
-    )
-    native = block_tables.device.type == "cpu" and cpu_native.available()
-    groups, decode = _make_groups(block_tables, qsl, q_lens, lens, block_size, native)
-    max_tokens = max((g.num_seqs * g.ctx_pad for g in groups), default=0)
-    max_len = int(lens.max()) if num_seqs else 0
+    check_host_lengths(lens, q_lens, block_size, max_blocks)
+    if block_tables.dtype == torch.int64:
+        _check_int32_ids(block_tables, lens, block_size)
     decode_only = bool((q_lens == 1).all())
-    return AttentionPlan(
-        "torch", num_seqs, int(qsl[-1]), block_size, max_len, decode_only, ptrs, groups,
-        max_tokens, bt32, qsl32, sl32, decode,
+    kernel = ("triton_decode" if decode_only else "triton_prefill") if backend == "triton" else "torch"
+    if num_splits is not None and kernel != "triton_decode":
+        raise ValueError(f"num_splits applies to the triton decode kernel only; this plan runs {kernel!r}")
+    # The plan keeps its own int32 copies (device-side conversions: no sync).
+    bt32, qsl32, sl32 = (_own_int32(t) for t in (block_tables, query_start_loc, seq_lens))
+    max_len = int(lens.max()) if num_seqs else 0
+    plan = AttentionPlan(
+        backend, kernel, num_seqs, int(qsl[-1]), block_size, max_len, decode_only, bt32, qsl32, sl32,
     )  # fmt: skip
+    if kernel == "triton_decode":
+        plan.num_splits = num_splits
+        if num_splits is None and num_kv_heads is not None:
+            plan.splits_for(num_kv_heads)
+    elif kernel == "torch":
+        native = on_host and cpu_native.available()
+        plan.groups, plan.decode = make_groups(block_tables, qsl, q_lens, lens, block_size, native)
+        plan.max_group_tokens = max((g.num_seqs * g.ctx_pad for g in plan.groups), default=0)
+    return plan
 
 
-def _make_groups(
-    block_tables: torch.Tensor,  # [S, max_blocks]
-    qsl: torch.Tensor,  # [S + 1] int64
-    q_lens: torch.Tensor,  # [S] int64
-    lens: torch.Tensor,  # [S] int64
-    block_size: int,
-    native_decode: bool,
-) -> tuple[list[AttentionGroup], DecodeRows | None]:
-    """Gather groups of the sequences with new tokens; with `native_decode`, the one-token ones
-    are left out of them and returned as DecodeRows instead."""
-    q_list, len_list = q_lens.tolist(), lens.tolist()
-    active = [s for s in range(len(q_list)) if q_list[s] > 0]
-    active.sort(key=lambda s: (q_list[s], len_list[s]))
-    tables = block_tables.to("cpu", torch.int64)
-    dev = block_tables.device
-
-    def build(seqs: list[int]) -> list[AttentionGroup]:
-        return [
-            _group(tables, qsl, q_lens, lens, block_size, m, dev)
-            for m in _pack(seqs, q_list, len_list)
-        ]
-
-    decode = None
-    if native_decode:
-        ones = [s for s in active if q_list[s] == 1]
-        if ones:
-            active = [s for s in active if q_list[s] != 1]
-            sel = torch.tensor(ones, dtype=torch.int64)
-            decode = DecodeRows(sel.to(dev), qsl[sel].to(dev), lambda: build(ones))
-    return build(active), decode
+def triton_ready(query: torch.Tensor) -> None:
+    """Raise ValueError unless a Triton kernel can run on `query`'s device (CUDA, or CPU under
+    `TRITON_INTERPRET=1`)."""
+    if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "a triton plan needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
+            f"imported); got tensors on {query.device}"
+        )
 
 
-def _pack(active: list[int], q_list: list[int], len_list: list[int]) -> list[list[int]]:
-    """Cut sequences sorted by (new tokens, length) into groups of similar shape."""
-    members: list[list[int]] = []
-    for s in active:
-        if members:
-            grp = members[-1]
-            first, q_pad, ctx_pad = grp[0], q_list[s], len_list[s]  # sorted: s is the largest
-            fits = (
-                (len(grp) + 1) * ctx_pad <= GROUP_TOKENS
-                and q_pad <= GROUP_PAD_FACTOR * q_list[first]
-                and ctx_pad <= GROUP_PAD_FACTOR * len_list[first] + GROUP_SLACK_TOKENS
+def _host_copy(name: str, host, tensor: torch.Tensor, on_host: bool) -> torch.Tensor:
+    """[n] int64 CPU values of `tensor`, from `host` (or the tensor itself when on the CPU)."""
+    if host is None:
+        if not on_host:
+            raise ValueError(
+                f"{name} is on {tensor.device}: pass host_{name} (its values on the CPU, a tensor "
+                "or a list) so that planning does not wait on the device"
             )
-            if fits:
-                grp.append(s)
-                continue
-        members.append([s])
-    return members
+        host = tensor
+    elif not isinstance(host, torch.Tensor):
+        host = torch.tensor(list(host), dtype=torch.int64)
+    if host.device.type != "cpu" or host.dim() != 1 or host.shape[0] != tensor.shape[0]:
+        raise ValueError(
+            f"host_{name} must be a 1-D CPU sequence of {tensor.shape[0]} ints, got "
+            f"{tuple(host.shape)} on {host.device}"
+        )
+    if host.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"host_{name} must hold ints, got {host.dtype}")
+    return host.to(torch.int64)
 
 
-def _group(tables, qsl, q_lens, lens, block_size: int, members: list[int], dev) -> AttentionGroup:
-    sel = torch.tensor(members, dtype=torch.int64)
-    n, qn, ln, q0 = len(members), q_lens[sel], lens[sel], qsl[sel]  # [n] each
-    q_pad, ctx_pad = int(qn.max()), int(ln.max())
-    # Queries: row i of a sequence is new token min(i, qn - 1) (padding repeats the last one).
-    qi = torch.arange(q_pad)
-    qi_c = torch.minimum(qi[None, :], (qn - 1)[:, None])  # [n, Q]
-    q_rows = (q0[:, None] + qi_c).flatten()
-    q_pos = (ln - qn)[:, None] + qi_c  # [n, Q] position of each (clamped) query
-    # Context: position p of a sequence reads min(p, len - 1), never a slot past its length.
-    p = torch.minimum(torch.arange(ctx_pad)[None, :], (ln - 1)[:, None])  # [n, L]
-    blocks = torch.gather(tables[sel], 1, p // block_size).flatten()
-    offsets = (p % block_size).flatten()
-    uniform_q, uniform_len = bool((qn == q_pad).all()), bool((ln == ctx_pad).all())
-    out_rows, out_sel = q_rows, None
-    if not uniform_q:
-        keep = (qi[None, :] < qn[:, None]).flatten().nonzero().flatten()
-        out_rows, out_sel = q_rows[keep], keep
-    mask, is_causal = None, False
-    if q_pad == 1 and uniform_len:
-        pass  # decode, equal lengths: every position is visible
-    elif n == 1 and q_pad == ctx_pad:
-        is_causal = True  # a whole prompt: plain causal
-    else:
-        kpos = torch.arange(ctx_pad)
-        mask = (kpos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [n, 1, Q, L]
-    return AttentionGroup(
-        n, q_pad, ctx_pad, q_rows.to(dev), out_rows.to(dev),
-        None if out_sel is None else out_sel.to(dev),
-        blocks.to(dev), offsets.to(dev), None if mask is None else mask.to(dev), is_causal,
-    )  # fmt: skip
+def _own_int32(t: torch.Tensor) -> torch.Tensor:
+    """An int32 contiguous copy of `t` that shares no memory with it (queued on its device)."""
+    c = t.to(torch.int32).contiguous()
+    return c.clone() if c is t else c
+
+
+def _check_int32_ids(block_tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> None:
+    """An int64 table's ids that will be read must fit in int32 (the kernels' copy must not wrap
+    one onto another, valid block); checked on the host only."""
+    if block_tables.device.type != "cpu":
+        raise ValueError(
+            "block_tables off the CPU must be int32 (checking int64 ids would read the device)"
+        )
+    if not block_tables.numel():
+        return
+    used = (lens + block_size - 1) // block_size  # [S] blocks read per sequence
+    read = torch.arange(block_tables.shape[1])[None, :] < used[:, None]
+    ids = block_tables[read]
+    if ids.numel() and (int(ids.min()) < -(2**31) or int(ids.max()) >= 2**31):
+        raise ValueError("block ids must fit in int32")
+
+
+def _check_unimplemented(sliding_window, k_scale, v_scale) -> None:
+    """The plan's room for sliding-window attention and fp8 KV scales: checked, then refused."""
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+        raise NotImplementedError("sliding-window attention is not implemented yet; pass sliding_window=None")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            continue
+        if not isinstance(s, torch.Tensor) or s.dim() != 2 or s.dtype != torch.float32:
+            got = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ValueError(f"{name} must be None or [num_layers, num_kv_heads] float32, got {got}")
+        raise NotImplementedError(f"fp8 KV caches ({name}) are not implemented yet; pass {name}=None")

@@ -8,7 +8,7 @@ keeps an online softmax in fp32 (vLLM paper §4.1; flash attention). With severa
 program writes an unnormalized partial result and its log-sum-exp, and `kernel_reduce_splits`
 merges them (flash-decoding, Dao et al. 2023).
 
-Imported lazily by `kernels.decode` (this module imports triton).
+Imported lazily by `kernels.attention` (this module imports triton).
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def paged_decode_attention(
     num_splits: int,  # split-KV ranges per sequence (>= 1); > 1 adds the reduce kernel
     max_seq_len: int,  # max(seq_lens): sizes the splits without a device-to-host sync
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim], query dtype
-    """Launch `kernel_paged_decode` (and `kernel_reduce_splits` when split); the arguments were
-    checked by `kernels.paged_decode_attention`."""
+    """Launch `kernel_paged_decode` (and `kernel_reduce_splits` when split); the metadata was
+    checked by `kernels.plan_attention`, the tensors by `kernels.paged_attention`."""
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads

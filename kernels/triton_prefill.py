@@ -11,7 +11,7 @@ position `seq_len - n + j` and attends to positions `0..itself` (bottom-right al
 mask): this covers plain prefill, chunked prefill, prefix-cache hits and decode tokens alike
 (vLLM paper §4.1). Softmax is online, in fp32.
 
-Imported lazily by `kernels.prefill` (this module imports triton).
+Imported lazily by `kernels.attention` (this module imports triton).
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, cached + new tokens
     scale: float,  # softmax scale
 ) -> torch.Tensor:  # [total_q, num_q_heads, head_dim], query dtype
-    """Launch `kernel_paged_prefill`; the arguments were checked by `kernels.paged_prefill_attention`."""
+    """Launch `kernel_paged_prefill`; the metadata was checked by `kernels.plan_attention`, the
+    tensors by `kernels.paged_attention`."""
     total_q, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]

@@ -138,8 +138,8 @@ def run_int64_case(pool: torch.Tensor, backend: str) -> None:
     """Write, copy and attend through blocks whose element offsets exceed 2**31.
 
     `pool`: [num_blocks, 1, 2, 16, 1, 64] fp16, mostly untouched (virtual memory only). Checks
-    reshape_and_cache, copy_blocks and both attention ops of `backend` against direct indexing
-    and the dense reference.
+    reshape_and_cache, copy_blocks and attention (a decode and a mixed batch: both Triton kernels)
+    on `backend` against direct indexing and the dense reference.
     """
     import kernels
 
@@ -166,15 +166,19 @@ def run_int64_case(pool: torch.Tensor, backend: str) -> None:
         assert torch.equal(pool[dst].nan_to_num(), pool[src].nan_to_num()), f"copy {src}->{dst}"
 
     tables = torch.tensor([table_ids, [nb - 2, nb - 4, nb - 3]], dtype=torch.int32, device=dev)
-    seq_lens = torch.tensor([seq_len, seq_len], dtype=torch.int32, device=dev)
-    query = torch.randn(2, 4, 64, generator=gen).half().to(dev)
-    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=dev)
-    ref = ref_attention(query, kc, vc, tables, qsl, seq_lens, 0.125)
-    out = kernels.paged_decode_attention(
-        query, kc, vc, tables, seq_lens, 0.125, num_splits=2, backend=backend
-    )
-    torch.testing.assert_close(out.double(), ref, **tolerance(torch.float16), msg="decode int64")
-    out = kernels.paged_prefill_attention(
-        query, kc, vc, tables, qsl, seq_lens, 0.125, backend=backend
-    )
-    torch.testing.assert_close(out.double(), ref, **tolerance(torch.float16), msg="prefill int64")
+    host_lens = torch.tensor([seq_len, seq_len], dtype=torch.int32)
+    # Decode (split-KV forced on Triton), then a mixed batch (the prefill kernel on Triton).
+    for q_lens in ([1, 1], [1, 3]):
+        host_qsl = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
+        query = torch.randn(sum(q_lens), 4, 64, generator=gen).half().to(dev)
+        ref = ref_attention(query, kc, vc, tables, host_qsl.to(dev), host_lens.to(dev), 0.125)
+        decode = q_lens == [1, 1]
+        plan = kernels.plan_attention(
+            tables, host_qsl.to(dev), host_lens.to(dev), block_size, host_query_start_loc=host_qsl,
+            host_seq_lens=host_lens, num_splits=2 if decode and backend == "triton" else None,
+            backend=backend,
+        )  # fmt: skip
+        want = ("triton_decode" if decode else "triton_prefill") if backend == "triton" else "torch"
+        assert plan.kernel == want, (plan.kernel, want)
+        out = kernels.paged_attention(query, kc, vc, plan, 0.125)
+        torch.testing.assert_close(out.double(), ref, **tolerance(torch.float16), msg=f"{want} int64")

@@ -1,8 +1,11 @@
 """Torch path of the paged kernels over the full grid, against the dense fp64 reference.
 
-Grid: (num_q_heads, num_kv_heads) x head_dim x block_size (incl. 1 and the non-power-of-two 24)
-x dtype; each case is a batch holding every context length of interest, in shuffled blocks with
-NaN in every unused slot, block and table entry.
+Grid: (num_q_heads, num_kv_heads) (GQA ratios 1 to 32) x head_dim x block_size (incl. 1 and the
+non-power-of-two 24) x dtype (fp32, fp16, bf16); each case is a batch holding every context
+length of interest, in shuffled blocks with NaN in every unused slot, block and table entry.
+Every call goes through the one op the model uses: `plan_attention` once, then
+`paged_attention`. The plan's kernel choice is checked for the Triton backend too, on CPU
+tensors: planning launches nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ import torch
 from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
 
 import kernels
-from kernels import cpu_native, torch_impl
-from kernels import decode as decode_mod
+from kernels import cpu_native, torch_groups, torch_impl
 from kernels import plan as plan_mod
 
 
@@ -34,8 +36,8 @@ def one_torch_thread():
 HEADS = [(9, 3), (8, 8), (32, 1), (28, 4)]
 HEAD_DIMS = [64, 80, 128]
 BLOCK_SIZES = [1, 8, 16, 32, 24]
-DTYPES = [torch.float32, torch.float16]
-LONG = 1100  # long context; split-KV forced for it below
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LONG = 1100  # long context
 
 
 def context_lengths(block_size: int) -> list[int]:
@@ -56,6 +58,17 @@ def reference(case) -> torch.Tensor:
     )  # fmt: skip
 
 
+def plan_case(case, **kw) -> kernels.AttentionPlan:
+    block_size = case.key_cache.shape[1]
+    return kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, block_size, **kw)
+
+
+def attend(case, plan=None, **kw) -> torch.Tensor:
+    """The model's call sequence: one plan, then the attention op."""
+    plan = plan_case(case, **kw) if plan is None else plan
+    return kernels.paged_attention(case.query, case.key_cache, case.value_cache, plan, case.scale)
+
+
 @pytest.fixture(params=[True, False], ids=["native", "gather"])
 def native(request):
     """Both CPU decode paths: the native kernel (when built) and the gather + SDPA path. With a
@@ -73,13 +86,10 @@ def native(request):
 def test_decode_torch(heads, head_dim, block_size, dtype, native):
     lens = context_lengths(block_size)
     case = make_case(lens, [1] * len(lens), *heads, head_dim, block_size, dtype, seed=block_size)
-    ref = reference(case)
-    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
-    for num_splits in (None, 4):
-        out = kernels.paged_decode_attention(
-            *args, case.scale, num_splits=num_splits, backend="torch"
-        )
-        check(out, ref, dtype, f"decode lens={lens} num_splits={num_splits}")
+    plan = plan_case(case, backend="torch")
+    assert plan.kernel == "torch" and plan.decode_only
+    assert (plan.decode is not None) == native and (plan.groups == []) == native
+    check(attend(case, plan), reference(case), dtype, f"decode lens={lens}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -93,19 +103,9 @@ def test_prefill_mixed_batch_torch(heads, head_dim, block_size, dtype, native):
     batch = [(3 * b + 4, b + 1), (257, 257), (1, 1), (b, 1), (2 * b + 3, 1), (2 * b, b)]
     lens, q_lens = [s for s, _ in batch], [n for _, n in batch]
     case = make_case(lens, q_lens, *heads, head_dim, block_size, dtype, seed=b + 1)
-    out = kernels.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens, case.scale, backend="torch",
-    )  # fmt: skip
-    check(out, reference(case), dtype, f"prefill batch={batch}")
-
-
-def test_prefill_equals_decode_for_one_token_each():
-    case = make_case([5, 40, 17], [1, 1, 1], 9, 3, 64, 8, torch.float32)
-    args = (case.query, case.key_cache, case.value_cache, case.block_tables)
-    dec = kernels.paged_decode_attention(*args, case.seq_lens, case.scale)
-    pre = kernels.paged_prefill_attention(*args, case.query_start_loc, case.seq_lens, case.scale)
-    torch.testing.assert_close(dec, pre, msg="decode and one-token prefill disagree")
+    plan = plan_case(case, backend="torch")
+    assert plan.kernel == "torch" and not plan.decode_only
+    check(attend(case, plan), reference(case), dtype, f"prefill batch={batch}")
 
 
 def test_small_memory_budget_chunks_and_groups(monkeypatch):
@@ -117,32 +117,93 @@ def test_small_memory_budget_chunks_and_groups(monkeypatch):
     monkeypatch.setattr(torch_impl, "Q_TILE", 16)
     batch = [(70, 70), (90, 13), (33, 1), (3, 1), (200, 1)]
     case = make_case([s for s, _ in batch], [n for _, n in batch], 28, 4, 64, 8, torch.float32)
-    out = kernels.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens, case.scale,
-    )  # fmt: skip
-    check(out, reference(case), torch.float32, "prefill under a small gather budget")
+    check(attend(case), reference(case), torch.float32, "prefill under a small gather budget")
 
 
 MIXED = [(70, 70), (90, 13), (33, 1), (3, 1), (200, 1), (200, 1), (17, 1), (64, 0), (41, 2)]
 
 
-@pytest.mark.parametrize("group_tokens", [1, 64, plan_mod.GROUP_TOKENS])
+@pytest.mark.parametrize("group_tokens", [1, 64, torch_groups.GROUP_TOKENS])
 def test_plan_shared_by_layers(monkeypatch, group_tokens):
     # One plan, two layers of the pool (as the model uses it); sequence 7 has no new token;
     # groups of one sequence each up to one group for all decode tokens.
-    monkeypatch.setattr(plan_mod, "GROUP_TOKENS", group_tokens)
+    monkeypatch.setattr(torch_groups, "GROUP_TOKENS", group_tokens)
     lens, q_lens = [s for s, _ in MIXED], [n for _, n in MIXED]
     case = make_case(lens, q_lens, 9, 3, 64, 16, torch.float32, seed=3)
-    plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
+    plan = plan_case(case)
     assert plan.backend == "torch" and plan.total_q == sum(q_lens)
     for layer in (1, 0):
         case.layer = layer
-        out = kernels.paged_prefill_attention(
-            case.query, case.key_cache, case.value_cache, case.block_tables,
-            case.query_start_loc, case.seq_lens, case.scale, plan=plan,
-        )  # fmt: skip
-        check(out, reference(case), torch.float32, f"planned layer {layer} batch={MIXED}")
+        check(attend(case, plan), reference(case), torch.float32, f"planned layer {layer} batch={MIXED}")
+
+
+def metadata(q_lens: list[int], seq_lens: list[int], block_size: int, device: str = "cpu"):
+    """(block_tables, query_start_loc, seq_lens) of a batch, without a pool."""
+    blocks = [-(-n // block_size) for n in seq_lens]
+    tables = torch.arange(len(seq_lens) * max(blocks), dtype=torch.int32).view(len(seq_lens), -1)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return tables.to(device), qsl.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device)
+
+
+def test_plan_picks_the_kernel():
+    # Triton backend, planned on CPU tensors (nothing is launched): decode-only batches get the
+    # split-KV decode kernel with its split count fixed now, any other batch the prefill kernel.
+    meta = metadata([1, 1, 1], [5, 40, 17], 16)
+    dec = kernels.plan_attention(*meta, 16, backend="triton", num_kv_heads=8)
+    assert (dec.kernel, dec.decode_only, dec.num_splits, dec.max_seq_len) == ("triton_decode", True, 1, 40)
+    assert dec.groups == [] and dec.decode is None
+    mixed = kernels.plan_attention(*metadata([1, 7, 1], [5, 40, 17], 16), 16, backend="triton")
+    assert (mixed.kernel, mixed.decode_only, mixed.num_splits, mixed.total_q) == ("triton_prefill", False, None, 9)
+    with pytest.raises(ValueError, match="num_splits applies to the triton decode kernel only"):
+        kernels.plan_attention(*metadata([1, 7, 1], [5, 40, 17], 16), 16, backend="triton", num_splits=2)
+    # Llama-3-8B-like decode: 64 sequences x 8 KV heads at 4096 tokens -> 2 splits (policy).
+    long = kernels.plan_attention(*metadata([1] * 64, [4096] * 64, 16), 16, backend="triton", num_kv_heads=8)
+    assert long.kernel == "triton_decode" and long.num_splits == plan_mod.default_num_splits(64, 8, 4096) == 2
+    # Without num_kv_heads the split count is decided at the first call from the cache's shape.
+    late = kernels.plan_attention(*metadata([1], [4096], 16), 16, backend="triton")
+    assert late.num_splits is None and late.splits_for(8) == 8 and late.num_splits == 8
+    forced = kernels.plan_attention(*meta, 16, backend="triton", num_kv_heads=8, num_splits=5)
+    assert forced.num_splits == 5
+    # CPU: the torch path, decode rows to the native kernel when it is built.
+    cpu = kernels.plan_attention(*meta, 16)
+    assert cpu.kernel == "torch" and cpu.decode_only
+    assert (cpu.decode is not None) == cpu_native.available()
+
+
+def test_plan_reads_only_host_lengths():
+    # Metadata on the meta device cannot be read at all: planning must use the host copies
+    # (tensors or lists) and only queue conversions of the device tensors.
+    meta = metadata([1, 1], [5, 40], 16, device="meta")
+    plan = kernels.plan_attention(*meta, 16, backend="triton", host_query_start_loc=[0, 1, 2],
+                                  host_seq_lens=torch.tensor([5, 40]), num_kv_heads=2)  # fmt: skip
+    assert plan.kernel == "triton_decode" and plan.max_seq_len == 40 and plan.total_q == 2
+    assert plan.block_tables.device.type == "meta" and plan.block_tables.dtype == torch.int32
+    mixed = kernels.plan_attention(*meta, 16, backend="triton", host_query_start_loc=[0, 2, 3],
+                                   host_seq_lens=[5, 40])  # fmt: skip
+    assert mixed.kernel == "triton_prefill" and mixed.total_q == 3
+    with pytest.raises(ValueError, match="host_seq_lens"):
+        kernels.plan_attention(*meta, 16, backend="triton", host_query_start_loc=[0, 1, 2])
+    with pytest.raises(ValueError, match="host_query_start_loc must be"):
+        kernels.plan_attention(*meta, 16, host_query_start_loc=[0, 1], host_seq_lens=[5, 40])
+    with pytest.raises(ValueError, match="capacity"):  # the host values are checked
+        kernels.plan_attention(*meta, 16, host_query_start_loc=[0, 1, 2], host_seq_lens=[5, 400])
+    with pytest.raises(ValueError, match="must be int32"):
+        kernels.plan_attention(meta[0].long(), *meta[1:], 16, host_query_start_loc=[0, 1, 2], host_seq_lens=[5, 40])
+
+
+def test_plan_room_for_window_and_fp8_scales():
+    # Accepted as None only; a set value is refused clearly, a malformed one is a ValueError.
+    meta = metadata([1, 3], [5, 40], 16)
+    plan = kernels.plan_attention(*meta, 16, sliding_window=None, k_scale=None, v_scale=None)
+    assert plan.sliding_window is None and plan.k_scale is None and plan.v_scale is None
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        kernels.plan_attention(*meta, 16, sliding_window=128)
+    with pytest.raises(ValueError, match="sliding_window must be"):
+        kernels.plan_attention(*meta, 16, sliding_window=0)
+    with pytest.raises(NotImplementedError, match="fp8"):
+        kernels.plan_attention(*meta, 16, k_scale=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="v_scale must be"):
+        kernels.plan_attention(*meta, 16, v_scale=torch.ones(2, 4, dtype=torch.float16))
 
 
 def test_plan_groups_pad_and_mask():
@@ -150,7 +211,7 @@ def test_plan_groups_pad_and_mask():
     # a whole prompt alone is plain causal.
     case = make_case([40, 41, 40, 300, 8], [1, 1, 1, 1, 8], 9, 3, 64, 16, torch.float32)
     with cpu_native.use_native(False):
-        plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
+        plan = plan_case(case)
     assert plan.decode is None
     shapes = [
         (g.num_seqs, g.q_pad, g.ctx_pad, g.mask is not None, g.is_causal) for g in plan.groups
@@ -183,26 +244,32 @@ def native_only():
 def test_plan_native_decode_rows(native_only):
     # With the native kernel, one-token sequences are listed, not grouped; the prompt still is.
     case = make_case([40, 41, 40, 300, 8], [1, 1, 1, 1, 8], 9, 3, 64, 16, torch.float32)
-    plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
+    plan = plan_case(case)
     assert plan.decode.seq_index.tolist() == [0, 2, 1, 3]  # sorted by length, as groups are
     assert plan.decode.q_index.tolist() == [0, 2, 1, 3]
     shapes = [(g.num_seqs, g.q_pad, g.ctx_pad, g.is_causal) for g in plan.groups]
     assert shapes == [(1, 8, 8, True)]
-    out = kernels.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens, case.scale, plan=plan,
-    )  # fmt: skip
-    check(out, reference(case), torch.float32, "native decode rows + gathered prompt")
+    check(attend(case, plan), reference(case), torch.float32, "native decode rows + gathered prompt")
     # An fp16 call with the same plan gathers the decode rows instead (built on demand).
     half = make_case([40, 41, 40, 300, 8], [1, 1, 1, 1, 8], 9, 3, 64, 16, torch.float16)
-    hplan = kernels.plan_attention(half.block_tables, half.query_start_loc, half.seq_lens, 16)
+    hplan = plan_case(half)
     assert hplan.decode is not None
-    out = kernels.paged_prefill_attention(
-        half.query, half.key_cache, half.value_cache, half.block_tables,
-        half.query_start_loc, half.seq_lens, half.scale, plan=hplan,
-    )  # fmt: skip
-    check(out, reference(half), torch.float16, "fp16 through a native plan")
+    check(attend(half, hplan), reference(half), torch.float16, "fp16 through a native plan")
     assert [g.num_seqs for g in hplan.decode.gather_groups()] == [3, 1]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 24, 32])
+def test_native_decode_bf16(native_only, monkeypatch, block_size):
+    # bf16 decode rows go to the native kernel itself (not the gather fallback) once it has bf16.
+    case = make_case([1, 15, 16, 17, 300], [1] * 5, 32, 1, 64, block_size, torch.bfloat16, seed=block_size)
+    if not cpu_native.supports(case.query, case.key_cache, case.value_cache):
+        pytest.skip("the native CPU decode kernel has no bf16 yet (cpu_native.supports)")
+    calls = []
+    real = cpu_native.paged_decode
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(1) or real(*a))
+    plan = plan_case(case)
+    check(attend(case, plan), reference(case), torch.bfloat16, f"native bf16 decode bs={block_size}")
+    assert calls and plan.groups == [], "bf16 decode rows did not reach the native kernel"
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -215,10 +282,7 @@ def test_native_decode_threads_and_odd_head_dim(native_only, threads, num_seqs):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kernels.paged_decode_attention(
-            case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-            case.scale,
-        )  # fmt: skip
+        out = attend(case)
     finally:
         torch.set_num_threads(before)
     check(out, reference(case), torch.float32, f"native decode lens={lens} threads={threads}")
@@ -231,40 +295,35 @@ def test_native_decode_strided_query_and_bad_block(native_only):
     wide[:, :9] = case.query
     q = wide[:, :9]
     assert not q.is_contiguous()
-    args = (case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale)
-    out = kernels.paged_decode_attention(q, *args)
+    plan = plan_case(case)
+    out = kernels.paged_attention(q, case.key_cache, case.value_cache, plan, case.scale)
     check(out, reference(case), torch.float32, "row-strided query")
     bad = case.block_tables.clone()
     bad[1, 0] = case.key_cache.shape[0]  # one past the last block
     with pytest.raises(ValueError, match="outside the cache"):
-        kernels.paged_decode_attention(
-            case.query, case.key_cache, case.value_cache, bad, case.seq_lens, case.scale
-        )
+        plan = kernels.plan_attention(bad, case.query_start_loc, case.seq_lens, 8)
+        kernels.paged_attention(case.query, case.key_cache, case.value_cache, plan, case.scale)
 
 
-def test_plan_decode_and_errors():
+def test_plan_is_its_own_copy_and_calls_must_fit_it():
     case = make_case([5, 40, 17], [1, 1, 1], 9, 3, 64, 8, torch.float32)
-    args = (case.query, case.key_cache, case.value_cache, case.block_tables)
-    plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 8)
+    plan = plan_case(case)
     assert plan.decode_only
-    out = kernels.paged_decode_attention(*args, case.seq_lens, case.scale, plan=plan)
-    check(out, reference(case), torch.float32, "planned decode")
-    with pytest.raises(ValueError, match="plan was built for other"):
-        kernels.paged_decode_attention(*args, case.seq_lens.clone(), case.scale, plan=plan)
-    with pytest.raises(ValueError, match="plan was built for other"):
-        kernels.paged_prefill_attention(
-            case.query[:2], *args[1:], case.query_start_loc, case.seq_lens, 1.0, plan=plan
-        )
-    with pytest.raises(ValueError, match="block size"):
+    case.seq_lens[1] = 1  # the caller's tensors change after planning: the plan keeps its copy
+    case.block_tables[0, 0] = 0
+    assert plan.seq_lens.tolist() == [5, 40, 17] and plan.block_tables[0, 0] != 0
+    case = make_case([5, 40, 17], [1, 1, 1], 9, 3, 64, 8, torch.float32)
+    check(attend(case, plan), reference(case), torch.float32, "planned decode")
+    kc, vc = case.key_cache, case.value_cache
+    with pytest.raises(ValueError, match="do not fit the plan"):
+        kernels.paged_attention(case.query[:2], kc, vc, plan, 1.0)  # 2 query rows, plan has 3
+    with pytest.raises(ValueError, match="do not fit the plan"):
         other = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
-        kernels.paged_decode_attention(*args, case.seq_lens, 1.0, plan=other)
-    mixed = make_case([5, 9], [2, 0], 9, 3, 64, 8, torch.float32)
-    mplan = kernels.plan_attention(mixed.block_tables, mixed.query_start_loc, mixed.seq_lens, 8)
-    with pytest.raises(ValueError, match="not decode"):
-        kernels.paged_decode_attention(
-            mixed.query, mixed.key_cache, mixed.value_cache, mixed.block_tables,
-            mixed.seq_lens, 1.0, plan=mplan,
-        )  # fmt: skip
+        kernels.paged_attention(case.query, kc, vc, other, 1.0)  # planned for block size 16, cache has 8
+    with pytest.raises(ValueError, match="do not fit the plan"):
+        kernels.paged_attention(case.query[:, :7], kc, vc, plan, 1.0)  # 7 q heads over 3 KV heads
+    with pytest.raises(ValueError, match="do not fit the plan"):
+        kernels.paged_attention(case.query, kc, vc.half(), plan, 1.0)
     with pytest.raises(ValueError, match="new tokens"):
         bad = torch.tensor([0, 2, 3], dtype=torch.int32)  # 2 new tokens, 1 in cache
         kernels.plan_attention(case.block_tables[:2], bad, torch.tensor([1, 9]), 8)
@@ -278,18 +337,16 @@ def test_planned_path_without_row_view_falls_back():
     kc = case.key_cache.transpose(1, 2).contiguous().transpose(1, 2)  # [NB, B, Hk, D] strided
     vc = case.value_cache.transpose(1, 2).contiguous().transpose(1, 2)
     assert torch_impl.row_view(kc) is None
-    out = kernels.paged_prefill_attention(
-        case.query, kc, vc, case.block_tables, case.query_start_loc, case.seq_lens, case.scale
-    )
+    out = kernels.paged_attention(case.query, kc, vc, plan_case(case), case.scale)
     check(out, reference(case), torch.float32, "strided cache")
 
 
 def test_default_split_policy():
-    assert decode_mod.default_num_splits(64, 8, 4096) == 2
-    assert decode_mod.default_num_splits(1, 8, 32768) == 64
-    assert decode_mod.default_num_splits(1, 8, 4096) == 8
-    assert decode_mod.default_num_splits(4, 3, decode_mod.SPLIT_KV_MIN_TOKENS) == 1
-    assert decode_mod.default_num_splits(512, 8, 100_000) == 1
+    assert plan_mod.default_num_splits(64, 8, 4096) == 2
+    assert plan_mod.default_num_splits(1, 8, 32768) == 64
+    assert plan_mod.default_num_splits(1, 8, 4096) == 8
+    assert plan_mod.default_num_splits(4, 3, plan_mod.SPLIT_KV_MIN_TOKENS) == 1
+    assert plan_mod.default_num_splits(512, 8, 100_000) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -341,40 +398,42 @@ def test_int64_offsets_torch():
 
 def test_errors_are_value_errors(monkeypatch):
     case = make_case([5, 9], [1, 1], 8, 8, 64, 8, torch.float32)
-    kc, vc, bt, sl = case.key_cache, case.value_cache, case.block_tables, case.seq_lens
+    kc, vc, bt, sl, qsl = case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.query_start_loc
     q = case.query
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        kernels.paged_decode_attention(q[:, :6], kc[:, :, :4], vc[:, :, :4], bt, sl, 1.0)
     with pytest.raises(ValueError, match="backend"):
-        kernels.paged_decode_attention(q, kc, vc, bt, sl, 1.0, backend="cuda")
+        kernels.plan_attention(bt, qsl, sl, 8, backend="cuda")
     with pytest.raises(ValueError, match="seq_lens must be >= 1"):
-        kernels.paged_decode_attention(q, kc, vc, bt, torch.zeros_like(sl), 1.0)
+        kernels.plan_attention(bt, qsl, torch.zeros_like(sl), 8)
     with pytest.raises(ValueError, match="capacity"):
-        kernels.paged_decode_attention(q, kc, vc, bt[:, :1], sl, 1.0)
+        kernels.plan_attention(bt[:, :1], qsl, sl, 8)
     with pytest.raises(ValueError, match="num_splits"):
-        kernels.paged_decode_attention(q, kc, vc, bt, sl, 1.0, num_splits=0)
+        kernels.plan_attention(bt, qsl, sl, 8, backend="triton", num_splits=0)
     with pytest.raises(ValueError, match="query_start_loc"):
-        kernels.paged_prefill_attention(q, kc, vc, bt, case.query_start_loc[:2], sl, 1.0)
+        kernels.plan_attention(bt, qsl[:2], sl, 8)
     with pytest.raises(ValueError, match="new tokens"):
         bad_qsl = torch.tensor([0, 2, 2], dtype=torch.int32)  # 2 new tokens, 1 in cache
-        kernels.paged_prefill_attention(q, kc, vc, bt, bad_qsl, torch.tensor([1, 9]), 1.0)
+        kernels.plan_attention(bt, bad_qsl, torch.tensor([1, 9]), 8)
     with pytest.raises(ValueError, match="slot_mapping values"):
         k = torch.zeros(1, 8, 64)
         kernels.reshape_and_cache(k, k, kc, vc, torch.tensor([10**6]))
     with pytest.raises(ValueError, match="race"):
         kernels.copy_blocks(case.pool, torch.tensor([[0, 1], [1, 2]]))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    plan = kernels.plan_attention(bt, qsl, sl, 8, backend="triton")  # planning needs no GPU
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        kernels.paged_decode_attention(q, kc, vc, bt, sl, 1.0, backend="triton")
+        kernels.paged_attention(q, kc, vc, plan, 1.0)
 
 
 def test_kernels_import_without_triton():
+    # Neither the torch path nor planning for the Triton kernels imports triton.
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch, kernels\n"
         "q = torch.randn(1, 2, 64); kc = torch.randn(2, 4, 2, 64)\n"
         "bt = torch.tensor([[1, 0]], dtype=torch.int32); sl = torch.tensor([6], dtype=torch.int32)\n"
-        "kernels.paged_decode_attention(q, kc, kc, bt, sl, 0.125)\n"
+        "qsl = torch.tensor([0, 1], dtype=torch.int32)\n"
+        "kernels.paged_attention(q, kc, kc, kernels.plan_attention(bt, qsl, sl, 4), 0.125)\n"
+        "assert kernels.plan_attention(bt, qsl, sl, 4, backend='triton').kernel == 'triton_decode'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -394,22 +453,22 @@ def test_native_edges_fall_back_or_match_the_torch_path(native_only):
     one = make_case([6, 3], [1, 1], 1, 1, 8, 4, torch.float32, seed=2)
     q = torch.empty_strided((2, 1, 8), (8, 16, 1)).copy_(one.query)
     assert q.stride(1) != q.shape[2]
-    args = (one.key_cache, one.value_cache, one.block_tables, one.seq_lens, one.scale)
-    out = kernels.paged_decode_attention(q, *args)
+    out = kernels.paged_attention(q, one.key_cache, one.value_cache, plan_case(one), one.scale)
     check(out, reference(one), torch.float32, "single head, strided")
     # An int64 block id that an int32 copy would wrap onto a valid block.
     bt = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
     sl = torch.tensor([6, 3], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
     wide = bt.long()
     wide[0, 0] = 2**32 + 1
     with pytest.raises(ValueError, match="int32"):
-        kernels.paged_decode_attention(torch.randn(2, 2, 8), kc, vc, wide, sl, 0.5)
+        kernels.plan_attention(wide, qsl, sl, 4)
     # A first block whose scores all overflow to -inf weighs 0 (no NaN), as on the torch path.
     kc2, vc2 = kc.clone(), vc.clone()
     kc2[1] = -1e30
     q = torch.full((2, 2, 8), 1e30)
-    got = kernels.paged_decode_attention(q, kc2, vc2, bt, sl, 1.0)
+    got = kernels.paged_attention(q, kc2, vc2, kernels.plan_attention(bt, qsl, sl, 4), 1.0)
     with cpu_native.use_native(False):
-        want = kernels.paged_decode_attention(q, kc2, vc2, bt, sl, 1.0)
+        want = kernels.paged_attention(q, kc2, vc2, kernels.plan_attention(bt, qsl, sl, 4), 1.0)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want)

@@ -70,17 +70,25 @@ def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype), msg=lambda m: f"{what}: {m}")
 
 
+def plan_and_attend(case, **kw) -> tuple[kernels.AttentionPlan, torch.Tensor]:
+    """The model's call sequence on the Triton backend: one plan, then the attention op."""
+    plan = kernels.plan_attention(
+        case.block_tables, case.query_start_loc, case.seq_lens, case.key_cache.shape[1],
+        backend="triton", **kw,
+    )  # fmt: skip
+    return plan, kernels.paged_attention(case.query, case.key_cache, case.value_cache, plan, case.scale)
+
+
 @pytest.mark.parametrize("params", pairwise_cases(), ids=case_id)
 def test_decode_triton(params):
     heads, bs, hd, dtype, split = params
-    # Short lengths at block boundaries; a longer one (split-KV forced when `split`).
+    # Short lengths at block boundaries; a longer one (split-KV forced when `split`, else the
+    # plan's policy: one range at these lengths).
     lens = [n for n in (1, bs - 1, bs, bs + 1, 2 * bs + 3) if n >= 1]
     lens.append(257 if bs > 1 else 70)
     case = make_case(lens, [1] * len(lens), *heads, hd, bs, dtype, seed=bs)
-    out = kernels.paged_decode_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-        case.scale, num_splits=5 if split else 1, backend="triton",
-    )  # fmt: skip
+    plan, out = plan_and_attend(case, num_splits=5 if split else None, num_kv_heads=heads[1])
+    assert plan.kernel == "triton_decode" and plan.num_splits == (5 if split else 1)
     ref = ref_attention(
         case.query, case.key_cache, case.value_cache, case.block_tables,
         case.query_start_loc, case.seq_lens, case.scale,
@@ -96,10 +104,8 @@ def test_prefill_mixed_batch_triton(params):
     case = make_case(
         [s for s, _ in batch], [n for _, n in batch], *heads, hd, bs, dtype, seed=bs + 7
     )
-    out = kernels.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens, case.scale, backend="triton",
-    )  # fmt: skip
+    plan, out = plan_and_attend(case)
+    assert plan.kernel == "triton_prefill"
     ref = ref_attention(
         case.query, case.key_cache, case.value_cache, case.block_tables,
         case.query_start_loc, case.seq_lens, case.scale,
@@ -144,8 +150,6 @@ def test_int64_offsets_triton():
 
 def test_triton_refuses_mixed_dtypes():
     case = make_case([5], [1], 8, 8, 64, 8, torch.float32)
+    case.query = case.query.half()
     with pytest.raises(ValueError, match="one dtype"):
-        kernels.paged_decode_attention(
-            case.query.half(), case.key_cache, case.value_cache, case.block_tables,
-            case.seq_lens, case.scale, backend="triton",
-        )  # fmt: skip
+        plan_and_attend(case)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from model_fixtures import PROMPT, PagedCache, chat_ids, hf_greedy
 
+import kernels
 from compute_service.model import LlamaForPagedLM, rope_inv_freq
 from compute_service.weights import (
     SMOLLM2_GGUF,
@@ -249,17 +250,13 @@ def test_bad_pool_and_weights_raise(ours):
     config, weights, model = ours
     pool = torch.zeros(4, config.num_layers, 2, 16, config.num_kv_heads + 1, config.head_dim)
     one = torch.zeros(1, dtype=torch.int64)
+    meta = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    plan = kernels.plan_attention(*meta, 16)
     with pytest.raises(ValueError, match="kv_pool shape"):
-        model(
-            one,
-            one,
-            pool,
-            one,
-            torch.zeros(1, 1, dtype=torch.int32),
-            torch.tensor([0, 1], dtype=torch.int32),
-            torch.ones(1, dtype=torch.int32),
-            one,
-        )
+        model(one, one, pool, one, plan, one)
+    good = torch.zeros(4, config.num_layers, 2, 16, config.num_kv_heads, config.head_dim)
+    with pytest.raises(ValueError, match="block size 8"):
+        model(one, one, good, one, kernels.plan_attention(*meta, 8), one)
     broken = dict(weights)
     del broken["layers.3.w_up"]
     with pytest.raises(ValueError, match="layers.3.w_up"):
@@ -324,3 +321,33 @@ def test_small_untied_model_from_hf_directory(rope, tmp_path):
     cache = PagedCache(model, num_blocks=16, block_size=4, seed=5)
     got = [cache.step({0: ids[:30]})[0]] + [cache.step({0: [t]})[0] for t in ids[30:]]
     torch.testing.assert_close(torch.stack(got), ref[29:], atol=1e-4, rtol=0)
+
+
+def test_step_inputs_plan_from_host_lengths():
+    """The worker's plan comes from the step's host copies: a decode-only step plans the decode
+    kernel (Triton) / decode rows (CPU), a step with a prompt chunk the prefill kernel."""
+    from compute_service.step_inputs import build_step_inputs
+    from pagedkv.compute.v1 import compute_service_pb2 as pb
+
+    pool = torch.zeros(8, 2, 2, 4, 2, 16)  # [num_blocks, layers, 2, block_size 4, Hkv 2, Dh 16]
+
+    def inputs(*seqs):
+        req = pb.StepRequest(sequences=[
+            pb.StepSequence(seq_id=i, token_ids=[1] * n, positions=range(p, p + n), block_ids=ids)
+            for i, (p, n, ids) in enumerate(seqs)
+        ])  # fmt: skip
+        return build_step_inputs(req, block_size=4, num_blocks=8, vocab_size=10, device="cpu")
+
+    dec = inputs((5, 1, [3, 1]), (0, 1, [6]))
+    assert dec.host_seq_lens.tolist() == [6, 1] and dec.host_query_start_loc.tolist() == [0, 1, 2]
+    plan = dec.attention_plan(pool)
+    assert plan.kernel == "torch" and plan.decode_only and plan.block_size == 4
+    assert dec.model_args(pool)[4].decode_only
+    mixed = inputs((5, 1, [3, 1]), (0, 3, [6]))
+    assert not mixed.attention_plan(pool).decode_only
+    for step, want in ((dec, "triton_decode"), (mixed, "triton_prefill")):
+        triton = kernels.plan_attention(
+            step.block_tables, step.query_start_loc, step.seq_lens, 4, backend="triton",
+            host_query_start_loc=step.host_query_start_loc, host_seq_lens=step.host_seq_lens, num_kv_heads=2,
+        )  # fmt: skip
+        assert triton.kernel == want
