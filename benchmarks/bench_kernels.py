@@ -1,16 +1,25 @@
-"""Paged decode attention against dense SDPA over the same tokens.
+"""Paged attention as the model calls it (`plan_attention` once per step, `paged_attention` per
+layer), at decode-only and mixed batches, against dense SDPA over the same tokens.
 
-CPU: the torch path (`backend="torch"`, the CPU production path) vs
-`torch.nn.functional.scaled_dot_product_attention` on a contiguous copy of the same keys and
-values, at SmolLM2-135M's layer shape (9 q heads, 3 KV heads, head_dim 64, fp32), batch
-1/16/64 x context 128/1k/4k. `paged_ms` is one layer's call with the step's plan reused (as the
-model runs it), `plan_ms` the once-per-step `plan_attention`, `unplanned_ms` a call that plans
-for itself. Medians after a warm-up. CUDA: achieved GB/s of the Triton decode kernel (K and V bytes read
-/ time) vs HBM peak and vs dense SDPA, at a Llama-3-8B-like layer (32/8/128, bf16, batch 64,
-context 4096) and at SmolLM2's shape.
+Each row is one batch: `plan_ms` is the once-per-step `plan_attention` (host time), `paged_ms` one
+layer's `paged_attention` with that plan, `step_ms` = plan + `layers` x paged (the attention of a
+whole step), `kernel` the kernel the plan picked. Decode rows also time dense
+`scaled_dot_product_attention` on a contiguous copy of the same keys and values (`dense_ms`,
+`paged_over_dense`). Medians after a warm-up.
 
-Usage: `python benchmarks/bench_kernels.py [--quick] [--out PATH]`. Prints a table and writes
-JSON (default benchmarks/results/bench_kernels.json).
+CPU: SmolLM2-135M's layer (9 q heads, 3 KV heads, head_dim 64, 30 layers), fp32 (and bf16 with
+`--dtype bfloat16|both`), decode batch 1/16/64 x context 128/1k/4k, and mixed batches (decode
+tokens plus one 256-token prefill chunk).
+
+CUDA: a Llama-3-8B-like layer (32 q heads, 8 KV heads, head_dim 128, 32 layers, bf16), decode at
+batch 64 x context 4096 with block size 16 (32 and 64 beside it): achieved bandwidth (K and V
+bytes read / time) as a fraction of the device's HBM peak (`HBM_PEAK_GBS`), paged vs dense (goal:
+>= 80% of peak, within 10% of dense), and `prefill_kernel_ms`, the prefill kernel on the same
+decode batch (what a plan-less op ran). Mixed: the same batch plus one 512-token chunk (prefill
+kernel). Also SmolLM2's shape.
+
+Usage: `python benchmarks/bench_kernels.py [--quick] [--device auto|cpu|cuda] [--out PATH]`.
+Prints a table and writes JSON (default benchmarks/results/bench_kernels.json).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import argparse
 import json
 import platform
 import time
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,37 +40,68 @@ HBM_PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # GB/s, vendor 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_kernels.json"
 
 
-def make_decode_batch(batch, ctx, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device):
-    """Scattered paged cache (one layer of a 2-layer block-major pool) plus its dense copy."""
-    gen = torch.Generator().manual_seed(0)
-    blocks_per_seq = -(-ctx // block_size)
-    num_blocks = batch * blocks_per_seq
-    pool = torch.randn(num_blocks, 1, 2, block_size, num_kv_heads, head_dim, generator=gen).to(
-        device=device, dtype=dtype
-    )
-    # Pretend the pool has 2 layers (strided views) without paying for the second one.
-    pool = pool.expand(num_blocks, 2, 2, block_size, num_kv_heads, head_dim)
-    key_cache, value_cache = pool[:, 1, 0], pool[:, 1, 1]
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = perm.view(batch, blocks_per_seq).to(device=device, dtype=torch.int32)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    query = torch.randn(batch, num_q_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    # Dense copy: [batch, num_kv_heads, ctx, head_dim]
-    idx = tables.long()
-    k_dense = key_cache[idx].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
-    v_dense = value_cache[idx].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
-    return query, key_cache, value_cache, tables, seq_lens, k_dense, v_dense
+@dataclass
+class Batch:
+    """One step's attention inputs over a scattered paged cache (one layer of a block-major pool)."""
+
+    query: torch.Tensor  # [total_q, Hq, D]
+    key_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [S, max_blocks] int32, on the device
+    query_start_loc: torch.Tensor  # [S + 1] int32, on the device
+    seq_lens: torch.Tensor  # [S] int32, on the device
+    host_query_start_loc: torch.Tensor  # the same on the CPU
+    host_seq_lens: torch.Tensor
+    kv_bytes: int  # K and V bytes the step's attention must read (each context position once)
+
+    def plan(self, **kw) -> kernels.AttentionPlan:
+        """The model's once-per-step call."""
+        return kernels.plan_attention(
+            self.block_tables, self.query_start_loc, self.seq_lens, self.key_cache.shape[1],
+            host_query_start_loc=self.host_query_start_loc, host_seq_lens=self.host_seq_lens,
+            num_kv_heads=self.key_cache.shape[2], **kw,
+        )  # fmt: skip
+
+    def dense_kv(self, seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous [seqs, Hkv, ctx, D] copies of the first `seqs` sequences' K and V (equal
+        lengths)."""
+        ctx = int(self.host_seq_lens[0])
+        idx = self.block_tables[:seqs].long()
+        k = self.key_cache[idx].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+        v = self.value_cache[idx].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+        return k, v
+
+
+def make_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device) -> Batch:
+    """Random K/V in shuffled blocks; the pool is viewed as layer 1 of two (strided views)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks)
+    pool = torch.randn(num_blocks, 1, 2, block_size, num_kv_heads, head_dim, generator=gen, device=device)
+    pool = pool.to(dtype).expand(num_blocks, 2, 2, block_size, num_kv_heads, head_dim)
+    perm = torch.randperm(num_blocks, generator=gen, device=device)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
+    start = 0
+    for s, nb in enumerate(blocks):
+        tables[s, :nb] = perm[start : start + nb].to(torch.int32)
+        start += nb
+    host_qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    host_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen, device=device).to(dtype)
+    kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * pool.element_size()
+    return Batch(
+        query, pool[:, 1, 0], pool[:, 1, 1], tables, host_qsl.to(device), host_lens.to(device),
+        host_qsl, host_lens, kv_bytes,
+    )  # fmt: skip
 
 
 def dense_sdpa(query, k_dense, v_dense, scale):
     # query: [B, Hq, D] -> [B, Hq, 1, D]; k/v: [B, Hk, T, D]
-    return F.scaled_dot_product_attention(
-        query.unsqueeze(2), k_dense, v_dense, scale=scale, enable_gqa=True
-    ).squeeze(2)
+    return F.scaled_dot_product_attention(query.unsqueeze(2), k_dense, v_dense, scale=scale, enable_gqa=True).squeeze(2)
 
 
-def time_cpu(fn, reps: int) -> float:
-    """Median seconds of `reps` calls after two warm-up calls."""
+def time_host(fn, reps: int) -> float:
+    """Median seconds of `reps` calls after two warm-up calls (host clock)."""
     fn()
     fn()
     times = []
@@ -88,47 +128,62 @@ def time_cuda(fn, reps: int = 20) -> float:
     return times[len(times) // 2]
 
 
-def bench_cpu(quick: bool) -> list[dict]:
+def measure(batch: Batch, layers: int, reps: int, cuda: bool, decode: bool) -> dict:
+    """Time the model's calls on `batch` (and dense SDPA for a decode batch); one row."""
+    scale = batch.query.shape[2] ** -0.5
+    plan = batch.plan()
+    attend = lambda: kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache, plan, scale)
+    timer = time_cuda if cuda else time_host
+    t_plan, t_paged = time_host(batch.plan, reps), timer(attend, reps)
+    row = {
+        "kernel": plan.kernel,
+        "splits": plan.num_splits,
+        "plan_ms": t_plan * 1e3,
+        "paged_ms": t_paged * 1e3,
+        "step_ms": (t_plan + layers * t_paged) * 1e3,
+        "paged_gbs": batch.kv_bytes / t_paged / 1e9,
+    }
+    if decode:
+        kd, vd = batch.dense_kv(batch.query.shape[0])
+        dense = lambda: dense_sdpa(batch.query, kd, vd, scale)
+        t_dense = timer(dense, reps)
+        err = (attend().float() - dense().float()).abs().max().item()
+        row |= {"dense_ms": t_dense * 1e3, "paged_over_dense": t_paged / t_dense, "max_abs_diff": err}
+        del kd, vd
+    return row
+
+
+def prefill_kernel_seconds(batch: Batch) -> float:
+    """The Triton prefill kernel on a decode batch (what the model ran before plans chose the
+    kernel), launched directly with the plan's metadata."""
+    from kernels import triton_prefill
+
+    plan, scale = batch.plan(), batch.query.shape[2] ** -0.5
+    args = (batch.query, batch.key_cache, batch.value_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens)
+    return time_cuda(lambda: triton_prefill.paged_prefill_attention(*args, scale))
+
+
+def bench_cpu(quick: bool, dtypes: list[torch.dtype]) -> list[dict]:
     rows = []
+    hq, hkv, dim, layers = 9, 3, 64, 30
     batches = [1, 16] if quick else [1, 16, 64]
     contexts = [128, 1024] if quick else [128, 1024, 4096]
-    hq, hkv, dim = 9, 3, 64
-    for batch in batches:
-        for ctx in contexts:
-            q, kc, vc, bt, sl, kd, vd = make_decode_batch(
-                batch, ctx, hq, hkv, dim, 16, torch.float32, "cpu"
-            )
-            scale = dim**-0.5
-            # Fewer repetitions for the big cases: their medians settle quickly.
-            reps = (5 if quick else 21) if batch * ctx <= 16384 else (3 if quick else 7)
-            qsl = torch.arange(batch + 1, dtype=torch.int32)
-            make_plan = partial(kernels.plan_attention, bt, qsl, sl, 16, backend="torch")
-            plan = make_plan()
-            paged = partial(
-                kernels.paged_decode_attention, q, kc, vc, bt, sl, scale, plan=plan,
-                backend="torch",
-            )  # fmt: skip
-            unplanned = partial(
-                kernels.paged_decode_attention, q, kc, vc, bt, sl, scale, backend="torch"
-            )
-            dense = partial(dense_sdpa, q, kd, vd, scale)
-            t_paged, t_dense = time_cpu(paged, reps), time_cpu(dense, reps)
-            t_plan, t_unplanned = time_cpu(make_plan, reps), time_cpu(unplanned, reps)
-            err = (paged() - dense()).abs().max().item()
-            rows.append(
-                {
-                    "device": "cpu",
-                    "shape": "smollm2 9/3/64 fp32",
-                    "batch": batch,
-                    "context": ctx,
-                    "paged_ms": t_paged * 1e3,
-                    "dense_sdpa_ms": t_dense * 1e3,
-                    "paged_over_dense": t_paged / t_dense,
-                    "plan_ms": t_plan * 1e3,
-                    "unplanned_ms": t_unplanned * 1e3,
-                    "max_abs_diff": err,
-                }
-            )
+    for dtype in dtypes:
+        for b in batches:
+            for ctx in contexts:
+                # Fewer repetitions for the big cases: their medians settle quickly.
+                reps = (5 if quick else 21) if b * ctx <= 16384 else (3 if quick else 7)
+                for mixed in (False, True):
+                    if mixed and b == 1:
+                        continue
+                    # Mixed: b - 1 decode tokens plus one 256-token chunk after a cached prefix.
+                    q_lens = [1] * (b - 1) + [256 if mixed else 1]
+                    lens = [max(ctx, q) for q in q_lens]
+                    batch = make_batch(q_lens, lens, hq, hkv, dim, 16, dtype, "cpu")
+                    row = measure(batch, layers, reps, cuda=False, decode=not mixed)
+                    rows.append({"device": "cpu", "shape": f"smollm2 9/3/64 {str(dtype)[6:]}",
+                                 "batch": "mixed" if mixed else "decode", "seqs": b, "context": ctx,
+                                 "block_size": 16, **row})  # fmt: skip
     return rows
 
 
@@ -136,49 +191,36 @@ def bench_cuda(quick: bool) -> list[dict]:
     rows = []
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in HBM_PEAK_GBS.items() if k in name), None)
-    shapes = [("llama3-8b 32/8/128 bf16", 32, 8, 128), ("smollm2 9/3/64 bf16", 9, 3, 64)]
-    cases = [(64, 4096)] if quick else [(64, 4096), (1, 4096), (1, 32768), (16, 1024)]
-    for label, hq, hkv, dim in shapes:
-        for batch, ctx in cases:
-            q, kc, vc, bt, sl, kd, vd = make_decode_batch(
-                batch, ctx, hq, hkv, dim, 16, torch.bfloat16, "cuda"
-            )
-            scale = dim**-0.5
-            paged = partial(
-                kernels.paged_decode_attention, q, kc, vc, bt, sl, scale,
-                max_seq_len=ctx, backend="triton",
-            )  # fmt: skip
-            dense = partial(dense_sdpa, q, kd, vd, scale)
-            t_paged, t_dense = time_cuda(paged), time_cuda(dense)
-            err = (paged().float() - dense().float()).abs().max().item()
-            kv_bytes = 2 * batch * ctx * hkv * dim * kd.element_size()
-            gbs = kv_bytes / t_paged / 1e9
-            rows.append(
-                {
-                    "device": name,
-                    "shape": label,
-                    "batch": batch,
-                    "context": ctx,
-                    "paged_ms": t_paged * 1e3,
-                    "dense_sdpa_ms": t_dense * 1e3,
-                    "paged_gbs": gbs,
-                    "dense_gbs": kv_bytes / t_dense / 1e9,
-                    "frac_of_hbm_peak": (gbs / peak) if peak else None,
-                    "paged_over_dense": t_paged / t_dense,
-                    "max_abs_diff": err,
-                }
-            )
+    llama, smol = ("llama3-8b 32/8/128 bf16", 32, 8, 128, 32), ("smollm2 9/3/64 bf16", 9, 3, 64, 30)
+    # (shape, seqs, context, block size, mixed)
+    cases = [(llama, 64, 4096, bs, False) for bs in (16, 32, 64)]
+    cases += [(llama, 64, 4096, 16, True), (smol, 64, 4096, 16, False)]
+    if not quick:
+        cases += [(llama, 1, 4096, 16, False), (llama, 1, 32768, 16, False), (llama, 16, 1024, 16, False)]
+        cases += [(smol, 16, 1024, 16, True)]
+    for (label, hq, hkv, dim, layers), b, ctx, bs, mixed in cases:
+        q_lens = [1] * b + ([512] if mixed else [])
+        lens = [ctx] * len(q_lens)
+        batch = make_batch(q_lens, lens, hq, hkv, dim, bs, torch.bfloat16, "cuda")
+        row = measure(batch, layers, 20, cuda=True, decode=not mixed)
+        row["frac_of_hbm_peak"] = row["paged_gbs"] / peak if peak else None
+        if not mixed:
+            row["prefill_kernel_ms"] = prefill_kernel_seconds(batch) * 1e3
+        rows.append({"device": name, "shape": label, "batch": "mixed" if mixed else "decode", "seqs": b,
+                     "context": ctx, "block_size": bs, **row})  # fmt: skip
+        del batch
+        torch.cuda.empty_cache()
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = [c for c in rows[0] if c != "device"]
-    print(" | ".join(f"{c:>16}" for c in cols))
+    cols = list(dict.fromkeys(c for r in rows for c in r if c != "device"))
+    print(" | ".join(f"{c:>14}" for c in cols))
     for r in rows:
         cells = []
         for c in cols:
-            v = r[c]
-            cells.append(f"{v:>16.4g}" if isinstance(v, float) else f"{v!s:>16}")
+            v = r.get(c)
+            cells.append(f"{v:>14.4g}" if isinstance(v, float) else f"{'' if v is None else v!s:>14}")
         print(" | ".join(cells))
 
 
@@ -187,19 +229,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32", help="CPU dtype(s)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    rows = bench_cuda(args.quick) if use_cuda else bench_cpu(args.quick)
+    dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]
+    rows = bench_cuda(args.quick) if use_cuda else bench_cpu(args.quick, dtypes)
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-    }
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {args.out}")
     return rows

@@ -203,7 +203,8 @@ class PagedRun:
 
 def attention_share(model, pool, request: cpb.StepRequest, reps: int) -> dict:
     """Re-run the last decode Step's batch in this process (rewriting the same K/V into the same
-    slots) with the kernels the model calls wrapped by timers; medians in seconds."""
+    slots) with the kernels the model calls wrapped by timers (the step's attention plan is
+    built once per forward, as the worker does); medians in seconds."""
     from compute_service.step_inputs import build_step_inputs
 
     lay = pool.descriptor.layout
@@ -211,15 +212,14 @@ def attention_share(model, pool, request: cpb.StepRequest, reps: int) -> dict:
         request, block_size=lay.block_size, num_blocks=lay.num_blocks,
         vocab_size=model.config.vocab_size, device=model.device,
     )  # fmt: skip
-    args = inputs.model_args(pool.tensor)
     spent = {"plan": 0.0, "cache_write": 0.0, "attention": 0.0}
     originals = {
         "plan": kernels.plan_attention,
         "cache_write": kernels.reshape_and_cache,
-        "attention": kernels.paged_prefill_attention,
+        "attention": kernels.paged_attention,
     }
     names = {"plan": "plan_attention", "cache_write": "reshape_and_cache",
-             "attention": "paged_prefill_attention"}  # fmt: skip
+             "attention": "paged_attention"}  # fmt: skip
 
     def timed(key):
         fn = originals[key]
@@ -234,10 +234,10 @@ def attention_share(model, pool, request: cpb.StepRequest, reps: int) -> dict:
 
     plain, wrapped = [], {k: [] for k in spent}
     for _ in range(2):
-        model(*args)  # warm-up
+        model(*inputs.model_args(pool.tensor))  # warm-up
     for _ in range(reps):
         t = time.perf_counter()
-        model(*args)
+        model(*inputs.model_args(pool.tensor))
         plain.append(time.perf_counter() - t)
     try:
         for key in spent:
@@ -245,7 +245,7 @@ def attention_share(model, pool, request: cpb.StepRequest, reps: int) -> dict:
         for _ in range(reps):
             for key in spent:
                 spent[key] = 0.0
-            model(*args)
+            model(*inputs.model_args(pool.tensor))
             for key, seconds in spent.items():
                 wrapped[key].append(seconds)
     finally:

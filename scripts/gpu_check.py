@@ -1,7 +1,8 @@
 """GPU check of pagedkv: the Triton kernels, then the whole stack on one GPU.
 
-1. kernels: `scripts/gpu_check_kernels.py`'s `run(...)` (grid vs the dense reference, cache ops,
-   int64 offsets, the decode bandwidth table).
+1. kernels: `scripts/gpu_check_kernels.py`'s `run(...)` (grid vs the dense reference through
+   `plan_attention` + `paged_attention` as the model calls them, cache ops, int64 offsets, the
+   attention table: decode bandwidth as % of HBM peak and vs dense, and a mixed batch).
 2. stack: a memory service (`--device cuda`) and a worker as separate processes, the pool shared
    by CUDA IPC (its handle only over the memory service's worker socket: GetPoolDescriptor has
    none; this script, a third process of the same uid, maps the pool through the socket and sees
