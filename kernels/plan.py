@@ -140,7 +140,8 @@ def plan_attention(
         k_scale, v_scale: per-(layer, KV head) fp8 scales, [num_layers, num_kv_heads] float32;
             not implemented yet: must be None.
         backend: None (Triton for CUDA tensors, torch otherwise), "triton" or "torch"; planning
-            for "triton" needs no GPU and launches nothing.
+            for "triton" needs no GPU and launches nothing. "torch" with CUDA metadata (a
+            reference path there, not production) copies the block table to the host.
 
     Returns:
         An `AttentionPlan` for every layer of the step; it keeps its own int32 copies of the
