@@ -1,18 +1,21 @@
-"""Native CPU kernels (fp32): paged decode attention and the KV cache write, in a small C file
-built on first use with the host's compiler.
+"""Native CPU kernels (fp32 and bf16): paged decode attention and the KV cache write, in a small C
+file built on first use with the host's compiler.
 
 The torch path's decode gathers every sequence's context rows out of the pool into a dense
 buffer and runs a dense attention on the copy: the context crosses memory three times. The C
 kernel in `csrc/paged_cpu.c` reads each sequence's blocks in place, once, for all query heads of
 its GQA groups at once (PagedAttention, Kwon et al., SOSP 2023, §4.1; vLLM's CPU backend has its
 own C++ kernels for the same reason). It runs on torch's OpenMP threads when torch's runtime is
-the one loaded. `reshape_and_cache` writes a step's new rows with one call per layer instead of
-a handful of torch ops.
+the one loaded (small batches on one). `reshape_and_cache` writes a step's new rows with one call
+per layer instead of a handful of torch ops.
 
-The build is `cc -O3 -fopenmp` (plus `-mavx2 -mfma` where /proc/cpuinfo lists both), cached
-under `$PAGEDKV_HOME/kernels/` by a hash of the source, flags and compiler, and loaded with
-ctypes. Without a C compiler, when the build fails, or with `PAGEDKV_NATIVE_CPU=0`, the
-torch path runs instead (`available()` is False); nothing else changes. Only fp32 is native.
+The build is `cc -O3 -fopenmp` plus `-mavx512f -mavx512bw -mavx512vl -mavx512dq` (16-wide
+vectors) where /proc/cpuinfo lists them and `-mavx2 -mfma` where it lists those, cached under
+`$PAGEDKV_HOME/kernels/` by a hash of the source, flags and compiler, and loaded with ctypes.
+Without a C compiler, when the build fails, or with `PAGEDKV_NATIVE_CPU=0`, the torch path runs
+instead (`available()` is False); nothing else changes. fp32 and bf16 are native, one dtype per
+call (query, caches, new rows and output alike); bf16 is computed in fp32 (widening is exact,
+results round to nearest even), as vLLM's CPU attention does.
 """
 
 from __future__ import annotations
@@ -52,7 +55,11 @@ def _arch_flags() -> list[str]:
     except OSError:
         return []
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
+    out = ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
+    avx512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+    if out and all(f in flags for f in avx512):
+        out += [f"-m{f}" for f in avx512]
+    return out
 
 
 def _compiler() -> str | None:
@@ -113,10 +120,10 @@ def _load():
             unavailable_reason = str(e)
             return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.paged_decode_f32.argtypes = [ptr] * 8 + [i64] * 15 + [ctypes.c_float, ctypes.c_int]
-        lib.paged_decode_f32.restype = ctypes.c_int
-        lib.reshape_and_cache_f32.argtypes = [ptr] * 5 + [i64] * 11
-        lib.reshape_and_cache_f32.restype = ctypes.c_int
+        lib.paged_decode.argtypes = [ptr] * 8 + [i64] * 15 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        lib.paged_decode.restype = ctypes.c_int
+        lib.reshape_and_cache.argtypes = [ptr] * 5 + [i64] * 12
+        lib.reshape_and_cache.restype = ctypes.c_int
         _lib = lib
         return _lib
 
@@ -140,13 +147,18 @@ def use_native(enabled: bool):
         _forced = before
 
 
+# dtype -> the kernels' dtype code (bf16 tensors are passed as their 16-bit patterns).
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
 def supports(rows: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether these tensors can go to the native kernels: fp32 CPU; `rows` (queries, or new keys
-    / values) [n, heads, head_dim] with each row's heads dense (rows may be strided); both caches
-    with the same strides and head_dim contiguous."""
+    """Whether these tensors can go to the native kernels: CPU, one dtype (fp32 or bf16) for all
+    three; `rows` (queries, or new keys / values) [n, heads, head_dim] with each row's heads dense
+    (rows may be strided); both caches with the same strides and head_dim contiguous."""
     return (
-        rows.device.type == "cpu"
-        and rows.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+        rows.dtype in _DTYPE_CODE
+        and rows.dtype == key_cache.dtype == value_cache.dtype
+        and rows.device.type == "cpu"
         and rows.stride(2) == 1
         and (rows.stride(1) == rows.shape[2] or rows.shape[1] == 1)
         and key_cache.stride(3) == 1
@@ -155,22 +167,28 @@ def supports(rows: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     )
 
 
+def _not_available() -> RuntimeError:
+    return RuntimeError(f"the native CPU kernels are not available: {unavailable_reason}")
+
+
 def paged_decode(
-    query: torch.Tensor,  # [rows, num_q_heads, head_dim] fp32
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32
-    value_cache: torch.Tensor,  # same shape and strides as key_cache
+    query: torch.Tensor,  # [rows, num_q_heads, head_dim] fp32 or bf16
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query's dtype
+    value_cache: torch.Tensor,  # same shape, dtype and strides as key_cache
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 contiguous
     seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, cached + new tokens (>= 1)
     seq_index: torch.Tensor,  # [n] int64 contiguous, sequence of each decode row
     q_index: torch.Tensor,  # [n] int64 contiguous, query row of each decode row
     scale: float,
-    out: torch.Tensor,  # [rows, num_q_heads, head_dim] fp32 (row stride free), rows q_index written
+    out: torch.Tensor,  # [rows, num_q_heads, head_dim] query's dtype (row stride free), rows q_index written
 ) -> None:
     """Decode attention of rows `q_index` (sequence `seq_index`) over the paged cache, into `out`.
 
-    Callers check shapes and lengths first (`kernels.plan_attention` does): seq_lens within the
-    block tables, supports() true, out laid out as the query. The kernel itself checks that every
-    block it reads is inside the cache.
+    fp32 or bf16, one dtype for query, caches and out; scores, softmax and sums in fp32, a bf16
+    output rounded to nearest even. Callers check shapes and lengths first
+    (`kernels.plan_attention` does): seq_lens within the block tables, supports() true for the
+    query, out laid out as the query. The kernel itself checks every block it reads is inside
+    the cache, before it writes anything.
 
     Raises:
         RuntimeError: the native kernels are not available.
@@ -178,59 +196,65 @@ def paged_decode(
             [0, num_blocks); a seq_len needs more blocks than its table row holds.
         MemoryError: a thread could not allocate its score buffer.
     """
-    lib = _load()
+    lib = _lib or _load()
     if lib is None:
-        raise RuntimeError(f"the native CPU kernels are not available: {unavailable_reason}")
-    if out.shape != query.shape or not supports(out, key_cache, value_cache):
-        raise ValueError("out must be fp32, shaped as the query, each row's heads dense")
-    if (
-        block_tables.dtype != torch.int32
-        or seq_lens.dtype != torch.int32
-        or seq_index.dtype != torch.int64
-        or q_index.dtype != torch.int64
-        or not all(t.is_contiguous() and t.device.type == "cpu" for t in (block_tables, seq_lens, seq_index, q_index))
+        raise _not_available()
+    if out.shape != query.shape or out.dtype != query.dtype or not supports(out, key_cache, value_cache):
+        raise ValueError("out must be shaped and typed as the query (fp32 or bf16, as the caches), heads dense")
+    if not (
+        block_tables.dtype == seq_lens.dtype == torch.int32
+        and seq_index.dtype == q_index.dtype == torch.int64
+        and block_tables.is_contiguous()
+        and seq_lens.is_contiguous()
+        and seq_index.is_contiguous()
+        and q_index.is_contiguous()
+        and block_tables.device.type == seq_lens.device.type == seq_index.device.type == q_index.device.type == "cpu"
     ):
         raise ValueError("block_tables and seq_lens must be int32, seq_index and q_index int64, all contiguous on cpu")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    rc = lib.paged_decode_f32(
+    ks, vs = key_cache.stride(), value_cache.stride()
+    rc = lib.paged_decode(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(), seq_index.data_ptr(), q_index.data_ptr(),
-        seq_index.numel(), query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0),
-        query.stride(0), out.stride(0), num_blocks, *key_cache.stride()[:3], *value_cache.stride()[:3],
-        scale, torch.get_num_threads(),
+        seq_index.shape[0], query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0),
+        query.stride(0), out.stride(0), num_blocks, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+        scale, torch.get_num_threads(), _DTYPE_CODE[query.dtype],
     )  # fmt: skip
+    if rc == 0:
+        return
     if rc == 2:
         raise ValueError(f"a block table names a block outside the cache [0, {num_blocks})")
     if rc == 3:
         raise ValueError(f"a seq_len needs more blocks than a block table row holds ({block_tables.shape[1]})")
-    if rc:
-        raise MemoryError("the CPU decode kernel could not allocate its score buffers")
+    raise MemoryError("the CPU decode kernel could not allocate its score buffers")
 
 
 def reshape_and_cache(
-    key: torch.Tensor,  # [n, num_kv_heads, head_dim] fp32, each row's heads dense
+    key: torch.Tensor,  # [n, num_kv_heads, head_dim] fp32 or bf16, each row's heads dense
     value: torch.Tensor,  # like key
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32
-    value_cache: torch.Tensor,  # same shape and strides as key_cache
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], key's dtype
+    value_cache: torch.Tensor,  # same shape, dtype and strides as key_cache
     slot_mapping: torch.Tensor,  # [n] int64 contiguous, block * block_size + offset
 ) -> None:
-    """Write each token's key and value rows into its slot (the caller checked shapes, supports()).
+    """Write each token's key and value rows into its slot: a copy, exact in either dtype (the
+    caller checked shapes and supports() for the key).
 
     Raises:
         RuntimeError: the native kernels are not available.
-        ValueError: a slot outside [0, num_blocks * block_size); nothing is written then.
+        ValueError: value rows of another dtype or layout; a slot outside
+            [0, num_blocks * block_size); nothing is written then.
     """
-    lib = _load()
+    lib = _lib or _load()
     if lib is None:
-        raise RuntimeError(f"the native CPU kernels are not available: {unavailable_reason}")
-    if not supports(value, key_cache, value_cache) or not slot_mapping.is_contiguous():
-        raise ValueError("value rows must be fp32 with dense heads and slot_mapping contiguous")
+        raise _not_available()
+    if not supports(value, key_cache, value_cache) or key.dtype != value.dtype or not slot_mapping.is_contiguous():
+        raise ValueError("value rows must have the key's dtype (fp32 or bf16) and dense heads; slot_mapping contiguous")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    rc = lib.reshape_and_cache_f32(
+    kc, vc = key_cache.stride(), value_cache.stride()
+    rc = lib.reshape_and_cache(
         key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-        slot_mapping.data_ptr(), slot_mapping.numel(), num_kv_heads, head_dim, block_size, num_blocks,
-        key.stride(0), value.stride(0), key_cache.stride(0), key_cache.stride(1),
-        value_cache.stride(0), value_cache.stride(1),
+        slot_mapping.data_ptr(), slot_mapping.shape[0], num_kv_heads, head_dim, block_size, num_blocks,
+        key.stride(0), value.stride(0), kc[0], kc[1], vc[0], vc[1], key.element_size(),
     )  # fmt: skip
     if rc:
         raise ValueError(

@@ -1,194 +1,450 @@
 /*
- * Paged decode attention on CPU, fp32: one new query token per sequence attends over its
- * sequence's keys and values, read in place through its block table (PagedAttention, Kwon et
- * al., SOSP 2023, §4.1). Nothing is gathered: each (sequence, KV head) reads its blocks once
- * for the scores and once for the weighted sum of values, with every query head of its GQA
- * group at the same time, which is what makes it cheaper than gathering the context into a
- * dense buffer and running a dense attention on that copy.
+ * Paged decode attention and the KV cache write on CPU, fp32 or bf16: one new query token per
+ * sequence attends over its sequence's keys and values, read in place through its block table
+ * (PagedAttention, Kwon et al., SOSP 2023, §4.1). Nothing is gathered: each (sequence, KV head)
+ * reads its blocks once for the scores and once for the weighted sum of values, with the query
+ * heads of its GQA group at the same time, which is what makes it cheaper than gathering the
+ * context into a dense buffer and running a dense attention on that copy.
  *
- * Layout (strides in elements, head_dim contiguous):
+ * Layout (strides in elements, head_dim contiguous; every tensor of a call has one dtype):
  *   query, out     [rows, num_q_heads, head_dim], row strides q_stride and out_stride
  *   key, value     [num_blocks, block_size, num_kv_heads, head_dim], strides (s0, s1, s2, 1)
  *   block_tables   [num_seqs, table_stride] int32
  *   seq_lens       [num_seqs] int32, tokens in cache including the new one
  *   seq_index      [n] int64 sequence of each work row; q_index [n] int64 its query row
- * Softmax is online (running max and sum per query head, rescaled block by block), in fp32.
- * Work items (row, KV head) are handed out dynamically to the threads of an OpenMP team; loaded
- * into a process that already runs torch, the team comes from torch's own OpenMP runtime.
+ * Arithmetic is fp32 (bf16 -> fp32 is exact: a 16-bit shift; fp32 -> bf16 rounds to nearest
+ * even, NaN stays NaN). The softmax is online (flash-decoding, Dao et al. 2023) over chunks of
+ * CHUNK_TOKENS positions: a chunk's scores for all its positions, its max and sum, a rescale of
+ * the running output, then the chunk's values. Query heads and their output accumulators stay in
+ * vector registers for the whole context when head_dim is 1, 2, 4 or 8 vectors wide (the fast
+ * path, specialized per (dtype, vectors, heads)); other head dims take a generic loop.
+ * Work items (row, KV head) are handed out dynamically to the threads of an OpenMP team, which
+ * only small batches skip (a fork costs more than their work); loaded into a process that already
+ * runs torch, the team comes from torch's own OpenMP runtime.
  *
  * Built by kernels/cpu_native.py with the host's C compiler. Vectors use GCC/Clang vector
- * extensions, so the same source builds with or without AVX2 (the compiler splits the vectors).
+ * extensions: 16 floats wide where the build has AVX-512 (-mavx512f), else 8 (AVX2, or split by
+ * the compiler into what the target has).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef __AVX512F__
+#define W 16
+#define MAX_ACC 16 /* accumulator vectors of one work item (of 32 registers) */
+#else
 #define W 8
-typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int32_t v8i __attribute__((vector_size(32), aligned(4), may_alias));
+#define MAX_ACC 8 /* (of 16 registers) */
+#endif
+#define CHUNK_TOKENS 256 /* positions per softmax chunk (rounded to whole blocks) */
+#define SERIAL_WORK 12288 /* below this many (position x query head) a call runs on one thread */
 
-static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+typedef float vf __attribute__((vector_size(4 * W), aligned(4), may_alias));
+typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4), may_alias));
+typedef uint32_t vu __attribute__((vector_size(4 * W), aligned(4), may_alias));
+typedef uint16_t vh __attribute__((vector_size(2 * W), aligned(2), may_alias));
 
-static inline v8f select8(v8i mask, v8f a, v8f b) {  /* mask ? a : b, lane-wise */
-  return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE vf splat(float x) { return (vf){0} + x; }
+
+ALWAYS_INLINE vf select_v(vi mask, vf a, vf b) { /* mask ? a : b, lane-wise */
+  return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+
+/* Loads of W elements (fp32, or bf16 widened: exact) and of one element. */
+ALWAYS_INLINE vf load_v(const void *p, int64_t i, const int bf16) {
+  if (!bf16) return *(const vf *)((const float *)p + i);
+  const vu u = __builtin_convertvector(*(const vh *)((const uint16_t *)p + i), vu);
+  return (vf)(u << 16);
+}
+
+ALWAYS_INLINE float load_s(const void *p, int64_t i, const int bf16) {
+  if (!bf16) return ((const float *)p)[i];
+  const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* fp32 -> bf16, round to nearest even; NaN stays NaN (quieted). */
+ALWAYS_INLINE uint16_t bf16_s(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+ALWAYS_INLINE void store_v(void *p, int64_t i, vf x, const int bf16) {
+  if (!bf16) {
+    *(vf *)((float *)p + i) = x;
+    return;
+  }
+  const vu u = (vu)x;
+  const vu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vi nan = (vi)((u & 0x7fffffffu) > 0x7f800000u);
+  const vu q = (vu)(((vi)((u >> 16) | 0x40u) & nan) | ((vi)r & ~nan));
+  *(vh *)((uint16_t *)p + i) = __builtin_convertvector(q, vh);
+}
+
+ALWAYS_INLINE void store_s(void *p, int64_t i, float x, const int bf16) {
+  if (bf16)
+    ((uint16_t *)p)[i] = bf16_s(x);
+  else
+    ((float *)p)[i] = x;
+}
+
+typedef float vf8 __attribute__((vector_size(32), aligned(4), may_alias));
+typedef float vf4 __attribute__((vector_size(16), aligned(4), may_alias));
+
+/* Sum of the lanes, as a tree (halves added), not a serial chain. */
+ALWAYS_INLINE float hsum(vf v) {
+#if W == 16
+  const vf8 s8 = *(const vf8 *)&v + *((const vf8 *)&v + 1);
+#else
+  const vf8 s8 = v;
+#endif
+  const vf4 s4 = *(const vf4 *)&s8 + *((const vf4 *)&s8 + 1);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 /* e^x for x <= 0 (Cephes expf: e^x = 2^n e^r, |r| <= ln2 / 2; error <= 2 ulp); 0 below -87.3. */
-static inline v8f exp8(v8f x) {
-  const v8f lo = splat(-87.33654f);
-  v8i under = x < lo;
-  x = select8(under, lo, x);
-  v8f fx = x * 1.44269504088896341f + 0.5f;
-  v8i n = __builtin_convertvector(fx, v8i);             /* truncates toward zero */
-  n += (v8i)(__builtin_convertvector(n, v8f) > fx);     /* -1 where that rounded up: floor */
-  v8f nf = __builtin_convertvector(n, v8f);
-  v8f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  v8f y = splat(1.9875691500e-4f);
+ALWAYS_INLINE vf exp_v(vf x) {
+  const vf lo = splat(-87.33654f);
+  const vi under = x < lo;
+  x = select_v(under, lo, x);
+  const vf fx = x * 1.44269504088896341f + 0.5f;
+  vi n = __builtin_convertvector(fx, vi);              /* truncates toward zero */
+  n += (vi)(__builtin_convertvector(n, vf) > fx);      /* -1 where that rounded up: floor */
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vf y = splat(1.9875691500e-4f);
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
-  y = y * (v8f)((n + 127) << 23);
-  return select8(under, splat(0.0f), y);
+  y = y * (vf)((n + 127) << 23);
+  return select_v(under, splat(0.0f), y);
 }
 
-static inline float hsum(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-static inline float dot(const float *a, const float *b, int64_t d) {
-  v8f acc = splat(0.0f);
-  int64_t i = 0;
-  for (; i + W <= d; i += W) acc += *(const v8f *)(a + i) * *(const v8f *)(b + i);
-  float s = hsum(acc);
-  for (; i < d; i++) s += a[i] * b[i];
-  return s;
-}
-
-static inline void axpy(float *y, float a, const float *x, int64_t d) {
-  v8f av = splat(a);
-  int64_t i = 0;
-  for (; i + W <= d; i += W) *(v8f *)(y + i) += av * *(const v8f *)(x + i);
-  for (; i < d; i++) y[i] += a * x[i];
+/* Asks for the cache lines of [p, p + bytes) ahead of their use (a hint: never faults). */
+ALWAYS_INLINE void prefetch_row(const char *p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
 typedef struct {
-  const float *q, *k, *v;
-  float *out;
+  const void *q, *k, *v;
+  void *out;
   const int32_t *tables, *lens;
   const int64_t *seq_index, *q_index;
   int64_t n, hq, hk, d, bs, table_stride, q_stride, out_stride, num_blocks;
   int64_t k_s0, k_s1, k_s2, v_s0, v_s1, v_s2;
-  int64_t heads_per_item;  /* KV heads of one work item: all of them, or 1 for small batches */
+  int64_t hc;         /* query heads per pass (a GQA group is covered in passes of hc heads) */
+  int64_t chunk_w;    /* score slots per query head in scratch: a chunk's positions, rounded to W */
   float scale;
+  int bf16;
 } job_t;
 
-/* One work item: a row's KV heads [h0, h0 + heads_per_item) with their query-head groups, over
- * the sequence's context, block by block in one pass (flash-decoding's online softmax: a block's
- * scores raise the running max, the accumulator is rescaled, then the block's values are added).
- * A block's keys and values for one layer sit next to each other in the block-major pool, so the
- * pass streams each block's bytes front to back.
- * scratch: [heads * round_up(block_size, W)] scores, then probabilities; m, l: [heads] (query heads).
- * Returns 0; 2 when the block table names a block outside the cache, 3 when the sequence is
- * longer than its table row (nothing is read then). block_tables rows are table_stride wide. */
-static int attend(const job_t *j, int64_t item, float *scratch, float *m, float *l) {
-  const int64_t items_per_row = j->hk / j->heads_per_item;
-  const int64_t row = item / items_per_row, h0 = item % items_per_row * j->heads_per_item;
-  const int64_t group = j->hq / j->hk, heads = j->heads_per_item * group, d = j->d, bs = j->bs;
+/* Softmax of one chunk for one query head: p[0, cnt) scores in, probabilities e^(s - m) out
+ * (p[cnt, round_up(cnt, W)) padded with 0). Updates the running max *m and sum *l; returns the
+ * factor alpha by which the head's running output must be rescaled. */
+static __attribute__((noinline)) float chunk_softmax(float *p, int64_t cnt, float *m, float *l) {
+  const int64_t cnt_w = (cnt + W - 1) / W * W;
+  for (int64_t o = cnt; o < cnt_w; o++) p[o] = -INFINITY; /* exp_v gives 0 there */
+  float mb = *m;
+  for (int64_t o = 0; o < cnt; o++) mb = p[o] > mb ? p[o] : mb;
+  /* Scores of -inf so far (fp32 overflow): subtract 0 instead, so they weigh 0, not NaN. */
+  const float msub = mb == -INFINITY ? 0.0f : mb;
+  const float alpha = *m == -INFINITY ? 0.0f : expf(*m - msub);
+  const vf mv = splat(msub);
+  vf sum = splat(0.0f);
+  for (int64_t o = 0; o < cnt_w; o += W) {
+    const vf e = exp_v(*(vf *)(p + o) - mv);
+    *(vf *)(p + o) = e;
+    sum += e;
+  }
+  *l = *l * alpha + hsum(sum);
+  *m = mb;
+  return alpha;
+}
+
+/* Checks a row's table: 0; 2 when it names a block outside the cache, 3 when the sequence is
+ * longer than its table row (nothing is read then). */
+static int check_row(const job_t *j, int64_t row) {
   const int64_t s = j->seq_index[row], len = j->lens[s];
   const int32_t *table = j->tables + s * j->table_stride;
-  const float *q = j->q + j->q_index[row] * j->q_stride + h0 * group * d;  /* [heads, d] */
-  float *out = j->out + j->q_index[row] * j->out_stride + h0 * group * d;  /* [heads, d] */
-  const int64_t num_table_blocks = (len + bs - 1) / bs;
-  const int64_t bs_w = (bs + W - 1) / W * W;
-  if (num_table_blocks > j->table_stride) return 3;
-  for (int64_t b = 0; b < num_table_blocks; b++)
+  const int64_t nb = (len + j->bs - 1) / j->bs;
+  if (nb > j->table_stride) return 3;
+  for (int64_t b = 0; b < nb; b++)
     if (table[b] < 0 || table[b] >= j->num_blocks) return 2;
-
-  for (int64_t x = 0; x < heads; x++) {
-    m[x] = -INFINITY;
-    l[x] = 0.0f;
-    memset(out + x * d, 0, (size_t)d * sizeof(float));
-  }
-  for (int64_t b = 0, p0 = 0; b < num_table_blocks; b++, p0 += bs) {
-    const float *kb = j->k + (int64_t)table[b] * j->k_s0 + h0 * j->k_s2;
-    const float *vb = j->v + (int64_t)table[b] * j->v_s0 + h0 * j->v_s2;
-    if (b + 1 < num_table_blocks) {
-      __builtin_prefetch(j->k + (int64_t)table[b + 1] * j->k_s0);
-      __builtin_prefetch(j->v + (int64_t)table[b + 1] * j->v_s0);
-    }
-    const int64_t end = len - p0 < bs ? len - p0 : bs;
-    for (int64_t o = 0; o < end; o++)
-      for (int64_t x = 0; x < heads; x++)  /* query head x reads KV head h0 + x / group */
-        scratch[x * bs_w + o] = dot(q + x * d, kb + o * j->k_s1 + (x / group) * j->k_s2, d) * j->scale;
-    for (int64_t x = 0; x < heads; x++) {
-      float *p = scratch + x * bs_w;
-      for (int64_t o = end; o < bs_w; o++) p[o] = -INFINITY;  /* exp8 gives 0 there */
-      float mb = m[x];
-      for (int64_t o = 0; o < end; o++) mb = p[o] > mb ? p[o] : mb;
-      /* Scores of -inf so far (fp32 overflow): subtract 0 instead, so they weigh 0, not NaN. */
-      const float msub = mb == -INFINITY ? 0.0f : mb;
-      const float alpha = m[x] == -INFINITY ? 0.0f : expf(m[x] - msub);
-      const v8f mv = splat(msub);
-      v8f sum = splat(0.0f);
-      for (int64_t o = 0; o < bs_w; o += W) {
-        const v8f e = exp8(*(v8f *)(p + o) - mv);
-        *(v8f *)(p + o) = e;
-        sum += e;
-      }
-      l[x] = l[x] * alpha + hsum(sum);
-      m[x] = mb;
-      if (alpha != 1.0f)
-        for (int64_t i = 0; i < d; i++) out[x * d + i] *= alpha;
-    }
-    for (int64_t o = 0; o < end; o++)
-      for (int64_t x = 0; x < heads; x++)
-        axpy(out + x * d, scratch[x * bs_w + o], vb + o * j->v_s1 + (x / group) * j->v_s2, d);
-  }
-  for (int64_t x = 0; x < heads; x++) {
-    const float inv = l[x] > 0.0f ? 1.0f / l[x] : 0.0f;  /* every score -inf: 0, as the torch path */
-    for (int64_t i = 0; i < d; i++) out[x * d + i] *= inv;
-  }
   return 0;
 }
 
-/* Returns 0; 1 when a thread could not allocate its scratch; 2 when a block table names a
+/* Fast path: query heads [x0, x0 + HC) of row `row` (all reading KV head h) over the whole
+ * context, head_dim = NV vectors. HC, NV and BF16 are constants after inlining, so q and the
+ * output accumulators live in registers. sc: [HC][chunk_w] scores / probabilities. */
+ALWAYS_INLINE void attend_fast(const job_t *j, int64_t row, int64_t h, int64_t x0, float *sc,
+                               const int HC, const int NV, const int BF16) {
+  const int64_t d = j->d, bs = j->bs, cw = j->chunk_w;
+  const int64_t s = j->seq_index[row], len = j->lens[s];
+  const int32_t *table = j->tables + s * j->table_stride;
+  const int64_t esz = BF16 ? 2 : 4;
+  const char *q = (const char *)j->q + (j->q_index[row] * j->q_stride + x0 * d) * esz;
+  char *out = (char *)j->out + (j->q_index[row] * j->out_stride + x0 * d) * esz;
+  const int64_t nb = (len + bs - 1) / bs, chunk_blocks = cw / bs;
+  vf qv[8][8], acc[8][8];
+  float m[8], l[8];
+  #pragma GCC unroll 8
+  for (int x = 0; x < HC; x++) {
+    m[x] = -INFINITY;
+    l[x] = 0.0f;
+    #pragma GCC unroll 8
+    for (int i = 0; i < NV; i++) {
+      qv[x][i] = load_v(q, x * d + i * W, BF16) * j->scale;
+      acc[x][i] = splat(0.0f);
+    }
+  }
+  for (int64_t b0 = 0; b0 < nb; b0 += chunk_blocks) {
+    const int64_t b1 = b0 + chunk_blocks < nb ? b0 + chunk_blocks : nb;
+    const int64_t cnt = (b1 * bs < len ? b1 * bs : len) - b0 * bs;
+    for (int64_t b = b0; b < b1; b++) { /* scores */
+      const char *kb = (const char *)j->k + ((int64_t)table[b] * j->k_s0 + h * j->k_s2) * esz;
+      const int64_t end = len - b * bs < bs ? len - b * bs : bs;
+      /* The block read next (this chunk's next keys, or its first values), fetched meanwhile. */
+      const char *pf = b + 1 < b1 ? (const char *)j->k + ((int64_t)table[b + 1] * j->k_s0 + h * j->k_s2) * esz
+                                  : (const char *)j->v + ((int64_t)table[b0] * j->v_s0 + h * j->v_s2) * esz;
+      float *p = sc + (b - b0) * bs;
+      for (int64_t o = 0; o < end; o++) {
+        const char *kr = kb + o * j->k_s1 * esz;
+        prefetch_row(pf + o * (b + 1 < b1 ? j->k_s1 : j->v_s1) * esz, NV * W * esz);
+        vf kv[8];
+        #pragma GCC unroll 8
+        for (int i = 0; i < NV; i++) kv[i] = load_v(kr, i * W, BF16);
+        #pragma GCC unroll 8
+        for (int x = 0; x < HC; x++) {
+          vf t = qv[x][0] * kv[0];
+          #pragma GCC unroll 8
+          for (int i = 1; i < NV; i++) t += qv[x][i] * kv[i];
+          p[x * cw + o] = hsum(t);
+        }
+      }
+    }
+    #pragma GCC unroll 8
+    for (int x = 0; x < HC; x++) {
+      const float alpha = chunk_softmax(sc + x * cw, cnt, &m[x], &l[x]);
+      if (alpha != 1.0f)
+        #pragma GCC unroll 8
+        for (int i = 0; i < NV; i++) acc[x][i] *= alpha;
+    }
+    for (int64_t b = b0; b < b1; b++) { /* values */
+      const char *vb = (const char *)j->v + ((int64_t)table[b] * j->v_s0 + h * j->v_s2) * esz;
+      const int64_t end = len - b * bs < bs ? len - b * bs : bs;
+      const float *p = sc + (b - b0) * bs;
+      const char *pf = b + 1 < b1   ? (const char *)j->v + ((int64_t)table[b + 1] * j->v_s0 + h * j->v_s2) * esz
+                       : b1 < nb ? (const char *)j->k + ((int64_t)table[b1] * j->k_s0 + h * j->k_s2) * esz
+                                 : NULL;
+      for (int64_t o = 0; o < end; o++) {
+        const char *vr = vb + o * j->v_s1 * esz;
+        if (pf) prefetch_row(pf + o * (b + 1 < b1 ? j->v_s1 : j->k_s1) * esz, NV * W * esz);
+        vf vv[8];
+        #pragma GCC unroll 8
+        for (int i = 0; i < NV; i++) vv[i] = load_v(vr, i * W, BF16);
+        #pragma GCC unroll 8
+        for (int x = 0; x < HC; x++) {
+          const vf px = splat(p[x * cw + o]);
+          #pragma GCC unroll 8
+          for (int i = 0; i < NV; i++) acc[x][i] += px * vv[i];
+        }
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int x = 0; x < HC; x++) {
+    const float inv = l[x] > 0.0f ? 1.0f / l[x] : 0.0f; /* every score -inf: 0, as the torch path */
+    #pragma GCC unroll 8
+    for (int i = 0; i < NV; i++) store_v(out, x * d + i * W, acc[x][i] * inv, BF16);
+  }
+}
+
+/* Generic path (any head_dim): query heads [x0, x0 + hc) of KV head h, accumulators in
+ * acc [hc * d] (scratch); vectors over head_dim with a scalar tail. */
+ALWAYS_INLINE void attend_generic(const job_t *j, int64_t row, int64_t h, int64_t x0, int64_t hc,
+                                  float *sc, float *acc, const int BF16) {
+  const int64_t d = j->d, bs = j->bs, cw = j->chunk_w, dw = d / W * W;
+  const int64_t s = j->seq_index[row], len = j->lens[s];
+  const int32_t *table = j->tables + s * j->table_stride;
+  const int64_t esz = BF16 ? 2 : 4;
+  const char *q = (const char *)j->q + (j->q_index[row] * j->q_stride + x0 * d) * esz;
+  char *out = (char *)j->out + (j->q_index[row] * j->out_stride + x0 * d) * esz;
+  const int64_t nb = (len + bs - 1) / bs, chunk_blocks = cw / bs;
+  float m[8], l[8];
+  for (int64_t x = 0; x < hc; x++) {
+    m[x] = -INFINITY;
+    l[x] = 0.0f;
+    memset(acc + x * d, 0, (size_t)d * sizeof(float));
+  }
+  for (int64_t b0 = 0; b0 < nb; b0 += chunk_blocks) {
+    const int64_t b1 = b0 + chunk_blocks < nb ? b0 + chunk_blocks : nb;
+    const int64_t cnt = (b1 * bs < len ? b1 * bs : len) - b0 * bs;
+    for (int64_t b = b0; b < b1; b++) {
+      const char *kb = (const char *)j->k + ((int64_t)table[b] * j->k_s0 + h * j->k_s2) * esz;
+      const int64_t end = len - b * bs < bs ? len - b * bs : bs;
+      for (int64_t o = 0; o < end; o++) {
+        const char *kr = kb + o * j->k_s1 * esz;
+        for (int64_t x = 0; x < hc; x++) {
+          vf t = splat(0.0f);
+          int64_t i = 0;
+          for (; i < dw; i += W) t += load_v(q, x * d + i, BF16) * load_v(kr, i, BF16);
+          float dot = hsum(t);
+          for (; i < d; i++) dot += load_s(q, x * d + i, BF16) * load_s(kr, i, BF16);
+          sc[x * cw + (b - b0) * bs + o] = dot * j->scale;
+        }
+      }
+    }
+    for (int64_t x = 0; x < hc; x++) {
+      const float alpha = chunk_softmax(sc + x * cw, cnt, &m[x], &l[x]);
+      if (alpha != 1.0f)
+        for (int64_t i = 0; i < d; i++) acc[x * d + i] *= alpha;
+    }
+    for (int64_t b = b0; b < b1; b++) {
+      const char *vb = (const char *)j->v + ((int64_t)table[b] * j->v_s0 + h * j->v_s2) * esz;
+      const int64_t end = len - b * bs < bs ? len - b * bs : bs;
+      for (int64_t o = 0; o < end; o++) {
+        const char *vr = vb + o * j->v_s1 * esz;
+        for (int64_t x = 0; x < hc; x++) {
+          const float px = sc[x * cw + (b - b0) * bs + o];
+          float *a = acc + x * d;
+          int64_t i = 0;
+          for (; i < dw; i += W) *(vf *)(a + i) += px * load_v(vr, i, BF16);
+          for (; i < d; i++) a[i] += px * load_s(vr, i, BF16);
+        }
+      }
+    }
+  }
+  for (int64_t x = 0; x < hc; x++) {
+    const float inv = l[x] > 0.0f ? 1.0f / l[x] : 0.0f;
+    for (int64_t i = 0; i < d; i++) store_s(out, x * d + i, acc[x * d + i] * inv, BF16);
+  }
+}
+
+typedef void (*fast_fn)(const job_t *, int64_t, int64_t, int64_t, float *);
+
+#define FAST(BF, NV, HC)                                                                        \
+  static void fast_##BF##_##NV##_##HC(const job_t *j, int64_t r, int64_t h, int64_t x0,         \
+                                      float *sc) {                                              \
+    attend_fast(j, r, h, x0, sc, HC, NV, BF);                                                   \
+  }
+#define FAST_HC(BF, NV) FAST(BF, NV, 1) FAST(BF, NV, 2) FAST(BF, NV, 3) FAST(BF, NV, 4)          \
+  FAST(BF, NV, 5) FAST(BF, NV, 6) FAST(BF, NV, 7) FAST(BF, NV, 8)
+#define ROW(BF, NV) {NULL, fast_##BF##_##NV##_1, fast_##BF##_##NV##_2, fast_##BF##_##NV##_3,    \
+  fast_##BF##_##NV##_4, fast_##BF##_##NV##_5, fast_##BF##_##NV##_6, fast_##BF##_##NV##_7,       \
+  fast_##BF##_##NV##_8}
+/* Instantiated for (head_dim vectors NV, heads per pass HC) with HC * NV <= MAX_ACC. */
+#if W == 16
+FAST_HC(0, 1) FAST_HC(0, 2) FAST(0, 4, 1) FAST(0, 4, 2) FAST(0, 4, 3) FAST(0, 4, 4)
+FAST(0, 8, 1) FAST(0, 8, 2)
+FAST_HC(1, 1) FAST_HC(1, 2) FAST(1, 4, 1) FAST(1, 4, 2) FAST(1, 4, 3) FAST(1, 4, 4)
+FAST(1, 8, 1) FAST(1, 8, 2)
+#define ROW4(BF) {NULL, fast_##BF##_4_1, fast_##BF##_4_2, fast_##BF##_4_3, fast_##BF##_4_4}
+#define ROW8(BF) {NULL, fast_##BF##_8_1, fast_##BF##_8_2}
+#else
+FAST_HC(0, 1) FAST(0, 2, 1) FAST(0, 2, 2) FAST(0, 2, 3) FAST(0, 2, 4) FAST(0, 4, 1)
+FAST(0, 4, 2) FAST(0, 8, 1)
+FAST_HC(1, 1) FAST(1, 2, 1) FAST(1, 2, 2) FAST(1, 2, 3) FAST(1, 2, 4) FAST(1, 4, 1)
+FAST(1, 4, 2) FAST(1, 8, 1)
+#undef ROW
+#define ROW(BF, NV) {NULL, fast_##BF##_##NV##_1, fast_##BF##_##NV##_2, fast_##BF##_##NV##_3,    \
+  fast_##BF##_##NV##_4}
+#define ROW4(BF) {NULL, fast_##BF##_4_1, fast_##BF##_4_2}
+#define ROW8(BF) {NULL, fast_##BF##_8_1}
+#endif
+/* fast_table[bf16][log2 NV][HC]; NULL where not instantiated. */
+static const fast_fn fast_table[2][4][9] = {
+    {{NULL, fast_0_1_1, fast_0_1_2, fast_0_1_3, fast_0_1_4, fast_0_1_5, fast_0_1_6, fast_0_1_7,
+      fast_0_1_8}, ROW(0, 2), ROW4(0), ROW8(0)},
+    {{NULL, fast_1_1_1, fast_1_1_2, fast_1_1_3, fast_1_1_4, fast_1_1_5, fast_1_1_6, fast_1_1_7,
+      fast_1_1_8}, ROW(1, 2), ROW4(1), ROW8(1)},
+};
+
+static void generic_f32(const job_t *j, int64_t r, int64_t h, int64_t x0, int64_t hc, float *sc,
+                        float *acc) {
+  attend_generic(j, r, h, x0, hc, sc, acc, 0);
+}
+static void generic_bf16(const job_t *j, int64_t r, int64_t h, int64_t x0, int64_t hc, float *sc,
+                         float *acc) {
+  attend_generic(j, r, h, x0, hc, sc, acc, 1);
+}
+
+/* The fast kernel for head_dim d and hc heads per pass, or NULL. */
+static fast_fn pick_fast(int64_t d, int64_t hc, int bf16) {
+  const int64_t nv = d / W;
+  if (d % W || hc < 1 || hc > 8 || hc * nv > MAX_ACC) return NULL;
+  const int lg = nv == 1 ? 0 : nv == 2 ? 1 : nv == 4 ? 2 : nv == 8 ? 3 : -1;
+  return lg < 0 ? NULL : fast_table[bf16 ? 1 : 0][lg][hc];
+}
+
+/* paged_decode: attention of rows (seq_index, q_index) over the paged cache into out.
+ * bf16: 0 for fp32 tensors, 1 for bf16 (uint16 bit patterns).
+ * Returns 0; 1 when a thread could not allocate its scratch; 2 when a block table names a
  * block outside [0, num_blocks); 3 when a seq_len needs more blocks than a table row holds. On an
- * error some rows of out are left unwritten. */
-int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
-                     const int32_t *tables, const int32_t *lens, const int64_t *seq_index,
-                     const int64_t *q_index, int64_t n, int64_t hq, int64_t hk, int64_t d,
-                     int64_t bs, int64_t table_stride, int64_t q_stride, int64_t out_stride,
-                     int64_t num_blocks,
-                     int64_t k_s0, int64_t k_s1, int64_t k_s2, int64_t v_s0, int64_t v_s1,
-                     int64_t v_s2, float scale, int num_threads) {
-  if (num_threads < 1) num_threads = 1;
-  /* Whole rows per item when there are enough of them to keep every thread busy. */
-  const int64_t heads_per_item = n >= 2 * (int64_t)num_threads ? hk : 1;
+ * error nothing is written. */
+int paged_decode(const void *q, const void *k, const void *v, void *out, const int32_t *tables,
+                 const int32_t *lens, const int64_t *seq_index, const int64_t *q_index, int64_t n,
+                 int64_t hq, int64_t hk, int64_t d, int64_t bs, int64_t table_stride,
+                 int64_t q_stride, int64_t out_stride, int64_t num_blocks, int64_t k_s0,
+                 int64_t k_s1, int64_t k_s2, int64_t v_s0, int64_t v_s1, int64_t v_s2, float scale,
+                 int num_threads, int bf16) {
+  if (n <= 0 || hk <= 0) return 0;
+  const int64_t group = hq / hk;
+  /* Heads per pass: the group in as few passes as the registers allow, balanced. */
+  const int64_t nv = d / W;
+  int64_t max_hc = nv >= 1 && d % W == 0 ? MAX_ACC / nv : 8;
+  if (max_hc > 8) max_hc = 8;
+  if (max_hc < 1) max_hc = 1;
+  const int64_t passes = (group + max_hc - 1) / max_hc, hc = (group + passes - 1) / passes;
+  const int64_t chunk_blocks = bs >= CHUNK_TOKENS ? 1 : CHUNK_TOKENS / bs;
+  const int64_t chunk_w = (chunk_blocks * bs + W - 1) / W * W;
   const job_t job = {q, k, v, out, tables, lens, seq_index, q_index, n, hq, hk, d, bs,
-                     table_stride, q_stride, out_stride, num_blocks, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
-                     heads_per_item, scale};
-  const int64_t items = n * (hk / heads_per_item), heads = heads_per_item * (hq / hk);
-  const int64_t bs_w = (bs + W - 1) / W * W;
+                     table_stride, q_stride, out_stride, num_blocks, k_s0, k_s1, k_s2, v_s0, v_s1,
+                     v_s2, hc, chunk_w, scale, bf16};
+  const fast_fn fast = pick_fast(d, hc, bf16);
+  int64_t work = 0;
+  for (int64_t r = 0; r < n; r++) {
+    const int rc = check_row(&job, r);
+    if (rc) return rc;
+    work += lens[seq_index[r]];
+  }
+  const int64_t items = n * hk;
+  if (num_threads < 1 || work * hq < SERIAL_WORK) num_threads = 1;
+  if (num_threads > items) num_threads = (int)items;
   int64_t next = 0;
   int failed = 0;
-  if (items == 0) return 0;
-  if (num_threads > items) num_threads = (int)items;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
-    float *scratch = (float *)malloc(sizeof(float) * (size_t)(heads * (bs_w + 2)));
+    const size_t floats = (size_t)((hc * chunk_w + hc * d + 15) / 16 * 16); /* 64-byte multiple */
+    float *scratch = (float *)aligned_alloc(64, sizeof(float) * floats);
     if (scratch == NULL) {
       __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
     } else {
-      float *m = scratch + heads * bs_w, *l = m + heads;
+      float *acc = scratch + hc * chunk_w;
       for (;;) {
         const int64_t item = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
         if (item >= items) break;
-        const int rc = attend(&job, item, scratch, m, l);
-        if (rc) __atomic_store_n(&failed, rc, __ATOMIC_RELAXED);
+        const int64_t row = item / hk, h = item % hk;
+        for (int64_t x0 = h * group; x0 < (h + 1) * group; x0 += hc) {
+          const int64_t c = (h + 1) * group - x0 < hc ? (h + 1) * group - x0 : hc;
+          const fast_fn f = c == hc ? fast : pick_fast(d, c, bf16);
+          if (f)
+            f(&job, row, h, x0, scratch);
+          else if (bf16)
+            generic_bf16(&job, row, h, x0, c, scratch, acc);
+          else
+            generic_f32(&job, row, h, x0, c, scratch, acc);
+        }
       }
       free(scratch);
     }
@@ -196,21 +452,24 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
   return failed;
 }
 
-/* reshape_and_cache for fp32: token t's key and value rows [num_kv_heads, head_dim] go to slot
- * slots[t] = block * block_size + offset (vLLM paper §4.1). key/value rows may be strided (row
- * strides k_stride, v_stride; heads dense). Returns 0, or 2 when a slot is outside
- * [0, num_blocks * block_size) (checked for every token before anything is written). */
-int reshape_and_cache_f32(const float *key, const float *value, float *k_cache, float *v_cache,
-                          const int64_t *slots, int64_t n, int64_t hk, int64_t d, int64_t bs,
-                          int64_t num_blocks, int64_t k_stride, int64_t v_stride, int64_t kc_s0,
-                          int64_t kc_s1, int64_t vc_s0, int64_t vc_s1) {
-  const int64_t row = hk * d;
+/* reshape_and_cache: token t's key and value rows [num_kv_heads, head_dim] go to slot
+ * slots[t] = block * block_size + offset (vLLM paper §4.1); a copy of elem_size-byte elements
+ * (any dtype). key/value rows may be strided (row strides k_stride, v_stride; heads dense).
+ * Returns 0, or 2 when a slot is outside [0, num_blocks * block_size) (checked for every token
+ * before anything is written). */
+int reshape_and_cache(const void *key, const void *value, void *k_cache, void *v_cache,
+                      const int64_t *slots, int64_t n, int64_t hk, int64_t d, int64_t bs,
+                      int64_t num_blocks, int64_t k_stride, int64_t v_stride, int64_t kc_s0,
+                      int64_t kc_s1, int64_t vc_s0, int64_t vc_s1, int64_t elem_size) {
+  const size_t row = (size_t)(hk * d * elem_size);
   for (int64_t t = 0; t < n; t++)
     if (slots[t] < 0 || slots[t] >= num_blocks * bs) return 2;
   for (int64_t t = 0; t < n; t++) {
     const int64_t b = slots[t] / bs, o = slots[t] % bs;
-    memcpy(k_cache + b * kc_s0 + o * kc_s1, key + t * k_stride, (size_t)row * sizeof(float));
-    memcpy(v_cache + b * vc_s0 + o * vc_s1, value + t * v_stride, (size_t)row * sizeof(float));
+    memcpy((char *)k_cache + (b * kc_s0 + o * kc_s1) * elem_size,
+           (const char *)key + t * k_stride * elem_size, row);
+    memcpy((char *)v_cache + (b * vc_s0 + o * vc_s1) * elem_size,
+           (const char *)value + t * v_stride * elem_size, row);
   }
   return 0;
 }

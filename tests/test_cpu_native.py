@@ -1,0 +1,174 @@
+"""Native CPU kernels (kernels/csrc/paged_cpu.c) in fp32 and bf16, against the fp64 dense reference.
+
+Decode over GQA ratios 1..32, head dims on the fast path (32, 64, 128) and off it (80), block
+sizes 1, 16, 24, 32, context lengths at and around block boundaries and past a softmax chunk,
+layer views `pool[:, layer, 0/1]` of a block-major pool with NaN in every slot outside the
+context; bf16 rounding (to nearest even, NaN kept); the cache write as an exact copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_reference import make_case, ref_attention, tolerance
+
+import kernels
+from kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built")
+
+HEADS = [(8, 8), (4, 2), (9, 3), (28, 4), (16, 2), (32, 1)]  # GQA ratios 1, 2, 3, 7, 8, 32
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def lengths(block_size: int) -> list[int]:
+    lens = {1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3, 300, 613}
+    return sorted(n for n in lens if n >= 1)
+
+
+def decode(case, out=None):
+    """cpu_native.paged_decode over every sequence of a decode case; returns out."""
+    n = case.query.shape[0]
+    out = torch.full_like(case.query, math.nan) if out is None else out
+    rows = torch.arange(n, dtype=torch.int64)
+    cpu_native.paged_decode(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, rows, rows,
+        case.scale, out,
+    )  # fmt: skip
+    return out
+
+
+def check(out, case, dtype, what):
+    ref = ref_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc,
+        case.seq_lens, case.scale,
+    )  # fmt: skip
+    assert out.dtype == dtype, f"{what}: dtype {out.dtype}"
+    assert not out.isnan().any(), f"{what}: NaN reached the output (a slot outside the context was read)"
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype), msg=lambda m: f"{what}: {m}")
+    return ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 16, 24, 32])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_decode_matches_reference(heads, head_dim, block_size, dtype):
+    lens = lengths(block_size)
+    case = make_case(lens, [1] * len(lens), *heads, head_dim, block_size, dtype, seed=head_dim + block_size)
+    assert not case.key_cache.is_contiguous()  # a layer slice of the block-major pool
+    what = f"{dtype} heads={heads} d={head_dim} bs={block_size}"
+    ref = check(decode(case), case, dtype, what)
+    if dtype == torch.bfloat16:  # fp32 arithmetic, one rounding at the end: within half a bf16 ulp
+        torch.testing.assert_close(
+            decode(case).double(), ref, rtol=2**-8 * 1.05, atol=1e-5, msg=lambda m: f"{what} rounding: {m}"
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_model_path_runs_native_in_bf16(dtype, monkeypatch):
+    # The planned call of the model reaches the native kernel (no gather fallback) for bf16 too.
+    case = make_case([40, 41, 300, 8], [1, 1, 1, 1], 9, 3, 64, 16, dtype)
+    plan = kernels.plan_attention(case.block_tables, case.query_start_loc, case.seq_lens, 16)
+    assert plan.decode is not None
+    calls = []
+    real = cpu_native.paged_decode
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(1) or real(*a))
+    out = kernels.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc,
+        case.seq_lens, case.scale, plan=plan,
+    )  # fmt: skip
+    assert calls == [1], "the planned decode did not go to the native kernel"
+    assert not plan.decode._groups, "the decode rows were gathered"
+    check(out, case, dtype, f"planned {dtype}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_threads_and_strided_rows(threads):
+    # Enough work for the OpenMP team; query rows strided (views into a fused QKV output).
+    lens = [1000, 3, 517, 64, 65, 999, 2, 300]
+    case = make_case(lens, [1] * len(lens), 12, 4, 64, 16, torch.bfloat16, seed=3)
+    wide = torch.randn(len(lens), 20, 64).to(torch.bfloat16)
+    wide[:, :12] = case.query
+    case.query = wide[:, :12]
+    out = torch.full((len(lens), 20, 64), math.nan, dtype=torch.bfloat16)[:, 4:16]
+    torch.set_num_threads(threads)
+    check(decode(case, out), case, torch.bfloat16, f"threads={threads}")
+
+
+def test_bf16_output_rounds_to_nearest_even_and_keeps_nan():
+    # Two positions with equal keys: the output is the exact fp32 mean of two values, a tie
+    # halfway between two bf16 numbers that must round to the even one (truncation would not).
+    case = make_case([2, 2, 1], [1, 1, 1], 2, 1, 32, 4, torch.bfloat16)
+    kc, vc, bt = case.key_cache, case.value_cache, case.block_tables
+    ulp = 2.0**-7
+    pairs = [(1.0, 1.0 + ulp), (1.0 + ulp, 1.0 + 2 * ulp)]
+    for s, (a, b) in enumerate(pairs):
+        blk = int(bt[s, 0])
+        kc[blk, :2] = 0.5
+        vc[blk, 0], vc[blk, 1] = a, b
+    case.query[2, 0] = math.nan  # a NaN query: NaN out, in bf16 too
+    out = decode(case)
+    want = [(torch.tensor(a) + torch.tensor(b)) / 2 for a, b in pairs]
+    for s, w in enumerate(want):
+        assert torch.equal(out[s], w.to(torch.bfloat16).expand_as(out[s])), (s, out[s, 0, :4])
+    assert out[0, 0, 0].item() == 1.0 and out[1, 0, 0].item() == 1.0 + 2 * ulp
+    assert out[2, 0].isnan().all() and not out[2, 1].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 16, 24])
+def test_cache_write_is_an_exact_copy(dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, heads, dim = 9, 3, 64
+    pool = torch.full((num_blocks, 2, 2, block_size, heads, dim), math.nan, dtype=dtype)
+    kc, vc = pool[:, 1, 0], pool[:, 1, 1]
+    n = 2 * block_size + 1
+    qkv = torch.randn(n, 15, dim, generator=gen).to(dtype)  # fused QKV rows: k, v are row-strided views
+    key, value = qkv[:, 9:12], qkv[:, 12:15]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
+    before = pool.clone()
+    cpu_native.reshape_and_cache(key, value, kc, vc, slots)
+    assert torch.equal(kc[slots // block_size, slots % block_size], key)
+    assert torch.equal(vc[slots // block_size, slots % block_size], value)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots] = True
+    rest = ~written.view(num_blocks, block_size)
+    assert kc[rest].isnan().all() and vc[rest].isnan().all() and pool[:, 0].isnan().all()
+    # Through kernels (the model's call): the same bytes.
+    pool2 = before.clone()
+    kernels.reshape_and_cache(key, value, pool2[:, 1, 0], pool2[:, 1, 1], slots)
+    assert torch.equal(pool2.nan_to_num(), pool.nan_to_num()) and torch.equal(pool2.isnan(), pool.isnan())
+    # A slot out of range writes nothing.
+    bad = slots.clone()
+    bad[-1] = num_blocks * block_size
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu_native.reshape_and_cache(key, value, before[:, 1, 0], before[:, 1, 1], bad)
+    assert before[:, 1].isnan().all()
+
+
+def test_supports_and_errors():
+    case = make_case([5, 40], [1, 1], 9, 3, 64, 8, torch.bfloat16)
+    kc, vc = case.key_cache, case.value_cache
+    assert cpu_native.supports(case.query, kc, vc)
+    assert not cpu_native.supports(case.query.half(), kc.half(), vc.half())
+    assert not cpu_native.supports(case.query.float(), kc, vc)  # one dtype per call
+    with pytest.raises(ValueError, match="out must"):
+        decode(case, torch.empty(case.query.shape, dtype=torch.float32))
+    bad = case.block_tables.clone()
+    bad[1, 1] = kc.shape[0]
+    out = torch.full_like(case.query, math.nan)
+    rows = torch.arange(2)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_native.paged_decode(case.query, kc, vc, bad, case.seq_lens, rows, rows, 1.0, out)
+    assert out.isnan().all(), "an error must leave out unwritten"
