@@ -20,6 +20,7 @@ results round to nearest even), as vLLM's CPU attention does.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import hashlib
@@ -119,11 +120,12 @@ def _load():
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             unavailable_reason = str(e)
             return None
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.paged_decode.argtypes = [ptr] * 8 + [i64] * 15 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-        lib.paged_decode.restype = ctypes.c_int
-        lib.reshape_and_cache.argtypes = [ptr] * 5 + [i64] * 12
-        lib.reshape_and_cache.restype = ctypes.c_int
+        # Integer arguments go packed in one int64 array: converting 25 ctypes arguments costs
+        # more than a batch-1 layer's attention.
+        lib.paged_decode_packed.argtypes = [ctypes.c_void_p, ctypes.c_float]
+        lib.paged_decode_packed.restype = ctypes.c_int
+        lib.reshape_and_cache_packed.argtypes = [ctypes.c_void_p]
+        lib.reshape_and_cache_packed.restype = ctypes.c_int
         _lib = lib
         return _lib
 
@@ -155,15 +157,17 @@ def supports(rows: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     """Whether these tensors can go to the native kernels: CPU, one dtype (fp32 or bf16) for all
     three; `rows` (queries, or new keys / values) [n, heads, head_dim] with each row's heads dense
     (rows may be strided); both caches with the same strides and head_dim contiguous."""
+    dtype = rows.dtype
+    if dtype not in _DTYPE_CODE or dtype != key_cache.dtype or dtype != value_cache.dtype or not rows.is_cpu:
+        return False
+    (_, heads, dim), rs, ks = rows.shape, rows.stride(), key_cache.stride()
     return (
-        rows.dtype in _DTYPE_CODE
-        and rows.dtype == key_cache.dtype == value_cache.dtype
-        and rows.device.type == "cpu"
-        and rows.stride(2) == 1
-        and (rows.stride(1) == rows.shape[2] or rows.shape[1] == 1)
-        and key_cache.stride(3) == 1
-        and (key_cache.stride(2) == key_cache.shape[3] or key_cache.shape[2] == 1)
-        and key_cache.stride() == value_cache.stride()
+        rs[2] == 1
+        and (rs[1] == dim or heads == 1)
+        and ks[3] == 1
+        and (ks[2] == dim or key_cache.shape[2] == 1)
+        and ks == value_cache.stride()
+        and key_cache.shape[3] == dim
     )
 
 
@@ -208,18 +212,24 @@ def paged_decode(
         and seq_lens.is_contiguous()
         and seq_index.is_contiguous()
         and q_index.is_contiguous()
-        and block_tables.device.type == seq_lens.device.type == seq_index.device.type == q_index.device.type == "cpu"
+        and block_tables.is_cpu
+        and seq_lens.is_cpu
+        and seq_index.is_cpu
+        and q_index.is_cpu
     ):
         raise ValueError("block_tables and seq_lens must be int32, seq_index and q_index int64, all contiguous on cpu")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    ks, vs = key_cache.stride(), value_cache.stride()
-    rc = lib.paged_decode(
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
-        block_tables.data_ptr(), seq_lens.data_ptr(), seq_index.data_ptr(), q_index.data_ptr(),
-        seq_index.shape[0], query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0),
-        query.stride(0), out.stride(0), num_blocks, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        scale, torch.get_num_threads(), _DTYPE_CODE[query.dtype],
+    args = array.array(
+        "q",
+        (
+            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
+            block_tables.data_ptr(), seq_lens.data_ptr(), seq_index.data_ptr(), q_index.data_ptr(),
+            seq_index.shape[0], query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0),
+            query.stride(0), out.stride(0), num_blocks, *key_cache.stride()[:3], *value_cache.stride()[:3],
+            torch.get_num_threads(), _DTYPE_CODE[query.dtype],
+        ),
     )  # fmt: skip
+    rc = lib.paged_decode_packed(args.buffer_info()[0], scale)
     if rc == 0:
         return
     if rc == 2:
@@ -251,11 +261,15 @@ def reshape_and_cache(
         raise ValueError("value rows must have the key's dtype (fp32 or bf16) and dense heads; slot_mapping contiguous")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     kc, vc = key_cache.stride(), value_cache.stride()
-    rc = lib.reshape_and_cache(
-        key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-        slot_mapping.data_ptr(), slot_mapping.shape[0], num_kv_heads, head_dim, block_size, num_blocks,
-        key.stride(0), value.stride(0), kc[0], kc[1], vc[0], vc[1], key.element_size(),
+    args = array.array(
+        "q",
+        (
+            key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            slot_mapping.data_ptr(), slot_mapping.shape[0], num_kv_heads, head_dim, block_size, num_blocks,
+            key.stride(0), value.stride(0), kc[0], kc[1], vc[0], vc[1], key.element_size(),
+        ),
     )  # fmt: skip
+    rc = lib.reshape_and_cache_packed(args.buffer_info()[0])
     if rc:
         raise ValueError(
             f"slot_mapping values must lie in [0, {num_blocks * block_size}) "

@@ -452,6 +452,17 @@ int paged_decode(const void *q, const void *k, const void *v, void *out, const i
   return failed;
 }
 
+/* paged_decode with its integer arguments packed (the ctypes caller converts one pointer, not
+ * 25 arguments): a = [q, k, v, out, tables, lens, seq_index, q_index (addresses), n, hq, hk, d,
+ * bs, table_stride, q_stride, out_stride, num_blocks, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
+ * num_threads, bf16]. */
+int paged_decode_packed(const int64_t *a, float scale) {
+  return paged_decode((const void *)a[0], (const void *)a[1], (const void *)a[2], (void *)a[3],
+                      (const int32_t *)a[4], (const int32_t *)a[5], (const int64_t *)a[6],
+                      (const int64_t *)a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15],
+                      a[16], a[17], a[18], a[19], a[20], a[21], a[22], scale, (int)a[23], (int)a[24]);
+}
+
 /* reshape_and_cache: token t's key and value rows [num_kv_heads, head_dim] go to slot
  * slots[t] = block * block_size + offset (vLLM paper §4.1); a copy of elem_size-byte elements
  * (any dtype). key/value rows may be strided (row strides k_stride, v_stride; heads dense).
@@ -472,4 +483,11 @@ int reshape_and_cache(const void *key, const void *value, void *k_cache, void *v
            (const char *)value + t * v_stride * elem_size, row);
   }
   return 0;
+}
+
+/* reshape_and_cache with its arguments packed, in order, as int64 (addresses first). */
+int reshape_and_cache_packed(const int64_t *a) {
+  return reshape_and_cache((const void *)a[0], (const void *)a[1], (void *)a[2], (void *)a[3],
+                           (const int64_t *)a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12],
+                           a[13], a[14], a[15], a[16]);
 }
