@@ -2,7 +2,7 @@
 
 At SmolLM2-135M's layer shape (9 q heads, 3 KV heads, head_dim 64, block size 16), batch
 1/8/32/64 x context 128/300/1000, fp32 and bf16 (query, pool and output of one dtype). Each call
-is what the model runs per layer: `kernels.paged_prefill_attention(..., plan=plan)` with the
+is what the model runs per layer: `kernels.paged_attention(query, key_cache, value_cache, plan, scale)` with the
 step's plan built once (under `kernels.cpu_native.use_native(True)` or `(False)`), reading layer
 views `pool[:, layer, 0/1]` of a block-major pool of `--layers` layers, cycled call by call so that
 one layer's blocks are not hot in L1/L2 from the previous call. Variants alternate call by call;
@@ -66,7 +66,7 @@ def layer_call(pool, query, tables, qsl, seq_lens, plan):
     def call():
         layer[0] = (layer[0] + 1) % layers
         kc, vc = pool[:, layer[0], 0], pool[:, layer[0], 1]
-        kernels.paged_prefill_attention(query, kc, vc, tables, qsl, seq_lens, D**-0.5, plan=plan)
+        kernels.paged_attention(query, kc, vc, plan, D**-0.5)
 
     return call
 
@@ -132,9 +132,7 @@ def batch1_calls(dtype) -> dict:
             query, kc, vc, tables, seq_lens, seq_index, seq_index, D**-0.5, out
         ),
         "reshape_and_cache": lambda: cpu_native.reshape_and_cache(k_new, v_new, kc, vc, slot),
-        "kernels.paged_prefill_attention": lambda: kernels.paged_prefill_attention(
-            query, kc, vc, tables, qsl, seq_lens, D**-0.5, plan=plan
-        ),
+        "kernels.paged_attention": lambda: kernels.paged_attention(query, kc, vc, plan, D**-0.5),
         "kernels.reshape_and_cache": lambda: kernels.reshape_and_cache(k_new, v_new, kc, vc, slot),
     }
     if not cpu_native.supports(query, kc, vc):  # no native kernel for this dtype: direct calls fail

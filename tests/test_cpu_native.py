@@ -84,10 +84,7 @@ def test_model_path_runs_native_in_bf16(dtype, monkeypatch):
     calls = []
     real = cpu_native.paged_decode
     monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(1) or real(*a))
-    out = kernels.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc,
-        case.seq_lens, case.scale, plan=plan,
-    )  # fmt: skip
+    out = kernels.paged_attention(case.query, case.key_cache, case.value_cache, plan, case.scale)
     assert calls == [1], "the planned decode did not go to the native kernel"
     assert not plan.decode._groups, "the decode rows were gathered"
     check(out, case, dtype, f"planned {dtype}")
