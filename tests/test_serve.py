@@ -361,9 +361,10 @@ def test_queue_limit_shutdown_and_pool_check(stack, tmp_path, memory):
     assert streamed[-1] == "data: [DONE]" and json.loads(streamed[-2][6:])["error"]["code"] == "unavailable"
     assert memory.stats().used_blocks == 0
     refused = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--memory", stack.memory.address, "--workers",
-                              stack.worker_addresses[0], "--block-size", "32", "--port", "0"],
+                              stack.worker_addresses[0], "--block-size", "32", "--no-prefix-caching", "--port", "0"],
                              capture_output=True, text=True, timeout=120, env={**os.environ})
     assert refused.returncode == 1 and "--block-size 32 (the pool's is 16)" in refused.stderr
+    assert "--no-prefix-caching (it configures embedded services" in refused.stderr
 
 
 def test_embedded_backends_stop_with_the_server(tmp_path):

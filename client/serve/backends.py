@@ -15,6 +15,7 @@ without them everything is plaintext on loopback.
 Attaching, the pool flags given (``--block-size``, ``--kv-cache-memory``, ``--kv-cache-dtype``,
 ``--dtype``, ``--model``) are checked against the running pool's descriptor and the worker's
 model, and refused when they differ: a server must never believe in a pool it does not have.
+``--no-prefix-caching`` configures embedded services only, and is refused when attaching.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def _embedded(args: argparse.Namespace) -> Backends:
         memory_args += ["--kv-cache-memory", args.kv_cache_memory]
     if args.pool_dtype:
         memory_args += ["--dtype", args.pool_dtype]
+    if not args.prefix_caching:
+        memory_args.append("--no-prefix-caching")
     stack = LocalStack(memory_args, device=args.device or default_device(), model=args.model or "smollm2",
                        host="127.0.0.1", name="serve", tls=args.tls).start()
     return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, tls=args.tls)
@@ -116,6 +119,8 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
     finally:
         memory.close()
     wrong = []
+    if not args.prefix_caching:
+        wrong.append("--no-prefix-caching (it configures embedded services; start the memory service with it)")
     if args.block_size is not None and args.block_size != layout.block_size:
         wrong.append(f"--block-size {args.block_size} (the pool's is {layout.block_size})")
     if args.pool_dtype is not None and args.pool_dtype != layout.dtype:

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the pool's dtype (default auto: the model's)")
     model.add_argument("--block-size", type=int, default=_env_int("BLOCK_SIZE", None), help="tokens per block (default 16)")
     model.add_argument("--kv-cache-memory", default=_env("KV_CACHE_MEMORY"), help="pool size, e.g. 1GiB")
+    model.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                       help="embedded memory service without automatic prefix caching (on by default)")
     sched = p.add_argument_group("scheduler")
     sched.add_argument("--max-num-seqs", type=int, default=_env_int("MAX_NUM_SEQS", 64),
                        help="most requests running at once (default 64)")
