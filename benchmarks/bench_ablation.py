@@ -45,8 +45,33 @@ DEFAULT_VARIANTS = [
 ]
 
 
-def child(dtype_name: str) -> None:
-    """Run in a variant's checkout: load, then for each line `CASE REPS` on stdin print JSON timings."""
+#: Where a step's time goes: wall seconds inside modules of these classes (the model runs
+#: synchronously on the CPU, so a module's wall time is its cost); the rest is "other" (RoPE,
+#: residual adds, SwiGLU's activation, embedding, sampling).
+BREAKDOWN = {"Linear": "projections", "PagedAttention": "attention + cache write", "RMSNorm": "norms"}
+
+
+def _clock(model) -> dict[str, float]:
+    """Hook every module whose class is in BREAKDOWN; returns the dict its seconds are summed into."""
+    spent = dict.fromkeys(BREAKDOWN.values(), 0.0)
+    started: dict[int, float] = {}
+
+    def enter(module, args):
+        started[id(module)] = time.perf_counter()
+
+    def leave(module, args, out):
+        spent[BREAKDOWN[type(module).__name__]] += time.perf_counter() - started.pop(id(module))
+
+    for module in model.modules():
+        if type(module).__name__ in BREAKDOWN:
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
+    return spent
+
+
+def child(dtype_name: str, breakdown: bool) -> None:
+    """Run in a variant's checkout: load, then for each line `CASE REPS` on stdin print JSON timings
+    (with `breakdown`, also the seconds per BREAKDOWN category, summed over the reps)."""
     sys.path[:0] = [str(Path.cwd() / "protos"), str(Path.cwd())]
     import torch
 
@@ -74,6 +99,7 @@ def child(dtype_name: str) -> None:
                 block_ids=list(range(b * per, (b + 1) * per)), sampling=pb.SamplingParams(temperature=0.0)))
         return pb.StepRequest(sequences=seqs)
 
+    spent = _clock(model) if breakdown else {}
     steps = {}
     for name, batch, ctx, new in CASES:
         req = request(batch, ctx, new)
@@ -92,11 +118,14 @@ def child(dtype_name: str) -> None:
     print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
     for line in sys.stdin:
         name, reps = line.rsplit(" ", 1)
-        print(json.dumps({"seconds": [run(name) for _ in range(int(reps))]}), flush=True)
+        for k in spent:
+            spent[k] = 0.0
+        seconds = [run(name) for _ in range(int(reps))]
+        print(json.dumps({"seconds": seconds, "spent": spent}), flush=True)
 
 
 class Variant:
-    def __init__(self, spec: str, tmp: Path) -> None:
+    def __init__(self, spec: str, tmp: Path, breakdown: bool) -> None:
         self.label, rest = spec.split("=", 1)
         parts = rest.split(":", 2)
         self.commit, self.dtype = parts[0], parts[1]
@@ -109,9 +138,11 @@ class Variant:
             if not self.tree.exists():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(self.tree), sha], check=True)
         env = {**os.environ, **self.env, "PYTHONPATH": f"{self.tree / 'protos'}:{self.tree}"}
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", self.dtype],
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", self.dtype] + (["--breakdown"] if breakdown else [])
+        self.proc = subprocess.Popen(cmd,
                                      cwd=self.tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.times: dict[str, list[float]] = {name: [] for name, *_ in CASES}
+        self.spent: dict[str, dict[str, float]] = {name: {} for name, *_ in CASES}
 
     def ready(self) -> None:
         line = self.proc.stdout.readline()
@@ -122,7 +153,10 @@ class Variant:
     def run(self, name: str, reps: int) -> None:
         self.proc.stdin.write(f"{name} {reps}\n")
         self.proc.stdin.flush()
-        self.times[name] += json.loads(self.proc.stdout.readline())["seconds"]
+        reply = json.loads(self.proc.stdout.readline())
+        self.times[name] += reply["seconds"]
+        for k, v in reply["spent"].items():
+            self.spent[name][k] = self.spent[name].get(k, 0.0) + v
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -134,17 +168,19 @@ def main() -> int:
     ap.add_argument("--variant", action="append", help="LABEL=COMMIT:DTYPE[:ENV=VALUE,...] (repeat)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--result-name", default="bench_ablation")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also where each case's time goes (projections, attention, norms, other), ms per step")
     ap.add_argument("--child", metavar="DTYPE", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.breakdown)
         return 0
     from common import fmt, machine, pyplot, save_plot, table, write_result
 
     specs = args.variant or DEFAULT_VARIANTS
     reps = {"decode b1": 5, "decode b32": 3, "prefill 2x256": 1}
     with tempfile.TemporaryDirectory(prefix="pagedkv-ablation-") as tmp:
-        variants = [Variant(s, Path(tmp)) for s in specs]
+        variants = [Variant(s, Path(tmp), args.breakdown) for s in specs]
         try:
             for v in variants:
                 v.ready()
@@ -171,6 +207,19 @@ def main() -> int:
         result["variants"].append(rec)
     header = ["variant", "commit", "dtype"] + [f"{n} {u}" for n, *_ in CASES for u in ("ms", "tok/s")]
     table("model step per variant (medians over rounds)", header, rows)
+    if args.breakdown:
+        cats = list(BREAKDOWN.values()) + ["other"]
+        rows = []
+        for v, rec in zip(variants, result["variants"]):
+            for name, *_ in CASES:
+                n = len(v.times[name])
+                total = sum(v.times[name]) / n * 1e3
+                ms = {k: s / n * 1e3 for k, s in v.spent[name].items()}
+                ms["other"] = total - sum(ms.values())
+                rec[name]["breakdown_ms"] = ms
+                rows.append([v.label, name, fmt(total, ".1f")] + [f"{fmt(ms[k], '.1f')} ({ms[k] / total:.0%})" for k in cats])
+        table("where a step's time goes (ms per step, mean over rounds; hooks on the modules)",
+              ["variant", "case", "total"] + cats, rows)
     write_result(args.result_name, result)
     plt = pyplot()
     if plt is not None:
