@@ -11,8 +11,10 @@ the caller asks for are computed.
 Architecture as in Hugging Face `LlamaForCausalLM` (RMSNorm, RoPE with rotate-half, GQA, SwiGLU,
 optional tied embeddings); layout of the file after gpt-fast's model.py: the architecture only.
 Q/K/V and gate/up projections are fused into one matmul each; the projections are
-`compute_service.linear.Linear` (oneDNN's prepacked matmul on CPU in fp32). Timing hooks in
-from outside (`compute_service.timing`).
+`compute_service.linear.Linear` (oneDNN's prepacked matmul on CPU in fp32). The elementwise ops
+(RMSNorm with the residual add fused in, as vLLM's `fused_add_rms_norm`; silu(gate) * up; RoPE)
+are `kernels.fused_ops`: one native call each on CPU, torch ops elsewhere. Timing hooks in from
+outside (`compute_service.timing`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from torch import nn
 import kernels
 from compute_service.linear import Linear, packed_linear_wanted
 from compute_service.weights import ModelConfig, Weights
+from kernels import fused_ops
+from kernels.fused_ops import signed_sin
 
 
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,33 +58,20 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
     return inv
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, as transformers' `apply_rotary_pos_emb`: x * cos + rotate_half(x) * sin.
-
-    x: [T, H, Dh] (any strides); cos: [T, 1, Dh], each frequency twice; sin: [T, 1, Dh] with the
-    first half negated (`signed_sin`), so that rotate_half(x) * sin(θ) == roll(x, Dh/2) * sin:
-    three ops instead of six. Returns [T, H, Dh] contiguous, in x's dtype.
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """[..., Dh] sin with each frequency twice -> its first half negated (see `apply_rope`)."""
-    s1, s2 = sin.chunk(2, dim=-1)
-    return torch.cat((-s1, s2), dim=-1)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, D]. One fused op: the statistics and the scaling in fp32 for bf16/fp16 inputs, one
-        # rounding at the end (transformers' LlamaRMSNorm rounds x * rsqrt(...) to the input dtype
-        # before the weight multiply; the same arithmetic in fp32, within one bf16 ulp otherwise).
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, D]; residual: [T, D] or None. With a residual, vLLM's fused add: residual += x in
+        # place (the residual stream), then the norm of the sum. Statistics and scaling in fp32,
+        # one rounding at the end (transformers' LlamaRMSNorm rounds x * rsqrt(...) to the input
+        # dtype before the weight multiply: the same arithmetic in fp32, within one bf16 ulp).
+        if residual is None:
+            return fused_ops.rms_norm(x, self.weight, self.eps)
+        return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 @dataclass(slots=True)
@@ -88,7 +79,7 @@ class StepMeta:
     """Per-forward attention metadata shared by every layer."""
 
     cos: torch.Tensor  # [T, 1, head_dim] model dtype, each frequency twice
-    sin: torch.Tensor  # [T, 1, head_dim], first half negated (see `apply_rope`)
+    sin: torch.Tensor  # [T, 1, head_dim], first half negated (`kernels.fused_ops.apply_rope`)
     slot_mapping: torch.Tensor  # [T] int64, pool slot of each new token
     plan: kernels.AttentionPlan  # the step's attention metadata and kernel, shared by all layers
 
@@ -140,7 +131,7 @@ class Attention(nn.Module):
         # x: [T, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, Dh] views of the pool
         t = x.shape[0]
         qkv = self.wqkv(x).view(t, self.hq + 2 * self.hkv, self.dh)  # [T, Hq + 2 Hkv, Dh]
-        qk = apply_rope(qkv[:, : self.hq + self.hkv], meta.cos, meta.sin)  # queries and keys at once
+        qk = fused_ops.rope(qkv[:, : self.hq + self.hkv], meta.cos, meta.sin)  # queries and keys at once
         q, k = qk.split([self.hq, self.hkv], dim=1)  # [T, Hq, Dh], [T, Hkv, Dh] (row-strided views)
         v = qkv[:, self.hq + self.hkv :]  # [T, Hkv, Dh]
         o = self.paged(q, k, v, key_cache, value_cache, meta)  # [T, Hq, Dh]
@@ -155,8 +146,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # [T, I] each
-        return self.w_down(F.silu(gate) * up)  # [T, D]
+        gate_up = self.w_gate_up(x)  # [T, 2I]: gate | up
+        return self.w_down(fused_ops.silu_mul(gate_up))  # [T, D]
 
 
 class DecoderLayer(nn.Module):
@@ -169,11 +160,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(w[p + "w_gate"], w[p + "w_up"], w[p + "w_down"], packed)
 
     def forward(
-        self, x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: StepMeta
-    ) -> torch.Tensor:
-        # x: [T, D]
-        x = x + self.attn(self.attn_norm(x), key_cache, value_cache, meta)
-        return x + self.mlp(self.mlp_norm(x))  # [T, D]
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: StepMeta,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, D] the previous layer's MLP output (the embeddings at layer 0); residual: [T, D]
+        # the stream before it (None at layer 0). The stream grows in place, vLLM's layout:
+        # stream = x + attn(norm(x)); stream += mlp(norm(stream)), adds fused into the norms.
+        if residual is None:
+            residual, h = x, self.attn_norm(x)
+        else:
+            h = self.attn_norm(x, residual)  # residual += x
+        h = self.mlp_norm(self.attn(h, key_cache, value_cache, meta), residual)  # residual += attn
+        return self.mlp(h), residual  # [T, D], [T, D]
 
 
 class LlamaForPagedLM(nn.Module):
@@ -262,10 +264,10 @@ class LlamaForPagedLM(nn.Module):
             slot_mapping,
             plan,
         )
-        x = F.embedding(input_ids, self.embed)  # [T, D]
+        x, residual = F.embedding(input_ids, self.embed), None  # [T, D]; the stream starts at layer 0
         for i, layer in enumerate(self.layers):
-            x = layer(x, kv_pool[:, i, 0], kv_pool[:, i, 1], meta)
-        x = self.norm(x[logits_indices])  # [S', D]
+            x, residual = layer(x, residual, kv_pool[:, i, 0], kv_pool[:, i, 1], meta)
+        x = self.norm(x[logits_indices], residual[logits_indices])  # [S', D]: last add, final norm
         return self.lm_head(x).float()  # [S', vocab]
 
 

@@ -37,6 +37,9 @@ import torch
 from pagedkv.paths import pagedkv_home
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_cpu.c"
+#: Every C file of the library: attention and cache writes, then the fused elementwise ops
+#: (`kernels.cpu_fused`).
+SOURCES = (SOURCE, SOURCE.with_name("fused_cpu.c"))
 ENV_SWITCH = "PAGEDKV_NATIVE_CPU"
 _BUILD_TIMEOUT_S = 120
 
@@ -80,7 +83,7 @@ def _build() -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     errors = []
     for openmp in (["-fopenmp"], []):  # a compiler without OpenMP still gives a 1-thread kernel
         flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", *openmp, *_arch_flags()]
@@ -94,7 +97,10 @@ def _build() -> Path:
         os.close(fd)
         try:
             proc = subprocess.run(
-                [cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+                [cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=_BUILD_TIMEOUT_S,
             )
             if proc.returncode == 0:
                 os.replace(tmp, target)  # atomic: concurrent builders each write their own tmp
@@ -134,7 +140,7 @@ def available() -> bool:
     """True when the native kernels are built and loaded (builds them on the first call)."""
     if _forced is False:
         return False
-    return _load() is not None
+    return (_lib or _load()) is not None
 
 
 @contextlib.contextmanager

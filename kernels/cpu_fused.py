@@ -1,0 +1,187 @@
+"""Native CPU kernels for the elementwise ops of a Llama block, fp32 and bf16: RMSNorm, the
+residual add fused with the next RMSNorm, SwiGLU's silu(gate) * up, and RoPE in place.
+
+In torch 2.13 on CPU `F.rms_norm` is a composite of ~8 ops with dtype copies (~100 us a call for
+one token), and silu, mul and rotate-half RoPE each make a pass and a temporary. The C kernels in
+`csrc/fused_cpu.c` (built into the library of `kernels.cpu_native`) do each op in one pass over
+its rows, fp32 arithmetic inside, one bf16 rounding (to nearest even) per output element. The
+residual add follows vLLM's `fused_add_rms_norm`: `residual += x` in place, then the norm of the
+new residual. Rows go to torch's OpenMP threads only for large calls (prefill).
+
+Callers check `wanted(x)` first (`kernels.fused_ops` does and falls back to torch ops). The
+wrappers check shapes, dtypes and layouts and raise ValueError before anything is written.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+
+import torch
+
+from kernels import cpu_native
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_lib = None  # the library with argtypes set, once loaded
+
+
+def _load():
+    global _lib
+    lib = cpu_native._lib or cpu_native._load()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are not available: {cpu_native.unavailable_reason}")
+    lib.rms_norm_packed.argtypes = [ctypes.c_void_p, ctypes.c_float]
+    lib.rms_norm_packed.restype = ctypes.c_int
+    for fn in (lib.silu_mul_packed, lib.rope_packed):
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    _lib = lib
+    return lib
+
+
+def wanted(x: torch.Tensor) -> bool:
+    """Whether ops on `x` go native: a CPU fp32 or bf16 tensor and the library built (and not
+    switched off by `cpu_native.use_native(False)` or PAGEDKV_NATIVE_CPU=0)."""
+    return x.dtype in _DTYPE_CODE and x.device.type == "cpu" and cpu_native.available()
+
+
+def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or tuple(t.shape) != shape or t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be a cpu {dtype} tensor of shape {list(shape)} with its last axis contiguous, "
+            f"got {t.dtype} {list(t.shape)} on {t.device} (strides {t.stride()})"
+        )
+
+
+def _per_token(name: str, t: torch.Tensor, dtype: torch.dtype, rows: int, dh: int) -> torch.Tensor:
+    """t [rows, 1, dh] or [rows, dh] -> a [rows, dh] view, checked."""
+    if t.dim() == 3 and t.shape[1] == 1:
+        t = t[:, 0]
+    _check_rows(name, t, dtype, (rows, dh))
+    return t
+
+
+def _norm(x, residual, weight, eps, out, add: int) -> torch.Tensor:
+    if x.dtype not in _DTYPE_CODE or x.dim() != 2:
+        raise ValueError(f"x must be a [rows, hidden] fp32 or bf16 tensor, got {x.dtype} {list(x.shape)}")
+    rows, d = x.shape
+    _check_rows("x", x, x.dtype, (rows, d))
+    _check_rows("weight", weight, x.dtype, (d,))
+    if add:
+        _check_rows("residual", residual, x.dtype, (rows, d))
+    if out is None:
+        out = torch.empty((rows, d), dtype=x.dtype)
+    _check_rows("out", out, x.dtype, (rows, d))
+    r = residual if add else x
+    args = array.array(
+        "q",
+        (
+            x.data_ptr(), r.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, d, x.stride(0), r.stride(0),
+            out.stride(0), add, _DTYPE_CODE[x.dtype], torch.get_num_threads(),
+        ),
+    )  # fmt: skip
+    (_lib or _load()).rms_norm_packed(args.buffer_info()[0], eps)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = x / sqrt(mean(x^2, -1) + eps) * weight (RMSNorm, Zhang & Sennrich 2019).
+
+    Args:
+        x: [rows, hidden] fp32 or bf16, last axis contiguous (rows may be strided).
+        weight: [hidden], x's dtype, contiguous.
+        eps: added to the mean square (rounded to fp32).
+        out: [rows, hidden] x's dtype, last axis contiguous; a new tensor when None.
+
+    Returns `out`. Statistics and scaling in fp32, one rounding to the dtype at the end.
+
+    Raises:
+        ValueError: wrong dtype, device, shape or layout (nothing written).
+        RuntimeError: the native kernels are not available.
+    """
+    return _norm(x, None, weight, eps, out, 0)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """residual += x in place (rounded to the dtype, as torch's add), then out = rms_norm(residual)
+    * weight: vLLM's `fused_add_rms_norm`, one pass instead of an add and a norm.
+
+    Args:
+        x: [rows, hidden] fp32 or bf16, last axis contiguous (the block's output).
+        residual: [rows, hidden] x's dtype, last axis contiguous (the residual stream; updated).
+        weight, eps, out: as in `rms_norm`.
+
+    Returns `out`. Raises as `rms_norm`.
+    """
+    return _norm(x, residual, weight, eps, out, 1)
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = silu(gate) * up for gate_up = [gate | up] (SwiGLU, Shazeer 2020; vLLM's `silu_and_mul`).
+
+    Args:
+        gate_up: [rows, 2 * inter] fp32 or bf16, last axis contiguous.
+        out: [rows, inter] gate_up's dtype, last axis contiguous; a new tensor when None.
+
+    Returns `out`: fp32 arithmetic (exp within 2 fp32 ulp), one rounding to the dtype.
+
+    Raises:
+        ValueError: wrong dtype, device, shape or layout, an odd last axis (nothing written).
+        RuntimeError: the native kernels are not available.
+    """
+    if gate_up.dtype not in _DTYPE_CODE or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(
+            f"gate_up must be a [rows, 2 * inter] fp32 or bf16 tensor, got {gate_up.dtype} {list(gate_up.shape)}"
+        )
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    _check_rows("gate_up", gate_up, gate_up.dtype, (rows, 2 * inter))
+    if out is None:
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+    _check_rows("out", out, gate_up.dtype, (rows, inter))
+    args = array.array(
+        "q",
+        (
+            gate_up.data_ptr(), out.data_ptr(), rows, inter, gate_up.stride(0), out.stride(0),
+            _DTYPE_CODE[gate_up.dtype], torch.get_num_threads(),
+        ),
+    )  # fmt: skip
+    (_lib or _load()).silu_mul_packed(args.buffer_info()[0])
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in place: x = x * cos + rotate_half(x) * sin_true (RoFormer, Su et al.
+    2021, in transformers' Llama layout), with `sin` signed as `kernels.fused_ops.signed_sin`.
+
+    Args:
+        x: [rows, heads, head_dim] fp32 or bf16, head_dim even and contiguous; rows and heads
+            may be strided (e.g. the query and key heads of a fused QKV projection's output).
+        cos: [rows, 1, head_dim] or [rows, head_dim], x's dtype, each frequency twice, last axis
+            contiguous.
+        sin: like cos, first half negated.
+
+    Returns `x`, rotated (fp32 arithmetic, one rounding per element).
+
+    Raises:
+        ValueError: wrong dtype, device, shape or layout (nothing written).
+        RuntimeError: the native kernels are not available.
+    """
+    if x.dtype not in _DTYPE_CODE or x.dim() != 3 or x.shape[2] % 2:
+        raise ValueError(
+            f"x must be a [rows, heads, head_dim] fp32 or bf16 tensor with an even head_dim, "
+            f"got {x.dtype} {list(x.shape)}"
+        )
+    rows, heads, dh = x.shape
+    _check_rows("x", x, x.dtype, (rows, heads, dh))
+    c, s = _per_token("cos", cos, x.dtype, rows, dh), _per_token("sin", sin, x.dtype, rows, dh)
+    args = array.array(
+        "q",
+        (
+            x.data_ptr(), c.data_ptr(), s.data_ptr(), rows, heads, dh, x.stride(0), x.stride(1), c.stride(0),
+            s.stride(0), _DTYPE_CODE[x.dtype], torch.get_num_threads(),
+        ),
+    )  # fmt: skip
+    (_lib or _load()).rope_packed(args.buffer_info()[0])
+    return x
