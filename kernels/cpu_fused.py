@@ -42,42 +42,60 @@ def _load():
 def wanted(x: torch.Tensor) -> bool:
     """Whether ops on `x` go native: a CPU fp32 or bf16 tensor and the library built (and not
     switched off by `cpu_native.use_native(False)` or PAGEDKV_NATIVE_CPU=0)."""
-    return x.dtype in _DTYPE_CODE and x.device.type == "cpu" and cpu_native.available()
+    return x.dtype in _DTYPE_CODE and x.is_cpu and cpu_native.available()
 
 
-def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    if t.dtype != dtype or t.device.type != "cpu" or tuple(t.shape) != shape or t.stride(-1) != 1:
+# NOTE: a batch-1 call's kernel takes ~1 us: the checks below read each tensor attribute once,
+# in one expression, and build messages only on failure.
+
+
+def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """t is a cpu `dtype` tensor of `shape` with its last axis contiguous."""
+    return t.dtype == dtype and t.shape == shape and t.is_cpu and t.stride(-1) == 1
+
+
+def _misfit(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> ValueError:
+    return ValueError(
+        f"{name} must be a cpu {dtype} tensor of shape {list(shape)} with its last axis contiguous, "
+        f"got {t.dtype} {list(t.shape)} on {t.device} (strides {t.stride()})"
+    )
+
+
+def _rows_of(x: torch.Tensor, dims: int, what: str) -> tuple[int, ...]:
+    """x's shape after checking it is a `dims`-axis fp32/bf16 cpu tensor, last axis contiguous."""
+    shape = x.shape
+    if x.dtype not in _DTYPE_CODE or len(shape) != dims or not x.is_cpu or x.stride(-1) != 1:
         raise ValueError(
-            f"{name} must be a cpu {dtype} tensor of shape {list(shape)} with its last axis contiguous, "
-            f"got {t.dtype} {list(t.shape)} on {t.device} (strides {t.stride()})"
+            f"{what} must be a cpu fp32 or bf16 tensor with {dims} axes, the last contiguous, "
+            f"got {x.dtype} {list(shape)} on {x.device} (strides {x.stride()})"
         )
+    return shape
 
 
-def _per_token(name: str, t: torch.Tensor, dtype: torch.dtype, rows: int, dh: int) -> torch.Tensor:
-    """t [rows, 1, dh] or [rows, dh] -> a [rows, dh] view, checked."""
-    if t.dim() == 3 and t.shape[1] == 1:
-        t = t[:, 0]
-    _check_rows(name, t, dtype, (rows, dh))
-    return t
+def _per_token_stride(name: str, t: torch.Tensor, dtype: torch.dtype, rows: int, dh: int) -> int:
+    """Row stride of t [rows, 1, dh] or [rows, dh] (checked)."""
+    if not (_fits(t, dtype, (rows, 1, dh)) or _fits(t, dtype, (rows, dh))):
+        raise _misfit(name, t, dtype, (rows, 1, dh))
+    return t.stride(0)
 
 
 def _norm(x, residual, weight, eps, out, add: int) -> torch.Tensor:
-    if x.dtype not in _DTYPE_CODE or x.dim() != 2:
-        raise ValueError(f"x must be a [rows, hidden] fp32 or bf16 tensor, got {x.dtype} {list(x.shape)}")
-    rows, d = x.shape
-    _check_rows("x", x, x.dtype, (rows, d))
-    _check_rows("weight", weight, x.dtype, (d,))
-    if add:
-        _check_rows("residual", residual, x.dtype, (rows, d))
+    rows, d = _rows_of(x, 2, "x ([rows, hidden])")
+    dtype = x.dtype
+    if not _fits(weight, dtype, (d,)):
+        raise _misfit("weight", weight, dtype, (d,))
+    if add and not _fits(residual, dtype, (rows, d)):
+        raise _misfit("residual", residual, dtype, (rows, d))
     if out is None:
-        out = torch.empty((rows, d), dtype=x.dtype)
-    _check_rows("out", out, x.dtype, (rows, d))
+        out = torch.empty((rows, d), dtype=dtype)
+    elif not _fits(out, dtype, (rows, d)):
+        raise _misfit("out", out, dtype, (rows, d))
     r = residual if add else x
     args = array.array(
         "q",
         (
             x.data_ptr(), r.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, d, x.stride(0), r.stride(0),
-            out.stride(0), add, _DTYPE_CODE[x.dtype], torch.get_num_threads(),
+            out.stride(0), add, _DTYPE_CODE[dtype], torch.get_num_threads(),
         ),
     )  # fmt: skip
     (_lib or _load()).rms_norm_packed(args.buffer_info()[0], eps)
@@ -131,20 +149,19 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         ValueError: wrong dtype, device, shape or layout, an odd last axis (nothing written).
         RuntimeError: the native kernels are not available.
     """
-    if gate_up.dtype not in _DTYPE_CODE or gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(
-            f"gate_up must be a [rows, 2 * inter] fp32 or bf16 tensor, got {gate_up.dtype} {list(gate_up.shape)}"
-        )
-    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    _check_rows("gate_up", gate_up, gate_up.dtype, (rows, 2 * inter))
+    rows, width = _rows_of(gate_up, 2, "gate_up ([rows, 2 * inter])")
+    if width % 2:
+        raise ValueError(f"gate_up's last axis must be even (gate | up), got {width}")
+    inter, dtype = width // 2, gate_up.dtype
     if out is None:
-        out = torch.empty((rows, inter), dtype=gate_up.dtype)
-    _check_rows("out", out, gate_up.dtype, (rows, inter))
+        out = torch.empty((rows, inter), dtype=dtype)
+    elif not _fits(out, dtype, (rows, inter)):
+        raise _misfit("out", out, dtype, (rows, inter))
     args = array.array(
         "q",
         (
             gate_up.data_ptr(), out.data_ptr(), rows, inter, gate_up.stride(0), out.stride(0),
-            _DTYPE_CODE[gate_up.dtype], torch.get_num_threads(),
+            _DTYPE_CODE[dtype], torch.get_num_threads(),
         ),
     )  # fmt: skip
     (_lib or _load()).silu_mul_packed(args.buffer_info()[0])
@@ -168,19 +185,16 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
         ValueError: wrong dtype, device, shape or layout (nothing written).
         RuntimeError: the native kernels are not available.
     """
-    if x.dtype not in _DTYPE_CODE or x.dim() != 3 or x.shape[2] % 2:
-        raise ValueError(
-            f"x must be a [rows, heads, head_dim] fp32 or bf16 tensor with an even head_dim, "
-            f"got {x.dtype} {list(x.shape)}"
-        )
-    rows, heads, dh = x.shape
-    _check_rows("x", x, x.dtype, (rows, heads, dh))
-    c, s = _per_token("cos", cos, x.dtype, rows, dh), _per_token("sin", sin, x.dtype, rows, dh)
+    rows, heads, dh = _rows_of(x, 3, "x ([rows, heads, head_dim])")
+    if dh % 2:
+        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {dh}")
+    cs = _per_token_stride("cos", cos, x.dtype, rows, dh)
+    ss = _per_token_stride("sin", sin, x.dtype, rows, dh)
     args = array.array(
         "q",
         (
-            x.data_ptr(), c.data_ptr(), s.data_ptr(), rows, heads, dh, x.stride(0), x.stride(1), c.stride(0),
-            s.stride(0), _DTYPE_CODE[x.dtype], torch.get_num_threads(),
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, dh, x.stride(0), x.stride(1), cs, ss,
+            _DTYPE_CODE[x.dtype], torch.get_num_threads(),
         ),
     )  # fmt: skip
     (_lib or _load()).rope_packed(args.buffer_info()[0])
