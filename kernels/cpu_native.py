@@ -1,5 +1,6 @@
 """Native CPU kernels (fp32 and bf16): paged decode attention and the KV cache write, in a small C
-file built on first use with the host's compiler.
+file built on first use with the host's compiler (into one library with the fused elementwise
+ops of `kernels.cpu_fused`, csrc/fused_cpu.c).
 
 The torch path's decode gathers every sequence's context rows out of the pool into a dense
 buffer and runs a dense attention on the copy: the context crosses memory three times. The C
