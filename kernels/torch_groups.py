@@ -37,6 +37,10 @@ GROUP_SLACK_TOKENS = 64
 # Sequences with at least this many new tokens are grouped only with sequences of their exact
 # (new tokens, length): their SDPA is large enough that padding and masks cost more than calls.
 EXACT_GROUP_MIN_TOKENS = 32
+# Gathered context length of a masked or causal group is padded to a multiple of this many
+# positions (padding hidden by the mask or by causality): torch's bf16 CPU flash attention runs
+# 2-4x slower on key lengths that are not a multiple of a small power of two (e.g. 274 vs 288).
+CTX_ALIGN = 32
 
 
 @dataclass(slots=True)
@@ -45,7 +49,7 @@ class AttentionGroup:
 
     num_seqs: int  # n, sequences in the group
     q_pad: int  # padded new tokens per sequence (1 for decode)
-    ctx_pad: int  # padded context positions per sequence
+    ctx_pad: int  # padded context positions per sequence (aligned to CTX_ALIGN unless unmasked)
     q_rows: torch.Tensor  # [n * q_pad] int64 packed query rows; padding repeats a real row
     # q_rows == range(q_start, q_start + n * q_pad) and out_sel is None: queries are read and
     # results written as one slice of the packed rows (no index_select / index_copy); else None.
@@ -57,7 +61,8 @@ class AttentionGroup:
     # [n or 1, 1, q_pad, ctx_pad] bool visibility (1: every member has the same); None: see
     # is_causal
     mask: torch.Tensor | None
-    is_causal: bool  # no mask and top-left causal (whole prompts of one length: q_pad == ctx_pad)
+    # no mask and top-left causal (whole prompts of one length: q_pad == their length <= ctx_pad)
+    is_causal: bool
     # NOTE: rows of the per-layer flat cache view depend only on the pool's block stride,
     # which is the same for every layer, and the additive mask only on the compute dtype:
     # both are computed by the first layer, reused by the others.
@@ -156,7 +161,11 @@ def _pack(active: list[int], q_list: list[int], len_list: list[int]) -> list[lis
 def _group(tables, qsl, q_lens, lens, block_size: int, members: list[int], dev) -> AttentionGroup:
     sel = torch.tensor(members, dtype=torch.int64)
     n, qn, ln, q0 = len(members), q_lens[sel], lens[sel], qsl[sel]  # [n] each
-    q_pad, ctx_pad = int(qn.max()), int(ln.max())
+    q_pad, ctx_len = int(qn.max()), int(ln.max())
+    uniform_q, uniform_len = bool((qn == q_pad).all()), bool((ln == ctx_len).all())
+    ctx_pad = ctx_len
+    if q_pad > 1 or not uniform_len:  # masked or causal: padding costs nothing
+        ctx_pad = -(-ctx_len // CTX_ALIGN) * CTX_ALIGN
     # Queries: row i of a sequence is new token min(i, qn - 1) (padding repeats the last one).
     qi = torch.arange(q_pad)
     qi_c = torch.minimum(qi[None, :], (qn - 1)[:, None])  # [n, Q]
@@ -166,7 +175,6 @@ def _group(tables, qsl, q_lens, lens, block_size: int, members: list[int], dev) 
     p = torch.minimum(torch.arange(ctx_pad)[None, :], (ln - 1)[:, None])  # [n, L]
     blocks = torch.gather(tables[sel], 1, p // block_size).flatten()
     offsets = (p % block_size).flatten()
-    uniform_q, uniform_len = bool((qn == q_pad).all()), bool((ln == ctx_pad).all())
     out_rows, out_sel = q_rows, None
     if not uniform_q:
         keep = (qi[None, :] < qn[:, None]).flatten().nonzero().flatten()
@@ -174,8 +182,9 @@ def _group(tables, qsl, q_lens, lens, block_size: int, members: list[int], dev) 
     mask, is_causal = None, False
     if q_pad == 1 and uniform_len:
         pass  # decode, equal lengths: every position is visible
-    elif uniform_q and uniform_len and q_pad == ctx_pad:
-        is_causal = True  # whole prompts of one length: plain causal
+    elif uniform_q and uniform_len and q_pad == ctx_len:
+        # whole prompts of one length: top-left causal, which also hides the aligned padding
+        is_causal = True
     else:
         if uniform_q and uniform_len:
             q_pos = q_pos[:1]  # one shape: one mask for every member

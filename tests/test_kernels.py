@@ -216,13 +216,15 @@ def test_plan_groups_pad_and_mask():
     shapes = [
         (g.num_seqs, g.q_pad, g.ctx_pad, g.mask is not None, g.is_causal) for g in plan.groups
     ]
-    assert shapes == [(3, 1, 41, True, False), (1, 1, 300, False, False), (1, 8, 8, False, True)]
+    # Masked and causal groups gather a context aligned to CTX_ALIGN positions.
+    align = torch_groups.CTX_ALIGN
+    assert shapes == [(3, 1, align * -(-41 // align), True, False), (1, 1, 300, False, False), (1, 8, align, False, True)]
     assert plan.decode_only is False
     # Sorted by length: sequences 0, 2 (40 tokens), 1 (41). Position 40 of a 40-token sequence
     # is clamped to its position 39: a slot past a sequence's length is never gathered.
     g = plan.groups[0]
     assert g.q_rows.tolist() == [0, 2, 1]
-    last_block, last_off = g.blocks.view(3, 41)[:, -1], g.offsets.view(3, 41)[:, -1]
+    last_block, last_off = g.blocks.view(3, -1)[:, 40], g.offsets.view(3, -1)[:, 40]
     want = case.block_tables[[0, 2, 1], [39 // 16, 39 // 16, 40 // 16]].long()
     assert torch.equal(last_block, want), (last_block, want)
     assert last_off.tolist() == [39 % 16, 39 % 16, 40 % 16]
@@ -248,7 +250,7 @@ def test_plan_native_decode_rows(native_only):
     assert plan.decode.seq_index.tolist() == [0, 2, 1, 3]  # sorted by length, as groups are
     assert plan.decode.q_index.tolist() == [0, 2, 1, 3]
     shapes = [(g.num_seqs, g.q_pad, g.ctx_pad, g.is_causal) for g in plan.groups]
-    assert shapes == [(1, 8, 8, True)]
+    assert shapes == [(1, 8, torch_groups.CTX_ALIGN, True)]  # aligned, hidden by causality
     check(attend(case, plan), reference(case), torch.float32, "native decode rows + gathered prompt")
     # An fp16 call with the same plan gathers the decode rows instead (built on demand).
     half = make_case([40, 41, 40, 300, 8], [1, 1, 1, 1, 8], 9, 3, 64, 16, torch.float16)
