@@ -113,7 +113,8 @@ def planned_attention(
     place (`kernels.cpu_native`); when these tensors do not suit it, those rows are gathered like
     the rest. Per gather group of the plan: gather its context rows (clamped to each sequence's
     length, so only written slots are read) into the plan's workspace, then one padded batched
-    SDPA with the plan's visibility mask (GQA by `enable_gqa`). Returns None when a group is to
+    SDPA (in `sdpa_dtype`: bf16 for bf16 tensors, else fp32) with the plan's visibility mask, or
+    none for whole prompts of one length (GQA by `enable_gqa`). Returns None when a group is to
     be gathered but the cache has no flat row view, or the largest group would exceed
     `PLANNED_MAX_GATHER_ELEMS`; the caller then uses `paged_attention`.
     """
@@ -146,27 +147,48 @@ def planned_attention(
             torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device) for _ in range(2)
         )
     gqa = num_q_heads != num_kv_heads
+    compute = sdpa_dtype(query.dtype, key_cache.dtype)
     for g in groups:
         n, qp, lp = g.num_seqs, g.q_pad, g.ctx_pad
         rows = g.rows(per_block)  # [n * L]
         # k, v: [n, L, Hk, D]; q: [n, Q, Hq, D]
         k = torch.index_select(k_rows, 0, rows, out=ws[0][: n * lp]).view(n, lp, -1, head_dim)
         v = torch.index_select(v_rows, 0, rows, out=ws[1][: n * lp]).view(n, lp, -1, head_dim)
-        q = query.index_select(0, g.q_rows).view(n, qp, num_q_heads, head_dim)
-        if k.dtype != torch.float32:
-            k, v = k.float(), v.float()
-        if q.dtype != torch.float32:
-            q = q.float()
-        # o: [n, Hq, Q, D]
+        if g.q_start is not None:  # one slice of the packed rows (a view, rows may be strided)
+            q = query[g.q_start : g.q_start + n * qp].view(n, qp, num_q_heads, head_dim)
+        else:
+            q = query.index_select(0, g.q_rows).view(n, qp, num_q_heads, head_dim)
+        if k.dtype != compute:
+            k, v = k.to(compute), v.to(compute)
+        if q.dtype != compute:
+            q = q.to(compute)
+        # o: [n, Q, Hq, D]
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=g.mask, is_causal=g.is_causal, scale=scale, enable_gqa=gqa,
-        )  # fmt: skip
-        o = o.transpose(1, 2).reshape(n * qp, num_q_heads, head_dim)
+            attn_mask=g.attn_mask(compute), is_causal=g.is_causal, scale=scale, enable_gqa=gqa,
+        ).transpose(1, 2)  # fmt: skip
+        if g.q_start is not None:
+            out[g.q_start : g.q_start + n * qp].view(n, qp, num_q_heads, head_dim).copy_(o)
+            continue
+        o = o.reshape(n * qp, num_q_heads, head_dim)
         if g.out_sel is not None:
             o = o.index_select(0, g.out_sel)
         out.index_copy_(0, g.out_rows, o.to(out.dtype))
     return out
+
+
+def sdpa_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the planned path runs SDPA in: bf16 when query and cache are bf16, else fp32.
+
+    torch's CPU flash attention takes bf16 inputs with fp32 accumulation and softmax (AMX /
+    AVX512-BF16 GEMMs); only the probabilities are rounded to bf16 before they weight the
+    values (as vLLM's CPU SDPA backend runs bf16). Widening bf16 to fp32 instead costs 2-3x the
+    time for an error of the same order as the output's own bf16 rounding. fp16 has no such
+    fast path on the CPU: it runs in fp32.
+    """
+    if query_dtype == torch.bfloat16 and cache_dtype == torch.bfloat16:
+        return torch.bfloat16
+    return torch.float32
 
 
 def paged_attention(

@@ -108,6 +108,54 @@ def test_prefill_mixed_batch_torch(heads, head_dim, block_size, dtype, native):
     check(attend(case, plan), reference(case), dtype, f"prefill batch={batch}")
 
 
+# (seq_len, new tokens) of a chunked-prefill step: whole prompts of varied lengths (two of one
+# length: one causal group), chunks after cached prefixes (two of one shape: one shared mask; one
+# ending on no block boundary), short chunks that are padded together, decode rows, a sequence
+# without new tokens.
+PREFILL_STEP = [
+    (37, 37), (50, 50), (50, 50), (64, 64), (33, 33),
+    (128 + 40, 40), (128 + 40, 40), (75 + 57, 57),
+    (20, 3), (21, 4), (300, 1), (47, 1), (90, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [1, 16, 24, 32])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 8)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_prefill_step_exact_groups(heads, block_size, dtype):
+    # Prefill sequences are grouped by exact shape only, their context aligned to CTX_ALIGN:
+    # whole prompts causal without a mask, equal chunks after a prefix under one shared mask.
+    lens, q_lens = [s for s, _ in PREFILL_STEP], [n for _, n in PREFILL_STEP]
+    case = make_case(lens, q_lens, *heads, 64, block_size, dtype, seed=block_size)
+    plan = plan_case(case)
+    align, exact = torch_groups.CTX_ALIGN, torch_groups.EXACT_GROUP_MIN_TOKENS
+    for g in plan.groups:
+        if g.q_pad < exact:
+            continue
+        lens_in = {len_ for len_, q in PREFILL_STEP if q == g.q_pad}
+        assert g.ctx_pad % align == 0 and g.ctx_pad - align < min(lens_in), (g.q_pad, g.ctx_pad)
+        whole = g.q_pad in lens_in
+        assert g.is_causal == whole and (g.mask is None) == whole
+        if g.mask is not None:
+            assert g.mask.shape == (1, 1, g.q_pad, g.ctx_pad)  # one shape: one mask
+    shapes = sorted((g.num_seqs, g.q_pad) for g in plan.groups if g.q_pad >= exact)
+    assert shapes == [(1, 33), (1, 37), (1, 57), (1, 64), (2, 40), (2, 50)], shapes
+    check(attend(case, plan), reference(case), dtype, f"prefill step {PREFILL_STEP}")
+    # The same plan on another layer, with row-strided queries (a view of a fused QKV output).
+    case.layer = 0
+    wide = torch.full((case.query.shape[0], 2 * heads[0], 64), math.nan, dtype=dtype)
+    wide[:, : heads[0]] = case.query
+    case.query = wide[:, : heads[0]]
+    check(attend(case, plan), reference(case), dtype, "prefill step, layer 0, strided query")
+
+
+def test_sdpa_dtype():
+    # bf16 runs SDPA in bf16 (fp32 accumulation inside); every other mix in fp32.
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    assert torch_impl.sdpa_dtype(bf16, bf16) == bf16
+    assert [torch_impl.sdpa_dtype(a, b) for a, b in ((f16, f16), (f32, f32), (bf16, f32))] == [f32] * 3
+
+
 def test_small_memory_budget_chunks_and_groups(monkeypatch):
     # A tiny budget forces many tile groups and context chunks: results must not change.
     # (A planned workspace too large for its budget falls back to this chunked path.)
@@ -216,13 +264,15 @@ def test_plan_groups_pad_and_mask():
     shapes = [
         (g.num_seqs, g.q_pad, g.ctx_pad, g.mask is not None, g.is_causal) for g in plan.groups
     ]
-    assert shapes == [(3, 1, 41, True, False), (1, 1, 300, False, False), (1, 8, 8, False, True)]
+    # Masked and causal groups gather a context aligned to CTX_ALIGN positions.
+    align = torch_groups.CTX_ALIGN
+    assert shapes == [(3, 1, align * -(-41 // align), True, False), (1, 1, 300, False, False), (1, 8, align, False, True)]
     assert plan.decode_only is False
     # Sorted by length: sequences 0, 2 (40 tokens), 1 (41). Position 40 of a 40-token sequence
     # is clamped to its position 39: a slot past a sequence's length is never gathered.
     g = plan.groups[0]
     assert g.q_rows.tolist() == [0, 2, 1]
-    last_block, last_off = g.blocks.view(3, 41)[:, -1], g.offsets.view(3, 41)[:, -1]
+    last_block, last_off = g.blocks.view(3, -1)[:, 40], g.offsets.view(3, -1)[:, 40]
     want = case.block_tables[[0, 2, 1], [39 // 16, 39 // 16, 40 // 16]].long()
     assert torch.equal(last_block, want), (last_block, want)
     assert last_off.tolist() == [39 % 16, 39 % 16, 40 % 16]
@@ -248,7 +298,7 @@ def test_plan_native_decode_rows(native_only):
     assert plan.decode.seq_index.tolist() == [0, 2, 1, 3]  # sorted by length, as groups are
     assert plan.decode.q_index.tolist() == [0, 2, 1, 3]
     shapes = [(g.num_seqs, g.q_pad, g.ctx_pad, g.is_causal) for g in plan.groups]
-    assert shapes == [(1, 8, 8, True)]
+    assert shapes == [(1, 8, torch_groups.CTX_ALIGN, True)]  # aligned, hidden by causality
     check(attend(case, plan), reference(case), torch.float32, "native decode rows + gathered prompt")
     # An fp16 call with the same plan gathers the decode rows instead (built on demand).
     half = make_case([40, 41, 40, 300, 8], [1, 1, 1, 1, 8], 9, 3, 64, 16, torch.float16)
