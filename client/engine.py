@@ -5,7 +5,8 @@ One :meth:`Engine.step` (vLLM v1's schedule / execute / update_from_output, spli
     1. free      sequences aborted since the last step            (1 FreeSequences)
     2. fork      parallel-sampling prompts and beams that branch   (client.beam: 1 FreeSequences
                  for dropped beams, 1 ForkSequences)
-    3. schedule  client.scheduler, from the pool's free blocks     (1 GetStats):
+    3. schedule  client.scheduler, from the pool's free blocks     (1 GetStats, only when a
+                 waiting request may be admitted):
                  running requests first (decode tokens, then the rest of chunked
                  prefills), then admit waiting ones, under a token budget
     4. append    slots for every scheduled, allocated sequence    (1 AppendSlots)
@@ -173,7 +174,10 @@ class Engine:
         t0 = time.perf_counter()
         self._handle_aborts(updated)
         self._fork()
-        out = self.scheduler.schedule(self._available_blocks())
+        may_admit = self._may_admit()
+        out = self.scheduler.schedule(self._available_blocks() if may_admit else 0)
+        if not out.scheduled and not may_admit:  # a request came in meanwhile: schedule it on the real count
+            out = self.scheduler.schedule(self._available_blocks())
         if not out.scheduled:
             self._fail_unschedulable(updated)
             return list(updated.values())
@@ -221,6 +225,13 @@ class Engine:
             grants += resp.grants
         plan.apply(children, grants)
         self.recovery.fork_in_flight = None
+
+    def _may_admit(self) -> bool:
+        """Whether this step's schedule may admit a waiting request (one waits and a running slot is
+        free). Only then does it need the pool's free blocks (a GetStats call): a step that only
+        continues running requests skips it (their growth is checked by AppendSlots)."""
+        sched = self.scheduler
+        return bool(sched.waiting) and len(sched.running) < sched.config.max_num_seqs
 
     def _available_blocks(self) -> int:
         """The pool's free blocks now (0 when GetStats fails: nothing is admitted)."""

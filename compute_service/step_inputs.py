@@ -16,8 +16,10 @@ on the device. Nothing here touches the pool.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -84,12 +86,30 @@ class StepInputs:
         )  # fmt: skip
 
 
+#: Parsed sampling parameters by their message's bytes (a batch mostly repeats a few settings).
+_SAMPLING_CACHE: dict[bytes, SamplingParams] = {}
+_SAMPLING_CACHE_SIZE = 1024
+
+
 def sampling_from_proto(sp: pb.SamplingParams, where: str) -> SamplingParams:
     """Worker-side sampling parameters; unset fields mean greedy / off.
+
+    Equal messages give one shared instance (cached by their bytes): read it, never change it.
 
     Raises:
         InvalidArgumentError: a value out of range.
     """
+    key = sp.SerializeToString(deterministic=True)
+    params = _SAMPLING_CACHE.get(key)
+    if params is None:
+        params = _sampling_from_proto(sp, where)
+        if len(_SAMPLING_CACHE) >= _SAMPLING_CACHE_SIZE:
+            _SAMPLING_CACHE.clear()
+        _SAMPLING_CACHE[key] = params
+    return params
+
+
+def _sampling_from_proto(sp: pb.SamplingParams, where: str) -> SamplingParams:
     try:
         return SamplingParams(
             temperature=sp.temperature if sp.HasField("temperature") else 0.0,
@@ -102,6 +122,64 @@ def sampling_from_proto(sp: pb.SamplingParams, where: str) -> SamplingParams:
         raise InvalidArgumentError(f"{where}: bad sampling parameters: {e}") from e
 
 
+def _first_violation(request: pb.StepRequest, block_size: int, num_blocks: int, vocab_size: int) -> None:
+    """Raise the first violation of the batch, in batch order, per sequence (the checks of
+    `build_step_inputs`, one sequence at a time, so the error names the sequence and what is wrong).
+
+    Raises:
+        InvalidArgumentError: as `build_step_inputs`.
+    """
+    bs, vocab = block_size, vocab_size
+    seen: set[int] = set()
+    slots: list[int] = []
+    for i, s in enumerate(request.sequences):
+        where = f"Step sequence {s.seq_id} (batch index {i})"
+        if s.seq_id in seen:
+            raise InvalidArgumentError(f"{where}: seq_id appears twice in the batch")
+        seen.add(s.seq_id)
+        n = len(s.token_ids)
+        if n == 0:
+            raise InvalidArgumentError(f"{where}: token_ids is empty; send the prompt chunk or the last token")
+        if len(s.positions) != n:
+            raise InvalidArgumentError(f"{where}: {len(s.positions)} positions for {n} tokens")
+        p0 = s.positions[0]
+        if p0 < 0 or list(s.positions) != list(range(p0, p0 + n)):
+            raise InvalidArgumentError(
+                f"{where}: positions must be consecutive and >= 0 (got {list(s.positions)[:8]}...); "
+                "a skipped position would leave a hole in the KV cache")
+        if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
+            raise InvalidArgumentError(f"{where}: token ids must be in [0, {vocab}) (the vocabulary)")
+        table = list(s.block_ids)
+        need = (p0 + n + bs - 1) // bs
+        if len(table) < need:
+            raise InvalidArgumentError(
+                f"{where}: block table has {len(table)} blocks but positions up to {p0 + n - 1} need {need} "
+                f"(block size {bs}); append slots in the memory service first")
+        if table and (max(table) >= num_blocks or min(table) < 0):
+            raise InvalidArgumentError(f"{where}: block id {max(table)} is outside the pool (0..{num_blocks - 1})")
+        slots.extend(table[p // bs] * bs + p % bs for p in range(p0, p0 + n))
+        if not s.skip_sampling:
+            if s.output_index < 0:
+                raise InvalidArgumentError(f"{where}: output_index must be >= 0")
+            sampling_from_proto(s.sampling, where)
+    if len(slots) > MAX_STEP_TOKENS:
+        raise InvalidArgumentError(f"Step: {len(slots)} tokens is more than {MAX_STEP_TOKENS} per step; chunk the prefill")
+    if len(set(slots)) != len(slots):
+        raise InvalidArgumentError("Step: two tokens of the batch map to the same KV slot; block tables overlap")
+    for c in request.copies:
+        if c.src >= num_blocks or c.dst >= num_blocks or c.src == c.dst:
+            raise InvalidArgumentError(
+                f"Step: copy ({c.src} -> {c.dst}) must name two different blocks inside the pool (0..{num_blocks - 1})")
+
+
+def _ints(values, count: int) -> np.ndarray:
+    """``count`` ints from an iterable as int64 (raises InvalidArgumentError past int64)."""
+    try:
+        return np.fromiter(values, dtype=np.int64, count=count)
+    except (OverflowError, ValueError) as e:
+        raise InvalidArgumentError(f"Step: a value is outside int64: {e}") from e
+
+
 def build_step_inputs(
     request: pb.StepRequest,
     *,
@@ -111,6 +189,11 @@ def build_step_inputs(
     device: torch.device | str,
 ) -> StepInputs:
     """Validate the batch of `request` and build the model's packed inputs on `device`.
+
+    One pass over the sequences reads each one's counts; the token ids, positions, block
+    tables and slots of the whole batch are then checked and built with numpy at once. On any
+    failed check the sequences are walked again one by one (`_first_violation`) to name the
+    first violation.
 
     Args:
         request: the step (sequences, their block tables, copy-on-write pairs).
@@ -126,82 +209,85 @@ def build_step_inputs(
             writing one slot; a copy naming a block outside the pool; bad sampling values.
     """
     seqs = request.sequences
-    bs, vocab = block_size, vocab_size
+    bs = block_size
+    S = len(seqs)
     if not seqs:
         raise InvalidArgumentError("Step: the batch is empty; send at least one sequence")
-    if len(seqs) > MAX_STEP_SEQUENCES:
-        raise InvalidArgumentError(f"Step: {len(seqs)} sequences is more than {MAX_STEP_SEQUENCES} per step")
-    seen: set[int] = set()
-    tokens: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    lens, seq_lens, tables, params, out_idx = [], [], [], [], []
+    if S > MAX_STEP_SEQUENCES:
+        raise InvalidArgumentError(f"Step: {S} sequences is more than {MAX_STEP_SEQUENCES} per step")
+
+    def fail():
+        _first_violation(request, bs, num_blocks, vocab_size)
+        raise InvalidArgumentError("Step: the batch is malformed")  # not reached: the walk names it
+
+    lens, starts, table_lens, params, out_idx = [], [], [], [], []
     for i, s in enumerate(seqs):
-        where = f"Step sequence {s.seq_id} (batch index {i})"
-        if s.seq_id in seen:
-            raise InvalidArgumentError(f"{where}: seq_id appears twice in the batch")
-        seen.add(s.seq_id)
         n = len(s.token_ids)
-        if n == 0:
-            raise InvalidArgumentError(f"{where}: token_ids is empty; send the prompt chunk or the last token")
-        if len(s.positions) != n:
-            raise InvalidArgumentError(f"{where}: {len(s.positions)} positions for {n} tokens")
-        p0 = s.positions[0]
-        if p0 < 0 or s.positions[-1] != p0 + n - 1 or (n > 1 and list(s.positions) != list(range(p0, p0 + n))):
-            raise InvalidArgumentError(
-                f"{where}: positions must be consecutive and >= 0 (got {list(s.positions)[:8]}...); "
-                "a skipped position would leave a hole in the KV cache")
-        if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
-            raise InvalidArgumentError(f"{where}: token ids must be in [0, {vocab}) (the vocabulary)")
-        table = list(s.block_ids)
-        need = (p0 + n + bs - 1) // bs
-        if len(table) < need:
-            raise InvalidArgumentError(
-                f"{where}: block table has {len(table)} blocks but positions up to {p0 + n - 1} need {need} "
-                f"(block size {bs}); append slots in the memory service first")
-        if table and max(table) >= num_blocks:
-            raise InvalidArgumentError(f"{where}: block id {max(table)} is outside the pool (0..{num_blocks - 1})")
-        for p in range(p0, p0 + n):
-            slots.append(table[p // bs] * bs + p % bs)
-        tokens.extend(s.token_ids)
-        positions.extend(s.positions)
+        if n == 0 or len(s.positions) != n:
+            fail()
         lens.append(n)
-        seq_lens.append(p0 + n)
-        tables.append(table[:need])
+        starts.append(s.positions[0])
+        table_lens.append(len(s.block_ids))
         if not s.skip_sampling:
             if s.output_index < 0:
-                raise InvalidArgumentError(f"{where}: output_index must be >= 0")
-            params.append(sampling_from_proto(s.sampling, where))
+                fail()
+            try:
+                params.append(sampling_from_proto(s.sampling, f"Step sequence {s.seq_id} (batch index {i})"))
+            except InvalidArgumentError:
+                fail()  # names the first violation in batch order (this one unless an earlier one)
             out_idx.append(i)
-    if len(tokens) > MAX_STEP_TOKENS:
-        raise InvalidArgumentError(f"Step: {len(tokens)} tokens is more than {MAX_STEP_TOKENS} per step; chunk the prefill")
-    if len(set(slots)) != len(slots):
-        raise InvalidArgumentError("Step: two tokens of the batch map to the same KV slot; block tables overlap")
-    for c in request.copies:
-        if c.src >= num_blocks or c.dst >= num_blocks or c.src == c.dst:
-            raise InvalidArgumentError(
-                f"Step: copy ({c.src} -> {c.dst}) must name two different blocks inside the pool (0..{num_blocks - 1})")
-    max_blocks = max(len(t) for t in tables)
-    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    lens_t = torch.tensor(lens, dtype=torch.int32)
-    qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    torch.cumsum(lens_t, 0, out=qsl[1:])
+    T = sum(lens)
+    if T > MAX_STEP_TOKENS or len({s.seq_id for s in seqs}) != S:
+        fail()
+    lens_np = np.array(lens, dtype=np.int64)
+    starts_np = np.array(starts, dtype=np.int64)
+    tl_np = np.array(table_lens, dtype=np.int64)
+    seq_lens_np = starts_np + lens_np
+    need = (seq_lens_np + bs - 1) // bs
+    tokens = _ints(itertools.chain.from_iterable(s.token_ids for s in seqs), T)
+    if T == S:  # decode: one token each, its position is the start
+        positions = starts_np
+        token_seq = np.arange(S)
+        bad_positions = bool((starts_np < 0).any())
+    else:
+        token_seq = np.repeat(np.arange(S), lens_np)
+        first = np.cumsum(lens_np) - lens_np
+        positions = _ints(itertools.chain.from_iterable(s.positions for s in seqs), T)
+        expected = starts_np[token_seq] + (np.arange(T) - first[token_seq])
+        bad_positions = bool((starts_np < 0).any()) or not np.array_equal(positions, expected)
+    if bad_positions or tokens.min() < 0 or tokens.max() >= vocab_size or (tl_np < need).any():
+        fail()
+    flat = _ints(itertools.chain.from_iterable(s.block_ids for s in seqs), int(tl_np.sum()))
+    if flat.size and (flat.max() >= num_blocks or flat.min() < 0):
+        fail()
+    # Block tables [S, max need], zero past each sequence's need; row r of flat starts at tstart[r].
+    max_blocks = int(need.max())
+    tstart = np.cumsum(tl_np) - tl_np
+    cols = np.arange(max_blocks)
+    take = cols[None, :] < need[:, None]  # [S, max_blocks]
+    idx = np.where(take, tstart[:, None] + cols[None, :], 0)
+    block_tables = np.where(take, flat[idx] if flat.size else 0, 0).astype(np.int32)
+    slots = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+    if T > 1 and np.unique(slots).size != T:
+        fail()
+    copies = [(c.src, c.dst) for c in request.copies]
+    if any(src >= num_blocks or dst >= num_blocks or src == dst for src, dst in copies):
+        fail()
+    qsl = torch.zeros(S + 1, dtype=torch.int32)
+    torch.cumsum(torch.from_numpy(lens_np.astype(np.int32)), 0, out=qsl[1:])
     logits_indices = (qsl[1:].to(torch.int64) - 1)[torch.tensor(out_idx, dtype=torch.int64)]
-    copies = torch.tensor([[c.src, c.dst] for c in request.copies], dtype=torch.int64).view(-1, 2)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    seq_lens_t = torch.from_numpy(seq_lens_np.astype(np.int32))
     return StepInputs(
-        token_ids=torch.tensor(tokens, dtype=torch.int64).to(device),
-        positions=torch.tensor(positions, dtype=torch.int64).to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-        block_tables=block_tables.to(device),
+        token_ids=torch.from_numpy(tokens).to(device),
+        positions=torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        block_tables=torch.from_numpy(block_tables).to(device),
         query_start_loc=qsl.to(device),
         seq_lens=seq_lens_t.to(device),
         host_query_start_loc=qsl,
         host_seq_lens=seq_lens_t,
         logits_indices=logits_indices.to(device),
-        block_copies=copies.to(device),
+        block_copies=torch.tensor(copies, dtype=torch.int64).view(-1, 2).to(device),
         sample_rows=out_idx,
         sampling=params,
     )

@@ -83,7 +83,7 @@ class Worker:
             lay = pool.descriptor.layout
             inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
                                        vocab_size=self.config.vocab_size, device=self.device)
-            check_grants(request, pool.plane_key, pool.generation, pool.epochs)
+            checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs)
             if inputs.block_copies.shape[0]:
                 kernels.copy_blocks(pool.tensor, inputs.block_copies)
             t1 = time.perf_counter()
@@ -93,7 +93,7 @@ class Worker:
                 raise FailedPreconditionError("the memory service went away during this step; its results are void",
                                               reason=POOL_NOT_MAPPED)
             results = self._sample(request, inputs, logits)
-            sign_receipts(request, results, pool.plane_key, lay.block_size)
+            sign_receipts(request, results, pool.plane_key, lay.block_size, checked)
             return pb.StepResponse(
                 results=results,
                 model_seconds=t2 - t1,

@@ -89,10 +89,17 @@ def grant_parts_message(pool_generation: int, seq_id: int, block_ids, block_epoc
 
 def receipt_message(r: grant_pb2.StepReceipt) -> bytes:
     """The canonical bytes a receipt's signature covers (every field but ``signature``)."""
+    return receipt_parts_message(r.pool_generation, r.seq_id, r.start, r.end, r.token_digest, r.block_ids,
+                                 r.block_epochs)
+
+
+def receipt_parts_message(pool_generation: int, seq_id: int, start: int, end: int, digest: bytes, block_ids,
+                          block_epochs) -> bytes:
+    """:func:`receipt_message` from the fields themselves (the worker signs as it fills the receipt)."""
     return b"".join((
         _RECEIPT_DOMAIN,
-        struct.pack("<QQqq", r.pool_generation, r.seq_id, r.start, r.end),
-        _bytes(r.token_digest), _u32(r.block_ids), _u64(r.block_epochs),
+        struct.pack("<QQqq", pool_generation, seq_id, start, end),
+        _bytes(digest), _u32(block_ids), _u64(block_epochs),
     ))
 
 
@@ -123,5 +130,5 @@ def receipt_signed(key: bytes, receipt: grant_pb2.StepReceipt) -> bool:
     return hmac.compare_digest(receipt.signature, mac(key, receipt_message(receipt)))
 
 
-__all__ = ["KEY_BYTES", "grant_message", "grant_parts_message", "mac", "grant_signed", "receipt_message", "receipt_signed", "sign_grant",
+__all__ = ["KEY_BYTES", "grant_message", "grant_parts_message", "mac", "grant_signed", "receipt_message", "receipt_parts_message", "receipt_signed", "sign_grant",
            "sign_receipt", "token_digest"]
