@@ -32,7 +32,8 @@ def one_torch_thread():
 
 
 def lengths(block_size: int) -> list[int]:
-    lens = {1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3, 300, 613}
+    # Around block ends, the kernel's 8- and 16-position tiles and its 256-position softmax chunks.
+    lens = {1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3, 7, 17, 255, 257, 300, 613}
     return sorted(n for n in lens if n >= 1)
 
 

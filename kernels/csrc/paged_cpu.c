@@ -39,7 +39,10 @@
 #define MAX_ACC 8 /* (of 16 registers) */
 #endif
 #define CHUNK_TOKENS 256 /* positions per softmax chunk (rounded to whole blocks) */
-#define SERIAL_WORK 12288 /* below this many (position x query head) a call runs on one thread */
+/* Below this many (position x query head) a call runs on one thread: measured on 2 cores, a
+ * second thread already pays off at 1 sequence x 64 positions x 9 query heads (and at 32 breaks
+ * even), torch's OpenMP team being warm between the model's ops. */
+#define SERIAL_WORK 256
 
 typedef float vf __attribute__((vector_size(4 * W), aligned(4), may_alias));
 typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4), may_alias));
@@ -48,7 +51,8 @@ typedef uint16_t vh __attribute__((vector_size(2 * W), aligned(2), may_alias));
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-ALWAYS_INLINE vf splat(float x) { return (vf){0} + x; }
+/* A broadcast: x - 0 is x for every x (x + 0 is not: -0 + 0 = +0), so no arithmetic is left. */
+ALWAYS_INLINE vf splat(float x) { return x - (vf){0}; }
 
 ALWAYS_INLINE vf select_v(vi mask, vf a, vf b) { /* mask ? a : b, lane-wise */
   return (vf)(((vi)a & mask) | ((vi)b & ~mask));
@@ -131,9 +135,10 @@ ALWAYS_INLINE vf exp_v(vf x) {
   return select_v(under, splat(0.0f), y);
 }
 
-/* Asks for the cache lines of [p, p + bytes) ahead of their use (a hint: never faults). */
+/* Asks for the cache lines of [p, p + bytes) ahead of their use (a hint: never faults), into L2
+ * (prefetcht1): measured faster than into L1 once the context outgrows L2, no slower before. */
 ALWAYS_INLINE void prefetch_row(const char *p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
 typedef struct {
@@ -149,14 +154,14 @@ typedef struct {
   int bf16;
 } job_t;
 
-/* Softmax of one chunk for one query head: p[0, cnt) scores in, probabilities e^(s - m) out
- * (p[cnt, round_up(cnt, W)) padded with 0). Updates the running max *m and sum *l; returns the
- * factor alpha by which the head's running output must be rescaled. */
-static __attribute__((noinline)) float chunk_softmax(float *p, int64_t cnt, float *m, float *l) {
+/* Softmax of one chunk for one query head: p[0, cnt) scores in (their max cmax, NaN left out),
+ * probabilities e^(s - m) out (p[cnt, round_up(cnt, W)) padded with 0). Updates the running max
+ * *m and sum *l; returns the factor alpha by which the head's running output must be rescaled. */
+static __attribute__((noinline)) float chunk_softmax(float *p, int64_t cnt, float cmax, float *m,
+                                                     float *l) {
   const int64_t cnt_w = (cnt + W - 1) / W * W;
   for (int64_t o = cnt; o < cnt_w; o++) p[o] = -INFINITY; /* exp_v gives 0 there */
-  float mb = *m;
-  for (int64_t o = 0; o < cnt; o++) mb = p[o] > mb ? p[o] : mb;
+  const float mb = cmax > *m ? cmax : *m;
   /* Scores of -inf so far (fp32 overflow): subtract 0 instead, so they weigh 0, not NaN. */
   const float msub = mb == -INFINITY ? 0.0f : mb;
   const float alpha = *m == -INFINITY ? 0.0f : expf(*m - msub);
@@ -184,19 +189,150 @@ static int check_row(const job_t *j, int64_t row) {
   return 0;
 }
 
+/* Lane shuffles of two vectors (indices into their concatenation; constants). */
+#ifdef __clang__
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+/* One level of the transpose-add tree that turns W vectors into one vector of their lane sums:
+ * with s lanes a half, lanes whose bit s is 0 hold a's pair sums (lane i and i + s), the others
+ * b's. Levels s = W/2 .. 1 applied to vectors fed in bit-reversed order (TREE_SLOT) leave the sum
+ * of vector i in lane i. */
+#if W == 16
+#define LV1(a, b) (SHUF(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +         \
+                   SHUF(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+#define LV2(a, b) (SHUF(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +        \
+                   SHUF(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+#define LV3(a, b) (SHUF(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +        \
+                   SHUF(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+#define LV4(a, b) (SHUF(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +       \
+                   SHUF(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+static const int TREE_SLOT[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+#else
+#define LV1(a, b) (SHUF(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(a, b, 4, 5, 6, 7, 12, 13, 14, 15))
+#define LV2(a, b) (SHUF(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(a, b, 2, 3, 10, 11, 6, 7, 14, 15))
+#define LV3(a, b) (SHUF(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a, b, 1, 9, 3, 11, 5, 13, 7, 15))
+static const int TREE_SLOT[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+#endif
+
+/* Vector i of head_dim of a row. bf16 rows with an even number of vectors are read W pairs at a
+ * time and split into their even and odd elements (a shift and a mask, exact), so vector 2p holds
+ * elements 2p*W + 2l and vector 2p+1 elements 2p*W + 2l + 1: dot products do not depend on the
+ * order, and the output is interleaved back when stored (store_h). */
+ALWAYS_INLINE vf load_h(const char *p, int i, const int NV, const int BF16) {
+  if (!BF16) return *(const vf *)((const float *)p + i * W);
+  if (NV & 1) return load_v(p, i * W, 1);
+  const vu u = *(const vu *)((const uint16_t *)p + (i >> 1) * 2 * W);
+  return (i & 1) ? (vf)(u & 0xffff0000u) : (vf)(u << 16);
+}
+
+/* bf16 bit patterns (low 16 bits of each lane) of x, round to nearest even, NaN kept. */
+ALWAYS_INLINE vu bf16_bits(vf x) {
+  const vu u = (vu)x;
+  const vu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vi nan = (vi)((u & 0x7fffffffu) > 0x7f800000u);
+  return (vu)(((vi)((u >> 16) | 0x40u) & nan) | ((vi)r & ~nan));
+}
+
+/* Stores head_dim vectors a[0, NV) of one head in load_h's order. */
+ALWAYS_INLINE void store_h(char *p, const vf *a, const int NV, const int BF16) {
+  if (!BF16 || (NV & 1)) {
+    #pragma GCC unroll 8
+    for (int i = 0; i < NV; i++) store_v(p, i * W, a[i], BF16);
+    return;
+  }
+  #pragma GCC unroll 4
+  for (int i = 0; i < NV; i += 2)
+    *(vu *)((uint16_t *)p + i * W) = bf16_bits(a[i]) | (bf16_bits(a[i + 1]) << 16);
+}
+
+/* Addresses of the rows of positions [p0, p0 + cnt), 1 <= cnt <= W, of one head (element offset
+ * off in a row) through the block table; slots cnt.. repeat the last row. Their cache lines (line
+ * bytes each) are asked for now: a tile's rows are found one tile ahead of their use. */
+ALWAYS_INLINE void tile_rows(const char *base, const int32_t *table, int64_t p0, int64_t cnt,
+                             int64_t bs, int64_t s0, int64_t s1, int64_t off, int64_t esz,
+                             int64_t bytes, const char **rows) {
+  int64_t b = p0 / bs, o = p0 - b * bs;
+  const char *blk = base + ((int64_t)table[b] * s0 + off) * esz;
+  for (int64_t t = 0; t < cnt; t++) {
+    rows[t] = blk + o * s1 * esz;
+    prefetch_row(rows[t], bytes);
+    if (++o == bs && t + 1 < cnt) {
+      o = 0;
+      blk = base + ((int64_t)table[++b] * s0 + off) * esz;
+    }
+  }
+  for (int64_t t = cnt; t < W; t++) rows[t] = rows[cnt - 1];
+}
+
+/* Scores of the W keys rows[TREE_SLOT[i]] (lane i) for query heads qs[x * NV ..] (scaled, in
+ * load_h's order) into res[x]: products summed lane-wise over head_dim, then the lanes of the W
+ * sums added by the transpose-add tree as pairs of keys complete (few registers live). */
+ALWAYS_INLINE void score_tile(const char *const *rows, const vf *qs, vf *res, const int HC,
+                              const int NV, const int BF16) {
+  vf st[8][5]; /* [head][tree level]: a level's pending left operand */
+  #pragma GCC unroll 8
+  for (int m = 0; m < W / 2; m++) {
+    vf t[2][8];
+    #pragma GCC unroll 2
+    for (int u = 0; u < 2; u++) {
+      const char *kr = rows[TREE_SLOT[2 * m + u]];
+      vf kv[8];
+      #pragma GCC unroll 8
+      for (int i = 0; i < NV; i++) kv[i] = load_h(kr, i, NV, BF16);
+      #pragma GCC unroll 8
+      for (int x = 0; x < HC; x++) {
+        vf a = qs[x * NV] * kv[0];
+        #pragma GCC unroll 8
+        for (int i = 1; i < NV; i++) a += qs[x * NV + i] * kv[i];
+        t[u][x] = a;
+      }
+    }
+    #pragma GCC unroll 8
+    for (int x = 0; x < HC; x++) {
+      vf v = LV1(t[0][x], t[1][x]);
+      if (m & 1) {
+        v = LV2(st[x][1], v);
+        if (m & 2) {
+          v = LV3(st[x][2], v);
+#if W == 16
+          if (m & 4) {
+            res[x] = LV4(st[x][3], v);
+          } else {
+            st[x][3] = v;
+          }
+#else
+          res[x] = v;
+#endif
+        } else {
+          st[x][2] = v;
+        }
+      } else {
+        st[x][1] = v;
+      }
+    }
+  }
+}
+
 /* Fast path: query heads [x0, x0 + HC) of row `row` (all reading KV head h) over the whole
- * context, head_dim = NV vectors. HC, NV and BF16 are constants after inlining, so q and the
- * output accumulators live in registers. sc: [HC][chunk_w] scores / probabilities. */
+ * context, head_dim = NV vectors; HC, NV and BF16 are constants after inlining. Positions go in
+ * tiles of W (any block size), chunks of cw positions (a multiple of W) for the online softmax:
+ * a chunk's scores a tile at a time (score_tile), its softmax on whole vectors, then its values
+ * with each weight broadcast. sc: [HC][cw] scores / probabilities, then the scaled queries and the
+ * output accumulators [HC * NV] vectors each. */
 ALWAYS_INLINE void attend_fast(const job_t *j, int64_t row, int64_t h, int64_t x0, float *sc,
                                const int HC, const int NV, const int BF16) {
   const int64_t d = j->d, bs = j->bs, cw = j->chunk_w;
   const int64_t s = j->seq_index[row], len = j->lens[s];
   const int32_t *table = j->tables + s * j->table_stride;
-  const int64_t esz = BF16 ? 2 : 4;
+  const int64_t esz = BF16 ? 2 : 4, bytes = NV * W * esz;
   const char *q = (const char *)j->q + (j->q_index[row] * j->q_stride + x0 * d) * esz;
   char *out = (char *)j->out + (j->q_index[row] * j->out_stride + x0 * d) * esz;
-  const int64_t nb = (len + bs - 1) / bs, chunk_blocks = cw / bs;
-  vf qv[8][8], acc[8][8];
+  const char *kbase = (const char *)j->k, *vbase = (const char *)j->v;
+  const int64_t ko = h * j->k_s2, vo = h * j->v_s2;
+  vf *qs = (vf *)(sc + HC * cw), *accm = qs + HC * NV;
   float m[8], l[8];
   #pragma GCC unroll 8
   for (int x = 0; x < HC; x++) {
@@ -204,69 +340,83 @@ ALWAYS_INLINE void attend_fast(const job_t *j, int64_t row, int64_t h, int64_t x
     l[x] = 0.0f;
     #pragma GCC unroll 8
     for (int i = 0; i < NV; i++) {
-      qv[x][i] = load_v(q, x * d + i * W, BF16) * j->scale;
-      acc[x][i] = splat(0.0f);
+      qs[x * NV + i] = load_h(q + x * d * esz, i, NV, BF16) * j->scale;
+      accm[x * NV + i] = splat(0.0f);
     }
   }
-  for (int64_t b0 = 0; b0 < nb; b0 += chunk_blocks) {
-    const int64_t b1 = b0 + chunk_blocks < nb ? b0 + chunk_blocks : nb;
-    const int64_t cnt = (b1 * bs < len ? b1 * bs : len) - b0 * bs;
-    for (int64_t b = b0; b < b1; b++) { /* scores */
-      const char *kb = (const char *)j->k + ((int64_t)table[b] * j->k_s0 + h * j->k_s2) * esz;
-      const int64_t end = len - b * bs < bs ? len - b * bs : bs;
-      /* The block read next (this chunk's next keys, or its first values), fetched meanwhile. */
-      const char *pf = b + 1 < b1 ? (const char *)j->k + ((int64_t)table[b + 1] * j->k_s0 + h * j->k_s2) * esz
-                                  : (const char *)j->v + ((int64_t)table[b0] * j->v_s0 + h * j->v_s2) * esz;
-      float *p = sc + (b - b0) * bs;
-      for (int64_t o = 0; o < end; o++) {
-        const char *kr = kb + o * j->k_s1 * esz;
-        prefetch_row(pf + o * (b + 1 < b1 ? j->k_s1 : j->v_s1) * esz, NV * W * esz);
-        vf kv[8];
-        #pragma GCC unroll 8
-        for (int i = 0; i < NV; i++) kv[i] = load_v(kr, i * W, BF16);
-        #pragma GCC unroll 8
-        for (int x = 0; x < HC; x++) {
-          vf t = qv[x][0] * kv[0];
-          #pragma GCC unroll 8
-          for (int i = 1; i < NV; i++) t += qv[x][i] * kv[i];
-          p[x * cw + o] = hsum(t);
-        }
+  vi lane;
+  for (int i = 0; i < W; i++) lane[i] = i;
+  const char *ra[W], *rb[W], **cur = ra, **nxt = rb, **tmp;
+  tile_rows(kbase, table, 0, len < W ? len : W, bs, j->k_s0, j->k_s1, ko, esz, bytes, cur);
+  for (int64_t c0 = 0; c0 < len; c0 += cw) {
+    const int64_t c1 = c0 + cw < len ? c0 + cw : len;
+    vf qv[8 * 8], mx[8];
+    #pragma GCC unroll 8
+    for (int i = 0; i < HC * NV; i++) qv[i] = qs[i];
+    #pragma GCC unroll 8
+    for (int x = 0; x < HC; x++) mx[x] = splat(-INFINITY);
+    for (int64_t p = c0; p < c1; p += W) { /* scores */
+      if (p + W < c1)
+        tile_rows(kbase, table, p + W, c1 - p - W < W ? c1 - p - W : W, bs, j->k_s0, j->k_s1, ko,
+                  esz, bytes, nxt);
+      else
+        tile_rows(vbase, table, c0, c1 - c0 < W ? c1 - c0 : W, bs, j->v_s0, j->v_s1, vo, esz,
+                  bytes, nxt);
+      vf res[8];
+      score_tile(cur, qv, res, HC, NV, BF16);
+      const vi valid = lane < (vi){0} + (int32_t)(c1 - p);
+      #pragma GCC unroll 8
+      for (int x = 0; x < HC; x++) {
+        const vf r = select_v(valid, res[x], splat(-INFINITY));
+        *(vf *)(sc + x * cw + (p - c0)) = r;
+        mx[x] = select_v(r > mx[x], r, mx[x]); /* a NaN score stays out of the max (exp gives NaN) */
       }
+      tmp = cur, cur = nxt, nxt = tmp;
     }
+    float alpha[8];
     #pragma GCC unroll 8
     for (int x = 0; x < HC; x++) {
-      const float alpha = chunk_softmax(sc + x * cw, cnt, &m[x], &l[x]);
-      if (alpha != 1.0f)
-        #pragma GCC unroll 8
-        for (int i = 0; i < NV; i++) acc[x][i] *= alpha;
+      float cmax = mx[x][0];
+      for (int i = 1; i < W; i++) cmax = cmax > mx[x][i] ? cmax : mx[x][i];
+      alpha[x] = chunk_softmax(sc + x * cw, c1 - c0, cmax, &m[x], &l[x]);
     }
-    for (int64_t b = b0; b < b1; b++) { /* values */
-      const char *vb = (const char *)j->v + ((int64_t)table[b] * j->v_s0 + h * j->v_s2) * esz;
-      const int64_t end = len - b * bs < bs ? len - b * bs : bs;
-      const float *p = sc + (b - b0) * bs;
-      const char *pf = b + 1 < b1   ? (const char *)j->v + ((int64_t)table[b + 1] * j->v_s0 + h * j->v_s2) * esz
-                       : b1 < nb ? (const char *)j->k + ((int64_t)table[b1] * j->k_s0 + h * j->k_s2) * esz
-                                 : NULL;
-      for (int64_t o = 0; o < end; o++) {
-        const char *vr = vb + o * j->v_s1 * esz;
-        if (pf) prefetch_row(pf + o * (b + 1 < b1 ? j->v_s1 : j->k_s1) * esz, NV * W * esz);
+    vf acc[8 * 8];
+    #pragma GCC unroll 8
+    for (int x = 0; x < HC; x++)
+      #pragma GCC unroll 8
+      for (int i = 0; i < NV; i++) acc[x * NV + i] = accm[x * NV + i] * alpha[x];
+    for (int64_t p = c0; p < c1; p += W) { /* values */
+      const int64_t n = c1 - p < W ? c1 - p : W;
+      if (p + W < c1)
+        tile_rows(vbase, table, p + W, c1 - p - W < W ? c1 - p - W : W, bs, j->v_s0, j->v_s1, vo,
+                  esz, bytes, nxt);
+      else if (c1 < len)
+        tile_rows(kbase, table, c1, len - c1 < W ? len - c1 : W, bs, j->k_s0, j->k_s1, ko, esz,
+                  bytes, nxt);
+      const float *pw = sc + (p - c0);
+      for (int64_t o = 0; o < n; o++) {
         vf vv[8];
         #pragma GCC unroll 8
-        for (int i = 0; i < NV; i++) vv[i] = load_v(vr, i * W, BF16);
+        for (int i = 0; i < NV; i++) vv[i] = load_h(cur[o], i, NV, BF16);
         #pragma GCC unroll 8
         for (int x = 0; x < HC; x++) {
-          const vf px = splat(p[x * cw + o]);
+          const vf px = splat(pw[x * cw + o]);
           #pragma GCC unroll 8
-          for (int i = 0; i < NV; i++) acc[x][i] += px * vv[i];
+          for (int i = 0; i < NV; i++) acc[x * NV + i] += px * vv[i];
         }
       }
+      tmp = cur, cur = nxt, nxt = tmp;
     }
+    #pragma GCC unroll 8
+    for (int i = 0; i < HC * NV; i++) accm[i] = acc[i];
   }
   #pragma GCC unroll 8
   for (int x = 0; x < HC; x++) {
     const float inv = l[x] > 0.0f ? 1.0f / l[x] : 0.0f; /* every score -inf: 0, as the torch path */
+    vf a[8];
     #pragma GCC unroll 8
-    for (int i = 0; i < NV; i++) store_v(out, x * d + i * W, acc[x][i] * inv, BF16);
+    for (int i = 0; i < NV; i++) a[i] = accm[x * NV + i] * inv;
+    store_h(out + x * d * esz, a, NV, BF16);
   }
 }
 
@@ -306,7 +456,9 @@ ALWAYS_INLINE void attend_generic(const job_t *j, int64_t row, int64_t h, int64_
       }
     }
     for (int64_t x = 0; x < hc; x++) {
-      const float alpha = chunk_softmax(sc + x * cw, cnt, &m[x], &l[x]);
+      float cmax = -INFINITY;
+      for (int64_t o = 0; o < cnt; o++) cmax = sc[x * cw + o] > cmax ? sc[x * cw + o] : cmax;
+      const float alpha = chunk_softmax(sc + x * cw, cnt, cmax, &m[x], &l[x]);
       if (alpha != 1.0f)
         for (int64_t i = 0; i < d; i++) acc[x * d + i] *= alpha;
     }
@@ -425,7 +577,7 @@ int paged_decode(const void *q, const void *k, const void *v, void *out, const i
   int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
-    const size_t floats = (size_t)((hc * chunk_w + hc * d + 15) / 16 * 16); /* 64-byte multiple */
+    const size_t floats = (size_t)((hc * chunk_w + 2 * hc * d + 15) / 16 * 16); /* 64-byte multiple */
     float *scratch = (float *)aligned_alloc(64, sizeof(float) * floats);
     if (scratch == NULL) {
       __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
