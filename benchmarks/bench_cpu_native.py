@@ -10,7 +10,7 @@ the figure is the median per call in ms. A second table gives a batch-1 call's t
 (the direct `cpu_native.paged_decode` and `cpu_native.reshape_and_cache` calls, and the model's
 path through `kernels`).
 
-Usage: `flock /tmp/p16/bench.lock python benchmarks/bench_cpu_native.py [--quick] [--out PATH]`.
+Usage: `python benchmarks/bench_cpu_native.py [--quick] [--out PATH]`.
 Prints tables and writes JSON (default benchmarks/results/bench_cpu_native.json).
 """
 

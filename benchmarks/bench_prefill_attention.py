@@ -15,7 +15,7 @@ own with that checkout first on `sys.path`, the variants take turns case by case
 gives the median microseconds of one `paged_attention` call (the plan is built once per case,
 as a model step does, and its time is listed apart).
 
-    python benchmarks/bench_prefill_attention.py --variant "main bf16=/work/main:bfloat16" \\
+    python benchmarks/bench_prefill_attention.py --variant "main bf16=../other-checkout:bfloat16" \\
         --variant "new bf16=.:bfloat16"
 
 ``--variant LABEL=FOLDER:DTYPE``. Prints one table; writes nothing.
