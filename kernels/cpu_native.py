@@ -41,6 +41,8 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_cpu.c"
 #: Every C file of the library: attention and cache writes, then the fused elementwise ops
 #: (`kernels.cpu_fused`).
 SOURCES = (SOURCE, SOURCE.with_name("fused_cpu.c"))
+#: Headers the sources include (part of the build's cache key).
+HEADERS = (SOURCE.with_name("simd_cpu.h"),)
 ENV_SWITCH = "PAGEDKV_NATIVE_CPU"
 _BUILD_TIMEOUT_S = 120
 
@@ -84,7 +86,7 @@ def _build() -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     errors = []
     for openmp in (["-fopenmp"], []):  # a compiler without OpenMP still gives a 1-thread kernel
         flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", *openmp, *_arch_flags()]

@@ -41,6 +41,17 @@ def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: s
 
 
 @pytest.fixture
+def one_torch_thread():
+    """Torch (and the native kernels on its OpenMP team) on one thread for the test, as before after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def start_service(tmp_path):
     """Factory: ``start_service(["memory", "--num-blocks", "64"], name="memory")``; stopped at teardown."""
     started: list[ServiceProcess] = []

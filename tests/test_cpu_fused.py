@@ -17,19 +17,12 @@ import torch
 
 from kernels import cpu_fused, cpu_native, fused_ops
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built")
+pytestmark = [pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 DTYPES = [torch.bfloat16, torch.float32]
 WIDTHS = [576, 1, 15, 16, 33, 100]  # SmolLM2's hidden size, then tails around the vector width
 EPS = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

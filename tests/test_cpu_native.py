@@ -17,18 +17,11 @@ from kernel_reference import make_case, ref_attention, tolerance
 import kernels
 from kernels import cpu_native
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built")
+pytestmark = [pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 HEADS = [(8, 8), (4, 2), (9, 3), (28, 4), (16, 2), (32, 1)]  # GQA ratios 1, 2, 3, 7, 8, 32
 DTYPES = [torch.bfloat16, torch.float32]
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def lengths(block_size: int) -> list[int]:
