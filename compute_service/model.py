@@ -11,7 +11,7 @@ the caller asks for are computed.
 Architecture as in Hugging Face `LlamaForCausalLM` (RMSNorm, RoPE with rotate-half, GQA, SwiGLU,
 optional tied embeddings); layout of the file after gpt-fast's model.py: the architecture only.
 Q/K/V and gate/up projections are fused into one matmul each; the projections are
-`compute_service.linear.Linear` (oneDNN's prepacked matmul on CPU in fp32). The elementwise ops
+`compute_service.linear.Linear` (oneDNN's prepacked matmul on CPU, fp32 or bf16). The elementwise ops
 (RMSNorm with the residual add fused in, as vLLM's `fused_add_rms_norm`; silu(gate) * up; RoPE)
 are `kernels.fused_ops`: one native call each on CPU, torch ops elsewhere. Timing hooks in from
 outside (`compute_service.timing`).
@@ -185,7 +185,7 @@ class LlamaForPagedLM(nn.Module):
         config: model shape (see `compute_service.weights.ModelConfig`).
         weights: tensors in our naming (see `compute_service.weights`); copied to device/dtype.
         device: where to run ("cpu" or a CUDA device).
-        dtype: weight and activation dtype (torch.float32 on CPU, bfloat16 on CUDA).
+        dtype: weight and activation dtype (float32 or bfloat16 on CPU, bfloat16 on CUDA).
 
     Raises ValueError when a weight is missing or has the wrong shape.
     """
