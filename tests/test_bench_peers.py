@@ -1,5 +1,6 @@
 """The greedy-agreement metric of benchmarks/bench_peers.py (identical requests, matching prefix)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,13 +11,19 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 @pytest.fixture(scope="module")
 def bench_peers():
+    """The benchmark module. Importing it sets the benchmarks' defaults in this process (sys.path,
+    and PAGEDKV_LOG_LEVEL=warning for the services they start): both are put back afterwards, so
+    services that later tests start log at their usual level."""
+    env, path = dict(os.environ), list(sys.path)
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import bench_peers
 
         yield bench_peers
     finally:
-        sys.path.remove(str(BENCHMARKS))
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
 
 
 def test_agreement_counts_identical_requests_and_mean_prefix(bench_peers):
