@@ -32,7 +32,7 @@ import numpy as np
 
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.errors import PermissionDeniedError
-from pagedkv.grants import grant_parts_message, mac, receipt_parts_message, token_digest
+from pagedkv.grants import copy_tuple, grant_parts_message, mac, receipt_parts_message, token_digest
 
 
 def _deny(what: str) -> PermissionDeniedError:
@@ -79,7 +79,7 @@ def check_grants(request: pb.StepRequest, key: bytes, generation: int, epochs: n
             raise _deny(f"sequence {s.seq_id} has no grant")
         g = s.grant
         ids, ep = list(g.block_ids), list(g.block_epochs)
-        copies = [(c.src, c.src_epoch, c.dst, c.dst_epoch) for c in g.copies]
+        copies = [copy_tuple(c) for c in g.copies]
         digest = g.token_digest
         expires = g.expires_at
         if g.seq_id != s.seq_id or g.pool_generation != generation or not hmac.compare_digest(
@@ -102,7 +102,7 @@ def check_grants(request: pb.StepRequest, key: bytes, generation: int, epochs: n
             digest = token_digest(s.token_ids)
         if len(ep) != len(ids):
             raise _deny(f"a block of sequence {s.seq_id} was handed out anew since its grant")
-        for src, src_epoch, dst, dst_epoch in copies:
+        for src, src_epoch, dst, dst_epoch, _, _ in copies:
             if epochs[src] != src_epoch or epochs[dst] != dst_epoch:
                 raise _deny(f"copy {src} -> {dst} of sequence {s.seq_id} names a block handed out anew")
             allowed_copies.add((src, dst))

@@ -48,7 +48,7 @@ class GrantSigner:
         ep = self.epochs
         ids = seq.block_ids
         epochs = ep[ids].tolist()
-        copied = [(c.src, int(ep[c.src]), c.dst, int(ep[c.dst])) for c in copies]
+        copied = [(c.src, int(ep[c.src]), c.dst, int(ep[c.dst]), 0, 0) for c in copies]
         expires = self.wall_clock() + ttl
         # Signed from the fields (not read back out of the message): this runs once per sequence per step.
         signature = mac(self.key, grant_parts_message(self.generation, seq.seq_id, ids, epochs, readable, end,
@@ -56,7 +56,7 @@ class GrantSigner:
         return grant_pb2.StepGrant(
             pool_generation=self.generation, seq_id=seq.seq_id, block_ids=ids, block_epochs=epochs,
             readable_tokens=readable, write_end=end, token_digest=digest, expires_at=expires, signature=signature,
-            copies=[grant_pb2.GrantedCopy(src=s, src_epoch=se, dst=d, dst_epoch=de) for s, se, d, de in copied])
+            copies=[grant_pb2.GrantedCopy(src=s, src_epoch=se, dst=d, dst_epoch=de) for s, se, d, de, _, _ in copied])
 
     def receipts(self, msgs: Seq[grant_pb2.StepReceipt]) -> list[Receipt]:
         """Check every receipt's signature and generation; returns them typed.

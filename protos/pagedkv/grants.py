@@ -12,6 +12,10 @@ canonical), prefixed with a domain string per kind, so a grant can never pass fo
 a receipt or the other way round.
 
 Token ids are bound by digest: SHA-256 of the ids as int32 little-endian.
+
+A copy is the tuple ``(src, src_epoch, dst, dst_epoch, src_medium, dst_medium)`` (media as
+``grant_pb2.Medium`` values: 0 device, 1 host), signed in grants (copies to do) and in receipts
+(tier copies done).
 """
 
 from __future__ import annotations
@@ -68,38 +72,46 @@ def _bytes(b: bytes) -> bytes:
     return struct.pack("<I", len(b)) + b
 
 
+def copy_tuple(c: grant_pb2.GrantedCopy) -> tuple[int, int, int, int, int, int]:
+    """``(src, src_epoch, dst, dst_epoch, src_medium, dst_medium)`` of a granted copy."""
+    return c.src, c.src_epoch, c.dst, c.dst_epoch, c.src_medium, c.dst_medium
+
+
+def _copies(copies) -> bytes:
+    return struct.pack("<I", len(copies)) + b"".join(struct.pack("<IQIQBB", *c) for c in copies)
+
+
 def grant_message(g: grant_pb2.StepGrant) -> bytes:
     """The canonical bytes a grant's signature covers (every field but ``signature``)."""
     return grant_parts_message(g.pool_generation, g.seq_id, g.block_ids, g.block_epochs, g.readable_tokens,
-                               g.write_end, g.token_digest, [(c.src, c.src_epoch, c.dst, c.dst_epoch) for c in g.copies],
-                               g.expires_at)
+                               g.write_end, g.token_digest, [copy_tuple(c) for c in g.copies], g.expires_at)
 
 
 def grant_parts_message(pool_generation: int, seq_id: int, block_ids, block_epochs, readable_tokens: int,
                         write_end: int, digest: bytes, copies, expires_at: float) -> bytes:
-    """:func:`grant_message` from the fields themselves (``copies``: ``(src, src_epoch, dst, dst_epoch)``),
+    """:func:`grant_message` from the fields themselves (``copies``: tuples as :func:`copy_tuple`),
     so the signer need not read them back out of a message it is building."""
     return b"".join((
         _GRANT_DOMAIN,
         struct.pack("<QQqqd", pool_generation, seq_id, readable_tokens, write_end, expires_at),
-        _u32(block_ids), _u64(block_epochs), _bytes(digest),
-        struct.pack("<I", len(copies)), *(struct.pack("<IQIQ", *c) for c in copies),
+        _u32(block_ids), _u64(block_epochs), _bytes(digest), _copies(copies),
     ))
 
 
 def receipt_message(r: grant_pb2.StepReceipt) -> bytes:
     """The canonical bytes a receipt's signature covers (every field but ``signature``)."""
     return receipt_parts_message(r.pool_generation, r.seq_id, r.start, r.end, r.token_digest, r.block_ids,
-                                 r.block_epochs)
+                                 r.block_epochs, [copy_tuple(c) for c in r.copies])
 
 
 def receipt_parts_message(pool_generation: int, seq_id: int, start: int, end: int, digest: bytes, block_ids,
-                          block_epochs) -> bytes:
-    """:func:`receipt_message` from the fields themselves (the worker signs as it fills the receipt)."""
+                          block_epochs, copies=()) -> bytes:
+    """:func:`receipt_message` from the fields themselves (the worker signs as it fills the receipt;
+    ``copies``: the tier copies done, tuples as :func:`copy_tuple`)."""
     return b"".join((
         _RECEIPT_DOMAIN,
         struct.pack("<QQqq", pool_generation, seq_id, start, end),
-        _bytes(digest), _u32(block_ids), _u64(block_epochs),
+        _bytes(digest), _u32(block_ids), _u64(block_epochs), _copies(copies),
     ))
 
 
@@ -130,5 +142,5 @@ def receipt_signed(key: bytes, receipt: grant_pb2.StepReceipt) -> bool:
     return hmac.compare_digest(receipt.signature, mac(key, receipt_message(receipt)))
 
 
-__all__ = ["KEY_BYTES", "grant_message", "grant_parts_message", "mac", "grant_signed", "receipt_message", "receipt_parts_message", "receipt_signed", "sign_grant",
+__all__ = ["KEY_BYTES", "copy_tuple", "grant_message", "grant_parts_message", "mac", "grant_signed", "receipt_message", "receipt_parts_message", "receipt_signed", "sign_grant",
            "sign_receipt", "token_digest"]

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,17 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEDIUM_DEVICE: _ClassVar[Medium]
+    MEDIUM_HOST: _ClassVar[Medium]
+MEDIUM_DEVICE: Medium
+MEDIUM_HOST: Medium
+
 class GrantedCopy(_message.Message):
-    __slots__ = ("src", "src_epoch", "dst", "dst_epoch")
+    __slots__ = ("src", "src_epoch", "dst", "dst_epoch", "src_medium", "dst_medium")
     SRC_FIELD_NUMBER: _ClassVar[int]
     SRC_EPOCH_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     DST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SRC_MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    DST_MEDIUM_FIELD_NUMBER: _ClassVar[int]
     src: int
     src_epoch: int
     dst: int
     dst_epoch: int
-    def __init__(self, src: _Optional[int] = ..., src_epoch: _Optional[int] = ..., dst: _Optional[int] = ..., dst_epoch: _Optional[int] = ...) -> None: ...
+    src_medium: Medium
+    dst_medium: Medium
+    def __init__(self, src: _Optional[int] = ..., src_epoch: _Optional[int] = ..., dst: _Optional[int] = ..., dst_epoch: _Optional[int] = ..., src_medium: _Optional[_Union[Medium, str]] = ..., dst_medium: _Optional[_Union[Medium, str]] = ...) -> None: ...
 
 class StepGrant(_message.Message):
     __slots__ = ("pool_generation", "seq_id", "block_ids", "block_epochs", "readable_tokens", "write_end", "token_digest", "copies", "expires_at", "signature")
@@ -43,7 +55,7 @@ class StepGrant(_message.Message):
     def __init__(self, pool_generation: _Optional[int] = ..., seq_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_epochs: _Optional[_Iterable[int]] = ..., readable_tokens: _Optional[int] = ..., write_end: _Optional[int] = ..., token_digest: _Optional[bytes] = ..., copies: _Optional[_Iterable[_Union[GrantedCopy, _Mapping]]] = ..., expires_at: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class StepReceipt(_message.Message):
-    __slots__ = ("pool_generation", "seq_id", "start", "end", "token_digest", "block_ids", "block_epochs", "signature")
+    __slots__ = ("pool_generation", "seq_id", "start", "end", "token_digest", "block_ids", "block_epochs", "signature", "copies")
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +64,7 @@ class StepReceipt(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     pool_generation: int
     seq_id: int
     start: int
@@ -60,4 +73,5 @@ class StepReceipt(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_epochs: _containers.RepeatedScalarFieldContainer[int]
     signature: bytes
-    def __init__(self, pool_generation: _Optional[int] = ..., seq_id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., token_digest: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_epochs: _Optional[_Iterable[int]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    copies: _containers.RepeatedCompositeFieldContainer[GrantedCopy]
+    def __init__(self, pool_generation: _Optional[int] = ..., seq_id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., token_digest: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_epochs: _Optional[_Iterable[int]] = ..., signature: _Optional[bytes] = ..., copies: _Optional[_Iterable[_Union[GrantedCopy, _Mapping]]] = ...) -> None: ...

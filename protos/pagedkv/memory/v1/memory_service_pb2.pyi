@@ -45,7 +45,7 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolDescriptor(_message.Message):
-    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid", "worker_socket")
+    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid", "worker_socket", "host_num_blocks", "host_nbytes")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,8 @@ class PoolDescriptor(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OWNER_PID_FIELD_NUMBER: _ClassVar[int]
     WORKER_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    HOST_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_NBYTES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     generation: int
     backend: PoolBackend
@@ -78,7 +80,9 @@ class PoolDescriptor(_message.Message):
     model: str
     owner_pid: int
     worker_socket: str
-    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ..., worker_socket: _Optional[str] = ...) -> None: ...
+    host_num_blocks: int
+    host_nbytes: int
+    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ..., worker_socket: _Optional[str] = ..., host_num_blocks: _Optional[int] = ..., host_nbytes: _Optional[int] = ...) -> None: ...
 
 class CreateLeaseRequest(_message.Message):
     __slots__ = ("ttl_seconds", "owner")
@@ -133,24 +137,32 @@ class GetPoolDescriptorResponse(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ...) -> None: ...
 
 class SequenceBlockTable(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "block_ids", "num_cached_tokens")
+    __slots__ = ("seq_id", "num_tokens", "block_ids", "num_cached_tokens", "num_reloaded_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RELOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    num_reloaded_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_reloaded_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
-    __slots__ = ("src", "dst")
+    __slots__ = ("src", "dst", "src_medium", "dst_medium", "seq_id")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
+    SRC_MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    DST_MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     src: int
     dst: int
-    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+    src_medium: _grant_pb2.Medium
+    dst_medium: _grant_pb2.Medium
+    seq_id: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ..., src_medium: _Optional[_Union[_grant_pb2.Medium, str]] = ..., dst_medium: _Optional[_Union[_grant_pb2.Medium, str]] = ..., seq_id: _Optional[int] = ...) -> None: ...
 
 class SequenceAllocation(_message.Message):
     __slots__ = ("num_tokens", "token_ids", "cache_salt", "model_id")
@@ -173,12 +185,14 @@ class AllocateSequencesRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ...) -> None: ...
 
 class AllocateSequencesResponse(_message.Message):
-    __slots__ = ("sequences", "grants")
+    __slots__ = ("sequences", "grants", "copies")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceBlockTable]
     grants: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepGrant]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ...) -> None: ...
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class SlotAppend(_message.Message):
     __slots__ = ("seq_id", "num_tokens", "token_ids")
@@ -265,20 +279,24 @@ class GetBlockTableRequest(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
 
 class SequenceInfo(_message.Message):
-    __slots__ = ("seq_id", "lease_id", "num_tokens", "block_ids", "ref_counts", "parent_seq_id")
+    __slots__ = ("seq_id", "lease_id", "num_tokens", "block_ids", "ref_counts", "parent_seq_id", "media", "swapped")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REF_COUNTS_FIELD_NUMBER: _ClassVar[int]
     PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     lease_id: str
     num_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     ref_counts: _containers.RepeatedScalarFieldContainer[int]
     parent_seq_id: int
-    def __init__(self, seq_id: _Optional[int] = ..., lease_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., ref_counts: _Optional[_Iterable[int]] = ..., parent_seq_id: _Optional[int] = ...) -> None: ...
+    media: _containers.RepeatedScalarFieldContainer[_grant_pb2.Medium]
+    swapped: bool
+    def __init__(self, seq_id: _Optional[int] = ..., lease_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., ref_counts: _Optional[_Iterable[int]] = ..., parent_seq_id: _Optional[int] = ..., media: _Optional[_Iterable[_Union[_grant_pb2.Medium, str]]] = ..., swapped: _Optional[bool] = ...) -> None: ...
 
 class GetBlockTableResponse(_message.Message):
     __slots__ = ("sequence",)
@@ -309,7 +327,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching")
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching", "host_total_blocks", "host_free_blocks", "host_cached_blocks", "host_used_blocks", "offloads", "reloads", "host_cache_hits", "swap_outs", "swap_ins", "swapped_sequences", "offloads_dropped", "host_cache_evictions")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +346,18 @@ class GetStatsResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    RELOADS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_INS_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     cached_blocks: int
@@ -346,7 +376,19 @@ class GetStatsResponse(_message.Message):
     generation: int
     prefix_cache_evictions: int
     prefix_caching: bool
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    host_total_blocks: int
+    host_free_blocks: int
+    host_cached_blocks: int
+    host_used_blocks: int
+    offloads: int
+    reloads: int
+    host_cache_hits: int
+    swap_outs: int
+    swap_ins: int
+    swapped_sequences: int
+    offloads_dropped: int
+    host_cache_evictions: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ...) -> None: ...
 
 class ComputedTokens(_message.Message):
     __slots__ = ("seq_id", "num_computed_tokens")
@@ -419,25 +461,63 @@ class KvEvent(_message.Message):
     def __init__(self, sequence_number: _Optional[int] = ..., block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hash", "parent_block_hash", "block_id", "token_ids")
+    __slots__ = ("block_hash", "parent_block_hash", "block_id", "token_ids", "medium")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     parent_block_hash: bytes
     block_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_hash: _Optional[bytes] = ..., parent_block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    medium: _grant_pb2.Medium
+    def __init__(self, block_hash: _Optional[bytes] = ..., parent_block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., medium: _Optional[_Union[_grant_pb2.Medium, str]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hash", "block_id")
+    __slots__ = ("block_hash", "block_id", "medium")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     block_id: int
-    def __init__(self, block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ...) -> None: ...
+    medium: _grant_pb2.Medium
+    def __init__(self, block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ..., medium: _Optional[_Union[_grant_pb2.Medium, str]] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SwapOutSequencesRequest(_message.Message):
+    __slots__ = ("lease_id", "seq_ids")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SwapOutSequencesResponse(_message.Message):
+    __slots__ = ("device_blocks_released", "host_blocks_reserved")
+    DEVICE_BLOCKS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    device_blocks_released: int
+    host_blocks_reserved: int
+    def __init__(self, device_blocks_released: _Optional[int] = ..., host_blocks_reserved: _Optional[int] = ...) -> None: ...
+
+class SwapInSequencesRequest(_message.Message):
+    __slots__ = ("lease_id", "seq_ids")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SwapInSequencesResponse(_message.Message):
+    __slots__ = ("sequences", "grants", "copies")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceBlockTable]
+    grants: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepGrant]
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...

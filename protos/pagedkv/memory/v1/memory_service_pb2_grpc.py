@@ -110,6 +110,16 @@ class MemoryServiceStub:
                 request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsResponse.FromString,
                 _registered_method=True)
+        self.SwapOutSequences = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/SwapOutSequences',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapOutSequencesRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapOutSequencesResponse.FromString,
+                _registered_method=True)
+        self.SwapInSequences = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/SwapInSequences',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -225,6 +235,26 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwapOutSequences(self, request, context):
+        """Swap preemption (PagedAttention section 4.5): each sequence's own blocks
+        (refcount 1) go to the host tier, its shared blocks stay on the device; all
+        or nothing. RESOURCE_EXHAUSTED + OUT_OF_HOST_BLOCKS when the host tier
+        cannot hold them (then preempt by recompute: FreeSequences).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SwapInSequences(self, request, context):
+        """Brings swapped sequences back to the device, all or nothing:
+        RESOURCE_EXHAUSTED + OUT_OF_BLOCKS when the device cannot hold them now;
+        FAILED_PRECONDITION + SWAP_LOST when a block's host copy was never made
+        (then free the sequence and recompute it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -302,6 +332,16 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.CheckInvariants,
                     request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsRequest.FromString,
                     response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsResponse.SerializeToString,
+            ),
+            'SwapOutSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwapOutSequences,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapOutSequencesRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapOutSequencesResponse.SerializeToString,
+            ),
+            'SwapInSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwapInSequences,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -710,6 +750,60 @@ class MemoryService:
             '/pagedkv.memory.v1.MemoryService/CheckInvariants',
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsRequest.SerializeToString,
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.CheckInvariantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwapOutSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/SwapOutSequences',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapOutSequencesRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapOutSequencesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwapInSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/SwapInSequences',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,
