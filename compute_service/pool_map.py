@@ -60,7 +60,7 @@ class MappedPool:
     host_epochs: np.ndarray | None = None
     #: The whole epoch table, int64 [num_blocks + host_num_blocks], read-only.
     all_epochs: np.ndarray | None = None
-    #: What keeps the mappings alive (mmap objects, CUDA IPC pointer).
+    #: What keeps the mappings alive (mmap objects, CUDA IPC pointer, host registration), closed in order.
     _keepalive: list = field(default_factory=list, repr=False)
 
     @property
@@ -106,6 +106,10 @@ class _CudaIpcMapping:
             cupy.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
+#: cudaHostRegisterPortable: the range is pinned for every CUDA context, not just this device's.
+_CUDA_HOST_REGISTER_PORTABLE = 1
+
+
 class _HostRegistration:
     """A host range page-locked with ``cudaHostRegister``; ``close`` unregisters it (before its
     mapping goes)."""
@@ -114,8 +118,7 @@ class _HostRegistration:
         import cupy
 
         with cupy.cuda.Device(device):
-            # cudaHostRegisterPortable: pinned for every CUDA context, not just this device's.
-            cupy.cuda.runtime.hostRegister(ptr, nbytes, cupy.cuda.runtime.hostRegisterPortable)
+            cupy.cuda.runtime.hostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
         self.ptr, self.device = ptr, device
 
     def close(self) -> None:

@@ -98,9 +98,11 @@ class Worker:
                 raise FailedPreconditionError("the memory service went away during this step; its results are void",
                                               reason=POOL_NOT_MAPPED)
             results = self._sample(request, inputs, logits)
-            if plan.offloads and pool.tensor.is_cuda:
-                # An offload's bytes must be in host memory before its receipt exists (sampling
-                # synchronizes already, unless no sequence sampled).
+            if plan.has_tier_copies and pool.tensor.is_cuda:
+                # Tier copies are asynchronous DMA: done before the receipt that proves them exists
+                # (an offload's bytes are in host memory; a reload no longer reads its host block,
+                # which the memory service may hand out again). Sampling synchronized already unless
+                # no sequence sampled.
                 torch.cuda.current_stream(pool.tensor.device).synchronize()
             sign_receipts(request, results, pool.plane_key, lay.block_size, checked)
             return pb.StepResponse(

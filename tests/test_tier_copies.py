@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from compute_service.grant_check import check_grants
+from compute_service.grant_check import check_grants, sign_receipts
 from compute_service.pool_map import map_handle, map_pool
 from compute_service.worker import Worker
 from memory_service.layout import PoolLayout
@@ -197,6 +197,10 @@ def test_offload_reload_and_copy_on_write_run_in_order_before_the_forward(tiered
     assert [copy_tuple(c) for c in r2.copies] == [copy_tuple(second.grant.copies[0])]
     assert receipt_signed(pool.plane_key, r1) and receipt_signed(pool.plane_key, r2)
     assert (r1.start, r1.end, list(r1.block_ids)) == (0, 5, [2, 3])
+    # Receipts signed from the grants themselves (no check's answer) are the same.
+    again = [cpb.StepResult(seq_id=s.seq_id) for s in request.sequences]
+    sign_receipts(request, again, pool.plane_key, LAYOUT.block_size)
+    assert [r.receipt for r in again] == [r1, r2]
     del r1.copies[0]  # the signature covers the copies
     assert not receipt_signed(pool.plane_key, r1)
 
