@@ -30,6 +30,9 @@ computed (and a host or reloaded block as proven).
 Residual window (docs/security.md): epochs are read at the check, not again at
 the write; a block freed and handed out anew while a step over it is in flight
 on the same worker is written by that step before its new owner's first write.
+A grant is not one-shot either: a step replayed with the same grant after its
+forward wrote an offloaded block (a lost response retried) offloads the new
+bytes; only the memory service can make such a replay fail (a new host epoch).
 """
 
 from __future__ import annotations
