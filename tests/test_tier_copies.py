@@ -216,6 +216,10 @@ def test_plan_dedupes_and_orders_every_grant_copy(tiered):
     plan = checked.plan
     assert (plan.offloads, plan.reloads, plan.copy_on_write) == ([(4, 0)], [(2, 6)], [(6, 7)])
     assert [len(c.tier_copies) for c in checked] == [1, 2]
+    # A request's own copies are copy-on-write only: an offload's ids there are no grant's copy-on-write.
+    request.copies.add(src=4, dst=0)
+    with pytest.raises(PermissionDeniedError, match="copy 4 -> 0 is in no grant"):
+        check_grants(request, pool.plane_key, pool.generation, m.epochs, host_epochs=m.host_epochs)
 
 
 REFUSALS = {
