@@ -23,6 +23,13 @@ LEASE_EXPIRED = "LEASE_EXPIRED"
 POOL_GENERATION_MISMATCH = "POOL_GENERATION_MISMATCH"
 #: ErrorInfo reason of a Step on a worker that maps no pool (the memory service is gone or restarting).
 POOL_NOT_MAPPED = "POOL_NOT_MAPPED"
+#: ErrorInfo reason (RESOURCE_EXHAUSTED) of a swap-out the host tier cannot hold: preempt by recompute instead.
+OUT_OF_HOST_BLOCKS = "OUT_OF_HOST_BLOCKS"
+#: ErrorInfo reason (FAILED_PRECONDITION) of a swap-out on a memory service without a host tier.
+HOST_TIER_OFF = "HOST_TIER_OFF"
+#: ErrorInfo reason (FAILED_PRECONDITION) of a swap-in whose block left the device with no proven host copy:
+#: free the sequence and recompute it.
+SWAP_LOST = "SWAP_LOST"
 
 
 class PagedKVError(Exception):
@@ -78,6 +85,26 @@ class OutOfBlocksError(PagedKVError):
             f"out of KV blocks: the {what} needs {required} blocks but {available} are "
             "available; free or preempt sequences, or start the memory service with more "
             "--num-blocks / --kv-cache-memory",
+            metadata={"required": str(required), "available": str(available)},
+        )
+        self.required = required
+        self.available = available
+
+
+class OutOfHostBlocksError(PagedKVError):
+    """A swap-out needs more host-tier blocks than can be reserved now (nothing changed).
+
+    Carries ``required`` and ``available`` host blocks in ErrorInfo metadata.
+    """
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = OUT_OF_HOST_BLOCKS
+
+    def __init__(self, required: int, available: int):
+        super().__init__(
+            f"out of host-tier blocks: the swap-out needs {required} host blocks but {available} can be "
+            "reserved; preempt by recompute (FreeSequences with reason PREEMPTED), or start the memory "
+            "service with more --host-cache-memory",
             metadata={"required": str(required), "available": str(available)},
         )
         self.required = required
