@@ -297,3 +297,80 @@ def test_mapping_refuses_a_short_host_memfd():
     finally:
         pool.close()
 
+
+
+class WritingModel(Model):
+    """Also writes each new token's K and V (every layer): token id + 0.5 in its slot."""
+
+    def __call__(self, input_ids, positions, kv_pool, slots, plan, logits_indices):
+        bs = kv_pool.shape[3]
+        for tok, slot in zip(input_ids.tolist(), slots.tolist()):
+            kv_pool[slot // bs, :, :, slot % bs] = tok + 0.5
+        return super().__call__(input_ids, positions, kv_pool, slots, plan, logits_indices)
+
+
+def test_memory_service_offload_and_reload_round_trip_through_the_worker():
+    # The memory service's own block manager and signer over the pool's epoch table: a cached
+    # prompt evicted by a larger allocation is offloaded in its new owner's step, and the same
+    # prompt later reloads from the host tier, byte for byte.
+    from memory_service.block_manager import BlockManager
+    from memory_service.requests import Allocation
+    from memory_service.step_grants import GrantSigner
+
+    pool = CpuPool(LAYOUT, pool_id="roundtrip", host_num_blocks=HOST_BLOCKS)
+    m = mapped(pool)
+    try:
+        dev, host = views(pool)
+        bs = LAYOUT.block_size
+        manager = BlockManager(LAYOUT.num_blocks, bs, lease_ttl=30.0, epochs=pool.epochs,
+                               host_num_blocks=HOST_BLOCKS, host_epochs=pool.host_epochs)
+        signer = GrantSigner(pool.plane_key, pool.generation, pool.epochs, host_epochs=pool.host_epochs)
+        lease = manager.leases.create().lease_id
+        worker = Worker(WritingModel(m), types.SimpleNamespace(vocab_size=VOCAB), m)
+
+        def step(seq, tokens):
+            grant = signer.grant(seq, 30.0, manager.tiers.grant_copies(seq))
+            start = grant.readable_tokens
+            request = cpb.StepRequest(pool_generation=pool.generation, sequences=[cpb.StepSequence(
+                seq_id=seq.seq_id, token_ids=tokens[start:], positions=range(start, len(tokens)),
+                block_ids=grant.block_ids, grant=grant)])
+            (result,) = worker.step(request).results
+            manager.commit_receipts(lease, signer.receipts([result.receipt]))
+            return grant, result.receipt
+
+        prompt = tuple(range(1, 2 * bs + 1))  # two full blocks
+        (a,) = manager.allocate(lease, [Allocation(len(prompt), prompt)])
+        step(a, prompt)
+        a_blocks = list(a.block_ids)
+        kv_of_prompt = dev[a_blocks].copy()
+        assert (kv_of_prompt[0, :, :, 1] == 2.5).all()
+        manager.free(lease, [a.seq_id])
+
+        # Every device block is needed: the prompt's cached blocks are handed out and offloaded first.
+        other = tuple(20 + i % 10 for i in range(LAYOUT.num_blocks * bs))
+        (b,) = manager.allocate(lease, [Allocation(len(other), other)])
+        grant, receipt = step(b, other)
+        offloads = [(c.src, c.dst) for c in grant.copies if c.dst_medium == HOST]
+        assert sorted(s for s, _ in offloads) == sorted(a_blocks) and len(receipt.copies) == 2
+        for src, dst in offloads:
+            assert np.array_equal(host[dst], kv_of_prompt[a_blocks.index(src)])  # the old bytes, not b's
+        manager.free(lease, [b.seq_id])
+        kv_of_other = dev.copy()
+
+        # The prompt again (and one token more): its blocks come back from the host tier, into
+        # device blocks whose cached bytes (the other prompt's) are offloaded first in the same step.
+        (c,) = manager.allocate(lease, [Allocation(len(prompt) + 1, (*prompt, 9))])
+        grant, receipt = step(c, (*prompt, 9))
+        reloads = [(cp.src, cp.dst) for cp in grant.copies if cp.src_medium == HOST]
+        offloads = [(cp.src, cp.dst) for cp in grant.copies if cp.dst_medium == HOST]
+        assert len(reloads) == 2 and grant.readable_tokens == len(prompt)
+        assert {d for _, d in reloads} & {s for s, _ in offloads}  # order matters in this step
+        assert np.array_equal(dev[list(c.block_ids)[:2]], kv_of_prompt)
+        for src, dst in offloads:
+            assert np.array_equal(host[dst], kv_of_other[src])
+        assert [copy_tuple(cp) for cp in receipt.copies] == [copy_tuple(cp) for cp in grant.copies]
+        assert receipt_signed(pool.plane_key, receipt)
+        manager.check_invariants()
+    finally:
+        m.close()
+        pool.close()
