@@ -74,6 +74,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     size.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool")
     size.add_argument("--kv-cache-memory", default=os.environ.get("PAGEDKV_KV_CACHE_MEMORY"),
                       help=f"pool size in bytes, e.g. 2GiB (default {DEFAULT_CPU_KV_MEMORY} on cpu, {DEFAULT_CUDA_KV_MEMORY} on cuda)")
+    p.add_argument("--host-cache-memory", default=os.environ.get("PAGEDKV_HOST_CACHE_MEMORY", "0"),
+                   help="host tier behind the pool, in bytes (e.g. 4GiB; default 0 = none): evicted prefix-cache blocks "
+                        "are offloaded there and reloaded on a hit, and swap preemption keeps sequences there")
     p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"), help="'smollm2' or a Hugging Face directory (layout source)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="KV dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds without keep-alive (default 10)")
@@ -118,10 +121,15 @@ def create_pool(args: argparse.Namespace) -> Pool:
     if args.num_blocks is None:
         memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if is_cuda else DEFAULT_CPU_KV_MEMORY))
     layout = make_layout(args.model, block_size=args.block_size, dtype=dtype, num_blocks=args.num_blocks, kv_cache_memory=memory)
+    host_bytes = 0 if (args.host_cache_memory or "0").strip() == "0" else parse_bytes(args.host_cache_memory)
+    host_blocks = host_bytes // layout.block_nbytes
+    if host_bytes and not host_blocks:
+        raise ValueError(f"--host-cache-memory {host_bytes} bytes holds no block of {layout.block_nbytes} bytes; "
+                         "give at least one block's size, or 0 for no host tier")
     if is_cuda:
         index = int(device.split(":", 1)[1]) if ":" in device else 0
-        return CudaPool(layout, device_index=index, pool_id=args.pool_id, model=args.model)
-    return CpuPool(layout, pool_id=args.pool_id, model=args.model)
+        return CudaPool(layout, device_index=index, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
+    return CpuPool(layout, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -139,14 +147,17 @@ async def serve(args: argparse.Namespace) -> None:
     manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl,
                            prefix_caching=args.prefix_caching, epochs=pool.epochs, max_events=args.max_kv_events,
                            max_blocks_per_lease=args.max_blocks_per_lease,
-                           max_sequences_per_lease=args.max_sequences_per_lease, max_leases=args.max_leases)
+                           max_sequences_per_lease=args.max_sequences_per_lease, max_leases=args.max_leases,
+                           host_num_blocks=pool.host_num_blocks, host_epochs=pool.host_epochs)
     ready_info = {"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks,
                   "worker_socket": pool.worker_socket, "admin_token_file": token_file}
     if args.metrics_port is not None:
         from memory_service.metrics import start_metrics_server
 
         ready_info["metrics_port"] = start_metrics_server(manager, args.host, args.metrics_port)
-    servicer = MemoryServicer(manager, pool, GrantSigner(pool.plane_key, pool.generation, manager.pool.epochs),
+    signer = GrantSigner(pool.plane_key, pool.generation, manager.pool.epochs,
+                         host_epochs=manager.tiers.host.epochs if manager.tiers.host is not None else None)
+    servicer = MemoryServicer(manager, pool, signer,
                               admin_token=admin_token, admin_token_file=token_file)
 
     async def grace() -> None:

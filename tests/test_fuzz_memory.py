@@ -37,6 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from client.errors import error_info
 from memory_service.leases import MAX_OWNER_CHARS
+from memory_service.layout import make_layout
 from memory_service.paging import MAX_PAGE_SIZE, encode_page_token
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.grants import grant_signed, sign_receipt, token_digest
@@ -48,6 +49,8 @@ from pagedkv.service import MAX_DETAIL_BYTES
 
 FULL = os.environ.get("PAGEDKV_TEST_FULL") == "1"
 NUM_BLOCKS, BLOCK_SIZE = 64, 4
+#: A host tier of a quarter of the pool (swaps, offloads and reloads are fuzzed too).
+HOST_BLOCKS, BLOCK_NBYTES = 16, make_layout("smollm2", block_size=BLOCK_SIZE, dtype="float32", num_blocks=1).block_nbytes
 CAPACITY = NUM_BLOCKS * BLOCK_SIZE  # tokens
 MAX_SEQUENCES_PER_LEASE, MAX_BLOCKS_PER_LEASE = 32, 48
 #: The service's --lease-ttl, seconds: a lease with at least this TTL outlives an example, so a
@@ -156,7 +159,7 @@ class Target:
 def target(tmp_path_factory):
     flags = ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--lease-ttl", str(DEFAULT_TTL),
              "--max-sequences-per-lease", str(MAX_SEQUENCES_PER_LEASE),
-             "--max-blocks-per-lease", str(MAX_BLOCKS_PER_LEASE)]
+             "--max-blocks-per-lease", str(MAX_BLOCKS_PER_LEASE), "--host-cache-memory", str(HOST_BLOCKS * BLOCK_NBYTES)]
     with local_stack(tmp_path_factory.mktemp("fuzz"), flags, num_workers=0, name="fuzz") as s, \
             grpc.insecure_channel(s.memory.address) as channel:
         stub = pb_grpc.MemoryServiceStub(channel)
@@ -578,7 +581,7 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
 
 #: Rules are switched off at random per example (swarm testing), so a short random run may miss one:
 #: the default run is derandomized (the same draws each time, every rule among them), the full one is not.
-SETTINGS = settings(max_examples=100 if FULL else 10, stateful_step_count=50 if FULL else 25, deadline=None,
+SETTINGS = settings(max_examples=100 if FULL else 10, stateful_step_count=50 if FULL else 30, deadline=None,
                     derandomize=not FULL, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
