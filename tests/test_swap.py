@@ -387,3 +387,23 @@ def test_steps_carry_only_device_to_device_copies(tokenizer):
     # the copy-on-write pairs AppendSlots listed, in order; none of its offloads (device to host)
     pairs = [(c.src, c.dst) for r in worker.requests for c in r.copies]
     assert pairs == memory.cow_pairs == [(0, 2), (0, 3), (0, 4)]
+
+
+def test_flags_of_serve_up_and_client(monkeypatch):
+    from client.api import Client
+    from client.cli import build_parser
+    from client.serve.config import parse_args
+
+    args = parse_args(["--preemption-mode", "swap", "--host-cache-memory", "1GiB"])
+    assert (args.preemption_mode, args.host_cache_memory) == ("swap", "1GiB")
+    assert (parse_args([]).preemption_mode, parse_args([]).host_cache_memory) == ("recompute", None)
+    monkeypatch.setenv("PAGEDKV_PREEMPTION_MODE", "swap")
+    assert parse_args([]).preemption_mode == "swap"
+    monkeypatch.setenv("PAGEDKV_PREEMPTION_MODE", "offload")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    with pytest.raises(SystemExit):
+        parse_args(["--preemption-mode", "offload"])
+    assert build_parser().parse_args(["up", "--host-cache-memory", "2GiB"]).host_cache_memory == "2GiB"
+    with pytest.raises(ValueError, match="preemption_mode must be one of recompute, swap"):
+        Client("127.0.0.1:1", ["127.0.0.1:2"], preemption_mode="offload")  # refused before connecting
