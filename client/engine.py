@@ -359,8 +359,16 @@ class Engine:
                                       cache_salt=x.request.cache_salt)
 
     def _fail_unschedulable(self, updated: dict) -> None:
-        """Nothing could run: a waiting request that cannot fit even in an empty pool fails."""
+        """Nothing could run: a waiting request that cannot fit even in an empty pool fails. A
+        swapped-out one at the head is recomputed instead (its sequences freed: the blocks they
+        still share on the device may be what keeps it out)."""
         if not self.scheduler.stalled():
+            return
+        head = self.scheduler.head()
+        if head is not None and head.status == Status.SWAPPED:
+            self._free([head], mpb.FREE_REASON_PREEMPTED)
+            self.scheduler.recompute_swapped(head)
+            self.swap_fallbacks += 1
             return
         try:
             stats = self.memory.stats()

@@ -358,6 +358,11 @@ class Scheduler:
         with self._lock:
             return not self.running and bool(self.waiting)
 
+    def head(self) -> Request | None:
+        """The head of ``waiting``, or None."""
+        with self._lock:
+            return self.waiting[0] if self.waiting else None
+
     def pop_waiting(self) -> Request:
         """Remove and return the head of ``waiting`` (a request that can never fit)."""
         with self._lock:

@@ -71,6 +71,8 @@ class FakeMemory:
         #: Make each AppendSlots that adds a block list an offload and a copy-on-write for it.
         self.fake_copies = False
         self.cow_pairs: list[tuple[int, int]] = []
+        #: Free blocks GetStats leaves out (as if another lease were about to take them).
+        self.hidden = 0
 
     # the calls the engine makes ------------------------------------------------------------
     def pool(self):
@@ -87,7 +89,7 @@ class FakeMemory:
         return 0
 
     def stats(self):
-        return mpb.GetStatsResponse(generation=1, total_blocks=self.num_blocks, available_blocks=len(self.free_dev),
+        return mpb.GetStatsResponse(generation=1, total_blocks=self.num_blocks, available_blocks=len(self.free_dev) - self.hidden,
                                     used_blocks=self.num_blocks - len(self.free_dev),
                                     host_total_blocks=self.host_blocks,
                                     host_used_blocks=self.host_blocks - len(self.free_host))
@@ -353,6 +355,22 @@ def test_swap_in_out_of_blocks_waits_still_swapped(tokenizer):
     assert victim not in engine.scheduler.running and victim.seqs[0].seq_id in memory.seqs
     run(engine)
     assert len(memory.named("swap_in")) == 2 and engine.swap_fallbacks == 0
+    check_outputs(reqs, memory)
+
+
+def test_a_swapped_request_that_cannot_come_back_while_nothing_runs_is_recomputed(tokenizer):
+    engine, memory, _ = make_engine(tokenizer)
+    reqs = submit(engine)
+    run(engine, until=lambda: engine.swaps > 0)
+    run(engine, until=lambda: reqs[0].finished)
+    victim = reqs[1]
+    sid = victim.seqs[0].seq_id
+    memory.hidden = memory.num_blocks - 1  # the pool looks too full for its table: nothing can run
+    engine.step()
+    assert ("free", [sid], mpb.FREE_REASON_PREEMPTED) in memory.calls and memory.named("swap_in") == []
+    assert victim.status == Status.WAITING and victim.seqs[0].seq_id is None and engine.swap_fallbacks == 1
+    memory.hidden = 0
+    run(engine)
     check_outputs(reqs, memory)
 
 
