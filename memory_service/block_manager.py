@@ -20,6 +20,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from memory_service.block_pool import BlockPool
+from memory_service.host_tier import HostTier
 from memory_service.leases import Lease, LeaseTable
 from memory_service.prefix_cache import PrefixCache
 from memory_service.receipts import commit_unproven, take_receipts
@@ -40,7 +41,8 @@ from memory_service.requests import (
     check_token_ids,
 )
 from memory_service.sequence import Sequence, SequenceInfo, SequenceTable, blocks_for
-from pagedkv.errors import InvalidArgumentError, QuotaExceededError
+from memory_service.tiers import Tiers
+from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, QuotaExceededError
 from pagedkv.limits import MAX_FORK_CHILDREN
 from pagedkv.logs import get_logger
 
@@ -66,6 +68,8 @@ class BlockManager:
             together (a block shared by two of them counts twice); None = unlimited.
         max_sequences_per_lease: quota of live sequences per lease; None = unlimited.
         max_leases: most live leases; None = unlimited.
+        host_num_blocks: blocks in the host tier behind the pool (0: none; :mod:`memory_service.tiers`).
+        host_epochs: the host tier's epochs, int64 [host_num_blocks] (default: a private table).
 
     NOTE: quotas. Allocate, append and fork check the lease's quotas after validating
     the batch and before the pool's availability, so a refusal (QuotaExceededError,
@@ -80,7 +84,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, lease_ttl: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True, max_events: int = 10_000,
                  epochs: np.ndarray | None = None, max_blocks_per_lease: int | None = None,
-                 max_sequences_per_lease: int | None = None, max_leases: int | None = None):
+                 max_sequences_per_lease: int | None = None, max_leases: int | None = None,
+                 host_num_blocks: int = 0, host_epochs: np.ndarray | None = None):
         for name, quota in (("max_blocks_per_lease", max_blocks_per_lease),
                             ("max_sequences_per_lease", max_sequences_per_lease)):
             if quota is not None and quota < 1:
@@ -92,6 +97,8 @@ class BlockManager:
         self.block_size = block_size
         self.sequences = SequenceTable()
         self.prefix_cache = PrefixCache(self.pool, enabled=prefix_caching, max_events=max_events)
+        #: The host tier and the copies between it and the pool (offload, reload, swap).
+        self.tiers = Tiers(self.pool, self.prefix_cache, HostTier(host_num_blocks, host_epochs) if host_num_blocks else None)
         self.allocation_failures = 0  # requests refused with OutOfBlocks
         self.preemptions = 0  # sequences freed as preempted
         #: Block references of dropped leases' sequences not yet returned (see _free_lease_sequences).
@@ -184,31 +191,42 @@ class BlockManager:
                 raise InvalidArgumentError(f"AllocateSequences: {len(r.token_ids)} token ids is more than a sequence "
                                            f"can hold (the pool's whole token capacity, {capacity})")
             hit = self.prefix_cache.lookup(r.token_ids, r.cache_key)
-            cached = len(hit.block_ids) * bs
+            if self.prefix_cache.enabled:  # the chain continues into the host tier: reloads
+                parent = hit.block_hashes[-1] if hit.block_hashes else None
+                host = self.tiers.host_hits(r.token_ids, r.cache_key, parent, len(hit.block_ids))
+            else:
+                host = []
+            cached = (len(hit.block_ids) + len(host)) * bs
             total = cached + (min(r.num_tokens, len(r.token_ids) - cached) if r.token_ids else r.num_tokens)
             self._check_tokens(total, "AllocateSequences")
             pinned.update(b for b in hit.block_ids if self.pool.ref_counts[b] == 0)
             required += blocks_for(total, bs) - len(hit.block_ids)
-            plans.append((r, hit, total))
-        self._check_quota(lease, "AllocateSequences", sum(blocks_for(t, bs) for _, _, t in plans), len(plans))
+            plans.append((r, hit, host, total))
+        self._check_quota(lease, "AllocateSequences", sum(blocks_for(t, bs) for *_, t in plans), len(plans))
         if required > self.pool.num_available - len(pinned):
             if self.releasing_refs:  # released blocks count as available: finish returning them, plan again
                 self.drain_released()
                 return self.allocate(lease_id, requests)
             return self._refuse(required, len(pinned))
-        for _, hit, _ in plans:  # pin every hit of the batch before anything is evicted
+        for _, hit, host, _ in plans:  # pin every hit of the batch before anything is evicted
             self.pool.touch(hit.block_ids)
+            if host:
+                self.tiers.host.pin(h for _, h in host)
         out = []
-        for r, hit, total in plans:
+        for r, hit, host, total in plans:
             hits = hit.block_ids
             seq = self.sequences.add(lease, total, hits + self.pool.allocate(blocks_for(total, bs) - len(hits)))
+            self.tiers.attach(seq)  # offloads of the blocks it took
             # Only the tokens it holds slots for: later appends extend from there.
             seq.token_ids = list(r.token_ids[:total]) if r.token_ids is not None else None
-            seq.block_hashes, seq.cache_key, seq.num_cached_tokens = hit.block_hashes, r.cache_key, len(hits) * bs
+            seq.block_hashes = hit.block_hashes + [k for k, _ in host]
+            seq.cache_key, seq.num_cached_tokens = r.cache_key, (len(hits) + len(host)) * bs
             seq.num_proven = seq.num_cached_tokens
+            if host:
+                self.tiers.start_reloads(seq, len(hits), host, hit.block_hashes[-1] if hit.block_hashes else b"")
             self.pool.fill_tokens(seq.block_ids, 0, total)
             if r.token_ids:
-                self.prefix_cache.record_lookup(len(r.token_ids), len(hits))
+                self.prefix_cache.record_lookup(len(r.token_ids), len(hits) + len(host))
             out.append(seq)
         log.debug("allocated", lease_id=lease_id, num_sequences=len(out), num_blocks=required)
         return out
@@ -251,6 +269,9 @@ class BlockManager:
         capacity = pool.num_blocks * bs
         for seq, a in zip(seqs, appends):
             k, n = a.num_tokens, seq.num_tokens
+            if seq.swap is not None:
+                raise FailedPreconditionError(f"AppendSlots: sequence {seq.seq_id} is swapped out; swap it in first "
+                                              "(SwapInSequences; nothing was appended)")
             if not (1 <= k and n + k <= capacity):
                 self._check_tokens(k, "AppendSlots")
                 self._check_tokens(n + k, f"AppendSlots(sequence {seq.seq_id})")
@@ -287,6 +308,7 @@ class BlockManager:
             if grow:
                 table.extend(pool.allocate(grow))
                 lease.num_block_entries += grow
+            self.tiers.attach(seq)  # offloads of the blocks it took, done before its copy-on-write
             seq.num_tokens = n + k
             pool.fill_tokens(table, n, n + k)
             if first < len(table):  # only tables that changed are reported
@@ -318,12 +340,61 @@ class BlockManager:
             raise InvalidArgumentError(f"ForkSequences: the children's block tables would hold {entries} entries, more "
                                        f"than the {MAX_FORK_BLOCK_IDS} one reply may carry (pagedkv.limits.MAX_FORK_BLOCK_IDS); "
                                        "fork in several calls")
+        for p in by_id.values():
+            if p.swap is not None or p.reloads:
+                what = "is swapped out" if p.swap is not None else "has reloads no receipt has proven yet (run its step first)"
+                raise FailedPreconditionError(f"ForkSequences: sequence {p.seq_id} {what}; nothing was forked")
         self._check_quota(lease, "ForkSequences", entries, len(parent_ids))
         children = []
         for parent in (by_id[p] for p in parent_ids):
             self.pool.incref(parent.block_ids)
             children.append(self.sequences.fork(lease, parent))
         return children
+
+    def swap_out(self, lease_id: str, seq_ids: Seq[int]) -> tuple[int, int]:
+        """Swap out a batch of sequences (PagedAttention section 4.5; :meth:`Tiers.swap_out`): returns
+        (device blocks released, host blocks reserved).
+
+        Raises:
+            InvalidArgumentError: empty batch or duplicate ids.
+            NotFoundError / FailedPreconditionError: unknown sequence or lease, expired lease.
+            FailedPreconditionError: a sequence swapped out already, unproven reloads, or no host
+                tier (reason HOST_TIER_OFF).
+            OutOfHostBlocksError: the host tier cannot hold the sequences' own blocks (nothing changed).
+        """
+        self.leases.lookup(lease_id)
+        seqs = self.sequences.owned(lease_id, seq_ids, "SwapOutSequences")
+        for seq in seqs:
+            if seq.swap is not None:
+                raise FailedPreconditionError(f"SwapOutSequences: sequence {seq.seq_id} is swapped out already "
+                                              "(nothing was swapped)")
+        return self.tiers.swap_out(seqs)
+
+    def swap_in(self, lease_id: str, seq_ids: Seq[int]) -> list[Sequence] | OutOfBlocks:
+        """Bring swapped-out sequences back to the device, all or nothing (:meth:`Tiers.swap_in`):
+        the sequences, with reload copies for what left the device, or :class:`OutOfBlocks` with
+        nothing changed.
+
+        Raises:
+            InvalidArgumentError: empty batch or duplicate ids.
+            NotFoundError / FailedPreconditionError: unknown sequence or lease, expired lease.
+            FailedPreconditionError: a sequence not swapped out; reason SWAP_LOST, a block that left
+                the device with no proven host copy (free the sequence and recompute it).
+        """
+        self.leases.lookup(lease_id)
+        seqs = self.sequences.owned(lease_id, seq_ids, "SwapInSequences")
+        for seq in seqs:
+            if seq.swap is None:
+                raise FailedPreconditionError(f"SwapInSequences: sequence {seq.seq_id} is not swapped out "
+                                              "(nothing was swapped in)")
+        new, kept = self.tiers.swap_in_need(seqs)
+        if new > self.pool.num_available - kept:
+            if self.releasing_refs:
+                self.drain_released()
+                return self.swap_in(lease_id, seq_ids)
+            return self._refuse(new, kept)
+        self.tiers.swap_in(seqs)
+        return seqs
 
     def commit_computed(self, lease_id: str, entries: Seq[Commit]) -> CommitResult:
         """Count each :class:`Commit`'s tokens as computed without a receipt (in-process callers
@@ -339,15 +410,19 @@ class BlockManager:
                 :func:`take_receipts`.
         """
         self.leases.lookup(lease_id)
-        return take_receipts(self.sequences, self.pool, self.prefix_cache, lease_id, receipts)
+        return take_receipts(self.sequences, self.pool, self.prefix_cache, lease_id, receipts, self.tiers)
 
     def reset_prefix_cache(self) -> int:
-        """Drop the whole prefix cache; returns refcount-0 blocks cleared."""
+        """Drop the whole prefix cache, both tiers; returns refcount-0 device blocks cleared."""
+        if self.tiers.host is not None:
+            self.tiers.host.clear_cached()
         return self.prefix_cache.reset(self.sequences.values())
 
     def reset_prefix_cache_steps(self, chunk: int) -> Generator[int, None, int]:
         """:meth:`reset_prefix_cache` in steps of at most ``chunk`` blocks (PrefixCache.reset_steps),
         for a caller that lets other calls run where it yields; it returns the blocks cleared."""
+        if self.tiers.host is not None:
+            self.tiers.host.clear_cached()
         return self.prefix_cache.reset_steps(list(self.sequences.values()), chunk)
 
     def free(self, lease_id: str, seq_ids: Seq[int], *, preempted: bool = False) -> int:
@@ -366,8 +441,10 @@ class BlockManager:
         return freed
 
     def _free_one(self, seq: Sequence, lease: Lease) -> int:
+        refs = self.tiers.referenced(seq)
+        self.tiers.forget(seq)
         self.sequences.remove(seq, lease)
-        return self.pool.decref(seq.block_ids)
+        return self.pool.decref(refs)
 
     def _free_lease_sequences(self, lease: Lease) -> int:
         """Free every sequence of a lease being dropped (released or expired); returns how many.
@@ -381,8 +458,10 @@ class BlockManager:
         """
         seqs = [self.sequences[s] for s in sorted(lease.seq_ids)]
         for seq in seqs:
+            refs = self.tiers.referenced(seq)
+            self.tiers.forget(seq)
             self.sequences.remove(seq, lease)
-            self.releasing.push(seq.block_ids)
+            self.releasing.push(refs)
         if self.drain_released(RELEASE_CHUNK_BLOCKS) and self.on_releasing is not None:
             self.on_releasing()
         return len(seqs)
@@ -409,15 +488,26 @@ class BlockManager:
             allocation_failures=self.allocation_failures, preemptions=self.preemptions,
             prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits, shared_block_refs=p.shared_refs,
             prefix_cache_evictions=cache.evictions, prefix_caching=cache.enabled,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict:
+        t, h = self.tiers, self.tiers.host
+        out = dict(swap_outs=t.swap_outs, swap_ins=t.swap_ins, swapped_sequences=t.swapped)
+        if h is not None:
+            out.update(host_total_blocks=h.num_blocks, host_free_blocks=h.num_free, host_cached_blocks=h.num_cached,
+                       host_used_blocks=h.num_used, offloads=h.offloads, reloads=h.reloads,
+                       offloads_dropped=h.offloads_dropped, host_cache_hits=h.hits, host_cache_evictions=h.evictions)
+        return out
 
     def check_invariants(self) -> None:
         """Assert DESIGN.md's invariants: the pool's, the prefix cache's, the tables' (O(blocks + table entries))."""
         self.pool.check()
-        self.prefix_cache.check()
+        self.prefix_cache.check(self.tiers.held)
         self.sequences.check(self.leases, self.block_size)
-        refs = Counter(b for seq in self.sequences.values() for b in seq.block_ids)
+        refs = Counter(b for seq in self.sequences.values() for b in self.tiers.referenced(seq))
         refs.update(self.releasing.blocks())
+        self.tiers.check(self.sequences.values())
         self.releasing.check()
         for b, rc in enumerate(self.pool.ref_counts):
             assert rc == refs[b], f"block {b}: refcount {rc} but {refs[b]} block-table entries"

@@ -167,9 +167,10 @@ class BlockPool:
             out.append(b)
         return out
 
-    def keep_content(self, block_id: int) -> None:
-        """Mark a used, full block as keeping its KV for the prefix cache (cached once freed)."""
-        assert self.ref_counts[block_id] > 0 and self.fill[block_id] == self.block_size, (
+    def keep_content(self, block_id: int, *, partial: bool = False) -> None:
+        """Mark a used block as keeping its KV once freed: a full block for the prefix cache, or
+        (``partial``) any block of a swapped-out sequence; cached (evictable) once its refcount is 0."""
+        assert self.ref_counts[block_id] > 0 and (partial or self.fill[block_id] == self.block_size), (
             f"only a used, full block can be cached (block {block_id})")
         self.has_content[block_id] = True
 

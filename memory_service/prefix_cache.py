@@ -18,7 +18,8 @@ at once instead of polling.
 
 NOTE: invariants (checked by :meth:`PrefixCache.check`):
   * ``cached[h] == b``  <=>  ``block_hash[b] == h``;
-  * ``block_hash[b] is not None``  <=>  ``block_tokens[b] is not None``  <=>  ``pool.has_content[b]``;
+  * ``block_hash[b] is not None``  <=>  ``block_tokens[b] is not None``  <=>  ``pool.has_content[b]``
+    and b is not held for a swapped-out sequence;
   * retained events are numbered consecutively, the newest one less than the next to be emitted.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Container, Generator, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ class KvEvent:
     parent_hash: bytes = b""
     #: The block's token ids ("stored").
     token_ids: tuple[int, ...] = ()
+    #: Where the block is: 0 the device pool, 1 the host tier (``pagedkv.grant.v1.Medium``).
+    medium: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,8 @@ class PrefixCache:
     """Content hashes of the blocks of one :class:`BlockPool`, the lookup over them, and the KV event log.
 
     Args:
-        pool: the pool whose blocks are cached; this cache registers itself as its ``on_evict``.
+        pool: the pool whose blocks are cached; this cache registers itself as its ``on_evict``
+            (:mod:`memory_service.tiers` puts itself in between when swapped blocks may be evicted).
         enabled: False turns caching off (lookups miss, commits register nothing).
         max_events: KV events retained for replay.
     """
@@ -85,6 +89,8 @@ class PrefixCache:
         self.hash_of: list[bytes | None] = [None] * pool.num_blocks
         #: block_tokens[b]: token ids of a cached block (a hit re-checks them).
         self.block_tokens: list[tuple[int, ...] | None] = [None] * pool.num_blocks
+        #: parent_of[b]: the chain hash before block b's (b"" for a first block) when cached.
+        self.parent_of: list[bytes] = [b""] * pool.num_blocks
         #: Content hash -> the block holding it.
         self.cached: dict[bytes, int] = {}
         #: Prompt tokens looked up.
@@ -98,7 +104,10 @@ class PrefixCache:
         self._next_event = 1
         #: Called (no arguments) after each event is logged; the server wakes its event streams.
         self.on_emit: Callable[[], None] | None = None
-        pool.on_evict = self._evicted
+        #: Called as ``on_evicted(block_id, hash, tokens, parent)`` after a cached block is evicted
+        #: (the host tier offloads it).
+        self.on_evicted: Callable[[int, bytes, tuple[int, ...], bytes], None] | None = None
+        pool.on_evict = self.evicted
 
     def lookup(self, token_ids: Seq[int] | None, key: CacheKey) -> CachedPrefix:
         """The leading full blocks of ``token_ids`` that are cached (read-only).
@@ -155,15 +164,25 @@ class PrefixCache:
             assert self.pool.ref_counts[b] > 0 and self.pool.fill[b] == bs, (
                 f"only a used, full block can be cached (block {b})")
             if h not in self.cached and self.hash_of[b] is None:
-                self.pool.keep_content(b)
-                self.cached[h] = b
-                self.hash_of[b] = h
-                self.block_tokens[b] = tokens
+                self.register(b, h, tokens, parent or b"")
                 registered += 1
-                self._emit("stored", block_id=b, block_hash=h, parent_hash=parent or b"", token_ids=tokens)
             parent = h
         seq.block_hashes.extend(new)
         return registered
+
+    def register(self, block_id: int, block_hash: bytes, tokens: tuple[int, ...], parent: bytes) -> None:
+        """Enter used, full block ``block_id`` under ``block_hash`` (its KV proven; a "stored" event)."""
+        self.pool.keep_content(block_id)
+        self.cached[block_hash] = block_id
+        self.hash_of[block_id] = block_hash
+        self.block_tokens[block_id] = tokens
+        self.parent_of[block_id] = parent
+        self._emit("stored", block_id=block_id, block_hash=block_hash, parent_hash=parent, token_ids=tokens)
+
+    def forget(self, block_id: int) -> None:
+        """Take block ``block_id`` out of the cache now (a "removed" event); it keeps its content mark."""
+        h = self._forget(block_id)
+        self._emit("removed", block_id=block_id, block_hash=h)
 
     def reset(self, live: Iterable[Sequence]) -> int:
         """Forget every content hash (one "cleared" event); returns refcount-0 blocks made free.
@@ -200,20 +219,28 @@ class PrefixCache:
         log.info("prefix_cache_reset", blocks_cleared=cleared)
         return cleared
 
-    def _evicted(self, block_id: int) -> None:
-        """The pool reused cached block ``block_id``: it leaves the cache."""
+    def evicted(self, block_id: int) -> None:
+        """The pool reused cached block ``block_id``: it leaves the cache (then ``on_evicted``)."""
+        tokens, parent = self.block_tokens[block_id], self.parent_of[block_id]
         h = self._forget(block_id)
         self.evictions += 1
         self._emit("removed", block_id=block_id, block_hash=h)
+        if self.on_evicted is not None:
+            self.on_evicted(block_id, h, tokens, parent)
 
     def _forget(self, block_id: int) -> bytes:
         h = self.hash_of[block_id]
         del self.cached[h]
         self.hash_of[block_id] = None
         self.block_tokens[block_id] = None
+        self.parent_of[block_id] = b""
         return h
 
     # ------------------------------------------------------------------ events
+    def emit(self, kind: str, **fields) -> None:
+        """Log an event of another tier (the host tier's "stored" / "removed", ``medium=1``)."""
+        self._emit(kind, **fields)
+
     def _emit(self, kind: str, **fields) -> None:
         self.events.append(KvEvent(self._next_event, kind, **fields))
         self._next_event += 1
@@ -237,14 +264,15 @@ class PrefixCache:
         cursor.check_retained()
         return cursor
 
-    def check(self) -> None:
-        """Assert the module's invariants (O(num_blocks + events))."""
+    def check(self, held: Container[int] = ()) -> None:
+        """Assert the module's invariants (O(num_blocks + events)); ``held``: blocks that keep content
+        for a swapped-out sequence instead (:mod:`memory_service.tiers`)."""
         assert all(self.hash_of[b] == h for h, b in self.cached.items())
         assert sum(h is not None for h in self.hash_of) == len(self.cached)
         for b, h in enumerate(self.hash_of):
-            assert (h is not None) == (self.block_tokens[b] is not None) == self.pool.has_content[b], (
+            assert (h is not None) == (self.block_tokens[b] is not None) == (self.pool.has_content[b] and b not in held), (
                 f"block {b}: hash {h is not None}, tokens {self.block_tokens[b] is not None}, "
-                f"content {self.pool.has_content[b]}")
+                f"content {self.pool.has_content[b]}, held for a swapped sequence {b in held}")
         numbers = [e.sequence_number for e in self.events]
         assert numbers == list(range(self._next_event - len(numbers), self._next_event)), "event numbers have a gap"
 

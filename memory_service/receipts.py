@@ -15,6 +15,7 @@ from memory_service.block_pool import BlockPool
 from memory_service.prefix_cache import PrefixCache
 from memory_service.requests import Commit, CommitResult, Receipt, check_batch
 from memory_service.sequence import Sequence, SequenceTable
+from memory_service.tiers import Tiers
 from pagedkv.errors import InvalidArgumentError, NotFoundError
 from pagedkv.grants import token_digest
 from pagedkv.logs import get_logger
@@ -43,7 +44,7 @@ def _check_unique(ids: list[int]) -> None:
 
 
 def take_receipts(sequences: SequenceTable, pool: BlockPool, cache: PrefixCache, lease_id: str,
-                  receipts: Seq[Receipt]) -> CommitResult:
+                  receipts: Seq[Receipt], tiers: Tiers | None = None) -> CommitResult:
     """Take the receipts of ``lease_id``'s sequences (signatures already checked).
 
     A receipt is taken when it continues its sequence exactly (``start`` equals the tokens proven
@@ -55,6 +56,9 @@ def take_receipts(sequences: SequenceTable, pool: BlockPool, cache: PrefixCache,
     one it answers included) no longer matches them: a grant is good for one counted step (a
     replayed copy-on-write grant could otherwise re-copy its source over positions proven and
     cached since). Full blocks of proven, known tokens are then registered in the prefix cache.
+    A taken receipt also settles the sequence's tier copies (``tiers``, :meth:`Tiers.settle`): the
+    offloads and reloads it lists are proven; a reload it leaves unproven ends prefix caching for
+    the sequence. A receipt of a swapped-out sequence is stale.
 
     Returns:
         blocks registered, receipts skipped, and the sequences whose receipt was taken.
@@ -68,7 +72,7 @@ def take_receipts(sequences: SequenceTable, pool: BlockPool, cache: PrefixCache,
     taken: list[tuple[Sequence, Receipt]] = []
     for r in receipts:
         seq = _live(sequences, lease_id, r.seq_id)
-        if seq is None:
+        if seq is None or seq.swap is not None:
             continue
         first, last = r.start // bs, -(-r.end // bs)
         if not (r.start == seq.num_proven < r.end <= seq.num_tokens) or \
@@ -78,6 +82,9 @@ def take_receipts(sequences: SequenceTable, pool: BlockPool, cache: PrefixCache,
             continue
         taken.append((seq, r))
     for seq, r in taken:
+        if tiers is not None and not tiers.settle(seq, r.copies):  # before the epochs below move
+            log.warning("receipt_without_reload", seq_id=seq.seq_id)
+            seq.token_ids = None
         toks = seq.token_ids
         if toks is not None and (len(toks) < r.end or token_digest(toks[r.start:r.end]) != r.token_digest):
             log.warning("receipt_tokens_differ", seq_id=seq.seq_id, start=r.start, end=r.end)

@@ -117,17 +117,23 @@ class BlockTableUpdate:
 
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
-    """A copy-on-write the worker does before writing: block ``src``'s KV into block ``dst``."""
+    """A copy the worker does before writing: block ``src``'s KV into block ``dst``. Device to
+    device is a copy-on-write; device to host an offload, host to device a reload
+    (:mod:`memory_service.tiers`)."""
 
-    #: Shared block to read.
+    #: Block to read.
     src: int
-    #: Fresh block to write.
+    #: Block to write.
     dst: int
-    #: The sequence whose table now holds ``dst`` (not part of equality: a copy is its blocks).
+    #: The sequence whose grant carries the copy (not part of equality: a copy is its blocks).
     seq_id: int = field(default=-1, compare=False)
+    #: Media of each side: 0 the device pool, 1 the host tier (``pagedkv.grant.v1.Medium``).
+    src_medium: int = 0
+    dst_medium: int = 0
 
     def __post_init__(self) -> None:
-        assert self.src != self.dst, f"copy of block {self.src} onto itself"
+        assert self.src != self.dst or self.src_medium != self.dst_medium, f"copy of block {self.src} onto itself"
+        assert (self.src_medium, self.dst_medium) != (1, 1), "no copy runs inside the host tier"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +171,8 @@ class Receipt:
     #: Blocks holding [start, end), logical order, with their allocation epochs.
     block_ids: tuple[int, ...]
     block_epochs: tuple[int, ...]
+    #: Tier copies the step did, as granted (pagedkv.grants.copy_tuple).
+    copies: tuple[tuple[int, int, int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +228,22 @@ class Stats:
     prefix_cache_evictions: int
     #: Automatic prefix caching is on.
     prefix_caching: bool
+    #: Host tier (0 when off): blocks, free, cached (offloaded prefix blocks), used (pending, held).
+    host_total_blocks: int = 0
+    host_free_blocks: int = 0
+    host_cached_blocks: int = 0
+    host_used_blocks: int = 0
+    #: Blocks offloaded / reloaded (copies proven); offloads that did not happen.
+    offloads: int = 0
+    reloads: int = 0
+    offloads_dropped: int = 0
+    #: Prompt tokens found in the host tier; its cached blocks evicted.
+    host_cache_hits: int = 0
+    host_cache_evictions: int = 0
+    #: Sequences swapped out / in; swapped out now.
+    swap_outs: int = 0
+    swap_ins: int = 0
+    swapped_sequences: int = 0
 
     @property
     def usage(self) -> float:

@@ -51,6 +51,16 @@ class Sequence:
     #: Leading tokens whose KV is proven computed (prefix-cache hits at allocation, the parent's
     #: at a fork, then workers' receipts): what a step may read, and where its writes start.
     num_proven: int = 0
+    #: Of ``num_cached_tokens``, those reloaded from the host tier.
+    num_reloaded_tokens: int = 0
+    #: Tier copies (:mod:`memory_service.tiers`): offloads this call caused, for the next grant
+    #: only; offloads granted and not yet proven; reloads not yet proven (in every grant until then).
+    fresh_offloads: list = field(default_factory=list)
+    offloads: list = field(default_factory=list)
+    reloads: list = field(default_factory=list)
+    #: Swapped out: one entry per block-table index, None for a block it shares (still on the
+    #: device, referenced), a ``tiers.SwapEntry`` for an own block. None when not swapped.
+    swap: list | None = None
 
     def extend_tokens(self, token_ids: Seq[int] | None) -> None:
         """Record the ids of appended tokens; an append without them makes the sequence's tokens unknown."""
@@ -77,15 +87,28 @@ class SequenceInfo:
     block_ids: tuple[int, ...]
     #: ref_counts[i]: refcount of block_ids[i] (> 1 = shared with a fork or a prefix-cache hit).
     ref_counts: tuple[int, ...]
+    #: media[i]: where block_ids[i] is, 0 the device pool, 1 the host tier (a swapped-out block).
+    media: tuple[int, ...] = ()
+    #: Swapped out.
+    swapped: bool = False
 
     def __post_init__(self) -> None:
         assert len(self.ref_counts) == len(self.block_ids) and all(rc > 0 for rc in self.ref_counts), self
 
     @classmethod
     def of(cls, seq: Sequence, ref_counts: Seq[int]) -> SequenceInfo:
-        """The view of ``seq``; ``ref_counts[b]`` is block ``b``'s refcount in the pool."""
-        return cls(seq.seq_id, seq.lease_id, seq.parent_seq_id, seq.num_tokens, tuple(seq.block_ids),
-                   tuple(ref_counts[b] for b in seq.block_ids))
+        """The view of ``seq``; ``ref_counts[b]`` is block ``b``'s refcount in the pool. A swapped-out
+        sequence's own blocks show as the host blocks held for them (refcount 1)."""
+        if seq.swap is None:
+            return cls(seq.seq_id, seq.lease_id, seq.parent_seq_id, seq.num_tokens, tuple(seq.block_ids),
+                       tuple(ref_counts[b] for b in seq.block_ids), (0,) * len(seq.block_ids))
+        ids, rcs, media = [], [], []
+        for b, e in zip(seq.block_ids, seq.swap):
+            ids.append(b if e is None else e.host)
+            rcs.append(ref_counts[b] if e is None else 1)
+            media.append(0 if e is None else 1)
+        return cls(seq.seq_id, seq.lease_id, seq.parent_seq_id, seq.num_tokens, tuple(ids), tuple(rcs),
+                   tuple(media), True)
 
 
 class SequenceTable(LiveTable[int, Sequence]):

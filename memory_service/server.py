@@ -20,7 +20,7 @@ from memory_service.leases import Lease
 from memory_service.paging import decode_page_token, encode_page_token, page_size
 from memory_service.pool import Pool
 from memory_service.prefix_cache import KvEvent, PrefixCache
-from memory_service.requests import Allocation, Append, OutOfBlocks, check_request_size
+from memory_service.requests import Allocation, Append, BlockCopy, OutOfBlocks, check_request_size
 from memory_service.sequence import Sequence, SequenceInfo
 from memory_service.step_grants import GrantSigner
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PermissionDeniedError
@@ -37,7 +37,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MemoryService"].full_name
 
 def _table(seq: Sequence) -> pb.SequenceBlockTable:
     return pb.SequenceBlockTable(seq_id=seq.seq_id, num_tokens=seq.num_tokens, block_ids=seq.block_ids,
-                                 num_cached_tokens=seq.num_cached_tokens)
+                                 num_cached_tokens=seq.num_cached_tokens, num_reloaded_tokens=seq.num_reloaded_tokens)
+
+
+def _copy(c: BlockCopy) -> pb.BlockCopy:
+    return pb.BlockCopy(src=c.src, dst=c.dst, src_medium=c.src_medium, dst_medium=c.dst_medium, seq_id=max(c.seq_id, 0))
 
 
 def _event(e: KvEvent, with_token_ids: bool) -> pb.KvEvent:
@@ -45,17 +49,18 @@ def _event(e: KvEvent, with_token_ids: bool) -> pb.KvEvent:
     if e.kind == "stored":
         return pb.KvEvent(sequence_number=e.sequence_number, block_stored=pb.BlockStored(
             block_hash=e.block_hash, parent_block_hash=e.parent_hash, block_id=e.block_id,
-            token_ids=e.token_ids if with_token_ids else ()))
+            token_ids=e.token_ids if with_token_ids else (), medium=e.medium))
     if e.kind == "removed":
-        return pb.KvEvent(sequence_number=e.sequence_number,
-                          block_removed=pb.BlockRemoved(block_hash=e.block_hash, block_id=e.block_id))
+        return pb.KvEvent(sequence_number=e.sequence_number, block_removed=pb.BlockRemoved(
+            block_hash=e.block_hash, block_id=e.block_id, medium=e.medium))
     return pb.KvEvent(sequence_number=e.sequence_number, all_cleared=pb.AllBlocksCleared())
 
 
 def _info(info: SequenceInfo, with_lease_id: bool) -> pb.SequenceInfo:
     """The snapshot as sent; its lease id only when ``with_lease_id`` (the admin)."""
     return pb.SequenceInfo(seq_id=info.seq_id, lease_id=info.lease_id if with_lease_id else "", num_tokens=info.num_tokens,
-                           block_ids=info.block_ids, ref_counts=info.ref_counts, parent_seq_id=info.parent_seq_id)
+                           block_ids=info.block_ids, ref_counts=info.ref_counts, parent_seq_id=info.parent_seq_id,
+                           media=info.media, swapped=info.swapped)
 
 
 def _ok(result, what: str):
@@ -63,6 +68,11 @@ def _ok(result, what: str):
     if isinstance(result, OutOfBlocks):
         raise OutOfBlocksError(result.required, result.available, what)
     return result
+
+
+def _worker_order(copies: list[BlockCopy]) -> list[BlockCopy]:
+    """Copies in the order a worker does them: offloads, reloads, copy-on-write (DESIGN.md)."""
+    return sorted(copies, key=lambda c: (0 if c.dst_medium else 1 if c.src_medium else 2))
 
 
 @map_errors
@@ -80,14 +90,23 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         self.signer = signer
         self.authz = Authorizer(manager.leases, admin_token, admin_token_file)
 
-    def _grants(self, lease: Lease, seqs, copies=()) -> list:
+    def _grants(self, lease: Lease, seqs, copies=(), tier_copies: list | None = None) -> list:
         """Signed grants for ``seqs`` (valid for ``lease``'s TTL, the lease authorized at the call's
-        start: no second lookup after the change); ``copies`` go to the sequence holding dst."""
+        start: no second lookup after the change); ``copies`` (copy-on-write) go to the sequence
+        holding dst, after each sequence's tier copies (:meth:`Tiers.grant_copies`), which are also
+        appended to ``tier_copies`` when given."""
         ttl = lease.ttl
         by_seq: dict[int, list] = {}
         for c in copies:
             by_seq.setdefault(c.seq_id, []).append(c)
-        return [self.signer.grant(s, ttl, by_seq.get(s.seq_id, ())) for s in seqs]
+        tiers = self.manager.tiers
+        out = []
+        for s in seqs:
+            tier = tiers.grant_copies(s)
+            if tier_copies is not None:
+                tier_copies += tier
+            out.append(self.signer.grant(s, ttl, [*tier, *by_seq.get(s.seq_id, ())]))
+        return out
 
     async def CreateLease(self, request, context):
         require_role(context, {SCHEDULER}, "CreateLease")  # routers and workers hold no leases
@@ -112,7 +131,10 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None, CacheKey(s.model_id, s.cache_salt))
                 for s in request.sequences]
         seqs = _ok(self.manager.allocate(request.lease_id, reqs), "allocation")
-        return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs], grants=self._grants(lease, seqs))
+        tier: list = []
+        grants = self._grants(lease, seqs, tier_copies=tier)
+        return pb.AllocateSequencesResponse(sequences=[_table(s) for s in seqs], grants=grants,
+                                            copies=[_copy(c) for c in _worker_order(tier)])
 
     async def AppendSlots(self, request, context):
         lease = self.authz.lease(context, request.lease_id)
@@ -120,11 +142,12 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         appends = [Append(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
         result = _ok(self.manager.append_slots(request.lease_id, appends), "append")
         seqs = [self.manager.sequences[a.seq_id] for a in appends]
+        tier: list = []
+        grants = self._grants(lease, seqs, result.copies, tier)
         return pb.AppendSlotsResponse(
             updates=[pb.BlockTableUpdate(seq_id=u.seq_id, num_tokens=u.num_tokens, first_changed=u.first_changed,
                                          block_ids=u.block_ids) for u in result.updates],
-            copies=[pb.BlockCopy(src=c.src, dst=c.dst) for c in result.copies],
-            grants=self._grants(lease, seqs, result.copies))
+            copies=[_copy(c) for c in _worker_order([*tier, *result.copies])], grants=grants)
 
     async def ForkSequences(self, request, context):
         lease = self.authz.lease(context, request.lease_id)
@@ -139,6 +162,19 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         preempted = request.reason == pb.FREE_REASON_PREEMPTED
         freed = self.manager.free(request.lease_id, list(request.seq_ids), preempted=preempted)
         return pb.FreeSequencesResponse(freed_blocks=freed)
+
+    async def SwapOutSequences(self, request, context):
+        self.authz.lease(context, request.lease_id)
+        released, reserved = self.manager.swap_out(request.lease_id, list(request.seq_ids))
+        return pb.SwapOutSequencesResponse(device_blocks_released=released, host_blocks_reserved=reserved)
+
+    async def SwapInSequences(self, request, context):
+        lease = self.authz.lease(context, request.lease_id)
+        seqs = _ok(self.manager.swap_in(request.lease_id, list(request.seq_ids)), "swap-in")
+        tier: list = []
+        grants = self._grants(lease, seqs, tier_copies=tier)
+        return pb.SwapInSequencesResponse(sequences=[_table(s) for s in seqs], grants=grants,
+                                          copies=[_copy(c) for c in _worker_order(tier)])
 
     async def GetBlockTable(self, request, context):
         caller, seq = self.authz.read_sequence(context, request.seq_id, self.manager.get_sequence)

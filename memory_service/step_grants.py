@@ -20,7 +20,7 @@ from memory_service.requests import BlockCopy, Receipt
 from memory_service.sequence import Sequence
 from pagedkv.errors import PermissionDeniedError
 from pagedkv.grant.v1 import grant_pb2
-from pagedkv.grants import grant_parts_message, mac, receipt_signed, token_digest
+from pagedkv.grants import copy_tuple, grant_parts_message, mac, receipt_signed, token_digest
 
 
 class GrantSigner:
@@ -31,14 +31,17 @@ class GrantSigner:
         generation: the pool generation grants name.
         epochs: the pool's epoch table, int64 [num_blocks] (read when signing).
         wall_clock: Unix time in seconds (grant expiry is wall time: workers compare it with theirs).
+        host_epochs: the host tier's epochs, int64 [host_num_blocks], or None (no host tier).
     """
 
     def __init__(self, key: bytes, generation: int, epochs: np.ndarray,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time, host_epochs: np.ndarray | None = None):
         self.key = key
         self.generation = generation
         self.epochs = epochs
         self.wall_clock = wall_clock
+        #: The host tier's epochs (the host part of the pool's epoch table), when it has one.
+        self.host_epochs = host_epochs
 
     def grant(self, seq: Sequence, ttl: float, copies: Iterable[BlockCopy] = ()) -> grant_pb2.StepGrant:
         """The signed grant for ``seq``'s next step, valid for ``ttl`` seconds (its lease's TTL)."""
@@ -48,7 +51,9 @@ class GrantSigner:
         ep = self.epochs
         ids = seq.block_ids
         epochs = ep[ids].tolist()
-        copied = [(c.src, int(ep[c.src]), c.dst, int(ep[c.dst]), 0, 0) for c in copies]
+        host = self.host_epochs
+        copied = [(c.src, int((host if c.src_medium else ep)[c.src]), c.dst, int((host if c.dst_medium else ep)[c.dst]),
+                   c.src_medium, c.dst_medium) for c in copies]
         expires = self.wall_clock() + ttl
         # Signed from the fields (not read back out of the message): this runs once per sequence per step.
         signature = mac(self.key, grant_parts_message(self.generation, seq.seq_id, ids, epochs, readable, end,
@@ -56,7 +61,8 @@ class GrantSigner:
         return grant_pb2.StepGrant(
             pool_generation=self.generation, seq_id=seq.seq_id, block_ids=ids, block_epochs=epochs,
             readable_tokens=readable, write_end=end, token_digest=digest, expires_at=expires, signature=signature,
-            copies=[grant_pb2.GrantedCopy(src=s, src_epoch=se, dst=d, dst_epoch=de) for s, se, d, de, _, _ in copied])
+            copies=[grant_pb2.GrantedCopy(src=s, src_epoch=se, dst=d, dst_epoch=de, src_medium=sm, dst_medium=dm)
+                    for s, se, d, de, sm, dm in copied])
 
     def receipts(self, msgs: Seq[grant_pb2.StepReceipt]) -> list[Receipt]:
         """Check every receipt's signature and generation; returns them typed.
@@ -74,7 +80,7 @@ class GrantSigner:
             if len(r.block_ids) != len(r.block_epochs):
                 raise PermissionDeniedError(f"CommitComputedTokens: the receipt for sequence {r.seq_id} is malformed")
             out.append(Receipt(r.seq_id, r.start, r.end, bytes(r.token_digest), tuple(r.block_ids),
-                               tuple(r.block_epochs)))
+                               tuple(r.block_epochs), tuple(copy_tuple(c) for c in r.copies)))
         return out
 
 

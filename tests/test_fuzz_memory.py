@@ -392,6 +392,29 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
             assert reason in pb.FreeReason.values()
             self._forget(ids)
 
+    @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED, seqs=batch(SEQ), swap_in=st.booleans())
+    def swap_sequences(self, honest, lease, cred, seqs, swap_in):
+        """SwapOutSequences / SwapInSequences: refused (nothing changed) or the sequences move tiers."""
+        self.honest = honest
+        model, lease_id = self._lease(lease)
+        ids = [self._seq(s, model) for s in self._some(seqs, ("live", 0, 0))]
+        ids = list(dict.fromkeys(ids)) if honest else ids
+        if swap_in:
+            resp = self.call("SwapInSequences", pb.SwapInSequencesRequest(lease_id=lease_id, seq_ids=ids),
+                             self._md(cred, model))
+            if resp is not None:
+                assert len(resp.sequences) == len(resp.grants) == len(ids)
+                self._took(resp.grants, resp.sequences)
+                assert all(c.src_medium == grant_pb2.MEDIUM_HOST or c.dst_medium == grant_pb2.MEDIUM_HOST for c in resp.copies)
+        else:
+            resp = self.call("SwapOutSequences", pb.SwapOutSequencesRequest(lease_id=lease_id, seq_ids=ids),
+                             self._md(cred, model))
+            if resp is not None:
+                infos = [self.stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=s), metadata=self.t.admin,
+                                                 timeout=CALL_TIMEOUT).sequence for s in ids]
+                assert all(i.swapped for i in infos) and resp.host_blocks_reserved == sum(
+                    list(i.media).count(1) for i in infos), (resp, infos)
+
     @rule(honest=HONEST_CALL, seq=SEQ, cred=CRED)
     def get_block_table(self, honest, seq, cred):
         self.honest = honest
