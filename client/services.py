@@ -190,8 +190,8 @@ class MemoryClient(_Channel):
     @_typed
     def swap_in(self, lease_id: str, seq_ids: list[int]) -> mpb.SwapInSequencesResponse:
         """Bring swapped-out sequences back to the device, all or none; the reply has their block
-        tables (``num_cached_tokens``: tokens computed before the swap) and grants (whose copies reload
-        what left the device).
+        tables (``num_tokens``: the slots each holds, all computed before the swap) and grants (whose
+        copies reload what left the device).
 
         Raises:
             client.errors.OutOfBlocks: the device cannot hold them now (try again later).

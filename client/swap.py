@@ -146,7 +146,7 @@ class Swapper:
         lost: dict[int, Request] = {}
         for t, g in zip(resp.sequences, resp.grants):
             r, s = by_id[t.seq_id]
-            if t.num_cached_tokens != s.num_computed or t.num_tokens != t.num_cached_tokens:
+            if t.num_tokens != s.num_computed:  # slots it never computed, or fewer than it had
                 lost[id(r)] = r  # not the KV it left with: recompute rather than guess
             s.block_table, s.grant = list(t.block_ids), g
         for r in reqs:

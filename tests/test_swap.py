@@ -188,8 +188,8 @@ class FakeMemory:
                         self.kv[(DEVICE, b, slot)] = self.kv.pop((HOST, h, slot))
             self.free_host += s["host"]
             s["host"] = []
-            resp.sequences.add(seq_id=sid, num_tokens=s["tokens"], block_ids=s["blocks"],
-                               num_cached_tokens=s["computed"])
+            assert s["tokens"] == s["computed"], "swapped with slots never computed"
+            resp.sequences.add(seq_id=sid, num_tokens=s["tokens"], block_ids=s["blocks"])
             resp.grants.add(seq_id=sid)
         return resp
 
