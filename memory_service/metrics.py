@@ -27,6 +27,19 @@ METRICS = {
     "pagedkv_prefix_cache_evictions": (CounterMetricFamily, "Cached blocks evicted.", "prefix_cache_evictions"),
     "pagedkv_num_preemptions": (CounterMetricFamily, "Sequences freed as preempted by clients.", "preemptions"),
     "pagedkv_allocation_failures": (CounterMetricFamily, "Requests refused with OUT_OF_BLOCKS.", "allocation_failures"),
+    # The host tier (all 0 without one).
+    "pagedkv_host_num_blocks_total": (GaugeMetricFamily, "Blocks in the host tier.", "host_total_blocks"),
+    "pagedkv_host_num_blocks_used": (GaugeMetricFamily, "Host blocks held: pending copies, swapped sequences.", "host_used_blocks"),
+    "pagedkv_host_num_blocks_free": (GaugeMetricFamily, "Host blocks with no content.", "host_free_blocks"),
+    "pagedkv_host_num_blocks_cached": (GaugeMetricFamily, "Host blocks holding offloaded prefix-cache blocks.", "host_cached_blocks"),
+    "pagedkv_host_cache_hits": (CounterMetricFamily, "Prompt tokens found in the host tier (reloaded).", "host_cache_hits"),
+    "pagedkv_host_cache_evictions": (CounterMetricFamily, "Cached host blocks evicted.", "host_cache_evictions"),
+    "pagedkv_offloads": (CounterMetricFamily, "Blocks offloaded device to host (copies proven).", "offloads"),
+    "pagedkv_offloads_dropped": (CounterMetricFamily, "Offloads that did not happen (no host room, or never proven).", "offloads_dropped"),
+    "pagedkv_reloads": (CounterMetricFamily, "Blocks reloaded host to device (copies proven).", "reloads"),
+    "pagedkv_swap_outs": (CounterMetricFamily, "Sequences swapped out to the host tier.", "swap_outs"),
+    "pagedkv_swap_ins": (CounterMetricFamily, "Sequences swapped back in.", "swap_ins"),
+    "pagedkv_num_sequences_swapped": (GaugeMetricFamily, "Sequences swapped out now.", "swapped_sequences"),
 }
 
 
