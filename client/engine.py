@@ -199,9 +199,8 @@ class Engine:
         if not out.scheduled:
             self._fail_unschedulable(updated)
             return list(updated.values())
-        if out.swapped:
-            self.swapper.swap_in(out)
-        copies_by_worker, preempted, swapped = self._append(out, updated)
+        swapped_in = self.swapper.swap_in(out) if out.swapped else set()
+        copies_by_worker, preempted, swapped = self._append(out, updated, swapped_in)
         scheduled = self._allocate(out)
         if not scheduled:
             return list(updated.values())
@@ -262,8 +261,8 @@ class Engine:
         self.recovery.check_generation(stats.generation)
         return stats.available_blocks
 
-    def _append(self, out: SchedulerOutput,
-                updated: dict) -> tuple[dict[int, list[tuple[int, int]]], list[str], list[str]]:
+    def _append(self, out: SchedulerOutput, updated: dict,
+                swapped_in: set[int]) -> tuple[dict[int, list[tuple[int, int]]], list[str], list[str]]:
         """Grow the scheduled sequences that hold blocks (reservations never grow), in calls within
         the memory service's per-call limits (one call unless a step is huge); on OUT_OF_BLOCKS
         preempt the scheduler's victim (or fail a lone request) and go on with what is left.
@@ -271,8 +270,9 @@ class Engine:
         Only copy-on-write pairs (device to device) go in a Step's ``copies``; the tier copies an
         append caused (offloads of evicted blocks) are in the grants, which the worker follows.
 
-        Returns the copy-on-write ``(src, dst)`` pairs per worker, the preempted request ids and,
-        of those, the ones preempted by swap.
+        ``swapped_in``: sequence ids swapped in this step (a victim among them is recomputed: its
+        reloads have not run yet). Returns the copy-on-write ``(src, dst)`` pairs per worker, the
+        preempted request ids and, of those, the ones preempted by swap.
         """
         preempted: list[str] = []
         swapped: list[str] = []
@@ -293,7 +293,7 @@ class Engine:
                     victim = out.scheduled[0].request
                     self._fail(victim, e, updated)
                 else:
-                    if self._preempt(victim, done):
+                    if self._preempt(victim, done | swapped_in):
                         swapped.append(victim.request_id)
                     preempted.append(victim.request_id)
                 out.drop(victim)
@@ -316,7 +316,8 @@ class Engine:
 
     def _preempt(self, req: Request, grown: set[int] = frozenset()) -> bool:
         """Preempt running ``req``: by swap when the mode asks and the memory service can
-        (client.swap), else by recompute. ``grown``: sequence ids AppendSlots grew in this step.
+        (client.swap), else by recompute. ``grown``: sequence ids that may not be swapped out now
+        (grown by AppendSlots, or swapped in, in this step).
         Returns whether it was by swap."""
         by_swap = self.swapper.enabled and self.swapper.swap_out(req, grown)
         if not by_swap:

@@ -16,7 +16,8 @@ Falling back to recompute:
 - swap-out refused with OUT_OF_HOST_BLOCKS (the host tier is full) or HOST_TIER_OFF (the memory
   service has none): the victim is freed (reason PREEMPTED) and recomputed, as by default;
 - a victim whose sequences grew (AppendSlots) earlier in the same step: they hold slots for
-  tokens not computed yet, which a swap-in would hand back as its next step's writes; freed;
+  tokens not computed yet, which a swap-in would hand back as its next step's writes; and a
+  victim swapped in earlier in the same step (its reloads have not run); freed;
 - swap-in refused with SWAP_LOST (a block left the device with no proven host copy): that
   request's sequences are freed and it waits at the front of the queue as a recomputed
   request (allocated at its next admission, normally the next step).
@@ -66,7 +67,7 @@ class Swapper:
 
         Args:
             req: the victim.
-            grown: sequence ids that AppendSlots grew earlier in this step.
+            grown: sequence ids that AppendSlots grew, or that were swapped in, earlier in this step.
 
         Returns:
             True when it is swapped out (the scheduler has requeued it, SWAPPED); False when the
@@ -103,10 +104,11 @@ class Swapper:
                  device_blocks_released=resp.device_blocks_released)
         return True
 
-    def swap_in(self, out: SchedulerOutput) -> None:
+    def swap_in(self, out: SchedulerOutput) -> set[int]:
         """Swap in the swapped-out requests this step admitted (``out.swapped``): one SwapInSequences
         for all of them, their sequences' block tables and grants from the reply; the module's
         fallbacks on OUT_OF_BLOCKS and SWAP_LOST (then one call per request, to find the lost one).
+        Returns the ids of the sequences swapped in.
 
         Raises:
             client.errors.ServiceError: any other refusal.
@@ -114,6 +116,7 @@ class Swapper:
         engine = self.engine
         pending = list(out.swapped)
         one_by_one = False
+        done: set[int] = set()
         while pending:
             batch = pending[:1] if one_by_one else pending[:MAX_BATCH]
             ids = [i for r in batch for i in r.seq_ids()]
@@ -138,10 +141,12 @@ class Swapper:
                 continue
             for r in batch:
                 pending.remove(r)
-            self._apply(batch, resp, out)
+            done.update(self._apply(batch, resp, out))
+        return done
 
-    def _apply(self, reqs: list[Request], resp: mpb.SwapInSequencesResponse, out: SchedulerOutput) -> None:
-        """Give ``reqs``' sequences their block tables and grants from a SwapInSequences reply."""
+    def _apply(self, reqs: list[Request], resp: mpb.SwapInSequencesResponse, out: SchedulerOutput) -> list[int]:
+        """Give ``reqs``' sequences their block tables and grants from a SwapInSequences reply;
+        returns the ids of those that run on (not recomputed)."""
         by_id = {s.seq_id: (r, s) for r in reqs for s in r.seqs if s.seq_id is not None}
         lost: dict[int, Request] = {}
         for t, g in zip(resp.sequences, resp.grants):
@@ -155,6 +160,7 @@ class Swapper:
             else:
                 self.engine.scheduler.swapped_in(r)
         log.info("swapped_in", request_ids=[r.request_id for r in reqs if id(r) not in lost])
+        return [i for r in reqs if id(r) not in lost for i in r.seq_ids()]
 
     def _recompute(self, req: Request, out: SchedulerOutput, why: str) -> None:
         """Free swapped ``req``'s sequences; it leaves this step and waits at the front, recomputed."""

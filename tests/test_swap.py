@@ -71,6 +71,10 @@ class FakeMemory:
         #: Make each AppendSlots that adds a block list an offload and a copy-on-write for it.
         self.fake_copies = False
         self.cow_pairs: list[tuple[int, int]] = []
+        #: Refuse with OUT_OF_BLOCKS (as if another lease took the blocks) the AppendSlots calls of
+        #: these numbers (0: the first), and the one right after a swap-in when set.
+        self.refuse_appends: set[int] = set()
+        self.refuse_append_after_swap_in = False
         #: Free blocks GetStats leaves out (as if another lease were about to take them).
         self.hidden = 0
 
@@ -108,6 +112,11 @@ class FakeMemory:
         return mpb.AllocateSequencesResponse(sequences=tables, grants=grants)
 
     def append(self, lease_id, appends):
+        refuse = len(self.named("append")) in self.refuse_appends
+        if refuse or (self.refuse_append_after_swap_in and self.calls[-1][0] == "swap_in"):
+            self.refuse_append_after_swap_in &= refuse
+            self.calls.append(("append", "refused"))
+            raise OutOfBlocks.of(1, 0, "another lease took the blocks")
         self.calls.append(("append", [a[0] for a in appends]))
         grow = []
         for sid, n, *_ in appends:
@@ -371,6 +380,20 @@ def test_a_swapped_request_that_cannot_come_back_while_nothing_runs_is_recompute
     assert victim.status == Status.WAITING and victim.seqs[0].seq_id is None and engine.swap_fallbacks == 1
     memory.hidden = 0
     run(engine)
+    check_outputs(reqs, memory)
+
+
+def test_a_victim_swapped_in_this_step_is_recomputed(tokenizer):
+    engine, memory, worker = make_engine(tokenizer, num_blocks=32)
+    memory.refuse_appends, memory.refuse_append_after_swap_in = {3}, True
+    reqs = submit(engine)
+    run(engine, until=lambda: bool(memory.named("swap_in")))
+    (swap_in,) = memory.named("swap_in")
+    # its reloads have not run: it is freed rather than swapped out again
+    assert ("free", swap_in[1], mpb.FREE_REASON_PREEMPTED) in memory.calls and len(memory.named("swap_out")) == 1
+    assert reqs[1].status == Status.WAITING and reqs[1].metrics.preemptions == 2 and reqs[1].metrics.swaps == 1
+    run(engine)
+    assert (engine.preemptions, engine.swaps) == (2, 1)
     check_outputs(reqs, memory)
 
 
