@@ -10,16 +10,29 @@ epoch), and the step must stay inside it:
   before is proven computed) and end by ``write_end``;
 - with a token digest, the step writes exactly ``[readable_tokens, write_end)``
   with tokens of that digest;
-- every copy-on-write copy of the request is one a grant of the step allows.
+- every copy-on-write copy of the request is one a grant of the step allows;
+- every copy of every grant (DESIGN.md, "Tiers and transfers") goes device ->
+  device (copy-on-write), device -> host (offload) or host -> device (reload),
+  never host -> host; names blocks inside their tier (host copies only when a
+  host tier is mapped) whose epochs are the ones the epoch table holds (device
+  block b: ``epochs[b]``; host block h: ``host_epochs[h]`` = the whole table's
+  ``[num_blocks + h]``); and no two copies of the step write one block (nor does
+  a copy-on-write read a block another one writes).
 
-Anything else is PERMISSION_DENIED, raised before the first copy or write. After
-the forward, :func:`sign_receipts` gives each sequence a receipt for the
-positions written, their token digest and blocks; only with it does the memory
-service count them as computed.
+Anything else is PERMISSION_DENIED, raised before the first copy or write. The
+check's answer carries the step's :class:`CopyPlan`: every grant copy, deduped,
+in the order the worker does them (offloads, reloads, copy-on-write). After the
+forward, :func:`sign_receipts` gives each sequence a receipt for the positions
+written, their token digest and blocks, and the tier copies (offloads and
+reloads) of its grant; only with it does the memory service count them as
+computed (and a host or reloaded block as proven).
 
 Residual window (docs/security.md): epochs are read at the check, not again at
 the write; a block freed and handed out anew while a step over it is in flight
 on the same worker is written by that step before its new owner's first write.
+A grant is not one-shot either: a step replayed with the same grant after its
+forward wrote an offloaded block (a lost response retried) offloads the new
+bytes; only the memory service can make such a replay fail (a new host epoch).
 """
 
 from __future__ import annotations
@@ -32,7 +45,13 @@ import numpy as np
 
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.errors import PermissionDeniedError
+from pagedkv.grant.v1 import grant_pb2
 from pagedkv.grants import copy_tuple, grant_parts_message, mac, receipt_parts_message, token_digest
+
+_DEVICE, _HOST = grant_pb2.MEDIUM_DEVICE, grant_pb2.MEDIUM_HOST
+_MEDIUM_NAMES = {_DEVICE: "device", _HOST: "host"}
+#: (src_medium, dst_medium) -> the copy's kind; any other pair is refused.
+_KINDS = {(_DEVICE, _DEVICE): "copy-on-write", (_DEVICE, _HOST): "offload", (_HOST, _DEVICE): "reload"}
 
 
 def _deny(what: str) -> PermissionDeniedError:
@@ -47,31 +66,62 @@ class Checked:
     block_ids: list[int]  # the grant's (== the step's) block table
     block_epochs: list[int]  # their epochs, as granted (== the pool's at the check)
     token_digest: bytes  # digest of the step's token ids (the grant's when it names one: checked equal)
+    #: The grant's offloads and reloads as :func:`pagedkv.grants.copy_tuple` tuples, grant order.
+    tier_copies: tuple = ()
+
+
+@dataclass(slots=True)
+class CopyPlan:
+    """Every copy of a step's grants, deduped, as (src id, dst id) pairs, in the order the worker
+    does them: ``offloads`` (device src -> host dst), then ``reloads`` (host src -> device dst),
+    then ``copy_on_write`` (device -> device)."""
+
+    offloads: list[tuple[int, int]]
+    reloads: list[tuple[int, int]]
+    copy_on_write: list[tuple[int, int]]
+
+    @property
+    def has_tier_copies(self) -> bool:
+        """True when the step moves a block between the pool and the host tier."""
+        return bool(self.offloads or self.reloads)
+
+
+class CheckedStep(list):
+    """``list[Checked]``, one per sequence in batch order, and ``plan``, the step's :class:`CopyPlan`."""
+
+    plan: CopyPlan
 
 
 def check_grants(request: pb.StepRequest, key: bytes, generation: int, epochs: np.ndarray,
-                 now: float | None = None) -> list[Checked]:
+                 now: float | None = None, host_epochs: np.ndarray | None = None) -> CheckedStep:
     """Check every sequence and copy of ``request`` against the grants it carries.
 
     The epochs of every sequence's blocks are compared with the pool's in one numpy call after
     the per-sequence checks (a violation there names the first sequence whose epochs differ).
+    A step whose grants name no copy does no per-copy work.
 
     Args:
         request: a structurally valid step (``build_step_inputs`` accepted it).
         key: the plane key of the mapped pool's generation.
         generation: the mapped pool's generation.
-        epochs: the pool's epoch table, int64 [num_blocks] (read-only view).
+        epochs: the device blocks' epochs, int64 [num_blocks] (read-only view).
         now: Unix time, seconds (default: now).
+        host_epochs: the host tier's epochs, int64 [host_num_blocks] (read-only view of the
+            table's part past num_blocks); None when no host tier is mapped (then every copy
+            to or from the host is refused).
 
     Returns:
-        per sequence, in batch order, what :func:`sign_receipts` signs for it.
+        per sequence, in batch order, what :func:`sign_receipts` signs for it; ``.plan``: the
+        step's copies in the order to do them.
 
     Raises:
         PermissionDeniedError: the first violation found.
     """
     now = time.time() if now is None else now
     allowed_copies: set[tuple[int, int]] = set()
-    checked: list[Checked] = []
+    plan = CopyPlan([], [], [])
+    checked = CheckedStep()
+    checked.plan = plan
     all_ids: list[int] = []
     all_epochs: list[int] = []
     for s in request.sequences:
@@ -102,13 +152,13 @@ def check_grants(request: pb.StepRequest, key: bytes, generation: int, epochs: n
             digest = token_digest(s.token_ids)
         if len(ep) != len(ids):
             raise _deny(f"a block of sequence {s.seq_id} was handed out anew since its grant")
-        for src, src_epoch, dst, dst_epoch, _, _ in copies:
-            if epochs[src] != src_epoch or epochs[dst] != dst_epoch:
-                raise _deny(f"copy {src} -> {dst} of sequence {s.seq_id} names a block handed out anew")
-            allowed_copies.add((src, dst))
+        tier = ()
+        if copies:
+            tier = tuple(c for c in copies if _check_copy(c, s.seq_id, epochs, host_epochs, plan))
+            allowed_copies.update((c[0], c[2]) for c in copies if c[4] == c[5] == _DEVICE)
         all_ids += ids
         all_epochs += ep
-        checked.append(Checked(ids, ep, digest))
+        checked.append(Checked(ids, ep, digest, tier))
     if not np.array_equal(epochs[all_ids], np.array(all_epochs, dtype=np.int64)):
         for s, c in zip(request.sequences, checked):
             if not np.array_equal(epochs[c.block_ids], np.array(c.block_epochs, dtype=np.int64)):
@@ -116,16 +166,59 @@ def check_grants(request: pb.StepRequest, key: bytes, generation: int, epochs: n
     for c in request.copies:
         if (c.src, c.dst) not in allowed_copies:
             raise _deny(f"copy {c.src} -> {c.dst} is in no grant of this step")
+    if allowed_copies or plan.has_tier_copies:
+        _check_plan(plan)
     return checked
+
+
+def _check_copy(c: tuple, seq_id: int, epochs: np.ndarray, host_epochs: np.ndarray | None, plan: CopyPlan) -> bool:
+    """Check one grant copy (a :func:`copy_tuple`) and add it to ``plan`` unless already there;
+    True for a tier copy (offload or reload)."""
+    src, src_epoch, dst, dst_epoch, src_medium, dst_medium = c
+    what = (f"copy {_MEDIUM_NAMES.get(src_medium, f'medium {src_medium}')} block {src} -> "
+            f"{_MEDIUM_NAMES.get(dst_medium, f'medium {dst_medium}')} block {dst} of sequence {seq_id}")
+    kind = _KINDS.get((src_medium, dst_medium))
+    if kind is None:
+        raise _deny(f"{what} is not a device->device, device->host or host->device copy")
+    if kind != "copy-on-write" and host_epochs is None:
+        raise _deny(f"{what} needs the host tier, and this worker maps none (the memory service's pool has "
+                    "no host tier)")
+    src_table = host_epochs if src_medium == _HOST else epochs
+    dst_table = host_epochs if dst_medium == _HOST else epochs
+    if src >= len(src_table) or dst >= len(dst_table):
+        raise _deny(f"{what} names a block outside its tier ({len(epochs)} device blocks, "
+                    f"{0 if host_epochs is None else len(host_epochs)} host blocks)")
+    if src_table[src] != src_epoch or dst_table[dst] != dst_epoch:
+        raise _deny(f"{what} names a block handed out anew")
+    if kind == "copy-on-write" and src == dst:
+        raise _deny(f"{what} copies a block onto itself")
+    pairs = plan.offloads if kind == "offload" else plan.reloads if kind == "reload" else plan.copy_on_write
+    if (src, dst) not in pairs:
+        pairs.append((src, dst))
+    return kind != "copy-on-write"
+
+
+def _check_plan(plan: CopyPlan) -> None:
+    """Refuse a step whose copies would race: one block written twice in a phase, or a copy-on-write
+    reading a block another copy-on-write writes."""
+    for name, pairs in (("offloads", plan.offloads), ("reloads", plan.reloads), ("copies-on-write", plan.copy_on_write)):
+        dsts = [d for _, d in pairs]
+        if len(set(dsts)) != len(dsts):
+            raise _deny(f"two {name} of this step write one block ({pairs})")
+    cow_dsts = {d for _, d in plan.copy_on_write}
+    if any(s in cow_dsts for s, _ in plan.copy_on_write):
+        raise _deny(f"a copy-on-write of this step reads a block another one writes ({plan.copy_on_write})")
 
 
 def sign_receipts(request: pb.StepRequest, results: list[pb.StepResult], key: bytes, block_size: int,
                   checked: list[Checked] | None = None) -> None:
-    """Attach to each result the signed receipt of what its sequence's step wrote (after :func:`check_grants`;
-    ``checked``: its return value, read instead of the grants again)."""
+    """Attach to each result the signed receipt of what its sequence's step wrote and the tier copies
+    (offloads, reloads) of its grant, as granted (after :func:`check_grants`; ``checked``: its return
+    value, read instead of the grants again)."""
     seqs = request.sequences
     if checked is None:
-        checked = [Checked(list(s.grant.block_ids), list(s.grant.block_epochs), token_digest(s.token_ids))
+        checked = [Checked(list(s.grant.block_ids), list(s.grant.block_epochs), token_digest(s.token_ids),
+                           tuple(copy_tuple(c) for c in s.grant.copies if c.src_medium or c.dst_medium))
                    for s in seqs]
     for s, c, res in zip(seqs, checked, results):
         start, end = s.positions[0], s.positions[-1] + 1
@@ -136,7 +229,11 @@ def sign_receipts(request: pb.StepRequest, results: list[pb.StepResult], key: by
         r.pool_generation, r.seq_id, r.start, r.end, r.token_digest = generation, s.seq_id, start, end, c.token_digest
         r.block_ids.extend(ids)
         r.block_epochs.extend(ep)
-        r.signature = mac(key, receipt_parts_message(generation, s.seq_id, start, end, c.token_digest, ids, ep))
+        if c.tier_copies:
+            r.copies.extend(grant_pb2.GrantedCopy(src=t[0], src_epoch=t[1], dst=t[2], dst_epoch=t[3], src_medium=t[4],
+                                                  dst_medium=t[5]) for t in c.tier_copies)
+        r.signature = mac(key, receipt_parts_message(generation, s.seq_id, start, end, c.token_digest, ids, ep,
+                                                     c.tier_copies))
 
 
-__all__ = ["Checked", "check_grants", "sign_receipts"]
+__all__ = ["Checked", "CheckedStep", "CopyPlan", "check_grants", "sign_receipts"]

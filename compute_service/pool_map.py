@@ -10,7 +10,13 @@ the path of the memory service's worker socket; the handle comes only over that 
   per process (``cudaIpcOpenMemHandle`` through CuPy) and wrap the pointer as a torch tensor
   through ``__cuda_array_interface__`` (bytes, then ``.view(dtype)``, since bf16 has no type
   string).
-- both: the epoch table's read-only memfd, mapped PROT_READ as ``int64[num_blocks]``.
+- both: the epoch table's read-only memfd, mapped PROT_READ as ``int64[num_blocks +
+  host_num_blocks]`` (device epochs, then host-tier epochs).
+- the host tier (``host_num_blocks`` > 0; DESIGN.md, "Tiers and transfers"): its memfd (fd
+  ``host``), mapped read-write as a CPU tensor ``[host_num_blocks] + shape[1:]`` with the pool's
+  per-block strides, on both backends. On a cuda pool the mapping is also page-locked with
+  ``cudaHostRegister`` (portable: every context), so offloads and reloads are asynchronous DMA
+  copies on the step's stream; it is unregistered before the mapping goes.
 
 The result is the 6-D block-major pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
 head_dim]`` with the descriptor's strides.
@@ -39,22 +45,38 @@ class MappedPool:
     descriptor: mpb.PoolDescriptor
     #: The pool tensor, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
     tensor: torch.Tensor
-    #: Allocation epoch of each block, int64 [num_blocks], read-only, shared with the memory
-    #: service (which bumps epochs[b] each time block b is handed out anew).
+    #: Allocation epoch of each device block, int64 [num_blocks], read-only, shared with the
+    #: memory service (which bumps epochs[b] each time block b is handed out anew); the device
+    #: part (a view) of ``all_epochs``.
     epochs: np.ndarray | None = None
     #: This generation's 32-byte key for grants and receipts.
     plane_key: bytes = field(default=b"", repr=False)
-    #: What keeps the mappings alive (mmap objects, CUDA IPC pointer).
+    #: The host tier, [host_num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] in the
+    #: pool's dtype, a CPU tensor over shared host memory (page-locked on a cuda pool); None
+    #: without a host tier.
+    host_tensor: torch.Tensor | None = None
+    #: Epochs of the host tier's blocks, int64 [host_num_blocks] (a view of ``all_epochs``), read-only;
+    #: None without a host tier.
+    host_epochs: np.ndarray | None = None
+    #: The whole epoch table, int64 [num_blocks + host_num_blocks], read-only.
+    all_epochs: np.ndarray | None = None
+    #: What keeps the mappings alive (mmap objects, CUDA IPC pointer, host registration), closed in order.
     _keepalive: list = field(default_factory=list, repr=False)
 
     @property
     def generation(self) -> int:
         return self.descriptor.generation
 
+    @property
+    def host_num_blocks(self) -> int:
+        """Blocks in the host tier (0: none)."""
+        return 0 if self.host_tensor is None else self.host_tensor.shape[0]
+
     def close(self) -> None:
-        """Drop the mapping (the tensor must not be used afterwards)."""
+        """Drop the mapping (the tensors must not be used afterwards)."""
         self.tensor = None  # type: ignore[assignment]
-        self.epochs = None
+        self.host_tensor = None
+        self.epochs = self.host_epochs = self.all_epochs = None
         keep, self._keepalive = self._keepalive, []
         for k in keep:
             if isinstance(k, mmap.mmap):
@@ -84,6 +106,34 @@ class _CudaIpcMapping:
             cupy.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
+#: cudaHostRegisterPortable: the range is pinned for every CUDA context, not just this device's.
+_CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+class _HostRegistration:
+    """A host range page-locked with ``cudaHostRegister``; ``close`` unregisters it (before its
+    mapping goes)."""
+
+    def __init__(self, ptr: int, nbytes: int, device: int):
+        import cupy
+
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.hostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+        self.ptr, self.device = ptr, device
+
+    def close(self) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            cupy.cuda.runtime.hostUnregister(self.ptr)
+
+
+def _span_bytes(shape: list[int], strides: list[int], dtype: torch.dtype) -> int:
+    """Bytes from the first element of a strided tensor to one past its last."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    return (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * esize
+
+
 def _check(desc: mpb.PoolDescriptor) -> tuple[torch.dtype, list[int], list[int]]:
     lay = desc.layout
     if lay.dtype not in TORCH_DTYPES:
@@ -93,11 +143,16 @@ def _check(desc: mpb.PoolDescriptor) -> tuple[torch.dtype, list[int], list[int]]
     expected = [lay.num_blocks, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim]
     if shape != expected or len(strides) != 6:
         raise ValueError(f"pool descriptor shape {shape} / strides {strides} do not match its layout {expected}")
-    esize = torch.empty((), dtype=TORCH_DTYPES[lay.dtype]).element_size()
-    span = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * esize
+    dtype = TORCH_DTYPES[lay.dtype]
+    span = _span_bytes(shape, strides, dtype)
     if span > desc.nbytes:
         raise ValueError(f"pool descriptor strides reach {span} bytes past a {desc.nbytes}-byte pool")
-    return TORCH_DTYPES[lay.dtype], shape, strides
+    if desc.host_num_blocks:
+        span = _span_bytes([desc.host_num_blocks, *shape[1:]], strides, dtype)
+        if span > desc.host_nbytes:
+            raise ValueError(f"the host tier's {desc.host_num_blocks} blocks reach {span} bytes past its "
+                             f"{desc.host_nbytes} bytes")
+    return dtype, shape, strides
 
 
 def map_pool(desc: mpb.PoolDescriptor, socket_path: str | None = None, timeout: float = 10.0) -> MappedPool:
@@ -153,25 +208,43 @@ def map_handle(handle: PoolHandle) -> MappedPool:
     if desc.backend not in (mpb.POOL_BACKEND_CPU, mpb.POOL_BACKEND_CUDA):
         raise ValueError(f"unknown pool backend {desc.backend}; this worker maps cpu and cuda pools")
     dtype, shape, strides = _check(desc)
-    epochs_map = _map_fd(handle, "epochs", 8 * desc.layout.num_blocks, mmap.PROT_READ)
-    epochs = np.frombuffer(epochs_map, dtype=np.int64)  # read-only: the mapping is PROT_READ
+    num_blocks, host_blocks = desc.layout.num_blocks, desc.host_num_blocks
+    # What keeps the mappings alive, in the order MappedPool.close (or a failure here) closes them.
+    keep: list = [_map_fd(handle, "epochs", 8 * (num_blocks + host_blocks), mmap.PROT_READ)]
+    all_epochs = np.frombuffer(keep[0], dtype=np.int64)  # read-only: the mapping is PROT_READ
     try:
+        host = None
+        if host_blocks:
+            host_mm = _map_fd(handle, "host", desc.host_nbytes, mmap.PROT_READ | mmap.PROT_WRITE)
+            keep.insert(0, host_mm)
+            host = torch.frombuffer(host_mm, dtype=torch.uint8).view(dtype).as_strided(
+                [host_blocks, *shape[1:]], strides)
         if desc.backend == mpb.POOL_BACKEND_CPU:
             mm = _map_fd(handle, "pool", desc.nbytes, mmap.PROT_READ | mmap.PROT_WRITE)
-            raw = torch.frombuffer(mm, dtype=torch.uint8)
+            keep.insert(0, mm)
+            tensor = torch.frombuffer(mm, dtype=torch.uint8).view(dtype).as_strided(shape, strides)
+        else:
+            import cupy
+
+            from pagedkv.cuda_ipc import device_index_for_uuid
+
+            index = device_index_for_uuid(desc.cuda_device_uuid)
+            with cupy.cuda.Device(index):
+                ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes(desc.cuda_ipc_handle))
+            keep.insert(0, _CudaIpcMapping(ptr, index))
+            raw = torch.as_tensor(_CudaArray(ptr + desc.cuda_offset, desc.nbytes), device=f"cuda:{index}")
             tensor = raw.view(dtype).as_strided(shape, strides)
-            return MappedPool(desc, tensor, epochs, handle.plane_key, [mm, epochs_map])
-        import cupy
-
-        from pagedkv.cuda_ipc import device_index_for_uuid
-
-        index = device_index_for_uuid(desc.cuda_device_uuid)
-        with cupy.cuda.Device(index):
-            ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes(desc.cuda_ipc_handle))
-        raw = torch.as_tensor(_CudaArray(ptr + desc.cuda_offset, desc.nbytes), device=f"cuda:{index}")
-        tensor = raw.view(dtype).as_strided(shape, strides)
-        return MappedPool(desc, tensor, epochs, handle.plane_key, [_CudaIpcMapping(ptr, index), epochs_map])
+            if host is not None:  # unregistered first, before its mapping closes
+                keep.insert(0, _HostRegistration(host.data_ptr(), desc.host_nbytes, index))
+        return MappedPool(desc, tensor, all_epochs[:num_blocks], handle.plane_key, _keepalive=keep,
+                          host_tensor=host, host_epochs=all_epochs[num_blocks:] if host_blocks else None,
+                          all_epochs=all_epochs)
     except BaseException:
-        del epochs
-        epochs_map.close()
+        del all_epochs
+        host = None
+        for k in keep:
+            try:
+                k.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes when it does
         raise

@@ -1,12 +1,15 @@
-"""One batched model step over the mapped pool: validate, copy-on-write, forward, sample.
+"""One batched model step over the mapped pool: validate, copy, forward, sample.
 
 The worker is stateless between steps apart from its mapped pool and its model
 (DESIGN.md; vLLM's scheduler-output / worker split). Per step it turns the request
 into the model's packed inputs (`compute_service.step_inputs`: validation, slot
-mapping, block tables), does the request's copy-on-write copies
-(``kernels.copy_blocks``), runs the packed batch (prefill chunks and decode tokens
-together) through the model, which writes K/V into the slots and runs paged
-attention, and samples one token per sequence on the worker. Logits never leave it.
+mapping, block tables), checks the grants (`compute_service.grant_check`), does every
+copy of the step's grants in the order DESIGN.md's "Tiers and transfers" fixes
+(offloads device -> host tier, reloads host tier -> device, with
+``kernels.copy_blocks_between``; then copy-on-write, ``kernels.copy_blocks``), runs
+the packed batch (prefill chunks and decode tokens together) through the model,
+which writes K/V into the slots and runs paged attention, and samples one token per
+sequence on the worker. Logits never leave it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from torch import nn
 
 import kernels
-from compute_service.grant_check import check_grants, sign_receipts
+from compute_service.grant_check import CopyPlan, check_grants, sign_receipts
 from compute_service.model import LlamaForPagedLM
 from compute_service.pool_map import MappedPool
 from compute_service.sampling import sample
@@ -83,9 +86,11 @@ class Worker:
             lay = pool.descriptor.layout
             inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
                                        vocab_size=self.config.vocab_size, device=self.device)
-            checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs)
-            if inputs.block_copies.shape[0]:
-                kernels.copy_blocks(pool.tensor, inputs.block_copies)
+            checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs,
+                                   host_epochs=getattr(pool, "host_epochs", None))  # None: no host tier
+            plan = checked.plan
+            if plan.has_tier_copies or plan.copy_on_write:
+                do_copies(pool, plan)
             t1 = time.perf_counter()
             logits = self.model(*inputs.model_args(pool.tensor))
             t2 = time.perf_counter()
@@ -93,6 +98,12 @@ class Worker:
                 raise FailedPreconditionError("the memory service went away during this step; its results are void",
                                               reason=POOL_NOT_MAPPED)
             results = self._sample(request, inputs, logits)
+            if plan.has_tier_copies and pool.tensor.is_cuda:
+                # Tier copies are asynchronous DMA: done before the receipt that proves them exists
+                # (an offload's bytes are in host memory; a reload no longer reads its host block,
+                # which the memory service may hand out again). Sampling synchronized already unless
+                # no sequence sampled.
+                torch.cuda.current_stream(pool.tensor.device).synchronize()
             sign_receipts(request, results, pool.plane_key, lay.block_size, checked)
             return pb.StepResponse(
                 results=results,
@@ -125,3 +136,21 @@ class Worker:
                 res.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(top_ids[r][:k], top_lp[r][:k]))
         return results
 
+
+def do_copies(pool: MappedPool, plan: CopyPlan) -> None:
+    """Do a checked step's copies on ``pool``, in order: offloads (``host[h] <- pool[b]``), reloads
+    (``pool[b] <- host[h]``), copy-on-write (``pool[dst] <- pool[src]``).
+
+    On CUDA everything is queued on the current stream, before the step's kernels.
+
+    Raises:
+        ValueError: a tier copy with no host tier mapped (``check_grants`` refuses that first).
+    """
+    if plan.has_tier_copies:
+        if pool.host_tensor is None:
+            raise ValueError("the step has host-tier copies but no host tier is mapped")
+        kernels.copy_blocks_between(pool.tensor, pool.host_tensor, plan.offloads)
+        kernels.copy_blocks_between(pool.host_tensor, pool.tensor, plan.reloads)
+    if plan.copy_on_write:
+        kernels.copy_blocks(pool.tensor, torch.tensor(plan.copy_on_write, dtype=torch.int64,
+                                                      device=pool.tensor.device))

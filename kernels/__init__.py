@@ -10,7 +10,8 @@ host_seq_lens=...)` checks the metadata on the host and picks the kernel (split-
 decode-only batch on Triton, the prefill kernel for any other Triton batch, native/torch on
 CPU); `paged_attention(query, key_cache, value_cache, plan, scale)` runs it.
 `reshape_and_cache` and `copy_blocks` take `backend=None|"triton"|"torch"`; None picks Triton
-for CUDA tensors.
+for CUDA tensors. `copy_blocks_between(src, dst, pairs)` moves whole blocks between the pool
+and the host tier (offloads, reloads).
 
 Cache views are one layer of the block-major pool
 `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`:
@@ -20,10 +21,12 @@ Cache views are one layer of the block-major pool
 from kernels.attention import paged_attention
 from kernels.cache_ops import copy_blocks, reshape_and_cache
 from kernels.plan import AttentionPlan, plan_attention
+from kernels.tier_copy import copy_blocks_between
 
 __all__ = [
     "AttentionPlan",
     "copy_blocks",
+    "copy_blocks_between",
     "paged_attention",
     "plan_attention",
     "reshape_and_cache",

@@ -13,9 +13,17 @@ DESIGN.md, "The pool" and "Trust model". Two backends, one descriptor:
 
 Every pool, whatever its backend, also owns per generation:
 
-- ``epochs``: int64[num_blocks] in a second small memfd, zeros at start, mapped read-write here;
-  the block manager bumps ``epochs[b]`` each time block b is handed out anew. Workers map it
-  read-only (they get a read-only fd) to check a grant's block epochs.
+- the host tier (``host_num_blocks`` > 0; DESIGN.md, "Tiers and transfers"): host memory on both
+  backends, a sealed memfd ``memfd:pagedkv-host-<pool_id>-g<generation>`` of ``host_num_blocks``
+  blocks with the pool's per-block layout (shape ``[host_num_blocks] + shape[1:]``, block-major,
+  ``block_nbytes`` each). Workers map it read-write (fd ``host``; on GPU nodes they also
+  ``cudaHostRegister`` it) and do the offload / reload copies grants name; the memory service
+  only keeps its books.
+- ``all_epochs``: int64[num_blocks + host_num_blocks] in a small memfd, zeros at start, mapped
+  read-write here: ``epochs`` (a view, int64[num_blocks]) for the device blocks, ``host_epochs``
+  (a view, int64[host_num_blocks]) for the host tier (host block h is ``all_epochs[num_blocks +
+  h]``). The block manager bumps a block's epoch each time it is handed out anew. Workers map
+  the whole table read-only (they get a read-only fd) to check a grant's block and copy epochs.
 - ``plane_key``: 32 random bytes that sign grants and receipts of this generation.
 
 ``descriptor()`` is the public view (layout and the worker socket's path, no handle), what
@@ -75,7 +83,8 @@ def read_only_fd(fd: int) -> int:
 
 
 class EpochTable:
-    """``int64[num_blocks]`` allocation epochs in a memfd: read-write here, read-only for workers.
+    """``int64[n]`` allocation epochs in a memfd (n = device blocks + host blocks): read-write here,
+    read-only for workers.
 
     Attributes:
         array: the shared numpy view (writes are seen by every worker's mapping at once).
@@ -104,22 +113,54 @@ class EpochTable:
 
 
 class Pool:
-    """Base: the layout, identity, epoch table, plane key and descriptors of an allocated pool."""
+    """Base: the layout, identity, host tier, epoch table, plane key and descriptors of an allocated pool.
+
+    Args:
+        layout: the pool's layout (device blocks).
+        pool_id: stable name (letters, digits, '_', '.', '-'); default a random one.
+        model: the model the pool is laid out for (shown in the descriptor).
+        host_num_blocks: blocks of the host tier, same per-block layout (0: no host tier).
+
+    Raises:
+        ValueError: a bad pool id or a negative ``host_num_blocks``.
+        OSError: the kernel could not create a memfd.
+    """
 
     backend = pb.POOL_BACKEND_UNSPECIFIED
 
-    def __init__(self, layout: PoolLayout, *, pool_id: str | None = None, model: str = ""):
+    def __init__(self, layout: PoolLayout, *, pool_id: str | None = None, model: str = "", host_num_blocks: int = 0):
         self.layout = layout
         self.pool_id = pool_id or uuid.uuid4().hex[:12]
         if not re.fullmatch(r"[\w.-]+", self.pool_id):
             raise ValueError(f"pool id {self.pool_id!r} may only hold letters, digits, '_', '.', '-'")
+        if host_num_blocks < 0:
+            raise ValueError(f"host_num_blocks must be >= 0, got {host_num_blocks}")
         self.generation = new_generation()
         self.model = model
         #: Signs grants and receipts of this generation (32 bytes); workers get it over the socket.
         self.plane_key = os.urandom(PLANE_KEY_BYTES)
-        self._epochs = EpochTable(layout.num_blocks, f"pagedkv-epochs-{self.pool_id}-g{self.generation}")
-        #: int64[num_blocks], zeros at start, shared read-only with every worker.
-        self.epochs: np.ndarray = self._epochs.array
+        #: Blocks in the host tier (0: none) and its size in bytes.
+        self.host_num_blocks = host_num_blocks
+        self.host_nbytes = host_num_blocks * layout.block_nbytes
+        num_blocks = layout.num_blocks
+        self._epochs = EpochTable(num_blocks + host_num_blocks, f"pagedkv-epochs-{self.pool_id}-g{self.generation}")
+        #: int64[num_blocks + host_num_blocks]: device epochs, then host epochs; zeros at start,
+        #: shared read-only with every worker.
+        self.all_epochs: np.ndarray = self._epochs.array
+        #: int64[num_blocks], the device part of ``all_epochs`` (a view): what the block pool bumps.
+        self.epochs: np.ndarray = self.all_epochs[:num_blocks]
+        #: int64[host_num_blocks], the host part of ``all_epochs`` (a view): host block h's epoch.
+        self.host_epochs: np.ndarray = self.all_epochs[num_blocks:]
+        self._host_fd: int | None = None
+        if host_num_blocks:
+            self.host_memfd_name = f"pagedkv-host-{self.pool_id}-g{self.generation}"
+            try:
+                self._host_fd = sealed_memfd(self.host_memfd_name, self.host_nbytes)
+            except BaseException:
+                self._epochs.close()
+                raise
+            log.info("host_tier_created", memfd=self.host_memfd_name, nbytes=self.host_nbytes,
+                     host_num_blocks=host_num_blocks, generation=self.generation)
         #: Path of the worker socket serving this pool ("" until one listens); in the descriptor.
         self.worker_socket = ""
 
@@ -146,6 +187,8 @@ class Pool:
             model=self.model,
             owner_pid=os.getpid(),
             worker_socket=self.worker_socket,
+            host_num_blocks=self.host_num_blocks,
+            host_nbytes=self.host_nbytes,
         )
 
     def worker_descriptor(self) -> pb.PoolDescriptor:
@@ -156,8 +199,22 @@ class Pool:
         return desc
 
     def worker_fds(self) -> dict[str, int]:
-        """The fds a worker gets, by name: ``pool`` (cpu only) and ``epochs`` (read-only)."""
-        return {**self._handle_fds(), "epochs": self._epochs.ro_fd}
+        """The fds a worker gets, by name: ``pool`` (cpu only), ``epochs`` (read-only, the whole
+        table) and ``host`` (read-write; only with a host tier)."""
+        fds = {**self._handle_fds(), "epochs": self._epochs.ro_fd}
+        if self._host_fd is not None:
+            fds["host"] = self._host_fd
+        return fds
+
+    def map_host(self) -> mmap.mmap:
+        """A writable shared mapping of the whole host tier (tests and tools).
+
+        Raises:
+            ValueError: the pool has no host tier (or it was released).
+        """
+        if self._host_fd is None:
+            raise ValueError("this pool has no host tier (host_num_blocks=0) or it was released")
+        return mmap.mmap(self._host_fd, self.host_nbytes, mmap.MAP_SHARED)
 
     def _handle_fields(self) -> dict:
         raise NotImplementedError
@@ -167,6 +224,9 @@ class Pool:
 
     def close(self) -> None:
         """Release the memory (after every importer has been told)."""
+        if self._host_fd is not None:
+            os.close(self._host_fd)  # the host tier goes when the last worker unmaps it
+            self._host_fd = None
         self._epochs.close()
 
 
@@ -179,8 +239,8 @@ class CpuPool(Pool):
 
     backend = pb.POOL_BACKEND_CPU
 
-    def __init__(self, layout: PoolLayout, *, pool_id: str | None = None, model: str = ""):
-        super().__init__(layout, pool_id=pool_id, model=model)
+    def __init__(self, layout: PoolLayout, *, pool_id: str | None = None, model: str = "", host_num_blocks: int = 0):
+        super().__init__(layout, pool_id=pool_id, model=model, host_num_blocks=host_num_blocks)
         self.memfd_name = f"pagedkv-pool-{self.pool_id}-g{self.generation}"
         try:
             self._fd: int | None = sealed_memfd(self.memfd_name, layout.nbytes)
@@ -219,12 +279,13 @@ class CudaPool(Pool):
 
     backend = pb.POOL_BACKEND_CUDA
 
-    def __init__(self, layout: PoolLayout, *, device_index: int = 0, pool_id: str | None = None, model: str = ""):
+    def __init__(self, layout: PoolLayout, *, device_index: int = 0, pool_id: str | None = None, model: str = "",
+                 host_num_blocks: int = 0):
         try:
             import cupy
         except ImportError as e:
             raise RuntimeError("the cuda pool backend needs CuPy: pip install 'pagedkv[cuda12]' or '[cuda13]'") from e
-        super().__init__(layout, pool_id=pool_id, model=model)
+        super().__init__(layout, pool_id=pool_id, model=model, host_num_blocks=host_num_blocks)
         self._cupy = cupy
         self.device_index = device_index
         try:

@@ -3,7 +3,12 @@
 1. kernels: `scripts/gpu_check_kernels.py`'s `run(...)` (grid vs the dense reference through
    `plan_attention` + `paged_attention` as the model calls them, cache ops, int64 offsets, the
    attention table: decode bandwidth as % of HBM peak and vs dense, and a mixed batch).
-2. stack: a memory service (`--device cuda`) and a worker as separate processes, the pool shared
+2. host tier: `scripts/gpu_check_tiers.py`'s `run(...)`: a CUDA pool with a host tier in a pool
+   owner process, mapped here through its worker socket (host memory page-locked with
+   cudaHostRegister); offload and reload copies of N blocks through the worker's own path
+   (a signed grant -> `check_grants`' copy plan -> `do_copies`), byte-exact each way, and GB/s
+   each way (consecutive and scattered blocks; figures). About 10 s.
+3. stack: a memory service (`--device cuda`) and a worker as separate processes, the pool shared
    by CUDA IPC (its handle only over the memory service's worker socket: GetPoolDescriptor has
    none; this script, a third process of the same uid, maps the pool through the socket and sees
    the worker's K/V, the read-only epoch table and the plane key; a Step without the memory
@@ -14,7 +19,7 @@
    leak; the production bf16 stack must generate; `pagedkv serve` attached to the GPU stack must
    answer a greedy chat completion over HTTP with the same tokens; and a worker must drop its
    mapping when the memory service stops first.
-3. throughput: `benchmarks/bench_throughput.py --device cuda` on the random model (pagedkv vs
+4. throughput: `benchmarks/bench_throughput.py --device cuda` on the random model (pagedkv vs
    Orca-Max vs Orca-Oracle under one KV budget, and transformers generate), where decode is
    memory-bound rather than compute-bound as on 2 CPU cores. `--throughput quick` (default) runs
    the CPU table's setting (32 requests, lengths scaled by 0.25); `full` adds the paper's setting
@@ -32,14 +37,14 @@ network and the project's .venv (this writes ~2 MB plus the wheels into shared/)
 
 Then on the GPU machine (carry `shared/`):
 
-    PYTHONPATH=. python scripts/gpu_check.py [--kernels quick|full|skip] [--throughput quick|full|skip] \
-        [--results DIR]
+    PYTHONPATH=. python scripts/gpu_check.py [--kernels quick|full|skip] [--tiers run|skip] \
+        [--throughput quick|full|skip] [--results DIR]
 
 Wheels in shared/wheels whose modules the machine lacks are unpacked to a temporary folder and
 put on the path of this process and of the services. The tokenizer comes from
 shared/gpu_check/tokenizer (or, where the GGUF is installed, straight from SmolLM2's GGUF).
-`--cpu-only` runs step 2 with both stacks on the CPU, and step 3 as `--quick` on the CPU
-(checks this script without a GPU).
+`--cpu-only` runs step 2 on a cpu pool, step 3 with both stacks on the CPU, and step 4 as
+`--quick` on the CPU (checks this script without a GPU).
 Prints PASS/FAIL per check and exits 1 when any failed.
 """
 
@@ -596,6 +601,15 @@ def run_kernels(mode: str) -> None:
     print(f"# kernels: {time.perf_counter() - t:.0f} s", flush=True)
 
 
+def run_tiers(device: str, env: dict[str, str], work: Path) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_check_tiers", ROOT / "scripts" / "gpu_check_tiers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    t = time.perf_counter()
+    mod.run(report, device, env=env, work=work)
+    print(f"# host tier: {time.perf_counter() - t:.0f} s", flush=True)
+
+
 #: bench_throughput settings per --throughput mode: (label, extra arguments).
 THROUGHPUT_RUNS = {
     "quick": [("scale 0.25 (the CPU table's setting)", [])],
@@ -662,6 +676,12 @@ def main(argv: list[str] | None = None) -> int:
         help="kernel grid: quick = pairwise (default), full, or skip",
     )
     ap.add_argument(
+        "--tiers",
+        choices=["run", "skip"],
+        default="run",
+        help="host-tier copies (offload/reload through a page-locked host tier): run (default) or skip",
+    )
+    ap.add_argument(
         "--throughput",
         choices=["quick", "full", "skip"],
         default="quick",
@@ -712,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             if args.kernels != "skip":
                 run_kernels(args.kernels)
+        if args.tiers != "skip":
+            run_tiers(device, env, work)
         model = work / "model"
         t = time.perf_counter()
         tokenizer = args.shared / "gpu_check" / "tokenizer"

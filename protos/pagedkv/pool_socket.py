@@ -8,9 +8,11 @@ it sends exactly one message and closes:
     + SCM_RIGHTS with the file descriptors the JSON's "fds" names, in order
 
 The JSON is ``{"version": 1, "descriptor": <PoolDescriptor as protobuf JSON, with the handle
-fields>, "plane_key": <32 bytes, hex>, "fds": ["pool", "epochs"]}`` (``"pool"`` only on the
-cpu backend, where the pool is a memfd; on cuda the IPC handle is in the descriptor). The
-epochs fd is read-only: the worker can map the epoch table but never change it.
+fields>, "plane_key": <32 bytes, hex>, "fds": ["pool", "epochs", "host"]}`` (``"pool"`` only on the
+cpu backend, where the pool is a memfd; on cuda the IPC handle is in the descriptor; ``"host"``
+only with a host tier, the read-write memfd of its ``host_num_blocks`` blocks). The epochs fd is
+read-only (int64[num_blocks + host_num_blocks]): the worker can map the epoch table but never
+change it.
 
 Both ends live here so that they cannot drift apart; the server's accept loop is
 :mod:`memory_service.worker_socket`, the worker's mapping :mod:`compute_service.pool_map`.
@@ -53,7 +55,7 @@ class PoolHandle:
     #: 32 bytes, one per pool generation: signs grants and receipts.
     plane_key: bytes
     #: Open fds by name: "pool" (cpu only, read-write memfd), "epochs" (read-only memfd,
-    #: int64[num_blocks]).
+    #: int64[num_blocks + host_num_blocks]), "host" (host tier only, read-write memfd).
     fds: dict[str, int] = field(default_factory=dict)
 
     def close(self) -> None:
