@@ -73,7 +73,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    #: Seconds: ttft (time to first token), tpot (mean per output token), e2e; preemptions.
+    #: Seconds: ttft (time to first token), tpot (mean per output token), e2e; preemptions (by
+    #: recompute or swap) and swaps (those by swap).
     metrics: dict = field(default_factory=dict)
     #: Prompt tokens served from the prefix cache (vLLM's ``num_cached_tokens``); None before the
     #: request got its blocks.
@@ -101,7 +102,7 @@ def build_output(req: Request, tokenizer) -> RequestOutput:
                                          token_logprobs=list(s.token_logprobs) if asked else None))
     m = req.metrics
     n_tokens = max((len(o.token_ids) for o in outs), default=0)
-    metrics = {"ttft": m.ttft, "tpot": m.tpot(n_tokens), "preemptions": m.preemptions,
+    metrics = {"ttft": m.ttft, "tpot": m.tpot(n_tokens), "preemptions": m.preemptions, "swaps": m.swaps,
                "e2e": None if m.finished is None else m.finished - m.arrival}
     return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
                          req.status == Status.FINISHED, metrics, req.num_cached_tokens)
@@ -181,8 +182,13 @@ class Client:
             on with a new lease and its running requests recomputed, or fails every request if
             the services are not back (client.recovery; ``engine.lease_recoveries`` counts them).
         tls: mutual TLS files (:class:`pagedkv.tls.TlsFiles`) for both services; None: plaintext.
+        preemption_mode: how a running request is preempted when the pool runs out: "recompute"
+            (free its blocks, compute its tokens again later) or "swap" (move its KV to the
+            memory service's host tier and back; needs a memory service started with
+            ``--host-cache-memory``, else it recomputes). See client.swap.
 
     Raises:
+        ValueError: no worker address, or an unknown ``preemption_mode``.
         client.errors.ServiceError: a service refused the connection-time calls.
         FileNotFoundError: the model's tokenizer is not available locally.
     """
@@ -190,10 +196,11 @@ class Client:
     def __init__(self, memory: str = "127.0.0.1:50051", workers: Iterable[str] = ("127.0.0.1:50052",), *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None,
                  max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
-                 tls: TlsFiles | None = None):
+                 tls: TlsFiles | None = None, preemption_mode: str = "recompute"):
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
+        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode=preemption_mode)
         self.memory = MemoryClient(memory, tls=tls)
         self.workers = [WorkerClient(w, tls=tls) for w in workers]
         info = self.workers[0].model_info()
@@ -203,7 +210,7 @@ class Client:
             source = info.weights_path
         self.tokenizer = load_tokenizer(source)
         self._engine = Engine(self.memory, self.workers, self.tokenizer,
-                              config=SchedulerConfig(max_num_seqs, max_num_batched_tokens), lease_ttl=lease_ttl,
+                              config=config, lease_ttl=lease_ttl,
                               max_model_len=max_model_len, recovery_timeout=recovery_timeout)
         self._handles: dict[str, RequestHandle] = {}
         self._wake = threading.Condition()

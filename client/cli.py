@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     size = up.add_mutually_exclusive_group()
     size.add_argument("--kv-cache-memory", default=None, help="pool size, e.g. 1GiB")
     size.add_argument("--num-blocks", type=int, default=None)
+    up.add_argument("--host-cache-memory", default=None, metavar="SIZE",
+                    help="host tier behind the pool, e.g. 4GiB (offloaded prefix-cache blocks, requests preempted "
+                    "by swap: `pagedkv serve --preemption-mode swap`); default none")
     plane_tls.add_arguments(up)
     sub.add_parser("down", help="stop what `pagedkv up` started")
     gen = sub.add_parser("generate", help="stream a generation")
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
             state = up(device=args.device, model=args.model, memory_port=args.memory_port, worker_port=args.worker_port,
                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
-                       tls=plane_tls.from_args(args))
+                       host_cache_memory=args.host_cache_memory, tls=plane_tls.from_args(args))
             print(f"memory service  {state['memory']['address']}  (pid {state['memory']['pid']})")
             for w in state["workers"]:
                 print(f"worker          {w['address']}  (pid {w['pid']}, {state['device']})")

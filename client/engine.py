@@ -9,14 +9,19 @@ One :meth:`Engine.step` (vLLM v1's schedule / execute / update_from_output, spli
                  waiting request may be admitted):
                  running requests first (decode tokens, then the rest of chunked
                  prefills), then admit waiting ones, under a token budget
-    4. append    slots for every scheduled, allocated sequence    (1 AppendSlots)
+    4. swap in   readmitted swapped-out requests (client.swap)   (1 SwapInSequences, only
+                 -> OUT_OF_BLOCKS: unadmit them (they wait)       when one was readmitted)
+    5. append    slots for every scheduled, allocated sequence    (1 AppendSlots)
                  -> OUT_OF_BLOCKS: preempt the most recently admitted request by
-                    recompute (free its blocks, requeue it at the front) and retry
-    5. allocate  sequences for newly admitted requests            (1 AllocateSequences)
+                    recompute (free its blocks, requeue it at the front), or with
+                    preemption_mode "swap" by swap (1 SwapOutSequences: its KV goes
+                    to the host tier, it keeps its sequences), and retry
+    6. allocate  sequences for newly admitted requests            (1 AllocateSequences)
                  -> OUT_OF_BLOCKS: unadmit the last admitted (it waits) and retry
-    6. Step      one call per worker (client.worker_step): copy-on-write pairs,
-                 tokens, positions, block tables, sampling; the worker samples
-    7. update    hand in the workers' receipts (computed tokens;   (1 CommitComputedTokens)
+    7. Step      one call per worker (client.worker_step): copy-on-write pairs,
+                 tokens, positions, block tables, grants (with their tier copies),
+                 sampling; the worker samples
+    8. update    hand in the workers' receipts (computed tokens;   (1 CommitComputedTokens)
                  full blocks enter the prefix cache)
                  append sampled tokens, check stops (client.stop), advance beams;
                  free finished sequences                          (1 FreeSequences)
@@ -44,7 +49,9 @@ from client.request import Request, Status
 from client.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from client.services import Lease, MemoryClient, WorkerClient
 from client.stop import StopChecker
+from client.swap import Swapper
 from client.worker_step import StepResults, StepRunner
+from pagedkv.grant.v1 import grant_pb2 as gpb
 from pagedkv.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
@@ -75,11 +82,13 @@ class StepTrace:
     num_tokens: int
     #: Request ids that finished in this step.
     finished: list[str]
-    #: Requests preempted in this step.
+    #: Requests preempted in this step (by recompute or by swap).
     preempted: list[str] = field(default_factory=list)
     #: Seconds in the workers' forward (max over workers) and in the whole step.
     model_seconds: float = 0.0
     step_seconds: float = 0.0
+    #: Of ``preempted``, those preempted by swap (client.swap).
+    swapped: list[str] = field(default_factory=list)
 
 
 class Engine:
@@ -110,7 +119,16 @@ class Engine:
         self.branching = Branching()
         self.stop_checker = StopChecker(self.eos_ids, self.max_context, tokenizer)
         self.step_count = 0
+        #: Requests preempted, by recompute or by swap.
         self.preemptions = 0
+        #: Of ``preemptions``, those by swap (SwapOutSequences; client.swap).
+        self.swaps = 0
+        #: Swap preemptions that fell back to recompute (host tier off or full, a swap-in's SWAP_LOST).
+        self.swap_fallbacks = 0
+        self.swapper = Swapper(self)
+        if self.swapper.enabled and not pool.host_num_blocks:
+            log.warning("no_host_tier", hint="preemption_mode 'swap' needs a memory service started with "
+                        "--host-cache-memory; until it has one, preemptions recompute")
         self.traces: collections.deque[StepTrace] = collections.deque(maxlen=100_000)
         #: (request id, step_count when its abort was asked), most recent last.
         self.abort_log: collections.deque[tuple[str, int]] = collections.deque(maxlen=10_000)
@@ -181,7 +199,8 @@ class Engine:
         if not out.scheduled:
             self._fail_unschedulable(updated)
             return list(updated.values())
-        copies_by_worker, preempted = self._append(out, updated)
+        swapped_in = self.swapper.swap_in(out) if out.swapped else set()
+        copies_by_worker, preempted, swapped = self._append(out, updated, swapped_in)
         scheduled = self._allocate(out)
         if not scheduled:
             return list(updated.values())
@@ -189,7 +208,7 @@ class Engine:
         finished_ids = self._update(scheduled, results, updated)
         trace = StepTrace(self.step_count, list(dict.fromkeys(x.request.request_id for x in scheduled)),
                           sum(x.num_new_tokens for x in scheduled), finished_ids, preempted,
-                          results.model_seconds, time.perf_counter() - t0)
+                          results.model_seconds, time.perf_counter() - t0, swapped)
         self.traces.append(trace)
         self.step_count += 1
         return list(updated.values())
@@ -242,14 +261,21 @@ class Engine:
         self.recovery.check_generation(stats.generation)
         return stats.available_blocks
 
-    def _append(self, out: SchedulerOutput, updated: dict) -> tuple[dict[int, list[tuple[int, int]]], list[str]]:
+    def _append(self, out: SchedulerOutput, updated: dict,
+                swapped_in: set[int]) -> tuple[dict[int, list[tuple[int, int]]], list[str], list[str]]:
         """Grow the scheduled sequences that hold blocks (reservations never grow), in calls within
         the memory service's per-call limits (one call unless a step is huge); on OUT_OF_BLOCKS
         preempt the scheduler's victim (or fail a lone request) and go on with what is left.
 
-        Returns the copy-on-write ``(src, dst)`` pairs per worker and the preempted request ids.
+        Only copy-on-write pairs (device to device) go in a Step's ``copies``; the tier copies an
+        append caused (offloads of evicted blocks) are in the grants, which the worker follows.
+
+        ``swapped_in``: sequence ids swapped in this step (a victim among them is recomputed: its
+        reloads have not run yet). Returns the copy-on-write ``(src, dst)`` pairs per worker, the
+        preempted request ids and, of those, the ones preempted by swap.
         """
         preempted: list[str] = []
+        swapped: list[str] = []
         copies: dict[int, list[tuple[int, int]]] = {}  # seq_id -> its copies
         done: set[int] = set()
         while True:
@@ -267,7 +293,8 @@ class Engine:
                     victim = out.scheduled[0].request
                     self._fail(victim, e, updated)
                 else:
-                    self._preempt(victim)
+                    if self._preempt(victim, done | swapped_in):
+                        swapped.append(victim.request_id)
                     preempted.append(victim.request_id)
                 out.drop(victim)
                 continue
@@ -276,24 +303,33 @@ class Engine:
                 x.seq.grant = g
             for u in resp.updates:
                 by_id[u.seq_id].block_table[u.first_changed:] = list(u.block_ids)
-            for c in resp.copies:  # the copy goes with the sequence whose table now holds dst
-                owner = next(q for q in by_id.values() if c.dst in q.block_table)
+            for c in resp.copies:  # a copy-on-write goes with the sequence whose table now holds dst
+                if c.src_medium != gpb.MEDIUM_DEVICE or c.dst_medium != gpb.MEDIUM_DEVICE:
+                    continue  # an offload: the worker does it from the owner's grant
+                owner = by_id.get(c.seq_id) or next(q for q in by_id.values() if c.dst in q.block_table)
                 copies.setdefault(owner.seq_id, []).append((c.src, c.dst))
             done.update(by_id)
         copies_by_worker: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
         for x in out.scheduled:  # the copies of sequences still in the step, on their workers
             copies_by_worker[x.request.worker].extend(copies.get(x.seq.seq_id, ()))
-        return copies_by_worker, preempted
+        return copies_by_worker, preempted, swapped
 
-    def _preempt(self, req: Request) -> None:
-        self._free([req], mpb.FREE_REASON_PREEMPTED)
-        self.scheduler.preempt(req)
+    def _preempt(self, req: Request, grown: set[int] = frozenset()) -> bool:
+        """Preempt running ``req``: by swap when the mode asks and the memory service can
+        (client.swap), else by recompute. ``grown``: sequence ids that may not be swapped out now
+        (grown by AppendSlots, or swapped in, in this step).
+        Returns whether it was by swap."""
+        by_swap = self.swapper.enabled and self.swapper.swap_out(req, grown)
+        if not by_swap:
+            self._free([req], mpb.FREE_REASON_PREEMPTED)
+            self.scheduler.preempt(req)
         self.preemptions += 1
+        return by_swap
 
     def _allocate(self, out: SchedulerOutput) -> list[ScheduledSeq]:
         """Allocate the sequences without blocks, in calls within the memory service's per-call
         limits; with prefix caching, skip what is cached. On OUT_OF_BLOCKS the last admitted request
-        is unadmitted and the rest retried."""
+        that needs an allocation (not one swapped in) is unadmitted and the rest retried."""
         while True:
             new = [x for x in out.scheduled if x.seq.seq_id is None]
             if not new:
@@ -303,9 +339,10 @@ class Engine:
             try:
                 resp = self.memory.allocate(self.lease.lease_id, allocations[:n])
             except (OutOfBlocks, QuotaExceeded):
-                if not out.admitted:
+                needing = [r for r in out.admitted if any(x.request is r for x in new)]
+                if not needing:
                     raise
-                last = out.admitted[-1]
+                last = needing[-1]
                 self.scheduler.unadmit(last)
                 out.drop(last)
                 continue
@@ -323,8 +360,16 @@ class Engine:
                                       cache_salt=x.request.cache_salt)
 
     def _fail_unschedulable(self, updated: dict) -> None:
-        """Nothing could run: a waiting request that cannot fit even in an empty pool fails."""
+        """Nothing could run: a waiting request that cannot fit even in an empty pool fails. A
+        swapped-out one at the head is recomputed instead (its sequences freed: the blocks they
+        still share on the device may be what keeps it out)."""
         if not self.scheduler.stalled():
+            return
+        head = self.scheduler.head()
+        if head is not None and head.status == Status.SWAPPED:
+            self._free([head], mpb.FREE_REASON_PREEMPTED)
+            self.scheduler.recompute_swapped(head)
+            self.swap_fallbacks += 1
             return
         try:
             stats = self.memory.stats()

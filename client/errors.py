@@ -12,7 +12,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from pagedkv.errors import OUT_OF_BLOCKS, QUOTA_EXCEEDED
+from pagedkv.errors import OUT_OF_BLOCKS, OUT_OF_HOST_BLOCKS, QUOTA_EXCEEDED
 
 
 class ServiceError(Exception):
@@ -41,6 +41,19 @@ class OutOfBlocks(ServiceError):
         """The error as the memory service would send it (for a shortfall found on the client)."""
         return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, message, OUT_OF_BLOCKS,
                    {"required": str(required), "available": str(available)})
+
+    @property
+    def required(self) -> int:
+        return int(self.metadata.get("required", 0))
+
+    @property
+    def available(self) -> int:
+        return int(self.metadata.get("available", 0))
+
+
+class OutOfHostBlocks(ServiceError):
+    """RESOURCE_EXHAUSTED with reason OUT_OF_HOST_BLOCKS: a swap-out needs ``required`` host-tier blocks
+    and ``available`` can be reserved (nothing changed); the caller preempts by recompute instead."""
 
     @property
     def required(self) -> int:
@@ -95,7 +108,9 @@ class NotFound(ServiceError):
 
 
 class FailedPrecondition(ServiceError):
-    """FAILED_PRECONDITION: generation mismatch, expired lease, pool not ready."""
+    """FAILED_PRECONDITION: generation mismatch, expired lease, pool not ready; for the host tier,
+    ``reason`` HOST_TIER_OFF (a swap-out on a service without one) or SWAP_LOST (a swap-in whose host
+    copy was never proven: free the sequence and recompute it)."""
 
 
 class Unavailable(ServiceError):
@@ -111,7 +126,7 @@ _BY_CODE = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 #: RESOURCE_EXHAUSTED has several meanings; the ErrorInfo reason picks the type.
-_BY_REASON = {OUT_OF_BLOCKS: OutOfBlocks, QUOTA_EXCEEDED: QuotaExceeded}
+_BY_REASON = {OUT_OF_BLOCKS: OutOfBlocks, OUT_OF_HOST_BLOCKS: OutOfHostBlocks, QUOTA_EXCEEDED: QuotaExceeded}
 
 
 def error_info(error: grpc.RpcError) -> tuple[str, dict[str, str]]:

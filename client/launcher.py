@@ -83,8 +83,11 @@ def check_tls(tls: TlsFiles | None) -> None:
 
 def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 50051, worker_port: int = 50052,
        block_size: int = 16, kv_cache_memory: str | None = None, num_blocks: int | None = None,
-       timeout: float = 300.0, tls: TlsFiles | None = None) -> dict:
+       host_cache_memory: str | None = None, timeout: float = 300.0, tls: TlsFiles | None = None) -> dict:
     """Start a memory service and one worker, wait for both to be healthy, write the state file.
+
+    ``host_cache_memory`` (e.g. "4GiB"; None or "0": none) sizes the memory service's host tier
+    (``--host-cache-memory``): offloaded prefix-cache blocks and swapped-out requests.
 
     With ``tls`` both services get these files (``--tls-cert/--tls-key/--tls-ca``) and serve
     mutual TLS; without, plaintext on loopback.
@@ -101,6 +104,8 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
         mem_args += ["--num-blocks", str(num_blocks)]
     elif kv_cache_memory:
         mem_args += ["--kv-cache-memory", kv_cache_memory]
+    if host_cache_memory:
+        mem_args += ["--host-cache-memory", host_cache_memory]
     stack = LocalStack(mem_args, device=device, model=model, host="127.0.0.1", run_dir=pagedkv_home() / "run",
                        memory_port=memory_port, worker_port=worker_port, timeout=timeout, detach=True, tls=tls).start()
     state = {"memory": _entry(stack.memory), "workers": [_entry(w) for w in stack.workers], "device": device,

@@ -23,6 +23,19 @@ def stats_table(stats) -> Table:
     return t
 
 
+def host_table(stats) -> Table:
+    """The host tier's counters (``--host-cache-memory``): blocks by state, offloads, reloads, swaps."""
+    t = Table(title="Host tier", show_header=True)
+    for col in ("total", "used", "free", "cached", "offloads", "reloads", "hits", "swap out", "swap in",
+                "swapped", "evictions"):
+        t.add_column(col, justify="right")
+    t.add_row(*map(str, (stats.host_total_blocks, stats.host_used_blocks, stats.host_free_blocks,
+                         stats.host_cached_blocks, stats.offloads, stats.reloads,
+                         stats.host_cache_hits, stats.swap_outs, stats.swap_ins, stats.swapped_sequences,
+                         stats.host_cache_evictions)))
+    return t
+
+
 #: Most sequences drawn as a rich table; more print as plain text.
 RICH_MAX_ROWS = 200
 
@@ -69,6 +82,8 @@ def print_stats(stats, sequences, labels: dict[int, str] | None = None, console:
     """Print both tables (the block tables as plain text past :data:`RICH_MAX_ROWS` sequences)."""
     console = console or Console(width=140)
     console.print(stats_table(stats))
+    if stats.host_total_blocks:
+        console.print(host_table(stats))
     if len(sequences) <= RICH_MAX_ROWS:
         console.print(sequences_table(sequences, labels))
     else:

@@ -6,7 +6,8 @@ many of them have KV in the cache (``num_computed``), its memory-service id and
 block table. What a step must compute for a sequence is always
 ``tokens[num_computed:]`` (capped by a chunk budget): a prompt or the rest of
 one in chunked prefill, the last sampled token in decode, everything again
-after a preemption by recompute.
+after a preemption by recompute. A request preempted by swap (status SWAPPED) keeps its
+sequences' ids, block tables and ``num_computed``: its KV waits in the host tier.
 """
 
 from __future__ import annotations
@@ -22,8 +23,14 @@ _request_ids = itertools.count()
 
 
 class Status(enum.Enum):
+    """Where a request is (vLLM's names): WAITING and SWAPPED requests are in the scheduler's
+    ``waiting`` queue, RUNNING ones in ``running``."""
+
     WAITING = "waiting"
     RUNNING = "running"
+    #: Preempted by swap: its sequences live on in the memory service, swapped out to the host
+    #: tier (SwapOutSequences), until it is readmitted and swapped in.
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
@@ -37,7 +44,8 @@ class Seq:
     tokens: list[int]
     #: Prompt tokens at the front of ``tokens``.
     prompt_len: int
-    #: Memory-service sequence id; None while not allocated (new, or preempted).
+    #: Memory-service sequence id; None while not allocated (new, or preempted by recompute); kept
+    #: while swapped out.
     seq_id: int | None = None
     #: Physical block ids (logical order) as the memory service last reported them.
     block_table: list[int] = field(default_factory=list)
@@ -91,8 +99,10 @@ class Metrics:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
-    #: Times this request was preempted.
+    #: Times this request was preempted (by recompute or by swap).
     preemptions: int = 0
+    #: Of ``preemptions``, those by swap (its KV went to the host tier and came back).
+    swaps: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -147,7 +157,7 @@ class Request:
         return [s for s in self.seqs if not s.finished]
 
     def seq_ids(self) -> list[int]:
-        """Memory-service ids of the sequences that hold blocks."""
+        """Memory-service ids of the sequences that hold blocks (swapped-out ones included)."""
         return [s.seq_id for s in self.seqs if s.seq_id is not None]
 
     def abort(self) -> None:

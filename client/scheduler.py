@@ -5,13 +5,17 @@ split; nano-vllm's scheduler in small). :meth:`Scheduler.schedule` takes the poo
 free capacity and returns a :class:`SchedulerOutput`: which sequences compute how
 many tokens this step, and which requests it admitted. It calls no service: other
 leases share the pool, so the engine may still meet OUT_OF_BLOCKS, and then calls
-:meth:`Scheduler.preempt` (a running request, recomputed later) or
-:meth:`Scheduler.unadmit` (a request admitted this step, which waits again).
+:meth:`Scheduler.preempt` (a running request, recomputed later, or with
+``preemption_mode="swap"`` swapped out to the host tier and swapped back in when
+readmitted) or :meth:`Scheduler.unadmit` (a request admitted this step, which waits again).
 
 NOTE: invariants
 - A request is in exactly one of ``waiting`` (FCFS; preempted and unadmitted
   requests go back to the front) and ``running`` (admission order), or in neither
   once finished.
+- A SWAPPED request holds live (swapped-out) sequences in the memory service: it
+  is in ``waiting``, or in ``running`` between its admission and the engine's
+  swap-in in the same step (SchedulerOutput.swapped).
 - Only :meth:`add`, :meth:`abort` and :meth:`has_work` may run on other threads;
   they and every change of ``waiting`` take the lock.
 """
@@ -29,6 +33,12 @@ from pagedkv.logs import get_logger
 
 log = get_logger("scheduler")
 
+#: How a running request is preempted when the pool runs out (vLLM's ``preemption_mode``):
+#: "recompute" frees its blocks and computes its tokens again; "swap" moves its KV to the
+#: memory service's host tier (SwapOutSequences) and back (SwapInSequences), falling back to
+#: recompute when the host tier is off or full.
+PREEMPTION_MODES = ("recompute", "swap")
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -40,8 +50,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     #: KV reservation policy (:mod:`client.reservation`); the default reserves nothing (blocks on demand).
     reservation: ReservationPolicy = field(default_factory=Paged)
+    #: "recompute" (the default) or "swap" (:data:`PREEMPTION_MODES`).
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not callable(getattr(self.reservation, "reserve", None)):
@@ -87,11 +102,15 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     #: Requests admitted from ``waiting`` in this step, in admission order.
     admitted: list[Request]
+    #: Of ``admitted``, the swapped-out ones (status SWAPPED, admission order): the engine swaps
+    #: them in before it grows or allocates anything.
+    swapped: list[Request] = field(default_factory=list)
 
     def drop(self, request: Request) -> None:
         """Take ``request`` out of this step (it was preempted, unadmitted or failed)."""
         self.scheduled = [x for x in self.scheduled if x.request is not request]
         self.admitted = [r for r in self.admitted if r is not request]
+        self.swapped = [r for r in self.swapped if r is not request]
 
 
 class Scheduler:
@@ -167,7 +186,10 @@ class Scheduler:
         Running requests come first: one decode token per sequence, then the rest of
         chunked prefills, under ``max_num_batched_tokens``. Then waiting requests are
         admitted in order while the budget, ``max_num_seqs`` and the free blocks allow:
-        ``available_blocks`` less what this step's running sequences will grow by.
+        ``available_blocks`` less what this step's running sequences will grow by. A
+        swapped-out request needs a block for every distinct entry of its sequences' block
+        tables (some may still be on the device, which the scheduler cannot know: vLLM's
+        ``can_swap_in`` counts the same way) plus its chunks' growth past them.
 
         Args:
             available_blocks: the pool's free blocks (GetStats), shared with other leases;
@@ -185,6 +207,7 @@ class Scheduler:
                     scheduled.append(ScheduledSeq(req, seq, n))
                     budget -= n
         admitted: list[Request] = []
+        swapped: list[Request] = []
         free_blocks = available_blocks - self._growth(scheduled)
         with self._lock:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -195,7 +218,9 @@ class Scheduler:
                     if n > 0:
                         chunks.append(n)
                 reserve = self.reservation(req)
-                if reserve is not None:
+                if req.status == Status.SWAPPED:
+                    need = self._swap_in_need(req, chunks)
+                elif reserve is not None:
                     chunks = chunks[:1]
                     need = -(-reserve // self.block_size)
                 else:
@@ -205,6 +230,8 @@ class Scheduler:
                 self.waiting.popleft()
                 free_blocks -= need
                 budget -= sum(chunks)
+                if req.status == Status.SWAPPED:
+                    swapped.append(req)
                 self._admit(req)
                 admitted.append(req)
                 it = iter(chunks)
@@ -212,7 +239,7 @@ class Scheduler:
                     if seq.pending() > 0:
                         scheduled.append(ScheduledSeq(req, seq, next(it, 0)))
                 scheduled = [x for x in scheduled if x.num_new_tokens > 0]
-        return SchedulerOutput(scheduled, admitted)
+        return SchedulerOutput(scheduled, admitted, swapped)
 
     def _growth(self, scheduled: list[ScheduledSeq]) -> int:
         """Blocks the appends of ``scheduled`` sequences that hold blocks may take."""
@@ -225,9 +252,23 @@ class Scheduler:
                 grow += len(x.request.seqs) > 1  # a forked sequence may copy its shared last block
         return grow
 
+    def _swap_in_need(self, req: Request, chunks: list[int]) -> int:
+        """Device blocks a swapped-out request may need to swap in and compute ``chunks`` (one per
+        live sequence with pending tokens, in order): every distinct block of its tables, plus what
+        each chunk grows past its table."""
+        need = len({b for s in req.seqs if s.seq_id is not None for b in s.block_table})
+        it = iter(chunks)
+        for s in req.live_seqs():
+            if s.pending() > 0:
+                n = next(it, 0)
+                need += max(0, -(-(s.num_computed + n) // self.block_size) - len(s.block_table))
+        return need
+
     def _admit(self, req: Request) -> None:
-        """Move ``req`` to running and pin it to the least loaded worker (first admission only)."""
-        req.status = Status.RUNNING
+        """Move ``req`` to running and pin it to the least loaded worker (first admission only); a
+        swapped-out request stays SWAPPED until the engine swaps it in (:meth:`swapped_in`)."""
+        if req.status != Status.SWAPPED:
+            req.status = Status.RUNNING
         if req.worker is None:
             load = collections.Counter(r.worker for r in self.running)
             req.worker = min(range(self.num_workers), key=lambda w: load[w])
@@ -244,17 +285,40 @@ class Scheduler:
             return None
         return live[-1]
 
-    def preempt(self, request: Request) -> None:
-        """Preemption by recompute: ``request`` forgets its KV (the engine freed its sequences) and
-        waits at the front of ``waiting``; its tokens are computed again when it is readmitted."""
-        for s in request.seqs:
-            s.reset()
+    def preempt(self, request: Request, swap: bool = False) -> None:
+        """Preempt ``request``: it waits at the front of ``waiting``.
+
+        By recompute (the engine freed its sequences): it forgets its KV, and its tokens are
+        computed again when it is readmitted. By swap (``swap``: the engine swapped its sequences
+        out to the host tier): it keeps its sequences' ids, block tables and ``num_computed``,
+        with status SWAPPED, and is swapped in when readmitted (vLLM's swap preemption).
+        """
+        if swap:
+            for s in request.seqs:
+                s.grant = None  # a swap-in brings the next one
+            request.status = Status.SWAPPED
+            request.metrics.swaps += 1
+        else:
+            for s in request.seqs:
+                s.reset()
+            request.status = Status.WAITING
         self.running.remove(request)
-        request.status = Status.WAITING
         request.metrics.preemptions += 1
         with self._lock:
             self.waiting.appendleft(request)
-        log.info("preempted", request_id=request.request_id, generated=[len(s.generated) for s in request.seqs])
+        log.info("preempted", request_id=request.request_id, mode="swap" if swap else "recompute",
+                 generated=[len(s.generated) for s in request.seqs])
+
+    def swapped_in(self, request: Request) -> None:
+        """The engine swapped ``request``'s sequences back in: it runs."""
+        request.status = Status.RUNNING
+
+    def recompute_swapped(self, request: Request) -> None:
+        """A swapped-out ``request`` lost its KV (the engine freed its sequences: SWAP_LOST): it
+        forgets its block tables and computes its tokens again, keeping its place in the queues."""
+        for s in request.seqs:
+            s.reset()
+        request.status = Status.RUNNING if request in self.running else Status.WAITING
 
     def requeue_running(self) -> list[Request]:
         """Recompute every running request: the lease that held their blocks is gone (client.recovery).
@@ -262,21 +326,25 @@ class Scheduler:
         Like :meth:`preempt` for all of them at once, but not counted as preemptions: each forgets
         its KV (its tokens stay, so it resumes where it was) and they wait at the front of
         ``waiting`` in admission order, ahead of the requests that were already waiting.
-        Returns them in that order.
+        Swapped-out requests in ``waiting`` lost their sequences too: they stay where they are,
+        recomputed. Returns the running ones in admission order, then the swapped-out ones.
         """
         with self._lock:
             requeued, self.running = self.running, []
-            for r in requeued:
+            swapped = [r for r in self.waiting if r.status == Status.SWAPPED]
+            for r in [*requeued, *swapped]:
                 for s in r.seqs:
                     s.reset()
                 r.status = Status.WAITING
             self.waiting.extendleft(reversed(requeued))
-        return requeued
+        return [*requeued, *swapped]
 
     def unadmit(self, request: Request) -> None:
-        """Undo this step's admission of ``request`` (its allocation failed): it waits at the front."""
+        """Undo this step's admission of ``request`` (its allocation or swap-in failed): it waits at
+        the front (still SWAPPED if it was not swapped in)."""
         self.running.remove(request)
-        request.status = Status.WAITING
+        if request.status != Status.SWAPPED:
+            request.status = Status.WAITING
         with self._lock:
             self.waiting.appendleft(request)
 
@@ -289,6 +357,11 @@ class Scheduler:
         """Nothing runs while requests wait: the head of ``waiting`` did not fit the free blocks."""
         with self._lock:
             return not self.running and bool(self.waiting)
+
+    def head(self) -> Request | None:
+        """The head of ``waiting``, or None."""
+        with self._lock:
+            return self.waiting[0] if self.waiting else None
 
     def pop_waiting(self) -> Request:
         """Remove and return the head of ``waiting`` (a request that can never fit)."""

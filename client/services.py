@@ -176,6 +176,31 @@ class MemoryClient(_Channel):
         return self.stub.FreeSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id)).freed_blocks
 
     @_typed
+    def swap_out(self, lease_id: str, seq_ids: list[int]) -> mpb.SwapOutSequencesResponse:
+        """Swap sequences out to the host tier, all or none (preemption by swap): they stay live but
+        not runnable until :meth:`swap_in`.
+
+        Raises:
+            client.errors.OutOfHostBlocks: the host tier cannot hold their blocks now (nothing changed).
+            client.errors.FailedPrecondition: reason HOST_TIER_OFF, the service has no host tier.
+        """
+        req = mpb.SwapOutSequencesRequest(lease_id=lease_id, seq_ids=seq_ids)
+        return self.stub.SwapOutSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
+
+    @_typed
+    def swap_in(self, lease_id: str, seq_ids: list[int]) -> mpb.SwapInSequencesResponse:
+        """Bring swapped-out sequences back to the device, all or none; the reply has their block
+        tables (``num_tokens``: the slots each holds, all computed before the swap) and grants (whose
+        copies reload what left the device).
+
+        Raises:
+            client.errors.OutOfBlocks: the device cannot hold them now (try again later).
+            client.errors.FailedPrecondition: reason SWAP_LOST, a block's host copy was never made.
+        """
+        req = mpb.SwapInSequencesRequest(lease_id=lease_id, seq_ids=seq_ids)
+        return self.stub.SwapInSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
+
+    @_typed
     def block_table(self, seq_id: int, lease_id: str | None = None) -> mpb.SequenceInfo:
         """Sequence ``seq_id``'s block table, read with the secret of ``lease_id`` (default: this client's only
         lease) and the admin token when there is one (needed for another lease's sequence)."""

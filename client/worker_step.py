@@ -4,7 +4,10 @@ A sequence contributes its tokens to compute (``tokens[num_computed:num_computed
 their positions, its block table and its sampling parameters; the worker samples
 only where the step completes what the sequence knows (not mid chunked prefill,
 nor at a compute limit before a fork). Copy-on-write pairs from AppendSlots go to
-the worker of the sequence that now holds the destination block.
+the worker of the sequence that now holds the destination block; they are the only
+copies in a StepRequest's ``copies`` (device to device). The tier copies (offloads to
+and reloads from the host tier) travel in the sequences' grants, and the worker does
+every copy of every grant of its step before it writes.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def build_steps(scheduled: list[ScheduledSeq], copies_by_worker: dict[int, list[
 
     Args:
         scheduled: the step's sequences, each allocated (``seq_id`` set).
-        copies_by_worker: worker index -> copy-on-write ``(src, dst)`` block ids.
+        copies_by_worker: worker index -> copy-on-write ``(src, dst)`` device block ids.
         pool_generation: the pool generation the block ids belong to.
     """
     by_worker: dict[int, cpb.StepRequest] = {}

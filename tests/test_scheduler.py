@@ -22,8 +22,8 @@ _seq_ids = itertools.count(100)
 
 
 def scheduler(max_num_seqs: int = 8, max_num_batched_tokens: int = 16, num_workers: int = 1, reservation=None,
-              max_context: int = 64) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, reservation or Paged())
+              max_context: int = 64, config_mode: str = "recompute") -> Scheduler:
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, reservation or Paged(), config_mode)
     return Scheduler(config, block_size=BLOCK, max_context=max_context, num_workers=num_workers)
 
 
@@ -172,6 +172,59 @@ def test_preempt_requeues_the_victim_at_the_front_with_reset_sequences():
     assert seq.generated == [7, 7, 7]  # the tokens stay: recompute prefills prompt + generated
     out = sch.schedule(available_blocks=100)
     assert plan(out) == [("a", 1), ("b", 8), ("late", 2)] and ids(out.admitted) == ["b", "late"]
+
+
+def swapped_pair():
+    """``a`` running, ``b`` preempted by swap after its prefill and two decodes, ``late`` waiting."""
+    sch = scheduler(config_mode="swap")
+    for rid in ("a", "b"):
+        sch.add(request(rid, 5))
+    for _ in range(3):
+        run(sch.schedule(available_blocks=100))
+    sch.add(request("late", 2))
+    victim = sch.running[1]
+    sch.preempt(victim, swap=True)
+    return sch, victim
+
+
+def test_preempt_by_swap_keeps_the_sequences_and_waits_swapped():
+    sch, victim = swapped_pair()
+    seq = victim.seqs[0]
+    assert ids(sch.running) == ["a"] and ids(sch.waiting) == ["b", "late"]
+    assert victim.status == Status.SWAPPED
+    assert (victim.metrics.preemptions, victim.metrics.swaps) == (1, 1)
+    assert seq.seq_id is not None and (seq.block_table, seq.num_computed, seq.grant) == ([0, 1], 7, None)
+    assert seq.generated == [7, 7, 7]
+
+
+def test_a_swapped_request_needs_its_whole_table_to_be_readmitted():
+    sch, victim = swapped_pair()
+    # b's decode (position 7) fits its 2 blocks: it needs both (either may have left the device), no more.
+    out = sch.schedule(available_blocks=1)
+    assert plan(out) == [("a", 1)] and out.admitted == [] and out.swapped == []
+    out = sch.schedule(available_blocks=2)
+    assert plan(out) == [("a", 1), ("b", 1)] and ids(out.swapped) == ["b"] and ids(out.admitted) == ["b"]
+    assert victim.status == Status.SWAPPED and ids(sch.running) == ["a", "b"]  # until the engine swaps it in
+    assert ids(sch.waiting) == ["late"]  # FCFS: no block left for it
+    sch.unadmit(victim)  # its swap-in was refused: it waits, still swapped
+    out.drop(victim)
+    assert out.swapped == [] and victim.status == Status.SWAPPED and ids(sch.waiting) == ["b", "late"]
+    out = sch.schedule(available_blocks=2)
+    sch.swapped_in(victim)
+    assert victim.status == Status.RUNNING and ids(out.swapped) == ["b"]
+
+
+def test_lease_recovery_recomputes_swapped_requests_too():
+    sch, victim = swapped_pair()
+    assert ids(sch.requeue_running()) == ["a", "b"]
+    assert ids(sch.waiting) == ["a", "b", "late"] and victim.status == Status.WAITING
+    assert (victim.seqs[0].seq_id, victim.seqs[0].block_table, victim.seqs[0].num_computed) == (None, [], 0)
+
+
+def test_config_refuses_an_unknown_preemption_mode():
+    assert SchedulerConfig(preemption_mode="swap").preemption_mode == "swap"
+    with pytest.raises(ValueError, match="preemption_mode must be one of recompute, swap, got 'offload'"):
+        SchedulerConfig(preemption_mode="offload")
 
 
 def test_unadmit_puts_the_request_back_at_the_front():

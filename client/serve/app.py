@@ -186,7 +186,8 @@ def create_app(server: Server) -> FastAPI:
         return {"step_count": server.engine.step_count,
                 "aborts": [{"request_id": r, "step": s} for r, s in list(server.engine.abort_log) if s >= since],
                 "steps": [{"step": t.step, "request_ids": t.request_ids, "num_tokens": t.num_tokens,
-                           "finished": t.finished, "preempted": t.preempted} for t in traces]}
+                           "finished": t.finished, "preempted": t.preempted,
+                           "swapped": t.swapped} for t in traces]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -12,8 +12,8 @@ Every channel (health checks, the pool check, the engine's) uses ``args.tls``, t
 mutual-TLS files (``--tls-cert/--tls-key/--tls-ca``), and embedded services get the same files;
 without them everything is plaintext on loopback.
 
-Attaching, the pool flags given (``--block-size``, ``--kv-cache-memory``, ``--kv-cache-dtype``,
-``--dtype``, ``--model``) are checked against the running pool's descriptor and the worker's
+Attaching, the pool flags given (``--block-size``, ``--kv-cache-memory``, ``--host-cache-memory``,
+``--kv-cache-dtype``, ``--dtype``, ``--model``) are checked against the running pool's descriptor and the worker's
 model, and refused when they differ: a server must never believe in a pool it does not have.
 ``--no-prefix-caching`` configures embedded services only, and is refused when attaching.
 """
@@ -98,6 +98,8 @@ def _embedded(args: argparse.Namespace) -> Backends:
     memory_args = ["--block-size", str(args.block_size or 16)]
     if args.kv_cache_memory:
         memory_args += ["--kv-cache-memory", args.kv_cache_memory]
+    if args.host_cache_memory:
+        memory_args += ["--host-cache-memory", args.host_cache_memory]
     if args.pool_dtype:
         memory_args += ["--dtype", args.pool_dtype]
     if not args.prefix_caching:
@@ -115,7 +117,8 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
     """
     memory = MemoryClient(backends.memory, timeout=10, tls=backends.tls)
     try:
-        layout = memory.pool().layout
+        pool = memory.pool()
+        layout = pool.layout
     finally:
         memory.close()
     wrong = []
@@ -130,6 +133,11 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
                            kv_cache_memory=parse_bytes(args.kv_cache_memory)).num_blocks
         if want != layout.num_blocks:
             wrong.append(f"--kv-cache-memory {args.kv_cache_memory} ({want} blocks; the pool has {layout.num_blocks})")
+    if args.host_cache_memory:
+        want = parse_bytes(args.host_cache_memory) // pool.block_nbytes if pool.block_nbytes else 0
+        if want != pool.host_num_blocks:
+            wrong.append(f"--host-cache-memory {args.host_cache_memory} ({want} blocks; the host tier has "
+                         f"{pool.host_num_blocks})")
     if args.model:
         worker = WorkerClient(backends.workers[0], tls=backends.tls)
         try:

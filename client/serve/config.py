@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the pool's dtype (default auto: the model's)")
     model.add_argument("--block-size", type=int, default=_env_int("BLOCK_SIZE", None), help="tokens per block (default 16)")
     model.add_argument("--kv-cache-memory", default=_env("KV_CACHE_MEMORY"), help="pool size, e.g. 1GiB")
+    model.add_argument("--host-cache-memory", default=_env("HOST_CACHE_MEMORY"),
+                       help="the host tier behind the pool (offloaded prefix-cache blocks, swapped-out requests), "
+                       "e.g. 4GiB; 0 = none (the default). Embedded services get it; attaching, it must match")
     model.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="embedded memory service without automatic prefix caching (on by default)")
     sched = p.add_argument_group("scheduler")
@@ -89,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most requests running at once (default 64)")
     sched.add_argument("--max-num-batched-tokens", type=int, default=_env_int("MAX_NUM_BATCHED_TOKENS", 512),
                        help="token budget of one step, chunked prefill (default 512)")
+    sched.add_argument("--preemption-mode", choices=("recompute", "swap"),
+                       default=_env("PREEMPTION_MODE", "recompute"),
+                       help="when the pool runs out, preempt a running request by 'recompute' (free its blocks, "
+                       "compute its tokens again later; the default) or by 'swap' (move its KV to the host tier "
+                       "and back, nothing recomputed; needs --host-cache-memory, else it recomputes)")
     sched.add_argument("--max-model-len", type=int, default=_env_int("MAX_MODEL_LEN", None),
                        help="longest context, prompt + output tokens (default: the model's, capped by the pool)")
     return p
@@ -204,6 +212,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--max-requests-per-tenant must be >= 1")
     if args.max_model_len is not None and args.max_model_len < 2:
         p.error("--max-model-len must be >= 2")
+    if args.preemption_mode not in ("recompute", "swap"):  # from PAGEDKV_PREEMPTION_MODE
+        p.error(f"--preemption-mode must be recompute or swap, got {args.preemption_mode!r}")
     if args.block_size is not None and args.block_size < 1:
         p.error("--block-size must be >= 1")
     if not 0 <= args.port <= 65535:

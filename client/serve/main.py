@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = Client(backends.memory, backends.workers, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        tls=backends.tls)
+                        tls=backends.tls, preemption_mode=args.preemption_mode)
         name = args.served_model_name or args.model or "smollm2"
         pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests, args.max_requests_per_tenant)
         server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5),

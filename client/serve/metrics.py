@@ -13,7 +13,8 @@ prefix-cache counters are read when scraped (:class:`_LiveCollector`), so they a
 | ``pagedkv:prompt_tokens_total`` | counter | a request's first output (its prompt tokens, once) |
 | ``pagedkv:generation_tokens_total`` | counter | every output token of every choice |
 | ``pagedkv:request_success_total{finished_reason}`` | counter | a request finishes ("stop", "length", "abort") |
-| ``pagedkv:num_preemptions_total`` | counter | the engine preempts a request |
+| ``pagedkv:num_preemptions_total`` | counter | the engine preempts a request (by recompute or swap) |
+| ``pagedkv:num_swaps_total`` | counter | the engine preempts a request by swap (its KV to the host tier) |
 | ``pagedkv:lease_recoveries_total`` | counter | the engine recovers from a lost lease or a new pool generation (client.recovery) |
 | ``pagedkv:kv_cache_usage_perc`` | gauge | used / total blocks of the pool, at scrape |
 | ``pagedkv:prefix_cache_queries_total`` / ``_hits_total`` | counter | the pool's, in tokens, at scrape |
@@ -129,7 +130,10 @@ class _LiveCollector:
             g = GaugeMetricFamily(f"pagedkv:{name}", doc, labels=names)
             g.add_metric(values, value)
             yield g
-        for name, doc, value in (("num_preemptions", "Requests preempted (recompute).", self.engine.preemptions),
+        for name, doc, value in (("num_preemptions", "Requests preempted (by recompute or swap).",
+                                  self.engine.preemptions),
+                                 ("num_swaps", "Requests preempted by swap (KV moved to the host tier and back).",
+                                  self.engine.swaps),
                                  ("lease_recoveries", "Recoveries from a lost lease or a new pool generation "
                                   "(running requests recomputed).", self.engine.lease_recoveries)):
             c = CounterMetricFamily(f"pagedkv:{name}", doc, labels=names)
