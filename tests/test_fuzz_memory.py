@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from client.errors import error_info
-from memory_service.leases import MAX_OWNER_CHARS
 from memory_service.layout import make_layout
+from memory_service.leases import MAX_OWNER_CHARS
 from memory_service.paging import MAX_PAGE_SIZE, encode_page_token
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.grants import grant_signed, sign_receipt, token_digest
