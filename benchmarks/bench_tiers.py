@@ -98,7 +98,8 @@ def swap_run(stack: Stack, tok, ids: list[int], mode: str, args) -> dict:
         for r in reqs:
             assert r.error is None, r.error
         return {"wall_s": wall, "output_tokens_per_s": sum(len(r.seqs[0].generated) for r in reqs) / wall,
-                "preemptions": engine.preemptions, "swap_outs": after.swap_outs - before.swap_outs,
+                "preemptions": engine.preemptions, "swap_fallbacks": engine.swap_fallbacks, "steps": engine.step_count,
+                "model_s": sum(t.model_seconds for t in engine.traces), "swap_outs": after.swap_outs - before.swap_outs,
                 "swap_ins": after.swap_ins - before.swap_ins, "reloads": after.reloads - before.reloads,
                 "outputs": [list(r.seqs[0].generated) for r in reqs]}
     finally:
@@ -112,13 +113,14 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=None, help="turns per conversation (default 4; quick 3)")
     ap.add_argument("--turn-tokens", type=int, default=96, help="new user tokens per turn (default 96)")
     ap.add_argument("--answer-tokens", type=int, default=24, help="tokens generated per turn (default 24)")
-    ap.add_argument("--max-num-seqs", type=int, default=4, help="requests running at once (default 4)")
+    ap.add_argument("--max-num-seqs", type=int, default=2, help="requests running at once (default 2)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--swap-requests", type=int, default=6)
     ap.add_argument("--swap-prompt", type=int, default=160)
     ap.add_argument("--swap-output", type=int, default=96)
     ap.add_argument("--block-sizes", default=None, help="swap vs recompute block sizes (default 8,16,32,64; quick 16,32)")
     ap.add_argument("--skip-swap", action="store_true", help="only the multi-turn chat")
+    ap.add_argument("--skip-chat", action="store_true", help="only swap vs recompute")
     args = ap.parse_args()
     args.conversations = args.conversations or (6 if args.quick else 8)
     args.turns = args.turns or (3 if args.quick else 4)
@@ -138,20 +140,21 @@ def main() -> int:
     runs = {"tier off": ["--num-blocks", str(device)],
             "tier on": ["--num-blocks", str(device), "--host-cache-memory", str(host * nbytes)],
             "large pool": ["--num-blocks", str(device + host)]}
-    for name, mem in runs.items():
+    for name, mem in ({} if args.skip_chat else runs).items():
         with Stack([*mem, "--block-size", str(bs)], "tiers") as stack:
             r = result["chat"][name] = chat(stack, tok, ids, args)
         print(f"  {name:<10} TTFT mean {r['ttft_mean_s']:.3f} s  computed {r['tokens_computed']} tokens  "
               f"reloads {r['reloads']}", flush=True)
-    off = result["chat"]["tier off"]["ttft_mean_s"]
-    rows = [[name, f"{r['ttft_mean_s']:.3f}", f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p99_s']:.3f}",
-             f"{r['output_tokens_per_s']:.1f}", r["tokens_computed"], r["reloads"], f"{off / r['ttft_mean_s']:.2f}x"]
-            for name, r in result["chat"].items()]
-    table(f"Multi-turn chat: {args.conversations} conversations x {args.turns} turns (+{args.turn_tokens} user, "
-          f"{args.answer_tokens} answer tokens), device pool {device} blocks, working set {working_set}; "
-          "TTFT over turns >= 2",
-          ["run", "TTFT mean s", "p50 s", "p99 s", "out tok/s", "tokens computed", "reloads", "TTFT vs off"], rows)
-    result["ttft_gain_tier_on"] = off / result["chat"]["tier on"]["ttft_mean_s"]
+    if result["chat"]:
+        off = result["chat"]["tier off"]["ttft_mean_s"]
+        rows = [[name, f"{r['ttft_mean_s']:.3f}", f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p99_s']:.3f}",
+                 f"{r['output_tokens_per_s']:.1f}", r["tokens_computed"], r["reloads"], f"{off / r['ttft_mean_s']:.2f}x"]
+                for name, r in result["chat"].items()]
+        table(f"Multi-turn chat: {args.conversations} conversations x {args.turns} turns (+{args.turn_tokens} user, "
+              f"{args.answer_tokens} answer tokens), device pool {device} blocks, working set {working_set}; "
+              "TTFT over turns >= 2",
+              ["run", "TTFT mean s", "p50 s", "p99 s", "out tok/s", "tokens computed", "reloads", "TTFT vs off"], rows)
+        result["ttft_gain_tier_on"] = off / result["chat"]["tier on"]["ttft_mean_s"]
 
     if not args.skip_swap:
         result["swap"] = {}
@@ -164,8 +167,8 @@ def main() -> int:
             with Stack(mem, "swap") as stack:
                 for mode in ("recompute", "swap"):
                     r = result["swap"][f"{b}/{mode}"] = swap_run(stack, tok, ids, mode, args)
-                    print(f"  block {b:>2} {mode:<9} {r['wall_s']:.2f} s  preemptions {r['preemptions']}  "
-                          f"swaps {r['swap_outs']}", flush=True)
+                    print(f"  block {b:>2} {mode:<9} {r['wall_s']:.2f} s (model {r['model_s']:.2f} s, {r['steps']} "
+                          f"steps)  preemptions {r['preemptions']}  swaps {r['swap_outs']}", flush=True)
             same = result["swap"][f"{b}/recompute"].pop("outputs") == result["swap"][f"{b}/swap"].pop("outputs")
             result["swap"][f"{b}/swap"]["outputs_equal_recompute"] = same
         rows = []
@@ -179,14 +182,16 @@ def main() -> int:
     write_result("bench_tiers", result)
     plt = pyplot()
     if plt is not None:
-        fig, axes = plt.subplots(1, 2 if "swap" in result else 1, figsize=(11, 4.5), squeeze=False)
-        ax = axes[0][0]
-        names = list(result["chat"])
-        ax.bar(names, [result["chat"][n]["ttft_mean_s"] for n in names], color=["#999", "#2a7", "#47c"])
-        ax.set_ylabel("mean TTFT, turns >= 2 (s)")
-        ax.set_title("Multi-turn chat, working set ~4x the device pool")
-        if "swap" in result:
-            ax = axes[0][1]
+        panels = [p for p in ("chat", "swap") if result.get(p)]
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+        if "chat" in panels:
+            ax = axes[0][0]
+            names = list(result["chat"])
+            ax.bar(names, [result["chat"][n]["ttft_mean_s"] for n in names], color=["#999", "#2a7", "#47c"])
+            ax.set_ylabel("mean TTFT, turns >= 2 (s)")
+            ax.set_title("Multi-turn chat, working set ~4x the device pool")
+        if "swap" in panels:
+            ax = axes[0][-1]
             ax.plot(sizes, [result["swap"][f"{b}/recompute"]["wall_s"] for b in sizes], "o-", label="recompute")
             ax.plot(sizes, [result["swap"][f"{b}/swap"]["wall_s"] for b in sizes], "s-", label="swap")
             ax.set_xscale("log", base=2)
