@@ -31,10 +31,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.pool_socket import PoolHandle, receive_handle
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+log = get_logger("pool_map")
 
 
 @dataclass
@@ -235,7 +238,12 @@ def map_handle(handle: PoolHandle) -> MappedPool:
             raw = torch.as_tensor(_CudaArray(ptr + desc.cuda_offset, desc.nbytes), device=f"cuda:{index}")
             tensor = raw.view(dtype).as_strided(shape, strides)
             if host is not None:  # unregistered first, before its mapping closes
-                keep.insert(0, _HostRegistration(host.data_ptr(), desc.host_nbytes, index))
+                try:
+                    keep.insert(0, _HostRegistration(host.data_ptr(), desc.host_nbytes, index))
+                except Exception as e:  # noqa: BLE001 - e.g. RLIMIT_MEMLOCK below the tier's size
+                    log.warning("host_tier_not_page_locked", error=str(e), nbytes=desc.host_nbytes,
+                                hint="raise the memlock limit (ulimit -l unlimited; compose: ulimits: memlock: -1); "
+                                     "until then the host tier's copies are synchronous")
         return MappedPool(desc, tensor, all_epochs[:num_blocks], handle.plane_key, _keepalive=keep,
                           host_tensor=host, host_epochs=all_epochs[num_blocks:] if host_blocks else None,
                           all_epochs=all_epochs)
