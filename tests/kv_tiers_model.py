@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from memory_service.block_manager import BlockManager
 from memory_service.requests import BlockCopy, Receipt
 from memory_service.sequence import Sequence
-from memory_service.tiers import HOST
+from memory_service.tiers import DEVICE, HOST
 from pagedkv.grants import token_digest
 
 
@@ -62,6 +62,40 @@ class KvContent:
         end = (index + 1) * bs if upto is None else min(upto, (index + 1) * bs)
         held = self.tier[medium][block]
         return [p for p in range(index * bs, end) if held[p % bs] != slot_kv(tokens, p)]
+
+
+    def wrong_in_sequence(self, seq: Sequence, tokens, later=()) -> list[tuple[int, list[int]]]:
+        """(block index, positions) where ``seq`` would not read its own proven KV (positions below
+        ``num_proven``): through its block table, skipping device blocks in ``later`` (copies not
+        done yet); a swapped-out sequence through the device blocks it keeps and the host blocks
+        whose offload was proven (a block whose offload was not is lost: its swap-in fails)."""
+        out = []
+        for i, b in enumerate(seq.block_ids):
+            e = seq.swap[i] if seq.swap is not None else None
+            if e is None:
+                if b in later:
+                    continue
+                where = (DEVICE, b)
+            elif e.device is not None:
+                where = (DEVICE, e.device)
+            elif e.proven:
+                where = (HOST, e.host)
+            else:
+                continue
+            wrong = self.wrong_slots(*where, tokens, i, seq.num_proven)
+            if wrong:
+                out.append((i, wrong))
+        return out
+
+
+class Clock:
+    """A fake monotonic clock (seconds) for lease expiry."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @dataclass
@@ -126,4 +160,4 @@ def snapshot(m: BlockManager) -> tuple:
     return stats, seqs, pool, tiers, host
 
 
-__all__ = ["Job", "KvContent", "is_tier", "run_step", "slot_kv", "snapshot", "worker_rank"]
+__all__ = ["Clock", "Job", "KvContent", "is_tier", "run_step", "slot_kv", "snapshot", "worker_rank"]

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kv_tiers_model import Job, KvContent, run_step, snapshot
+from kv_tiers_model import Clock, Job, KvContent, run_step, snapshot
 
 from memory_service.block_hash import CacheKey, chain_hashes
 from memory_service.block_manager import BlockManager
@@ -42,14 +42,6 @@ TTL = 5.0
 #: Shared prompt prefixes (tokens from a tiny vocabulary, so contents repeat and the cache hits).
 PREFIXES = [(), (1, 2, 3, 1, 2, 3), (1, 2, 3, 3, 2, 1, 0), (2, 2, 2, 2, 2, 2, 2, 2, 2, 2),
             (0, 1, 0, 1, 0, 1, 3), (3, 3, 0, 0, 1, 1, 2, 2, 3, 3), (0, 0, 0, 3, 2, 1, 0)]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -388,24 +380,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for sid, (_, toks) in self.history.items():
             seq = self.m.sequences[sid]
             assert seq.num_tokens == len(toks)
-            n = seq.num_proven
-            if seq.swap is not None:
-                for i, (b, e) in enumerate(zip(seq.block_ids, seq.swap)):
-                    if e is None or e.device is not None:
-                        where = (DEVICE, b if e is None else e.device)
-                    elif e.proven:
-                        where = (HOST, e.host)
-                    else:
-                        continue  # lost: its swap-in fails
-                    assert not self.kv.wrong_slots(*where, toks, i, n), f"swapped sequence {sid}: block {i} lost its KV"
-                continue
             # Copies not done yet (reloads no receipt proved, a grant not run) fill these blocks later.
             later = {r.copy.dst for r in seq.reloads}
             later.update(c.dst for g in self.grants.get(sid, ()) for c, _ in g if c.dst_medium == DEVICE)
-            for i, b in enumerate(seq.block_ids):
-                if b not in later:
-                    wrong = self.kv.wrong_slots(DEVICE, b, toks, i, n)
-                    assert not wrong, f"sequence {sid} reads other KV at positions {wrong} (block {b})"
+            wrong = self.kv.wrong_in_sequence(seq, toks, later)
+            assert not wrong, f"sequence {sid} (swapped: {seq.swap is not None}) reads other KV at (block index, positions) {wrong}"
 
     @invariant()
     def cached_blocks_hold_their_kv(self):
