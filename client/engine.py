@@ -270,14 +270,15 @@ class Engine:
         Only copy-on-write pairs (device to device) go in a Step's ``copies``; the tier copies an
         append caused (offloads of evicted blocks) are in the grants, which the worker follows.
 
-        ``swapped_in``: sequence ids swapped in this step (a victim among them is recomputed: its
-        reloads have not run yet). Returns the copy-on-write ``(src, dst)`` pairs per worker, the
-        preempted request ids and, of those, the ones preempted by swap.
+        ``swapped_in``: sequence ids swapped in this step, grown already by their SwapInSequences
+        (a victim among them is recomputed: its reloads have not run yet). Returns the copy-on-write
+        ``(src, dst)`` pairs per worker, the preempted request ids and, of those, the ones preempted
+        by swap.
         """
         preempted: list[str] = []
         swapped: list[str] = []
         copies: dict[int, list[tuple[int, int]]] = {}  # seq_id -> its copies
-        done: set[int] = set()
+        done: set[int] = set(swapped_in)
         while True:
             pending = [x for x in out.scheduled if x.seq.seq_id is not None and x.seq.seq_id not in done
                        and self.scheduler.reservation(x.request) is None]

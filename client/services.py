@@ -188,16 +188,19 @@ class MemoryClient(_Channel):
         return self.stub.SwapOutSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
-    def swap_in(self, lease_id: str, seq_ids: list[int]) -> mpb.SwapInSequencesResponse:
-        """Bring swapped-out sequences back to the device, all or none; the reply has their block
-        tables (``num_tokens``: the slots each holds, all computed before the swap) and grants (whose
-        copies reload what left the device).
+    def swap_in(self, lease_id: str, seq_ids: list[int],
+                appends: list[tuple[int, int, list[int]]] = ()) -> mpb.SwapInSequencesResponse:
+        """Bring swapped-out sequences back to the device, all or none, and grow them by ``appends``
+        ``(seq_id, num_tokens, token_ids)`` (their next step's tokens) in the same call; the reply has
+        their block tables (``num_tokens``: the slots each holds) and one grant each (whose copies
+        reload what left the device, and offload what the call evicted: run the step on that grant).
 
         Raises:
             client.errors.OutOfBlocks: the device cannot hold them now (try again later).
             client.errors.FailedPrecondition: reason SWAP_LOST, a block's host copy was never made.
         """
-        req = mpb.SwapInSequencesRequest(lease_id=lease_id, seq_ids=seq_ids)
+        req = mpb.SwapInSequencesRequest(lease_id=lease_id, seq_ids=seq_ids, appends=[
+            mpb.SlotAppend(seq_id=i, num_tokens=n, token_ids=t) for i, n, t in appends])
         return self.stub.SwapInSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed

@@ -120,8 +120,11 @@ class Swapper:
         while pending:
             batch = pending[:1] if one_by_one else pending[:MAX_BATCH]
             ids = [i for r in batch for i in r.seq_ids()]
+            # Their slots for this step in the same call: its reply's grant is the step's only one.
+            grow = {x.seq.seq_id: x for x in out.scheduled if x.request in batch and x.seq.seq_id is not None}
             try:
-                resp = engine.memory.swap_in(engine.lease.lease_id, ids)
+                resp = engine.memory.swap_in(engine.lease.lease_id, ids,
+                                             [(i, x.num_new_tokens, x.token_ids) for i, x in grow.items()])
             except (OutOfBlocks, QuotaExceeded) as e:
                 later = out.admitted[out.admitted.index(batch[-1]):]
                 for r in reversed(later):
@@ -141,17 +144,20 @@ class Swapper:
                 continue
             for r in batch:
                 pending.remove(r)
-            done.update(self._apply(batch, resp, out))
+            done.update(self._apply(batch, resp, out, grow))
         return done
 
-    def _apply(self, reqs: list[Request], resp: mpb.SwapInSequencesResponse, out: SchedulerOutput) -> list[int]:
-        """Give ``reqs``' sequences their block tables and grants from a SwapInSequences reply;
-        returns the ids of those that run on (not recomputed)."""
+    def _apply(self, reqs: list[Request], resp: mpb.SwapInSequencesResponse, out: SchedulerOutput,
+               grow: dict) -> list[int]:
+        """Give ``reqs``' sequences their block tables and grants from a SwapInSequences reply
+        (``grow``: seq_id -> its ScheduledSeq, grown in that call); returns the ids of those that
+        run on (not recomputed)."""
         by_id = {s.seq_id: (r, s) for r in reqs for s in r.seqs if s.seq_id is not None}
         lost: dict[int, Request] = {}
         for t, g in zip(resp.sequences, resp.grants):
             r, s = by_id[t.seq_id]
-            if t.num_tokens != s.num_computed:  # slots it never computed, or fewer than it had
+            x = grow.get(t.seq_id)
+            if t.num_tokens != s.num_computed + (x.num_new_tokens if x else 0):  # not the slots it had
                 lost[id(r)] = r  # not the KV it left with: recompute rather than guess
             s.block_table, s.grant = list(t.block_ids), g
         for r in reqs:

@@ -370,31 +370,57 @@ class BlockManager:
                                               "(nothing was swapped)")
         return self.tiers.swap_out(seqs)
 
-    def swap_in(self, lease_id: str, seq_ids: Seq[int]) -> list[Sequence] | OutOfBlocks:
-        """Bring swapped-out sequences back to the device, all or nothing (:meth:`Tiers.swap_in`):
-        the sequences, with reload copies for what left the device, or :class:`OutOfBlocks` with
-        nothing changed.
+    def swap_in(self, lease_id: str, seq_ids: Seq[int], appends: Seq[Append] = ()
+                ) -> tuple[list[Sequence], AppendResult | None] | OutOfBlocks:
+        """Bring swapped-out sequences back to the device, then add ``appends``' slots to them, all
+        or nothing (:meth:`Tiers.swap_in`, :meth:`append_slots`): the sequences, with reload copies
+        for what left the device, and the appends' result (None without appends); or
+        :class:`OutOfBlocks` with nothing changed. Blocks a shared last block may need for its
+        copy-on-write count as needed.
 
         Raises:
-            InvalidArgumentError: empty batch or duplicate ids.
+            InvalidArgumentError: empty batch, duplicate ids, an append for a sequence not in the
+                batch or twice, a bad append (as :meth:`append_slots`).
             NotFoundError / FailedPreconditionError: unknown sequence or lease, expired lease.
             FailedPreconditionError: a sequence not swapped out; reason SWAP_LOST, a block that left
                 the device with no proven host copy (free the sequence and recompute it).
+            QuotaExceededError: the appends would take the lease past its block quota.
         """
-        self.leases.lookup(lease_id)
+        lease = self.leases.lookup(lease_id)
         seqs = self.sequences.owned(lease_id, seq_ids, "SwapInSequences")
         for seq in seqs:
             if seq.swap is None:
                 raise FailedPreconditionError(f"SwapInSequences: sequence {seq.seq_id} is not swapped out "
                                               "(nothing was swapped in)")
+        by_id = {s.seq_id: s for s in seqs}
+        if len({a.seq_id for a in appends}) != len(appends) or any(a.seq_id not in by_id for a in appends):
+            raise InvalidArgumentError("SwapInSequences: each append must name a sequence of the batch, at most once")
+        check_token_ids(sum(len(a.token_ids) for a in appends if a.token_ids), "SwapInSequences")
+        bs, capacity, rc = self.block_size, self.pool.num_blocks * self.block_size, self.pool.ref_counts
+        grow = cow = 0
+        for a in appends:
+            seq, k = by_id[a.seq_id], a.num_tokens
+            if not (1 <= k and seq.num_tokens + k <= capacity):
+                self._check_tokens(k, "SwapInSequences")
+                self._check_tokens(seq.num_tokens + k, f"SwapInSequences(sequence {seq.seq_id})")
+            if a.token_ids and len(a.token_ids) != k:
+                raise InvalidArgumentError(f"SwapInSequences(sequence {a.seq_id}): {len(a.token_ids)} token ids "
+                                           f"for {k} tokens")
+            grow += blocks_for(seq.num_tokens + k, bs) - len(seq.block_ids)
+            cow += bool(seq.num_tokens % bs and seq.swap[-1] is None and rc[seq.block_ids[-1]] > 1)
+        self._check_quota(lease, "SwapInSequences", grow, 0)
         new, kept = self.tiers.swap_in_need(seqs)
-        if new > self.pool.num_available - kept:
+        if new + grow + cow > self.pool.num_available - kept:
             if self.releasing_refs:
                 self.drain_released()
-                return self.swap_in(lease_id, seq_ids)
-            return self._refuse(new, kept)
+                return self.swap_in(lease_id, seq_ids, appends)
+            return self._refuse(new + grow + cow, kept)
         self.tiers.swap_in(seqs)
-        return seqs
+        if not appends:
+            return seqs, None
+        result = self.append_slots(lease_id, appends)
+        assert not isinstance(result, OutOfBlocks), f"swap-in counted its appends' blocks wrong: {result}"
+        return seqs, result
 
     def commit_computed(self, lease_id: str, entries: Seq[Commit]) -> CommitResult:
         """Count each :class:`Commit`'s tokens as computed without a receipt (in-process callers

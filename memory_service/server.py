@@ -170,11 +170,13 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def SwapInSequences(self, request, context):
         lease = self.authz.lease(context, request.lease_id)
-        seqs = _ok(self.manager.swap_in(request.lease_id, list(request.seq_ids)), "swap-in")
+        appends = [Append(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
+        seqs, appended = _ok(self.manager.swap_in(request.lease_id, list(request.seq_ids), appends), "swap-in")
         tier: list = []
-        grants = self._grants(lease, seqs, tier_copies=tier)
+        cow = appended.copies if appended is not None else []
+        grants = self._grants(lease, seqs, cow, tier)
         return pb.SwapInSequencesResponse(sequences=[_table(s) for s in seqs], grants=grants,
-                                          copies=[_copy(c) for c in _worker_order(tier)])
+                                          copies=[_copy(c) for c in _worker_order([*tier, *cow])])
 
     async def GetBlockTable(self, request, context):
         caller, seq = self.authz.read_sequence(context, request.seq_id, self.manager.get_sequence)

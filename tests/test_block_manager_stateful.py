@@ -328,7 +328,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if before is not None:
                 self._unchanged(before)
             return
-        for seq in result:
+        seqs, appended = result
+        assert appended is None
+        for seq in seqs:
             assert seq.swap is None and all(r.block_hash is None for r in seq.reloads)
             del self.swapped[seq.seq_id]
             self._grant(seq)

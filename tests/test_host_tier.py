@@ -15,7 +15,7 @@ import pytest
 from memory_service.block_manager import BlockManager
 from memory_service.requests import Allocation, Append, BlockCopy, OutOfBlocks, Receipt
 from memory_service.tiers import DEVICE, HOST
-from pagedkv.errors import HOST_TIER_OFF, SWAP_LOST, FailedPreconditionError, OutOfHostBlocksError
+from pagedkv.errors import HOST_TIER_OFF, SWAP_LOST, FailedPreconditionError, InvalidArgumentError, OutOfHostBlocksError
 from pagedkv.grants import token_digest
 
 BS = 4
@@ -181,7 +181,7 @@ def test_swap_out_keeps_shared_blocks_and_reserves_host_blocks_for_its_own():
     with pytest.raises(FailedPreconditionError):
         m.append_slots(lease, [Append(child.seq_id, 1)])
     # Nothing needed the blocks: swap-in takes them back with no copy.
-    (back,) = m.swap_in(lease, [child.seq_id])
+    (back,), _ = m.swap_in(lease, [child.seq_id])
     assert back.block_ids == [0, 2, 3] and granted(m, back) == []
     s = m.stats()
     assert (s.swap_outs, s.swap_ins, s.swapped_sequences, s.host_used_blocks, s.used_blocks) == (1, 1, 0, 0, 4)
@@ -199,12 +199,11 @@ def test_a_swapped_block_handed_out_is_offloaded_then_reloaded_on_swap_in():
     assert copies == [offload(1, 1)]  # to the host block held for it
     step(m, lease, w, copies)
     m.free(lease, [w.seq_id])
-    (back,) = m.swap_in(lease, [v.seq_id])
-    assert back.block_ids == [0, 1]  # block 0 kept; block 1 (W's now, cached) gives its KV to the host first
-    copies = granted(m, back)
+    # Back, with a slot for its next token in the same call: the reply's one grant carries every copy.
+    (back,), appended = m.swap_in(lease, [v.seq_id], [Append(v.seq_id, 1, (307,))])
+    assert back.block_ids == [0, 1] and back.num_tokens == 8 and appended.updates == []
+    copies = granted(m, back)  # block 0 kept; block 1 (W's now, cached) gives its KV to the host first
     assert copies == [offload(1, 2), reload(1, 1)]
-    m.append_slots(lease, [Append(back.seq_id, 1, (307,))])
-    back.token_ids = list(range(300, 308))
     step(m, lease, back, copies)  # no positions to compute: the receipt of its next token proves the reload
     s = m.stats()
     assert (s.swap_outs, s.swap_ins, s.offloads, s.reloads, s.host_used_blocks, s.host_cached_blocks) == (1, 1, 2, 1, 0, 1)
@@ -291,4 +290,18 @@ def test_an_allocation_that_does_not_fit_pins_nothing_in_either_tier():
     assert after.allocation_failures == before.allocation_failures + 1
     assert dataclasses.replace(after, allocation_failures=before.allocation_failures) == before
     assert m.tiers.host.pins == [0, 0, 0, 0]
+    m.check_invariants()
+
+
+def test_a_swap_in_with_a_bad_append_changes_nothing():
+    m, lease = manager(num_blocks=4, host=4)
+    (v,) = m.allocate(lease, [Allocation(7, tuple(range(300, 307)))])
+    step(m, lease, v)
+    m.swap_out(lease, [v.seq_id])
+    before = (m.stats(), m.sequence_info(v.seq_id))
+    for bad in ([Append(v.seq_id + 1, 1)], [Append(v.seq_id, 1), Append(v.seq_id, 1)], [Append(v.seq_id, 0)],
+                [Append(v.seq_id, 2, (1,))], [Append(v.seq_id, 4 * 4)]):
+        with pytest.raises(InvalidArgumentError):
+            m.swap_in(lease, [v.seq_id], bad)
+        assert (m.stats(), m.sequence_info(v.seq_id)) == before
     m.check_invariants()

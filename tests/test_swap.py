@@ -178,15 +178,18 @@ class FakeMemory:
                 self.lost.add(sid)
         return mpb.SwapOutSequencesResponse(host_blocks_reserved=need)
 
-    def swap_in(self, lease_id, seq_ids):
+    def swap_in(self, lease_id, seq_ids, appends=()):
+        """Swap in, then grow by ``appends`` (seq_id, n, token_ids), all or nothing."""
         self.calls.append(("swap_in", list(seq_ids)))
         if self.lost.intersection(seq_ids):
             raise FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION, "host copy never made", SWAP_LOST)
-        need = sum(len(self.seqs[i]["host"]) for i in seq_ids)
+        grow = {sid: blocks_for(self.seqs[sid]["tokens"] + n) - len(self.seqs[sid]["host"]) for sid, n, _ in appends}
+        need = sum(len(self.seqs[i]["host"]) for i in seq_ids) + sum(grow.values())
         if self.refuse_swap_in:
             self.refuse_swap_in -= 1
             raise OutOfBlocks.of(need, 0, "the device is full")
         self._take_check(need)
+        added = {sid: n for sid, n, _ in appends}
         resp = mpb.SwapInSequencesResponse()
         for sid in seq_ids:
             s = self.seqs[sid]
@@ -198,6 +201,9 @@ class FakeMemory:
             self.free_host += s["host"]
             s["host"] = []
             assert s["tokens"] == s["computed"], "swapped with slots never computed"
+            if sid in added:
+                s["blocks"] += self._take(grow[sid])
+                s["tokens"] += added[sid]
             resp.sequences.add(seq_id=sid, num_tokens=s["tokens"], block_ids=s["blocks"])
             resp.grants.add(seq_id=sid)
         return resp

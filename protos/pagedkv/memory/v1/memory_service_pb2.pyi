@@ -505,12 +505,14 @@ class SwapOutSequencesResponse(_message.Message):
     def __init__(self, device_blocks_released: _Optional[int] = ..., host_blocks_reserved: _Optional[int] = ...) -> None: ...
 
 class SwapInSequencesRequest(_message.Message):
-    __slots__ = ("lease_id", "seq_ids")
+    __slots__ = ("lease_id", "seq_ids", "appends")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    APPENDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    appends: _containers.RepeatedCompositeFieldContainer[SlotAppend]
+    def __init__(self, lease_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., appends: _Optional[_Iterable[_Union[SlotAppend, _Mapping]]] = ...) -> None: ...
 
 class SwapInSequencesResponse(_message.Message):
     __slots__ = ("sequences", "grants", "copies")
