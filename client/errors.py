@@ -33,7 +33,19 @@ class ServiceError(Exception):
         self.metadata = dict(metadata or {})
 
 
-class OutOfBlocks(ServiceError):
+class _Shortfall(ServiceError):
+    """A RESOURCE_EXHAUSTED that carries ``required`` and ``available`` block counts."""
+
+    @property
+    def required(self) -> int:
+        return int(self.metadata.get("required", 0))
+
+    @property
+    def available(self) -> int:
+        return int(self.metadata.get("available", 0))
+
+
+class OutOfBlocks(_Shortfall):
     """RESOURCE_EXHAUSTED with reason OUT_OF_BLOCKS: ``required`` and ``available`` blocks."""
 
     @classmethod
@@ -42,26 +54,10 @@ class OutOfBlocks(ServiceError):
         return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, message, OUT_OF_BLOCKS,
                    {"required": str(required), "available": str(available)})
 
-    @property
-    def required(self) -> int:
-        return int(self.metadata.get("required", 0))
 
-    @property
-    def available(self) -> int:
-        return int(self.metadata.get("available", 0))
-
-
-class OutOfHostBlocks(ServiceError):
+class OutOfHostBlocks(_Shortfall):
     """RESOURCE_EXHAUSTED with reason OUT_OF_HOST_BLOCKS: a swap-out needs ``required`` host-tier blocks
     and ``available`` can be reserved (nothing changed); the caller preempts by recompute instead."""
-
-    @property
-    def required(self) -> int:
-        return int(self.metadata.get("required", 0))
-
-    @property
-    def available(self) -> int:
-        return int(self.metadata.get("available", 0))
 
 
 class QuotaExceeded(ServiceError):
