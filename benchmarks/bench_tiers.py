@@ -5,7 +5,10 @@ Part 1, multi-turn chat. ``--conversations`` conversations of ``--turns`` turns 
 re-sends the conversation's whole history (previous prompts and answers) plus a new user message
 of ``--turn-tokens`` tokens and generates ``--answer-tokens`` tokens greedily (ignore_eos). Turns
 run round by round (turn 1 of every conversation, then turn 2, ...), so between two turns of a
-conversation the others pass through the device. The device pool holds about a quarter of the
+conversation the others pass through the device. Each request is sent when the one before it
+finished (``--concurrency`` 1: a closed loop, as a user waits for the answer), so its TTFT is its
+own prefill (with what the cache saves), not time queued behind other requests' decoding; a
+higher concurrency runs that many requests at once. The device pool holds about a quarter of the
 final working set (every conversation's history); three runs of the same trace:
 
 - ``tier off``: that pool, no host tier (an evicted history is recomputed);
@@ -48,7 +51,7 @@ def block_nbytes(block_size: int, dtype: str = "float32") -> int:
 
 def chat(stack: Stack, tok, ids: list[int], args) -> dict:
     """Run the multi-turn trace on ``stack``; TTFTs by turn and counters."""
-    engine = stack.engine(SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512), tok)
+    engine = stack.engine(SchedulerConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=512), tok)
     try:
         histories = [[] for _ in range(args.conversations)]
         ttfts: dict[int, list[float]] = {}
@@ -62,11 +65,13 @@ def chat(stack: Stack, tok, ids: list[int], args) -> dict:
                 prompt = hist + ids[at:at + args.turn_tokens]
                 reqs.append(Request(prompt, prompt, SamplingParams(
                     max_tokens=args.answer_tokens, temperature=0, ignore_eos=True), request_id=f"c{c}t{turn}"))
-            for r in reqs:
-                r.metrics.arrival = time.time()
-            engine.traces.clear()
-            wall += run_engine(engine, reqs)
-            computed += sum(t.num_tokens for t in engine.traces)
+            for at in range(0, len(reqs), args.concurrency):
+                group = reqs[at:at + args.concurrency]
+                for r in group:
+                    r.metrics.arrival = time.time()
+                engine.traces.clear()
+                wall += run_engine(engine, group)
+                computed += sum(t.num_tokens for t in engine.traces)
             for c, r in enumerate(reqs):
                 assert r.error is None, r.error
                 histories[c] = list(r.prompt_token_ids) + list(r.seqs[0].generated)
@@ -113,7 +118,8 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=None, help="turns per conversation (default 4; quick 3)")
     ap.add_argument("--turn-tokens", type=int, default=96, help="new user tokens per turn (default 96)")
     ap.add_argument("--answer-tokens", type=int, default=24, help="tokens generated per turn (default 24)")
-    ap.add_argument("--max-num-seqs", type=int, default=2, help="requests running at once (default 2)")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="chat requests sent at once, each group after the last finished (default 1)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--swap-requests", type=int, default=6)
     ap.add_argument("--swap-prompt", type=int, default=160)
@@ -130,7 +136,7 @@ def main() -> int:
     bs = args.block_size
     final = args.turns * (args.turn_tokens + args.answer_tokens)
     working_set = args.conversations * -(-final // bs)  # blocks of every final history
-    device = max(working_set // 4, args.max_num_seqs * -(-(final + bs) // bs))
+    device = max(working_set // 4, args.concurrency * -(-(final + bs) // bs))
     host = working_set + device
     nbytes = block_nbytes(bs)
     result = {"machine": machine(), "config": {**vars(args), "device_blocks": device, "host_blocks": host,
@@ -151,8 +157,8 @@ def main() -> int:
                  f"{r['output_tokens_per_s']:.1f}", r["tokens_computed"], r["reloads"], f"{off / r['ttft_mean_s']:.2f}x"]
                 for name, r in result["chat"].items()]
         table(f"Multi-turn chat: {args.conversations} conversations x {args.turns} turns (+{args.turn_tokens} user, "
-              f"{args.answer_tokens} answer tokens), device pool {device} blocks, working set {working_set}; "
-              "TTFT over turns >= 2",
+              f"{args.answer_tokens} answer tokens), {args.concurrency} at a time, device pool {device} blocks, "
+              f"working set {working_set}; TTFT over turns >= 2",
               ["run", "TTFT mean s", "p50 s", "p99 s", "out tok/s", "tokens computed", "reloads", "TTFT vs off"], rows)
         result["ttft_gain_tier_on"] = off / result["chat"]["tier on"]["ttft_mean_s"]
 
