@@ -204,6 +204,7 @@ def main() -> int:
             ax.set_xticks(sizes, [str(b) for b in sizes])
             ax.set_xlabel("block size (tokens)")
             ax.set_ylabel("wall time (s)")
+            ax.set_ylim(bottom=0)
             ax.set_title("Preemption: swap vs recompute (paper Fig. 19)")
             ax.legend()
         save_plot(fig, "bench_tiers")
