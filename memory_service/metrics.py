@@ -18,7 +18,7 @@ METRICS = {
     "pagedkv_num_blocks_total": (GaugeMetricFamily, "Blocks in the pool.", "total_blocks"),
     "pagedkv_num_blocks_used": (GaugeMetricFamily, "Blocks with refcount > 0.", "used_blocks"),
     "pagedkv_num_blocks_free": (GaugeMetricFamily, "Blocks with no content.", "free_blocks"),
-    "pagedkv_num_blocks_cached": (GaugeMetricFamily, "Refcount-0 blocks kept for the prefix cache.", "cached_blocks"),
+    "pagedkv_num_blocks_cached": (GaugeMetricFamily, "Refcount-0 blocks keeping content (prefix cache, swapped-out blocks).", "cached_blocks"),
     "pagedkv_num_sequences": (GaugeMetricFamily, "Live sequences.", "num_sequences"),
     "pagedkv_num_leases": (GaugeMetricFamily, "Live leases.", "num_leases"),
     "pagedkv_tokens_stored": (GaugeMetricFamily, "Token states held in used blocks.", "tokens_stored"),

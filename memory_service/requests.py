@@ -198,7 +198,7 @@ class Stats:
     total_blocks: int
     #: Blocks with no content.
     free_blocks: int
-    #: Refcount-0 blocks kept for the prefix cache (evictable).
+    #: Refcount-0 blocks keeping content, evictable: prefix-cache blocks and swapped-out sequences' blocks.
     cached_blocks: int
     #: Blocks with refcount > 0.
     used_blocks: int
