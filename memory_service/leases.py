@@ -9,9 +9,11 @@ injectable ``clock`` (seconds, monotonic), so tests can advance it by hand.
 
 Keep-alives are never starved by the service's own stalls. Once the periodic
 sweep runs (:meth:`LeaseTable.watch_stalls`), the table knows it looks at the
-clock at least every ``period`` seconds; a gap longer than that between two
-looks means the service itself did not run (a long call on the event loop, the
-process paused, the host suspended), not that clients fell silent. Then:
+clock at least every ``period`` seconds; a gap longer than two periods between
+two looks means the service itself did not run (a long call on the event loop,
+the process paused, the host suspended), not that clients fell silent (a sweep
+a little late, by the event loop's jitter or a busy machine, is not a stall:
+crediting every such lateness would hold expiry off for ever). Then:
 
 * the gap beyond ``period`` is credited to every live lease (added to its
   deadline) before anything expires, since no client could reach the service
@@ -164,10 +166,11 @@ class LeaseTable(LiveTable[str, Lease]):
         self._looked_at = self.clock()
 
     def _credit_stall(self, now: float) -> None:
-        """Add the gap since the last look beyond :attr:`sweep_period` to every lease's deadline."""
+        """Add the gap since the last look beyond :attr:`sweep_period` to every lease's deadline, when it
+        is a stall: longer than two periods (a sweep later than that is the service not running)."""
         late = now - self._looked_at - self.sweep_period
         self._looked_at = now
-        if late <= 0:
+        if late <= self.sweep_period:
             return
         for lease in self._live.values():
             lease.expires_at += late

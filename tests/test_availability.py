@@ -80,6 +80,21 @@ def test_a_stall_is_credited_to_every_lease_but_is_not_immortality():
         table.lookup(idle)
 
 
+def test_a_sweep_a_little_late_is_not_a_stall():
+    """Sweeps that wake a few milliseconds late (as asyncio.sleep does) credit nothing, so an idle
+    lease expires at its TTL (each one crediting its lateness held expiry off for ever)."""
+    clock = FakeClock()
+    dropped = []
+    table = LeaseTable(1.0, lambda lease: dropped.append(lease.lease_id) or 0, clock)
+    table.watch_stalls(0.25)
+    idle = table.create().lease_id
+    expired = []
+    for _ in range(5):
+        clock.now += 0.25 + 0.002
+        expired += table.expire()
+    assert expired == dropped == [idle] and table.stall_credit == 0
+
+
 def test_without_the_sweep_nothing_is_credited():
     clock = FakeClock()
     table = LeaseTable(1.0, lambda lease: 0, clock)
