@@ -8,6 +8,7 @@ block is one contiguous byte range (the unit of a copy-on-write copy).
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,24 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise ValueError(f"memory size must be positive, got {text!r}")
     return value
+
+
+def host_cache_bytes(text: str | None) -> int:
+    """Bytes of ``--host-cache-memory`` (0, "0B", "0GiB" or empty: no host tier).
+
+    Raises:
+        ValueError: a size that does not parse, or more than this machine's memory (the tier is a
+            sparse memfd: a size past RAM would start, then fail once it fills).
+    """
+    text = (text or "0").strip()
+    if re.fullmatch(r"0+(\.0*)?\s*[A-Za-z]*", text):
+        return 0
+    n = parse_bytes(text)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if n > ram:
+        raise ValueError(f"--host-cache-memory {text} ({n} bytes) is more than this machine's memory ({ram} bytes); "
+                         "give a host tier that fits in RAM beside the pool and the workers")
+    return n
 
 
 def model_attention_layout(model: str) -> dict[str, int]:

@@ -27,7 +27,7 @@ import os
 
 from memory_service.authz import create_admin_token
 from memory_service.block_manager import BlockManager
-from memory_service.layout import make_layout, parse_bytes
+from memory_service.layout import host_cache_bytes, make_layout, parse_bytes
 from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
 from memory_service.step_grants import GrantSigner
@@ -121,7 +121,7 @@ def create_pool(args: argparse.Namespace) -> Pool:
     if args.num_blocks is None:
         memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if is_cuda else DEFAULT_CPU_KV_MEMORY))
     layout = make_layout(args.model, block_size=args.block_size, dtype=dtype, num_blocks=args.num_blocks, kv_cache_memory=memory)
-    host_bytes = 0 if (args.host_cache_memory or "0").strip() == "0" else parse_bytes(args.host_cache_memory)
+    host_bytes = host_cache_bytes(args.host_cache_memory)
     host_blocks = host_bytes // layout.block_nbytes
     if host_bytes and not host_blocks:
         raise ValueError(f"--host-cache-memory {host_bytes} bytes holds no block of {layout.block_nbytes} bytes; "

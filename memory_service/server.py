@@ -170,6 +170,8 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def SwapInSequences(self, request, context):
         lease = self.authz.lease(context, request.lease_id)
+        if request.appends:  # before the work of converting them
+            check_request_size(request.appends, "SwapInSequences")
         appends = [Append(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
         seqs, appended = _ok(self.manager.swap_in(request.lease_id, list(request.seq_ids), appends), "swap-in")
         tier: list = []

@@ -28,7 +28,7 @@ import grpc
 from client.launcher import alive, check_tls, default_device, read_state
 from client.services import MemoryClient, WorkerClient
 from client.stack import LocalStack, serving
-from memory_service.layout import make_layout, parse_bytes
+from memory_service.layout import host_cache_bytes, make_layout, parse_bytes
 from pagedkv.tls import TlsFiles, from_args
 from pagedkv.tls import channel as plane_channel
 
@@ -134,7 +134,7 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
         if want != layout.num_blocks:
             wrong.append(f"--kv-cache-memory {args.kv_cache_memory} ({want} blocks; the pool has {layout.num_blocks})")
     if args.host_cache_memory:
-        want = parse_bytes(args.host_cache_memory) // pool.block_nbytes if pool.block_nbytes else 0
+        want = host_cache_bytes(args.host_cache_memory) // pool.block_nbytes if pool.block_nbytes else 0
         if want != pool.host_num_blocks:
             wrong.append(f"--host-cache-memory {args.host_cache_memory} ({want} blocks; the host tier has "
                          f"{pool.host_num_blocks})")
