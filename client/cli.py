@@ -36,13 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", add_help=False)
     up = sub.add_parser("up", help="start a memory service and a worker on this machine")
     up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    up.add_argument("--model", default="smollm2")
-    up.add_argument("--memory-port", type=int, default=50051)
-    up.add_argument("--worker-port", type=int, default=50052)
-    up.add_argument("--block-size", type=int, default=16)
+    up.add_argument("--model", default="smollm2", help="'smollm2' or a Hugging Face directory (default smollm2)")
+    up.add_argument("--memory-port", type=int, default=50051, help="memory service port; 0 = a free one (default 50051)")
+    up.add_argument("--worker-port", type=int, default=50052, help="worker port; 0 = a free one (default 50052)")
+    up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     size = up.add_mutually_exclusive_group()
     size.add_argument("--kv-cache-memory", default=None, help="pool size, e.g. 1GiB")
-    size.add_argument("--num-blocks", type=int, default=None)
+    size.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (instead of --kv-cache-memory)")
     up.add_argument("--host-cache-memory", default=None, metavar="SIZE",
                     help="host tier behind the pool, e.g. 4GiB (offloaded prefix-cache blocks, requests preempted "
                     "by swap: `pagedkv serve --preemption-mode swap`); default none")
