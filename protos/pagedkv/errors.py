@@ -71,44 +71,44 @@ class FailedPreconditionError(PagedKVError):
     reason = "FAILED_PRECONDITION"
 
 
-class OutOfBlocksError(PagedKVError):
+class _ShortfallError(PagedKVError):
+    """RESOURCE_EXHAUSTED for a request that needs ``required`` blocks where ``available`` can be had
+    (both in ErrorInfo metadata); nothing changed."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, required: int, available: int):
+        super().__init__(message, metadata={"required": str(required), "available": str(available)})
+        self.required = required
+        self.available = available
+
+
+class OutOfBlocksError(_ShortfallError):
     """Not enough available blocks for an all-or-nothing request.
 
     Carries ``required`` and ``available`` block counts in ErrorInfo metadata.
     """
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = OUT_OF_BLOCKS
 
     def __init__(self, required: int, available: int, what: str = "request"):
-        super().__init__(
-            f"out of KV blocks: the {what} needs {required} blocks but {available} are "
-            "available; free or preempt sequences, or start the memory service with more "
-            "--num-blocks / --kv-cache-memory",
-            metadata={"required": str(required), "available": str(available)},
-        )
-        self.required = required
-        self.available = available
+        super().__init__(f"out of KV blocks: the {what} needs {required} blocks but {available} are "
+                         "available; free or preempt sequences, or start the memory service with more "
+                         "--num-blocks / --kv-cache-memory", required, available)
 
 
-class OutOfHostBlocksError(PagedKVError):
+class OutOfHostBlocksError(_ShortfallError):
     """A swap-out needs more host-tier blocks than can be reserved now (nothing changed).
 
     Carries ``required`` and ``available`` host blocks in ErrorInfo metadata.
     """
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = OUT_OF_HOST_BLOCKS
 
     def __init__(self, required: int, available: int):
-        super().__init__(
-            f"out of host-tier blocks: the swap-out needs {required} host blocks but {available} can be "
-            "reserved; preempt by recompute (FreeSequences with reason PREEMPTED), or start the memory "
-            "service with more --host-cache-memory",
-            metadata={"required": str(required), "available": str(available)},
-        )
-        self.required = required
-        self.available = available
+        super().__init__(f"out of host-tier blocks: the swap-out needs {required} host blocks but {available} can "
+                         "be reserved; preempt by recompute (FreeSequences with reason PREEMPTED), or start the "
+                         "memory service with more --host-cache-memory", required, available)
 
 
 #: ErrorInfo reason of a per-lease quota refusal (``--max-blocks-per-lease``, ``--max-sequences-per-lease``).
