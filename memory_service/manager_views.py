@@ -9,8 +9,10 @@ mixin: it reads the manager's ``leases``, ``sequences``, ``pool``, ``prefix_cach
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence as Seq
 
-from memory_service.requests import Stats
+from memory_service.block_hash import CacheKey
+from memory_service.requests import Stats, check_token_ids
 from memory_service.sequence import Sequence, SequenceInfo
 
 
@@ -47,6 +49,22 @@ class ManagerViews:
             self.leases.expire()
         ids = sorted(self.sequences if lease_id is None else self.leases.lookup(lease_id).seq_ids)
         return [SequenceInfo.of(self.sequences[s], self.pool.ref_counts) for s in ids]
+
+    def lookup_prefix(self, token_ids: Seq[int], key: CacheKey) -> tuple[int, int]:
+        """Leading tokens of ``token_ids`` cached now, on the device and then in the host tier:
+        ``(device_tokens, host_tokens)``, counted as :meth:`allocate` would find them (full blocks,
+        never the block holding the last token). Read-only: no pin, no LRU move, no counter.
+
+        Raises:
+            InvalidArgumentError: more token ids than one call may carry, or ids outside int32.
+        """
+        check_token_ids(len(token_ids), "LookupPrefix")
+        hit = self.prefix_cache.lookup(token_ids, key)
+        host = []
+        if self.prefix_cache.enabled:
+            parent = hit.block_hashes[-1] if hit.block_hashes else None
+            host = self.tiers.host_hits(token_ids, key, parent, len(hit.block_ids))
+        return len(hit.block_ids) * self.block_size, len(host) * self.block_size
 
     def stats(self) -> Stats:
         """Counters for GetStats (DESIGN.md, Observability)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from memory_service.authz import SCHEDULER, Authorizer
+from memory_service.authz import ROUTER, SCHEDULER, Authorizer
 from memory_service.block_hash import CacheKey
 from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
 from memory_service.leases import Lease
@@ -179,6 +179,11 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         grants = self._grants(lease, seqs, cow, tier)
         return pb.SwapInSequencesResponse(sequences=[_table(s) for s in seqs], grants=grants,
                                           copies=[_copy(c) for c in _worker_order([*tier, *cow])])
+
+    async def LookupPrefix(self, request, context):
+        require_role(context, {ROUTER}, "LookupPrefix")
+        device, host = self.manager.lookup_prefix(request.token_ids, CacheKey(request.model_id, request.cache_salt))
+        return pb.LookupPrefixResponse(cached_tokens=device + host, device_tokens=device, host_tokens=host)
 
     async def GetBlockTable(self, request, context):
         caller, seq = self.authz.read_sequence(context, request.seq_id, self.manager.get_sequence)

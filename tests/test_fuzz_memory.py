@@ -511,6 +511,18 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
         resp = self.call("GetStats", pb.GetStatsRequest(), self._md(cred, None))
         assert resp.total_blocks == NUM_BLOCKS and resp.block_size == BLOCK_SIZE
 
+    @rule(cred=CRED, tokens=TOKENS, salt=SALT)
+    def lookup_prefix(self, cred, tokens, salt):
+        """LookupPrefix answers whole blocks, never the last token's, and changes nothing (no counter)."""
+        counters = ("prefix_cache_queries", "prefix_cache_hits", "host_cache_hits", "prefix_cache_evictions")
+        before = self.stub.GetStats(pb.GetStatsRequest(), timeout=CALL_TIMEOUT)
+        resp = self.call("LookupPrefix", pb.LookupPrefixRequest(token_ids=tokens, cache_salt=salt), self._md(cred, None))
+        if resp is not None:
+            assert resp.cached_tokens == resp.device_tokens + resp.host_tokens, resp
+            assert resp.cached_tokens % BLOCK_SIZE == 0 and resp.cached_tokens <= max(0, len(tokens) - 1), resp
+            after = self.stub.GetStats(pb.GetStatsRequest(), timeout=CALL_TIMEOUT)
+            assert [getattr(after, c) for c in counters] == [getattr(before, c) for c in counters]
+
     @rule(cred=ADMIN_CRED)
     def reset_prefix_cache(self, cred):
         self.call("ResetPrefixCache", pb.ResetPrefixCacheRequest(), self._md(cred, None))

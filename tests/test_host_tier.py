@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from memory_service.block_hash import CacheKey
 from memory_service.block_manager import BlockManager
 from memory_service.requests import Allocation, Append, BlockCopy, OutOfBlocks, Receipt
 from memory_service.tiers import DEVICE, HOST
@@ -305,3 +306,20 @@ def test_a_swap_in_with_a_bad_append_changes_nothing():
             m.swap_in(lease, [v.seq_id], bad)
         assert (m.stats(), m.sequence_info(v.seq_id)) == before
     m.check_invariants()
+
+
+def test_lookup_prefix_counts_both_tiers_and_changes_nothing():
+    m, lease = manager()
+    a, b = cached_then_evicted(m, lease)
+    key = a.cache_key
+    assert m.lookup_prefix(list(A), key) == (0, 0)  # A's blocks are pending on the host: not yet
+    step(m, lease, b)
+    before, lru = m.stats(), list(m.tiers.host.lru)
+    assert m.lookup_prefix(list(A), key) == (0, 8)  # both full blocks, on the host
+    assert m.lookup_prefix(list(A[:8]), key) == (0, 4)  # never the block holding the last token
+    assert m.lookup_prefix(list(A), CacheKey("other-model")) == (0, 0)
+    assert (m.stats(), list(m.tiers.host.lru)) == (before, lru)  # read-only
+    m.free(lease, [b.seq_id])
+    (c,) = m.allocate(lease, [Allocation(9, A)])
+    step(m, lease, c)  # the reloads proven: A's blocks are device hits again
+    assert m.lookup_prefix(list(A), key) == (8, 0)

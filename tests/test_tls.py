@@ -29,6 +29,7 @@ from client.services import MemoryClient
 from client.stack import serving
 from pagedkv import tls
 from pagedkv.certs import MEMBERS, issue_cert
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.tls import TlsFiles
 
 _ENV = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_TLS_")}
@@ -273,3 +274,22 @@ def test_kubernetes_manifest_runs_the_plane_with_mutual_tls(monkeypatch):
         assert (ns.tls_cert, ns.tls_key, ns.tls_ca) == (f"/etc/pagedkv/tls/{member}.pem",
                                                         f"/etc/pagedkv/tls/{member}-key.pem", "/etc/pagedkv/tls/ca.pem")
         assert {"name": "tls", "mountPath": "/etc/pagedkv/tls", "readOnly": True} in c["volumeMounts"]
+
+
+@pytest.mark.parametrize("role", ["router", "scheduler", "worker", None])
+def test_lookup_prefix_needs_the_router_role(plane, tls_memory, role):
+    """LookupPrefix (how much of a prompt the node caches) is the router's read: a scheduler, a worker
+    or a certificate without a role is refused; the router gets the answer (nothing cached here)."""
+    files = _role_cert(plane["ca"], plane["tmp"], f"lookup-{role}", role)
+    m = MemoryClient(tls_memory.address, timeout=10, tls=files)
+    try:
+        call = m.stub.LookupPrefix
+        req = mpb.LookupPrefixRequest(token_ids=list(range(40)), model_id="m")
+        if role == "router":
+            assert call(req, timeout=10) == mpb.LookupPrefixResponse()
+        else:
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, timeout=10)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "role router" in e.value.details()
+    finally:
+        m.close()

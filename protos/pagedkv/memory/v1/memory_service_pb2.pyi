@@ -523,3 +523,23 @@ class SwapInSequencesResponse(_message.Message):
     grants: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepGrant]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceBlockTable, _Mapping]]] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class LookupPrefixRequest(_message.Message):
+    __slots__ = ("token_ids", "model_id", "cache_salt")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    model_id: str
+    cache_salt: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class LookupPrefixResponse(_message.Message):
+    __slots__ = ("cached_tokens", "device_tokens", "host_tokens")
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    device_tokens: int
+    host_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ..., device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ...) -> None: ...

@@ -120,6 +120,11 @@ class MemoryServiceStub:
                 request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesResponse.FromString,
                 _registered_method=True)
+        self.LookupPrefix = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/LookupPrefix',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -255,6 +260,16 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupPrefix(self, request, context):
+        """How many leading tokens of a prompt this node holds in its prefix cache, on
+        the device and continuing into the host tier: what an AllocateSequences of
+        it would find cached now. Read-only (allocates, pins and counts nothing),
+        for routers (under TLS: the router role; the admin too).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -342,6 +357,11 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.SwapInSequences,
                     request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesRequest.FromString,
                     response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesResponse.SerializeToString,
+            ),
+            'LookupPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupPrefix,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -804,6 +824,33 @@ class MemoryService:
             '/pagedkv.memory.v1.MemoryService/SwapInSequences',
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesRequest.SerializeToString,
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SwapInSequencesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/LookupPrefix',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
