@@ -159,12 +159,7 @@ class BlockManager(ManagerViews):
             if r.token_ids is not None and len(r.token_ids) > capacity:
                 raise InvalidArgumentError(f"AllocateSequences: {len(r.token_ids)} token ids is more than a sequence "
                                            f"can hold (the pool's whole token capacity, {capacity})")
-            hit = self.prefix_cache.lookup(r.token_ids, r.cache_key)
-            if self.prefix_cache.enabled:  # the chain continues into the host tier: reloads
-                parent = hit.block_hashes[-1] if hit.block_hashes else None
-                host = self.tiers.host_hits(r.token_ids, r.cache_key, parent, len(hit.block_ids))
-            else:
-                host = []
+            hit, host = self.cached_prefix(r.token_ids, r.cache_key)  # host: the chain continued there (reloads)
             cached = (len(hit.block_ids) + len(host)) * bs
             total = cached + (min(r.num_tokens, len(r.token_ids) - cached) if r.token_ids else r.num_tokens)
             self._check_tokens(total, "AllocateSequences")

@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Sequence as Seq
 
 from memory_service.block_hash import CacheKey
+from memory_service.prefix_cache import CachedPrefix
 from memory_service.requests import Stats, check_token_ids
 from memory_service.sequence import Sequence, SequenceInfo
 
@@ -59,12 +60,21 @@ class ManagerViews:
             InvalidArgumentError: more token ids than one call may carry, or ids outside int32.
         """
         check_token_ids(len(token_ids), "LookupPrefix")
-        hit = self.prefix_cache.lookup(token_ids, key)
-        host = []
-        if self.prefix_cache.enabled:
-            parent = hit.block_hashes[-1] if hit.block_hashes else None
-            host = self.tiers.host_hits(token_ids, key, parent, len(hit.block_ids))
+        hit, host = self.cached_prefix(token_ids, key)
         return len(hit.block_ids) * self.block_size, len(host) * self.block_size
+
+    def cached_prefix(self, token_ids: Seq[int] | None, key: CacheKey) -> tuple[CachedPrefix, list[tuple[bytes, int]]]:
+        """The leading full blocks of ``token_ids`` cached on the device (:meth:`PrefixCache.lookup`),
+        and the host tier's ``(hash, host block)`` continuing them (:meth:`Tiers.host_hits`); read-only.
+
+        Raises:
+            InvalidArgumentError: token ids outside int32.
+        """
+        hit = self.prefix_cache.lookup(token_ids, key)
+        if not self.prefix_cache.enabled:
+            return hit, []
+        parent = hit.block_hashes[-1] if hit.block_hashes else None
+        return hit, self.tiers.host_hits(token_ids, key, parent, len(hit.block_ids))
 
     def stats(self) -> Stats:
         """Counters for GetStats (DESIGN.md, Observability)."""
