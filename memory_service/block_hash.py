@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 _VERSION = b"pagedkv.block.v1"
@@ -58,3 +58,19 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, key: CacheKey, num_b
         parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], key)
         out.append(parent)
     return out
+
+
+def leading_hits(token_ids: Sequence[int], block_size: int, key: CacheKey, find: Callable[[bytes, tuple], int | None],
+                 parent: bytes | None = None, start: int = 0) -> list[tuple[bytes, int]]:
+    """The run of full blocks of ``token_ids`` from block index ``start`` (chained from ``parent``,
+    the hash before it) that ``find(hash, token ids)`` finds, as ``(hash, block id)``; it stops at
+    the first miss and never reaches the block holding the last token (the worker needs a query)."""
+    hits = []
+    for i in range(start, (len(token_ids) - 1) // block_size):
+        chunk = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        parent = block_hash(parent, chunk, key)
+        b = find(parent, chunk)
+        if b is None:
+            break
+        hits.append((parent, b))
+    return hits

@@ -31,7 +31,7 @@ from collections.abc import Callable, Container, Generator, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from memory_service.block_hash import CacheKey, block_hash, chain_hashes
+from memory_service.block_hash import CacheKey, chain_hashes, leading_hits
 from memory_service.block_pool import BlockPool
 from memory_service.sequence import Sequence
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError
@@ -122,18 +122,13 @@ class PrefixCache:
             return CachedPrefix([], [])
         if any(not -(2**31) <= t < 2**31 for t in token_ids):
             raise InvalidArgumentError("AllocateSequences: token ids must fit in int32")
-        bs = self.pool.block_size
-        hits = CachedPrefix([], [])
-        parent = None
-        for i in range((len(token_ids) - 1) // bs):
-            chunk = token_ids[i * bs:(i + 1) * bs]
-            parent = block_hash(parent, chunk, key)
-            b = self.cached.get(parent)
-            if b is None or self.block_tokens[b] != tuple(chunk):
-                break
-            hits.block_ids.append(b)
-            hits.block_hashes.append(parent)
-        return hits
+        hits = leading_hits(token_ids, self.pool.block_size, key, self._find)
+        return CachedPrefix([b for _, b in hits], [h for h, _ in hits])
+
+    def _find(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The cached block holding ``block_hash`` with exactly these ``tokens`` (re-checked), or None."""
+        b = self.cached.get(block_hash)
+        return b if b is not None and self.block_tokens[b] == tokens else None
 
     def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
         """Count a granted lookup of ``num_tokens`` prompt tokens that hit ``num_hit_blocks`` blocks."""

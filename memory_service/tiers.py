@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from memory_service.block_hash import CacheKey, block_hash
+from memory_service.block_hash import CacheKey, leading_hits
 from memory_service.block_pool import BlockPool
 from memory_service.host_tier import HELD, PENDING, HostTier
 from memory_service.prefix_cache import PrefixCache
@@ -133,16 +133,7 @@ class Tiers:
         never the block holding the last token (read-only)."""
         if self.host is None or not token_ids:
             return []
-        bs = self.pool.block_size
-        hits = []
-        for i in range(start, (len(token_ids) - 1) // bs):
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            parent = block_hash(parent, chunk, key)
-            h = self.host.lookup(parent, chunk)
-            if h is None:
-                break
-            hits.append((parent, h))
-        return hits
+        return leading_hits(token_ids, self.pool.block_size, key, self.host.lookup, parent, start)
 
     def start_reloads(self, seq: Sequence, first: int, hits: list[tuple[bytes, int]], parent: bytes) -> None:
         """Reload ``hits`` (pinned by the caller) into ``seq``'s blocks from table index ``first``."""
