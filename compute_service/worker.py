@@ -87,7 +87,7 @@ class Worker:
             inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
                                        vocab_size=self.config.vocab_size, device=self.device)
             checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs,
-                                   host_epochs=pool.host_epochs)  # None: no host tier
+                                   host_epochs=getattr(pool, "host_epochs", None))  # None: no host tier
             plan = checked.plan
             if plan.has_tier_copies or plan.copy_on_write:
                 do_copies(pool, plan)
