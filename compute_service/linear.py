@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_amx
+
 #: Set to "0" to turn packing off (projections through `F.linear`, as transformers').
 PACKED_LINEAR_ENV = "PAGEDKV_PACKED_LINEAR"
 
@@ -38,6 +40,10 @@ class Linear(nn.Module):
     packed copy is kept. At the few rows of a decode step this is much faster on CPU than
     `F.linear` (see docs/benchmarks.md), and the sums are ordered differently (results agree to
     the dtype's rounding). Otherwise, or if oneDNN refuses the weight, `F.linear`.
+
+    A packed bf16 weight on an AMX CPU also serves batches of up to `kernels.cpu_amx.MAX_ROWS`
+    rows (decode steps) through `kernels.cpu_amx.linear`, which reads the same packed bytes with
+    a prefetch ahead of its tile loads (bit-identical to oneDNN's result up to 32 rows).
     """
 
     def __init__(self, weight: torch.Tensor, packed: bool) -> None:
@@ -50,9 +56,13 @@ class Linear(nn.Module):
             except RuntimeError:
                 self.packed = None
         self.weight = None if self.packed is not None else nn.Parameter(weight, requires_grad=False)
+        #: Address of the packed weight for `kernels.cpu_amx.linear`; None: oneDNN or F.linear only.
+        self.amx_address = cpu_amx.weight_address(weight, self.packed) if self.packed is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
+        if self.amx_address is not None and x.shape[0] <= cpu_amx.MAX_ROWS and x.shape[0]:
+            return cpu_amx.linear(x, self.amx_address, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -54,14 +55,20 @@ unavailable_reason: str | None = None
 _forced: bool | None = None  # set by `use_native`
 
 
-def _arch_flags() -> list[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (x86-64 Linux; empty elsewhere)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return []
+        return frozenset()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def _arch_flags() -> list[str]:
+    flags = cpu_flags()
     out = ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
     avx512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
     if out and all(f in flags for f in avx512):
@@ -76,8 +83,15 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> Path:
-    """Compile the kernel (or find it built); return the shared library's path.
+def build_library(
+    sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS, extra_flags: tuple[str, ...] = (),
+    stem: str = "paged_cpu",
+) -> Path:
+    """Compile C `sources` into one shared library (or find it built); return its path.
+
+    The flags are `-O3 -fopenmp` (without OpenMP if the compiler lacks it), the host's vector
+    flags (`_arch_flags`) and `extra_flags`; the library is cached under
+    `$PAGEDKV_HOME/kernels/<stem>-<hash>.so`, the hash over sources, headers, flags and compiler.
 
     Raises:
         RuntimeError: no C compiler, or the build failed (its stderr is in the message).
@@ -86,13 +100,13 @@ def _build() -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    source = b"".join(path.read_bytes() for path in (*sources, *headers))
     errors = []
     for openmp in (["-fopenmp"], []):  # a compiler without OpenMP still gives a 1-thread kernel
-        flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", *openmp, *_arch_flags()]
+        flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", *openmp, *_arch_flags(), *extra_flags]
         key = hashlib.sha256(source + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
         out_dir = pagedkv_home() / "kernels"
-        target = out_dir / f"paged_cpu-{key}.so"
+        target = out_dir / f"{stem}-{key}.so"
         if target.is_file():
             return target
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +114,7 @@ def _build() -> Path:
         os.close(fd)
         try:
             proc = subprocess.run(
-                [cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
+                [cc, *flags, "-o", tmp, *map(str, sources), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=_BUILD_TIMEOUT_S,
@@ -112,7 +126,7 @@ def _build() -> Path:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-    raise RuntimeError("building the native CPU kernels failed: " + " | ".join(errors))
+    raise RuntimeError(f"building the native CPU kernels ({stem}) failed: " + " | ".join(errors))
 
 
 def _load():
@@ -125,7 +139,7 @@ def _load():
             unavailable_reason = f"disabled by {ENV_SWITCH}=0"
             return None
         try:
-            lib = ctypes.CDLL(str(_build()))
+            lib = ctypes.CDLL(str(build_library()))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             unavailable_reason = str(e)
             return None

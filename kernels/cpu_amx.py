@@ -1,0 +1,131 @@
+"""A decode step's bf16 projections on Intel AMX, reading oneDNN's prepacked weight in place.
+
+`compute_service.linear.Linear` packs a bf16 weight once with oneDNN (`_reorder_linear_weight`).
+On a batch of up to MAX_ROWS rows it sends the product here instead of to oneDNN's matmul: the
+C kernel in `csrc/amx_linear.c` streams the same packed bytes with a prefetch ahead of its tile
+loads, which on a small batch (memory-bound: every weight read once per step) runs ~1.6-1.8x as
+fast as oneDNN's brgemm on this project's CPU machines (docs/benchmarks.md). No second copy of
+the weights: `weight_address` checks that oneDNN chose the blocking the kernel reads (AB16b32a2b)
+and returns the packed tensor's address, or None (then oneDNN keeps the weight).
+
+Up to 32 rows the result is bit-identical to oneDNN's on the same packed weight (fp32 sums in
+the same order, one rounding to bf16); 33-64 rows agree to bf16 rounding.
+
+Used when the CPU lists `amx_bf16`, `amx_tile` and `avx512_bf16`, Linux grants the AMX state,
+the library builds, and `PAGEDKV_AMX_LINEAR` is not "0" (the switch benchmarks/bench_ablation.py
+turns off to measure what this bought).
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import os
+import subprocess
+import threading
+
+import torch
+
+from kernels import cpu_native
+
+ENV_SWITCH = "PAGEDKV_AMX_LINEAR"
+#: Most rows a call sends here; above that (prefill) the product is compute-bound and oneDNN's.
+MAX_ROWS = 64
+_SOURCE = cpu_native.SOURCE.with_name("amx_linear.c")
+_CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
+
+_lock = threading.Lock()
+_lib = None
+_tried = False
+#: Why the AMX kernel is not in use (None while it is, or before the first try).
+unavailable_reason: str | None = None
+
+
+def _load():
+    global _lib, _tried, unavailable_reason
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        missing = [f for f in _CPU_FLAGS if f not in cpu_native.cpu_flags()]
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            unavailable_reason = f"disabled by {ENV_SWITCH}=0"
+        elif missing:
+            unavailable_reason = f"the CPU lacks {', '.join(missing)}"
+        else:
+            try:
+                lib = ctypes.CDLL(str(cpu_native.build_library((_SOURCE,), (), stem="amx_linear")))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                unavailable_reason = str(e)
+                return None
+            if lib.amx_request() != 0:
+                unavailable_reason = "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+                return None
+            lib.amx_linear_bf16.argtypes = [ctypes.c_void_p]
+            lib.amx_linear_bf16.restype = ctypes.c_int
+            _lib = lib
+        return _lib
+
+
+def available() -> bool:
+    """True when the AMX kernel is built and usable on this CPU (builds it on the first call)."""
+    return (_lib or _load()) is not None
+
+
+def packed_layout(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] in oneDNN's AB16b32a2b blocking, flat: [N/32][K/32][16][32][2] (the
+    reference `weight_address` compares oneDNN's bytes with). N and K multiples of 32."""
+    n, k = weight.shape
+    return weight.reshape(n // 32, 32, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1)
+
+
+def weight_address(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
+    """The address of `packed` (oneDNN's `_reorder_linear_weight(weight)`) when this kernel can
+    read it: AMX available, `weight` a bf16 [N, K] with N and K multiples of 32, and the packed
+    bytes exactly `packed_layout(weight)`. None otherwise (oneDNN then runs the product).
+
+    The caller keeps `packed` alive as long as it uses the address."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not available():
+        return None
+    n, k = weight.shape
+    if n % 32 or k % 32 or not packed.is_mkldnn:
+        return None
+    try:
+        address = torch.ops.mkldnn.data_ptr(packed)
+    except (AttributeError, RuntimeError):  # a torch without the op
+        return None
+    got = torch.frombuffer((ctypes.c_int16 * (n * k)).from_address(address), dtype=torch.int16)
+    return address if torch.equal(got, packed_layout(weight.contiguous()).view(torch.int16)) else None
+
+
+def linear(x: torch.Tensor, address: int, out_features: int) -> torch.Tensor:
+    """x W^T on AMX for the packed weight at `address` (from `weight_address`).
+
+    Args:
+        x: [M, K] bf16 on the CPU, 1 <= M <= MAX_ROWS, last axis contiguous (rows may be strided),
+            K the weight's in_features.
+        address: `weight_address(W, packed)` of W [out_features, K].
+        out_features: N.
+
+    Returns [M, N] bf16 (fp32 sums, one rounding).
+
+    Raises:
+        ValueError: x of another dtype, device, rank or layout, or M outside 1..MAX_ROWS (nothing
+            written).
+        RuntimeError: the kernel is not available, or refused the shapes.
+    """
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.stride(1) != 1 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(
+            f"x must be a cpu bfloat16 [M, K] tensor with 1 <= M <= {MAX_ROWS} and K contiguous, got "
+            f"{x.dtype} {list(x.shape)} on {x.device} (strides {x.stride()})"
+        )
+    lib = _lib or _load()
+    if lib is None:
+        raise RuntimeError(f"the AMX kernel is not available: {unavailable_reason}")
+    m, k = x.shape
+    out = torch.empty((m, out_features), dtype=torch.bfloat16)
+    args = array.array("q", (x.data_ptr(), address, out.data_ptr(), m, out_features, k, x.stride(0), out_features,
+                             torch.get_num_threads()))
+    if lib.amx_linear_bf16(args.buffer_info()[0]) != 0:
+        raise RuntimeError(f"the AMX kernel refused x {list(x.shape)} with {out_features} outputs")
+    return out
