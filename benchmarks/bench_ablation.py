@@ -2,7 +2,8 @@
 
 A *variant* is a checkout of this repository (a commit; default the working tree), a dtype (pool
 and model) and environment switches (``PAGEDKV_PACKED_LINEAR=0``: projections through
-``F.linear``; ``PAGEDKV_NATIVE_CPU=0``: attention and cache writes on the torch path). Each variant
+``F.linear``; ``PAGEDKV_NATIVE_CPU=0``: attention and cache writes on the torch path;
+``PAGEDKV_AMX_LINEAR=0``: decode projections through oneDNN's matmul, not kernels.cpu_amx). Each variant
 runs in a process of its own, started from its checkout (``git worktree add --detach`` into a
 temporary folder for a commit), which loads SmolLM2-135M-Instruct, maps nothing (a private pool
 tensor in the variant's dtype) and, per case, builds the step the worker would build
@@ -41,7 +42,8 @@ DEFAULT_VARIANTS = [
     "fp32, packed, native=.:float32",
     "bf16, F.linear, torch attention=.:bfloat16:PAGEDKV_PACKED_LINEAR=0,PAGEDKV_NATIVE_CPU=0",
     "bf16, packed, torch attention=.:bfloat16:PAGEDKV_NATIVE_CPU=0",
-    "bf16, packed, native=.:bfloat16",
+    "bf16, packed, native, oneDNN decode matmul=.:bfloat16:PAGEDKV_AMX_LINEAR=0",
+    "bf16, packed, native, AMX decode projections=.:bfloat16",
 ]
 
 

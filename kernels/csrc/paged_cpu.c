@@ -43,6 +43,8 @@
  * second thread already pays off at 1 sequence x 64 positions x 9 query heads (and at 32 breaks
  * even), torch's OpenMP team being warm between the model's ops. */
 #define SERIAL_WORK 256
+/* Rows per thread from which a work item is a whole row (all KV heads), not one KV head of it. */
+#define ROWS_PER_THREAD 4
 
 /* Asks for the cache lines of [p, p + bytes) ahead of their use (a hint: never faults), into L2
  * (prefetcht1): measured faster than into L1 once the context outgrows L2, no slower before. */
@@ -479,8 +481,12 @@ int paged_decode(const void *q, const void *k, const void *v, void *out, const i
     if (rc) return rc;
     work += lens[seq_index[r]];
   }
-  const int64_t items = n * hk;
+  /* Work items: (row, KV head) pairs; with enough rows to keep every thread busy, whole rows
+   * (every KV head of a row on one thread: the row's blocks stream through one core's cache once,
+   * not partly through each core's). */
   if (num_threads < 1 || work * hq < SERIAL_WORK) num_threads = 1;
+  const int64_t heads_per_item = n >= ROWS_PER_THREAD * num_threads ? hk : 1;
+  const int64_t items = n * hk / heads_per_item;
   if (num_threads > items) num_threads = (int)items;
   int64_t next = 0;
   int failed = 0;
@@ -495,7 +501,8 @@ int paged_decode(const void *q, const void *k, const void *v, void *out, const i
       for (;;) {
         const int64_t item = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
         if (item >= items) break;
-        const int64_t row = item / hk, h = item % hk;
+        const int64_t row = item * heads_per_item / hk, h0 = item * heads_per_item % hk;
+        for (int64_t h = h0; h < h0 + heads_per_item; h++)
         for (int64_t x0 = h * group; x0 < (h + 1) * group; x0 += hc) {
           const int64_t c = (h + 1) * group - x0 < hc ? (h + 1) * group - x0 : hc;
           const fast_fn f = c == hc ? fast : pick_fast(d, c, bf16);
