@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 
 from client.beam import BeamState, Branching
+from client.commits import Commits
 from client.errors import OutOfBlocks, QuotaExceeded, ServiceError
 from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.recovery import Recovery
@@ -114,6 +115,8 @@ class Engine:
         self.eos_ids = set(info.eos_token_ids)
         self.max_context = min(info.max_context or 1 << 30, self.num_blocks * self.block_size, max_model_len or 1 << 30)
         self.lease = Lease(memory, lease_ttl)
+        #: The last step's receipts waiting for the next AppendSlots (client.commits).
+        self.commits = Commits(memory, lambda: self.lease)
         self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,
                                    max_context=self.max_context, num_workers=len(workers))
         self.branching = Branching()
@@ -156,6 +159,7 @@ class Engine:
         """End every running and waiting request with ``error``, freeing their sequences (best
         effort: the lease expires otherwise); returns them, running ones first."""
         reqs = self.scheduler.drain()
+        self.commits.clear()
         try:
             self._free(reqs, mpb.FREE_REASON_FINISHED)
         except Exception:  # noqa: BLE001 - the lease will expire
@@ -199,6 +203,8 @@ class Engine:
         if not out.scheduled:
             self._fail_unschedulable(updated)
             return list(updated.values())
+        if out.swapped:
+            self.commits.flush()  # swap-in's reloads follow proven positions only
         swapped_in = self.swapper.swap_in(out) if out.swapped else set()
         copies_by_worker, preempted, swapped = self._append(out, updated, swapped_in)
         scheduled = self._allocate(out)
@@ -215,6 +221,8 @@ class Engine:
 
     def _handle_aborts(self, updated: dict) -> None:
         victims = self.scheduler.take_aborted()
+        if victims:
+            self.commits.flush()
         try:
             self._free(victims, mpb.FREE_REASON_ABORTED)
         finally:  # aborted even when the lease is gone
@@ -234,6 +242,8 @@ class Engine:
     def _fork(self) -> None:
         """Fork parallel-sampling prompts and branching beams in one call; free dropped beams first."""
         plan = self.recovery.fork_in_flight = self.branching.plan()
+        if plan.drop or plan.forkable:
+            self.commits.flush()
         self._free_ids(plan.drop, mpb.FREE_REASON_ABORTED)
         branches, children, grants = plan.forkable, [], []
         while len(children) < len(branches):  # in calls within the memory service's per-call bounds
@@ -279,16 +289,23 @@ class Engine:
         swapped: list[str] = []
         copies: dict[int, list[tuple[int, int]]] = {}  # seq_id -> its copies
         done: set[int] = set(swapped_in)
+        receipts: list = []
+        first = True
         while True:
             pending = [x for x in out.scheduled if x.seq.seq_id is not None and x.seq.seq_id not in done
                        and self.scheduler.reservation(x.request) is None]
             if not pending:
                 break
             chunk = pending[:_fits(pending, lambda x: x.num_new_tokens)]
+            if first:  # the last step's receipts ride on the step's first AppendSlots (client.commits)
+                receipts, first = (self.commits.take() if len(self.commits) else []), False
             try:
                 resp = self.memory.append(self.lease.lease_id,
-                                          [(x.seq.seq_id, x.num_new_tokens, x.token_ids) for x in chunk])
+                                          [(x.seq.seq_id, x.num_new_tokens, x.token_ids) for x in chunk], receipts)
             except (OutOfBlocks, QuotaExceeded) as e:  # the pool, or this lease's quota, is full
+                if receipts:  # refused with its appends: proven now, before a victim is freed or swapped out
+                    self.commits.commit_taken(receipts)
+                    receipts = []
                 victim = self.scheduler.pick_victim(out.scheduled)
                 if victim is None:  # a lone request that cannot grow: the pool is too small for it
                     victim = out.scheduled[0].request
@@ -299,6 +316,9 @@ class Engine:
                     preempted.append(victim.request_id)
                 out.drop(victim)
                 continue
+            if receipts:
+                self.commits.granted(resp.committed_grants)
+                receipts = []
             by_id = {x.seq.seq_id: x.seq for x in chunk}
             for x, g in zip(chunk, resp.grants):
                 x.seq.grant = g
@@ -310,6 +330,8 @@ class Engine:
                 owner = by_id.get(c.seq_id) or next(q for q in by_id.values() if c.dst in q.block_table)
                 copies.setdefault(owner.seq_id, []).append((c.src, c.dst))
             done.update(by_id)
+        if len(self.commits):  # no AppendSlots this step: hand them in on their own
+            self.commits.flush()
         copies_by_worker: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
         for x in out.scheduled:  # the copies of sequences still in the step, on their workers
             copies_by_worker[x.request.worker].extend(copies.get(x.seq.seq_id, ()))
@@ -399,7 +421,7 @@ class Engine:
         finished: list[str] = []
         for x in scheduled:
             x.seq.num_computed += x.num_new_tokens
-        self._commit(scheduled, results)  # before any is freed: a request done in its prefill step still fills the cache
+        receipts = [(x, results.by_seq[x.seq.seq_id].receipt) for x in scheduled]
         for x in scheduled:
             req, seq = x.request, x.seq
             res = results.by_seq[seq.seq_id]
@@ -422,15 +444,15 @@ class Engine:
                 req.metrics.finished = now
                 self.scheduler.finish(req)
                 finished.append(req.request_id)
+        # The receipts before any free (a request done in its prefill step still fills the cache);
+        # a plain running sequence's wait for the next step's AppendSlots (client.commits).
+        self.commits.after_step([(x, r, self._may_wait(x)) for x, r in receipts])
         self._free_ids(to_free, mpb.FREE_REASON_FINISHED)
         return finished
 
-    def _commit(self, scheduled: list[ScheduledSeq], results: StepResults) -> None:
-        """Hand the workers' receipts to the memory service: the positions written this step count as
-        computed there (later steps may read them; full blocks enter the prefix cache), and each
-        sequence gets the grant for its next step."""
-        receipts = [results.by_seq[x.seq.seq_id].receipt for x in scheduled]
-        by_id = {x.seq.seq_id: x.seq for x in scheduled}
-        for at in range(0, len(receipts), MAX_BATCH):
-            for g in self.memory.commit(self.lease.lease_id, receipts[at:at + MAX_BATCH]).grants:
-                by_id[g.seq_id].grant = g
+    def _may_wait(self, x: ScheduledSeq) -> bool:
+        """Whether ``x``'s receipt may wait for the next AppendSlots: a single-sequence request still
+        running that grows on demand (beams, parallel samples and reservations do not append)."""
+        req = x.request
+        return (x.seq.seq_id is not None and not req.finished and req.beam is None and req.params.n == 1
+                and len(req.seqs) == 1 and self.scheduler.reservation(req) is None)

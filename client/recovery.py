@@ -164,6 +164,7 @@ class Recovery:
             self._consecutive = 0  # the caller fails every request: the next recovery starts afresh
             raise
         engine.lease = lease
+        engine.commits.clear()  # receipts of the old lease's sequences
         self.generation = engine.runner.pool_generation = pool.generation
         requeued = engine.scheduler.requeue_running()
         if plan is not None:  # every parent forgot its blocks: the branches start without any

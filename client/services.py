@@ -152,9 +152,11 @@ class MemoryClient(_Channel):
         return self.stub.AllocateSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
-    def append(self, lease_id: str, appends: list[tuple[int, int] | tuple[int, int, list[int]]]) -> mpb.AppendSlotsResponse:
-        """Grow sequences by ``(seq_id, num_tokens[, token_ids])``."""
-        req = mpb.AppendSlotsRequest(lease_id=lease_id, appends=[
+    def append(self, lease_id: str, appends: list[tuple[int, int] | tuple[int, int, list[int]]],
+               receipts: list = ()) -> mpb.AppendSlotsResponse:
+        """Grow sequences by ``(seq_id, num_tokens[, token_ids])``; ``receipts`` (the last step's, unchanged)
+        are taken first, as :meth:`commit` would take them."""
+        req = mpb.AppendSlotsRequest(lease_id=lease_id, receipts=receipts, appends=[
             mpb.SlotAppend(seq_id=a[0], num_tokens=a[1], token_ids=a[2] if len(a) > 2 else ()) for a in appends])
         return self.stub.AppendSlots(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 

@@ -195,7 +195,8 @@ class BlockManager(ManagerViews):
         log.debug("allocated", lease_id=lease_id, num_sequences=len(out), num_blocks=required)
         return out
 
-    def append_slots(self, lease_id: str, appends: Seq[Append]) -> AppendResult | OutOfBlocks:
+    def append_slots(self, lease_id: str, appends: Seq[Append],
+                     before_apply: Callable[[], object] | None = None) -> AppendResult | OutOfBlocks:
         """Grow each sequence of the batch by its :class:`Append`'s ``num_tokens`` slots.
 
         The optional token ids are the tokens appended (kept for prefix caching;
@@ -214,7 +215,9 @@ class BlockManager(ManagerViews):
 
         Returns an :class:`AppendResult` (the tables that changed, as deltas, in
         request order; the copies in order) or :class:`OutOfBlocks` with nothing
-        changed.
+        changed. ``before_apply`` runs once the batch is known to fit, right before
+        it is applied (AppendSlots takes the last step's receipts there, so that a
+        refused call takes none); what it raises refuses the call.
 
         Raises:
             InvalidArgumentError: empty batch, duplicate ids, a count < 1, growth past pool capacity.
@@ -252,8 +255,10 @@ class BlockManager(ManagerViews):
         if required > pool.num_available:
             if self.releasing_refs:  # as in allocate
                 self.drain_released()
-                return self.append_slots(lease_id, appends)
+                return self.append_slots(lease_id, appends, before_apply)
             return self._refuse(required)
+        if before_apply is not None:
+            before_apply()
         # Pass 2: apply, in the same order.
         result = AppendResult([], [])
         for seq, a in zip(seqs, appends):

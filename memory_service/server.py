@@ -20,7 +20,7 @@ from memory_service.leases import Lease
 from memory_service.paging import decode_page_token, encode_page_token, page_size
 from memory_service.pool import Pool
 from memory_service.prefix_cache import KvEvent, PrefixCache
-from memory_service.requests import Allocation, Append, BlockCopy, OutOfBlocks, check_request_size
+from memory_service.requests import Allocation, Append, BlockCopy, OutOfBlocks, check_batch, check_request_size
 from memory_service.sequence import Sequence, SequenceInfo
 from memory_service.step_grants import GrantSigner
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PermissionDeniedError
@@ -140,14 +140,26 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         lease = self.authz.lease(context, request.lease_id)
         check_request_size(request.appends, "AppendSlots")
         appends = [Append(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
-        result = _ok(self.manager.append_slots(request.lease_id, appends), "append")
+        committed = []  # the last step's commit, taken once the appends fit (a refused call takes none)
+        take = None
+        if request.receipts:
+            check_batch(len(request.receipts), "AppendSlots receipts")
+            receipts = self.signer.receipts(request.receipts)  # forged ones refuse the call first
+            take = lambda: committed.append(self.manager.commit_receipts(request.lease_id, receipts))  # noqa: E731
+        result = _ok(self.manager.append_slots(request.lease_id, appends, take), "append")
         seqs = [self.manager.sequences[a.seq_id] for a in appends]
         tier: list = []
         grants = self._grants(lease, seqs, result.copies, tier)
-        return pb.AppendSlotsResponse(
+        out = pb.AppendSlotsResponse(
             updates=[pb.BlockTableUpdate(seq_id=u.seq_id, num_tokens=u.num_tokens, first_changed=u.first_changed,
                                          block_ids=u.block_ids) for u in result.updates],
             copies=[_copy(c) for c in _worker_order([*tier, *result.copies])], grants=grants)
+        if committed:
+            (done,) = committed
+            appended = {a.seq_id for a in appends}
+            out.blocks_registered, out.receipts_skipped = done.blocks_registered, done.skipped
+            out.committed_grants.extend(self._grants(lease, [s for s in done.accepted if s.seq_id not in appended]))
+        return out
 
     async def ForkSequences(self, request, context):
         lease = self.authz.lease(context, request.lease_id)

@@ -111,13 +111,16 @@ class FakeMemory:
             grants.append(gpb.StepGrant(seq_id=sid))
         return mpb.AllocateSequencesResponse(sequences=tables, grants=grants)
 
-    def append(self, lease_id, appends):
+    def append(self, lease_id, appends, receipts=()):
         refuse = len(self.named("append")) in self.refuse_appends
         if refuse or (self.refuse_append_after_swap_in and self.calls[-1][0] == "swap_in"):
             self.refuse_append_after_swap_in &= refuse
             self.calls.append(("append", "refused"))
             raise OutOfBlocks.of(1, 0, "another lease took the blocks")
         self.calls.append(("append", [a[0] for a in appends]))
+        for r in receipts:  # taken first, as the memory service does (all or nothing with the appends)
+            if not self.seqs[r.seq_id]["host"]:
+                self.seqs[r.seq_id]["computed"] = r.end
         grow = []
         for sid, n, *_ in appends:
             s = self.seqs[sid]

@@ -205,12 +205,14 @@ class SlotAppend(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AppendSlotsRequest(_message.Message):
-    __slots__ = ("lease_id", "appends")
+    __slots__ = ("lease_id", "appends", "receipts")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     APPENDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     appends: _containers.RepeatedCompositeFieldContainer[SlotAppend]
-    def __init__(self, lease_id: _Optional[str] = ..., appends: _Optional[_Iterable[_Union[SlotAppend, _Mapping]]] = ...) -> None: ...
+    receipts: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepReceipt]
+    def __init__(self, lease_id: _Optional[str] = ..., appends: _Optional[_Iterable[_Union[SlotAppend, _Mapping]]] = ..., receipts: _Optional[_Iterable[_Union[_grant_pb2.StepReceipt, _Mapping]]] = ...) -> None: ...
 
 class BlockTableUpdate(_message.Message):
     __slots__ = ("seq_id", "num_tokens", "first_changed", "block_ids")
@@ -225,14 +227,20 @@ class BlockTableUpdate(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_changed: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AppendSlotsResponse(_message.Message):
-    __slots__ = ("updates", "copies", "grants")
+    __slots__ = ("updates", "copies", "grants", "blocks_registered", "receipts_skipped", "committed_grants")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_GRANTS_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[BlockTableUpdate]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     grants: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepGrant]
-    def __init__(self, updates: _Optional[_Iterable[_Union[BlockTableUpdate, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ...) -> None: ...
+    blocks_registered: int
+    receipts_skipped: int
+    committed_grants: _containers.RepeatedCompositeFieldContainer[_grant_pb2.StepGrant]
+    def __init__(self, updates: _Optional[_Iterable[_Union[BlockTableUpdate, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ..., blocks_registered: _Optional[int] = ..., receipts_skipped: _Optional[int] = ..., committed_grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ...) -> None: ...
 
 class SequenceFork(_message.Message):
     __slots__ = ("parent_seq_id",)
