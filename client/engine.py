@@ -212,6 +212,7 @@ class Engine:
             return list(updated.values())
         results = self.runner.run(scheduled, copies_by_worker)
         finished_ids = self._update(scheduled, results, updated)
+        self._handle_aborts(updated)  # cancelled during the step: freed now, not a step later
         trace = StepTrace(self.step_count, list(dict.fromkeys(x.request.request_id for x in scheduled)),
                           sum(x.num_new_tokens for x in scheduled), finished_ids, preempted,
                           results.model_seconds, time.perf_counter() - t0, swapped)
@@ -221,9 +222,9 @@ class Engine:
 
     def _handle_aborts(self, updated: dict) -> None:
         victims = self.scheduler.take_aborted()
-        if victims:
-            self.commits.flush()
         try:
+            if victims:
+                self.commits.flush()  # their last receipts still fill the cache
             self._free(victims, mpb.FREE_REASON_ABORTED)
         finally:  # aborted even when the lease is gone
             for r in victims:
