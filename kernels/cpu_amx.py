@@ -21,7 +21,6 @@ from __future__ import annotations
 import array
 import ctypes
 import os
-import subprocess
 import threading
 
 import torch
@@ -48,22 +47,18 @@ def _load():
             return _lib
         _tried = True
         missing = [f for f in _CPU_FLAGS if f not in cpu_native.cpu_flags()]
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            unavailable_reason = f"disabled by {ENV_SWITCH}=0"
-        elif missing:
-            unavailable_reason = f"the CPU lacks {', '.join(missing)}"
-        else:
-            try:
-                lib = ctypes.CDLL(str(cpu_native.build_library((_SOURCE,), (), stem="amx_linear")))
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                unavailable_reason = str(e)
-                return None
+        try:
+            if missing and os.environ.get(ENV_SWITCH, "1") != "0":
+                raise RuntimeError(f"the CPU lacks {', '.join(missing)}")
+            lib = cpu_native.open_library(ENV_SWITCH, (_SOURCE,), (), stem="amx_linear")
             if lib.amx_request() != 0:
-                unavailable_reason = "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-                return None
-            lib.amx_linear_bf16.argtypes = [ctypes.c_void_p]
-            lib.amx_linear_bf16.restype = ctypes.c_int
-            _lib = lib
+                raise RuntimeError("Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        except RuntimeError as e:
+            unavailable_reason = str(e)
+            return None
+        lib.amx_linear_bf16.argtypes = [ctypes.c_void_p]
+        lib.amx_linear_bf16.restype = ctypes.c_int
+        _lib = lib
         return _lib
 
 

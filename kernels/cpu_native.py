@@ -129,18 +129,31 @@ def build_library(
     raise RuntimeError(f"building the native CPU kernels ({stem}) failed: " + " | ".join(errors))
 
 
+def open_library(switch: str, sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS,
+                 extra_flags: tuple[str, ...] = (), stem: str = "paged_cpu") -> ctypes.CDLL:
+    """Build (`build_library`) and load a library of native kernels unless the environment
+    variable `switch` is "0".
+
+    Raises:
+        RuntimeError: switched off, no compiler, a failed build or load (the reason is the message).
+    """
+    if os.environ.get(switch, "1") == "0":
+        raise RuntimeError(f"disabled by {switch}=0")
+    try:
+        return ctypes.CDLL(str(build_library(sources, headers, extra_flags, stem)))
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(str(e)) from e
+
+
 def _load():
     global _lib, _tried, unavailable_reason
     with _lock:
         if _tried:
             return _lib
         _tried = True
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            unavailable_reason = f"disabled by {ENV_SWITCH}=0"
-            return None
         try:
-            lib = ctypes.CDLL(str(build_library()))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            lib = open_library(ENV_SWITCH)
+        except RuntimeError as e:
             unavailable_reason = str(e)
             return None
         # Integer arguments go packed in one int64 array: converting 25 ctypes arguments costs
