@@ -14,8 +14,10 @@ its sequence will be appended there and nothing else needs it first:
   forks, swap-in) flushes what waits (:meth:`Commits.flush`), and so does a step with no
   AppendSlots.
 
-An AppendSlots takes its receipts only when it takes its appends (all or nothing), so the engine
-resends them with the retry after a preemption; a receipt already taken is skipped there.
+An AppendSlots takes its receipts only when it takes its appends (all or nothing). When one is
+refused for lack of blocks, the engine commits the receipts it carried at once
+(:meth:`Commits.commit_taken`), before a preemption frees or swaps out a victim whose positions
+they prove; a receipt already taken is skipped by the memory service.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ class Commits:
             self._commit([*self._drain(), *now])
 
     def take(self) -> list:
-        """The waiting receipts for the step's AppendSlots (they leave this queue: the engine sends
-        them again with a retry); the sequences stay known for :meth:`granted`."""
+        """The waiting receipts for the step's AppendSlots (they leave this queue); their sequences
+        stay known for :meth:`granted` and, if that call is refused, :meth:`commit_taken`."""
         self._check_lease()
         self._sent = {seq_id: seq for seq_id, (seq, _) in self._waiting.items()}
         return [r for _, r in self._drain()]
