@@ -31,6 +31,7 @@ from client.request import Request, Status
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
 from client.tokenizer import Messages, encode_prompt, load_tokenizer
+from client.transfers import connect_peers
 from pagedkv.logs import get_logger
 from pagedkv.tls import TlsFiles
 
@@ -186,6 +187,9 @@ class Client:
             (free its blocks, compute its tokens again later) or "swap" (move its KV to the
             memory service's host tier and back; needs a memory service started with
             ``--host-cache-memory``, else it recomputes). See client.swap.
+        peers: memory-service addresses of other nodes whose cached prefixes this node may read
+            instead of computing them (client.transfers; every memory service started with the same
+            ``--transfer-key-file``, workers with ``--node-transfers``).
 
     Raises:
         ValueError: no worker address, or an unknown ``preemption_mode``.
@@ -196,7 +200,7 @@ class Client:
     def __init__(self, memory: str = "127.0.0.1:50051", workers: Iterable[str] = ("127.0.0.1:50052",), *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None,
                  max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
-                 tls: TlsFiles | None = None, preemption_mode: str = "recompute"):
+                 tls: TlsFiles | None = None, preemption_mode: str = "recompute", peers: Iterable[str] = ()):
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
@@ -211,7 +215,8 @@ class Client:
         self.tokenizer = load_tokenizer(source)
         self._engine = Engine(self.memory, self.workers, self.tokenizer,
                               config=config, lease_ttl=lease_ttl,
-                              max_model_len=max_model_len, recovery_timeout=recovery_timeout)
+                              max_model_len=max_model_len, recovery_timeout=recovery_timeout,
+                              peers=connect_peers(list(peers), tls, lease_ttl))
         self._handles: dict[str, RequestHandle] = {}
         self._wake = threading.Condition()
         self._closed = False

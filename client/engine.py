@@ -51,7 +51,9 @@ from client.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, Scheduler
 from client.services import Lease, MemoryClient, WorkerClient
 from client.stop import StopChecker
 from client.swap import Swapper
+from client.transfers import Peer, PrefixPull
 from client.worker_step import StepResults, StepRunner
+from pagedkv.errors import TRANSFER_FAILED
 from pagedkv.grant.v1 import grant_pb2 as gpb
 from pagedkv.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 from pagedkv.logs import get_logger
@@ -101,7 +103,8 @@ class Engine:
 
     def __init__(self, memory: MemoryClient, workers: list[WorkerClient], tokenizer, *,
                  config: SchedulerConfig | None = None, lease_ttl: float | None = None,
-                 max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT):
+                 max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
+                 peers: list[Peer] = ()):
         self.memory = memory
         self.workers = workers
         self.tokenizer = tokenizer
@@ -139,6 +142,8 @@ class Engine:
         #: Times a lost lease or a new pool generation was recovered from (client.recovery).
         self.lease_recoveries = 0
         self.recovery = Recovery(self, pool, lease_ttl, recovery_timeout)
+        #: Cross-node prefix reuse from ``peers``, other nodes' memory services (client.transfers); None: none.
+        self.pulls = PrefixPull(list(peers)) if peers else None
 
     def add(self, request: Request) -> None:
         """Queue a request (thread-safe). Raises ValueError when it can never fit (:meth:`Scheduler.add`)."""
@@ -171,6 +176,8 @@ class Engine:
     def close(self) -> None:
         self.recovery.cancel()
         self.runner.close()
+        if self.pulls is not None:
+            self.pulls.close()
         self.lease.close()
 
     def step(self) -> list[Request]:
@@ -187,6 +194,8 @@ class Engine:
             self.recovery.check_lease()
             out = self._step(updated)
         except ServiceError as e:
+            if self.pulls is not None:
+                self.pulls.clear()
             self.recovery.recover(e)  # raises what it cannot recover from
             return list(updated.values())
         self.recovery.step_done()
@@ -210,7 +219,13 @@ class Engine:
         scheduled = self._allocate(out)
         if not scheduled:
             return list(updated.values())
-        results = self.runner.run(scheduled, copies_by_worker)
+        try:
+            results = self.runner.run(scheduled, copies_by_worker)
+        except ServiceError as e:
+            if e.reason != TRANSFER_FAILED:
+                raise
+            self._transfer_failed(scheduled, preempted)
+            return list(updated.values())
         finished_ids = self._update(scheduled, results, updated)
         self._handle_aborts(updated)  # cancelled during the step: freed now, not a step later
         trace = StepTrace(self.step_count, list(dict.fromkeys(x.request.request_id for x in scheduled)),
@@ -231,8 +246,23 @@ class Engine:
                 r.abort()
                 updated[r.request_id] = r
 
+    def _transfer_failed(self, scheduled: list[ScheduledSeq], preempted: list[str]) -> None:
+        """A worker refused the step because a node transfer failed (nothing of it was written):
+        preempt the step's requests by recompute; those that pulled compute everything from now on."""
+        self.pulls.transfers_failed += 1
+        for req in {id(x.request): x.request for x in scheduled}.values():
+            if any(self.pulls.reading(s) for s in req.seqs):
+                req.no_pull = True
+            self._preempt(req)
+            preempted.append(req.request_id)
+        log.warning("transfer_failed", requests=len(preempted))
+
     def _free(self, reqs: list[Request], reason: int) -> None:
         """Free the sequences of ``reqs`` that hold blocks (1 FreeSequences, none when there are none)."""
+        if self.pulls is not None:
+            for r in reqs:
+                for s in r.seqs:
+                    self.pulls.release(s)
         self._free_ids([i for r in reqs for i in r.seq_ids()], reason)
 
     def _free_ids(self, seq_ids: list[int], reason: int) -> None:
@@ -363,6 +393,9 @@ class Engine:
             try:
                 resp = self.memory.allocate(self.lease.lease_id, allocations[:n])
             except (OutOfBlocks, QuotaExceeded):
+                if self.pulls is not None:  # asked again when allocated again
+                    for x in new:
+                        self.pulls.release(x.seq)
                 needing = [r for r in out.admitted if any(x.request is r for x in new)]
                 if not needing:
                     raise
@@ -372,6 +405,12 @@ class Engine:
                 continue
             for x, t, g in zip(new, resp.sequences, resp.grants):
                 x.allocated(t, g)
+                if self.pulls is not None:
+                    self.pulls.allocated(x.seq, t)
+                    x.request.num_pulled_tokens = x.request.num_pulled_tokens or t.num_transferred_tokens
+            for x in new[n:]:
+                if self.pulls is not None:
+                    self.pulls.release(x.seq)
 
     def _allocation(self, x: ScheduledSeq) -> mpb.SequenceAllocation:
         reserve = self.scheduler.reservation(x.request)
@@ -380,8 +419,14 @@ class Engine:
         s = x.seq
         known = s.tokens if s.compute_limit is None else s.tokens[:s.compute_limit]
         known = known[:MAX_TOKEN_IDS_PER_CALL]  # the prefix-cache lookup covers at most this many
-        return mpb.SequenceAllocation(num_tokens=x.num_new_tokens, token_ids=known, model_id=self.model_id,
-                                      cache_salt=x.request.cache_salt)
+        out = mpb.SequenceAllocation(num_tokens=x.num_new_tokens, token_ids=known, model_id=self.model_id,
+                                     cache_salt=x.request.cache_salt)
+        if self.pulls is not None and not x.request.no_pull:
+            self.pulls.release(s)  # an allocation retried: pinned again below
+            ticket = self.pulls.ticket(s, known, self.model_id, x.request.cache_salt, self.block_size)
+            if ticket is not None:
+                out.remote_prefix.CopyFrom(ticket)
+        return out
 
     def _fail_unschedulable(self, updated: dict) -> None:
         """Nothing could run: a waiting request that cannot fit even in an empty pool fails. A
@@ -448,6 +493,8 @@ class Engine:
         # The receipts before any free (a request done in its prefill step still fills the cache);
         # a plain running sequence's wait for the next step's AppendSlots (client.commits).
         self.commits.after_step([(x, r, self._may_wait(x)) for x, r in receipts])
+        if self.pulls is not None:  # their blocks are read and proven: the peers' pins go
+            self.pulls.release_done([x.seq for x in scheduled])
         self._free_ids(to_free, mpb.FREE_REASON_FINISHED)
         return finished
 
@@ -456,4 +503,5 @@ class Engine:
         running that grows on demand (beams, parallel samples and reservations do not append)."""
         req = x.request
         return (x.seq.seq_id is not None and not req.finished and req.beam is None and req.params.n == 1
-                and len(req.seqs) == 1 and self.scheduler.reservation(req) is None)
+                and len(req.seqs) == 1 and self.scheduler.reservation(req) is None
+                and not (self.pulls is not None and self.pulls.reading(x.seq)))

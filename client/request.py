@@ -69,6 +69,8 @@ class Seq:
     #: The memory service's latest grant for it (pagedkv.grant.v1.StepGrant: what its next step
     #: may touch), handed to the worker unchanged; None while not allocated.
     grant: object = None
+    #: The other node's TransferSource its next step reads blocks from (client.transfers), or None.
+    transfer_source: object = None
 
     @property
     def generated(self) -> list[int]:
@@ -139,6 +141,10 @@ class Request:
     #: service's ``num_cached_tokens``); None until then. A preempted or recovered request keeps
     #: its first figure: it is what the request was served from the cache, as vLLM reports it.
     num_cached_tokens: int | None = None
+    #: Prompt tokens read from another node's pool at the request's first allocation
+    #: (client.transfers); a request whose transfer failed computes everything here from then on.
+    num_pulled_tokens: int = 0
+    no_pull: bool = False
 
     def __post_init__(self) -> None:
         if not self.seqs:

@@ -152,6 +152,14 @@ class MemoryClient(_Channel):
         return self.stub.AllocateSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
+    def export_prefix(self, lease_id: str, token_ids: list[int], model_id: str = "",
+                      cache_salt: str = "") -> mpb.ExportPrefixResponse:
+        """Pin the prompt's cached leading blocks on this node for another node to read (a sequence
+        of ``lease_id``; free it when done); the reply's ticket goes in that node's AllocateSequences."""
+        req = mpb.ExportPrefixRequest(lease_id=lease_id, token_ids=token_ids, model_id=model_id, cache_salt=cache_salt)
+        return self.stub.ExportPrefix(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
+
+    @_typed
     def append(self, lease_id: str, appends: list[tuple[int, int] | tuple[int, int, list[int]]],
                receipts: list = ()) -> mpb.AppendSlotsResponse:
         """Grow sequences by ``(seq_id, num_tokens[, token_ids])``; ``receipts`` (the last step's, unchanged)

@@ -7,7 +7,8 @@ nor at a compute limit before a fork). Copy-on-write pairs from AppendSlots go t
 the worker of the sequence that now holds the destination block; they are the only
 copies in a StepRequest's ``copies`` (device to device). The tier copies (offloads to
 and reloads from the host tier) travel in the sequences' grants, and the worker does
-every copy of every grant of its step before it writes.
+every copy of every grant of its step before it writes. A sequence whose grant reads blocks of
+another node's pool (client.transfers) adds that node's transfer source to its worker's request.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def build_steps(scheduled: list[ScheduledSeq], copies_by_worker: dict[int, list[
             seq_id=seq.seq_id, token_ids=x.token_ids, positions=range(start, end),
             block_ids=seq.block_table, sampling=sampling(req, seq), output_index=len(seq.generated),
             skip_sampling=skip, grant=seq.grant))
+        if seq.transfer_source is not None and seq.transfer_source not in step.transfer_sources:
+            step.transfer_sources.append(seq.transfer_source)
     for w, copies in copies_by_worker.items():
         by_worker[w].copies.extend(cpb.BlockCopy(src=s, dst=d) for s, d in copies)
     return by_worker

@@ -12,12 +12,15 @@ epoch), and the step must stay inside it:
   with tokens of that digest;
 - every copy-on-write copy of the request is one a grant of the step allows;
 - every copy of every grant (DESIGN.md, "Tiers and transfers") goes device ->
-  device (copy-on-write), device -> host (offload) or host -> device (reload),
-  never host -> host; names blocks inside their tier (host copies only when a
-  host tier is mapped) whose epochs are the ones the epoch table holds (device
-  block b: ``epochs[b]``; host block h: ``host_epochs[h]`` = the whole table's
-  ``[num_blocks + h]``); and no two copies of the step write one block (nor does
-  a copy-on-write read a block another one writes).
+  device (copy-on-write), device -> host (offload), host -> device (reload) or
+  another node's pool -> device (node transfer), never host -> host; names blocks
+  inside their tier (host copies only when a host tier is mapped) whose epochs
+  are the ones the epoch table holds (device block b: ``epochs[b]``; host block
+  h: ``host_epochs[h]`` = the whole table's ``[num_blocks + h]``; a remote
+  block's epoch is its node's, vouched for by that node's signed ticket); a node
+  transfer reads from the source in the request's ``transfer_sources`` whose
+  digest the grant signed, inside its pool; and no two copies of the step write
+  one block (nor does a copy-on-write read a block another one writes).
 
 Anything else is PERMISSION_DENIED, raised before the first copy or write. The
 check's answer carries the step's :class:`CopyPlan`: every grant copy, deduped,
@@ -39,19 +42,21 @@ from __future__ import annotations
 
 import hmac
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.errors import PermissionDeniedError
 from pagedkv.grant.v1 import grant_pb2
-from pagedkv.grants import copy_tuple, grant_parts_message, mac, receipt_parts_message, token_digest
+from pagedkv.grants import copy_tuple, grant_parts_message, granted_copy, mac, receipt_parts_message, token_digest
+from pagedkv.transfer import source_digest
 
-_DEVICE, _HOST = grant_pb2.MEDIUM_DEVICE, grant_pb2.MEDIUM_HOST
-_MEDIUM_NAMES = {_DEVICE: "device", _HOST: "host"}
+_DEVICE, _HOST, _REMOTE = grant_pb2.MEDIUM_DEVICE, grant_pb2.MEDIUM_HOST, grant_pb2.MEDIUM_REMOTE
+_MEDIUM_NAMES = {_DEVICE: "device", _HOST: "host", _REMOTE: "remote"}
 #: (src_medium, dst_medium) -> the copy's kind; any other pair is refused.
-_KINDS = {(_DEVICE, _DEVICE): "copy-on-write", (_DEVICE, _HOST): "offload", (_HOST, _DEVICE): "reload"}
+_KINDS = {(_DEVICE, _DEVICE): "copy-on-write", (_DEVICE, _HOST): "offload", (_HOST, _DEVICE): "reload",
+          (_REMOTE, _DEVICE): "transfer"}
 
 
 def _deny(what: str) -> PermissionDeniedError:
@@ -66,19 +71,24 @@ class Checked:
     block_ids: list[int]  # the grant's (== the step's) block table
     block_epochs: list[int]  # their epochs, as granted (== the pool's at the check)
     token_digest: bytes  # digest of the step's token ids (the grant's when it names one: checked equal)
-    #: The grant's offloads and reloads as :func:`pagedkv.grants.copy_tuple` tuples, grant order.
+    #: The grant's offloads, reloads and node transfers as :func:`pagedkv.grants.copy_tuple` tuples, grant order.
     tier_copies: tuple = ()
 
 
 @dataclass(slots=True)
 class CopyPlan:
     """Every copy of a step's grants, deduped, as (src id, dst id) pairs, in the order the worker
-    does them: ``offloads`` (device src -> host dst), then ``reloads`` (host src -> device dst),
-    then ``copy_on_write`` (device -> device)."""
+    does them: ``offloads`` (device src -> host dst), then ``reloads`` (host src -> device dst) and
+    ``transfers`` (another node's block -> device dst, per source), then ``copy_on_write``
+    (device -> device)."""
 
     offloads: list[tuple[int, int]]
     reloads: list[tuple[int, int]]
     copy_on_write: list[tuple[int, int]]
+    #: Node transfers: source digest -> (remote src, device dst) pairs.
+    transfers: dict[bytes, list[tuple[int, int]]] = field(default_factory=dict)
+    #: The request's transfer sources by digest (those a transfer names).
+    sources: dict[bytes, grant_pb2.TransferSource] = field(default_factory=dict)
 
     @property
     def has_tier_copies(self) -> bool:
@@ -120,6 +130,8 @@ def check_grants(request: pb.StepRequest, key: bytes, generation: int, epochs: n
     now = time.time() if now is None else now
     allowed_copies: set[tuple[int, int]] = set()
     plan = CopyPlan([], [], [])
+    if request.transfer_sources:
+        plan.sources = {source_digest(s): s for s in request.transfer_sources}
     checked = CheckedStep()
     checked.plan = plan
     all_ids: list[int] = []
@@ -166,20 +178,22 @@ def check_grants(request: pb.StepRequest, key: bytes, generation: int, epochs: n
     for c in request.copies:
         if (c.src, c.dst) not in allowed_copies:
             raise _deny(f"copy {c.src} -> {c.dst} is in no grant of this step")
-    if allowed_copies or plan.has_tier_copies:
+    if allowed_copies or plan.has_tier_copies or plan.transfers:
         _check_plan(plan)
     return checked
 
 
 def _check_copy(c: tuple, seq_id: int, epochs: np.ndarray, host_epochs: np.ndarray | None, plan: CopyPlan) -> bool:
     """Check one grant copy (a :func:`copy_tuple`) and add it to ``plan`` unless already there;
-    True for a tier copy (offload or reload)."""
-    src, src_epoch, dst, dst_epoch, src_medium, dst_medium = c
+    True for a tier copy (offload, reload or node transfer)."""
+    src, src_epoch, dst, dst_epoch, src_medium, dst_medium, source = c
     what = (f"copy {_MEDIUM_NAMES.get(src_medium, f'medium {src_medium}')} block {src} -> "
             f"{_MEDIUM_NAMES.get(dst_medium, f'medium {dst_medium}')} block {dst} of sequence {seq_id}")
     kind = _KINDS.get((src_medium, dst_medium))
     if kind is None:
         raise _deny(f"{what} is not a device->device, device->host or host->device copy")
+    if kind == "transfer":
+        return _check_transfer(c, what, epochs, plan)
     if kind != "copy-on-write" and host_epochs is None:
         raise _deny(f"{what} needs the host tier, and this worker maps none (the memory service's pool has "
                     "no host tier)")
@@ -198,10 +212,29 @@ def _check_copy(c: tuple, seq_id: int, epochs: np.ndarray, host_epochs: np.ndarr
     return kind != "copy-on-write"
 
 
+def _check_transfer(c: tuple, what: str, epochs: np.ndarray, plan: CopyPlan) -> bool:
+    """Check one node transfer and add it to ``plan`` unless already there."""
+    src, _, dst, dst_epoch, _, _, source = c
+    peer = plan.sources.get(source)
+    if peer is None:
+        raise _deny(f"{what} reads from a node whose transfer source is not in the step's transfer_sources "
+                    "(pass the ticket's source unchanged)")
+    if src >= peer.num_blocks or dst >= len(epochs):
+        raise _deny(f"{what} names a block outside its pool ({peer.num_blocks} remote, {len(epochs)} device blocks)")
+    if epochs[dst] != dst_epoch:
+        raise _deny(f"{what} names a block handed out anew")
+    pairs = plan.transfers.setdefault(source, [])
+    if (src, dst) not in pairs:
+        pairs.append((src, dst))
+    return True
+
+
 def _check_plan(plan: CopyPlan) -> None:
     """Refuse a step whose copies would race: one block written twice in a phase, or a copy-on-write
     reading a block another copy-on-write writes."""
-    for name, pairs in (("offloads", plan.offloads), ("reloads", plan.reloads), ("copies-on-write", plan.copy_on_write)):
+    pulled = [*plan.reloads, *(p for pairs in plan.transfers.values() for p in pairs)]
+    for name, pairs in (("offloads", plan.offloads), ("reloads and transfers", pulled),
+                        ("copies-on-write", plan.copy_on_write)):
         dsts = [d for _, d in pairs]
         if len(set(dsts)) != len(dsts):
             raise _deny(f"two {name} of this step write one block ({pairs})")
@@ -230,8 +263,7 @@ def sign_receipts(request: pb.StepRequest, results: list[pb.StepResult], key: by
         r.block_ids.extend(ids)
         r.block_epochs.extend(ep)
         if c.tier_copies:
-            r.copies.extend(grant_pb2.GrantedCopy(src=t[0], src_epoch=t[1], dst=t[2], dst_epoch=t[3], src_medium=t[4],
-                                                  dst_medium=t[5]) for t in c.tier_copies)
+            r.copies.extend(granted_copy(t) for t in c.tier_copies)
         r.signature = mac(key, receipt_parts_message(generation, s.seq_id, start, end, c.token_digest, ids, ep,
                                                      c.tier_copies))
 

@@ -35,6 +35,7 @@ from compute_service.weights import ModelConfig, load_model_source
 from compute_service.worker import Worker
 from pagedkv import tls
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
+from pagedkv.grant.v1 import grant_pb2 as gpb
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
@@ -55,6 +56,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="the memory service's worker socket here (default: the path its pool descriptor names)")
     p.add_argument("--memory-timeout", type=float, default=60.0, help="seconds to wait for the memory service at start (default 60)")
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
+    p.add_argument("--node-transfers", action="store_true", default=os.environ.get("PAGEDKV_NODE_TRANSFERS") == "1",
+                   help="register the mapped pool with a NIXL agent and publish it through the memory service, so "
+                        "workers of other nodes can read its blocks and this one theirs (needs nixl-cu12; trusted "
+                        "network only: docs/security.md)")
     tls.add_arguments(p)  # also this worker's credentials towards the memory service
     return p
 
@@ -100,7 +105,8 @@ def _torch_device(device: str, desc: mpb.PoolDescriptor) -> str:
 
 
 async def watch_memory_service(address: str, worker: Worker, health, compute: Executor,
-                               socket_path: str | None = None, files: tls.TlsFiles | None = None) -> None:
+                               socket_path: str | None = None, files: tls.TlsFiles | None = None,
+                               node_transfers: bool = False) -> None:
     """Follow the memory service: drop the pool when it stops, map the new one when it is back.
 
     Mapping (through the worker socket, `socket_path` overriding the descriptor's) and dropping
@@ -117,7 +123,8 @@ async def watch_memory_service(address: str, worker: Worker, health, compute: Ex
                     break
                 desc = (await memory.GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=5)).pool
                 if worker.pool is None or desc.generation != worker.pool.generation:
-                    await swap_pool(worker, compute, _remap, worker, desc, socket_path)
+                    await swap_pool(worker, compute, _remap, worker, desc, socket_path,
+                                    (address, files) if node_transfers else None)
                     await health.set("", health_pb2.HealthCheckResponse.SERVING)
                     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         except grpc.aio.AioRpcError as e:
@@ -142,9 +149,34 @@ async def swap_pool(worker: Worker, compute: Executor, fn, *args) -> None:
     await asyncio.get_running_loop().run_in_executor(compute, fn, *args)
 
 
-def _remap(worker: Worker, desc: mpb.PoolDescriptor, socket_path: str | None) -> None:
+def publish_transfer_agent(worker: Worker, address: str, files: tls.TlsFiles | None) -> None:
+    """Give ``worker`` a NIXL agent over its mapped pool and publish it through the memory service
+    (PublishTransferSource), so that workers of other nodes can read this pool's blocks.
+
+    Raises:
+        RuntimeError: NIXL is not installed.
+        grpc.RpcError: the memory service refused the source.
+    """
+    from compute_service.transfer_agent import TransferAgent
+
+    pool = worker.pool
+    agent = TransferAgent(f"{pool.descriptor.node_name or pool.descriptor.pool_id}/{os.getpid()}/g{pool.generation}",
+                          pool.tensor)
+    s = agent.source()
+    with tls.channel(address, files) as ch:
+        mpb_grpc.MemoryServiceStub(ch).PublishTransferSource(mpb.PublishTransferSourceRequest(
+            pool_generation=pool.generation, source=gpb.TransferSource(
+                agent_name=s.agent_name, agent_metadata=s.agent_metadata, base_address=s.base_address,
+                num_blocks=s.num_blocks, block_bytes=s.block_bytes)), timeout=10)
+    worker.transfer_agent = agent
+    log.info("transfer_agent_published", agent=s.agent_name, num_blocks=s.num_blocks, block_bytes=s.block_bytes)
+
+
+def _remap(worker: Worker, desc: mpb.PoolDescriptor, socket_path: str | None, transfers: tuple | None = None) -> None:
     check_layout(desc, worker.config)
     worker.set_pool(map_pool(desc, socket_path))
+    if transfers is not None:
+        publish_transfer_agent(worker, *transfers)
     log.info("pool_mapped", generation=desc.generation, backend=mpb.PoolBackend.Name(desc.backend),
              num_blocks=desc.layout.num_blocks)
 
@@ -174,6 +206,8 @@ async def serve(args: argparse.Namespace) -> None:
     # second team, and with more threads than cores each parallel region goes through futex sleeps.
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
     worker, model_device = await asyncio.get_running_loop().run_in_executor(compute, _load, args, desc, device)
+    if args.node_transfers:
+        await asyncio.get_running_loop().run_in_executor(compute, publish_transfer_agent, worker, args.memory, files)
     pool = worker.pool
     servicer = ComputeServicer(worker, args.model, model_device, compute)
     from grpc_health.v1 import health
@@ -182,7 +216,8 @@ async def serve(args: argparse.Namespace) -> None:
     spec = ServerSpec.from_flags(
         args, SERVICE_NAME, lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
         ready_info={"memory": args.memory, "model": args.model, "device": model_device, "generation": pool.generation},
-        background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute, args.memory_socket, files)],
+        background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute, args.memory_socket, files,
+                                                 args.node_transfers)],
         health=health_servicer,
     )
     await run_server(spec)

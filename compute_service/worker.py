@@ -6,7 +6,9 @@ into the model's packed inputs (`compute_service.step_inputs`: validation, slot
 mapping, block tables), checks the grants (`compute_service.grant_check`), does every
 copy of the step's grants in the order DESIGN.md's "Tiers and transfers" fixes
 (offloads device -> host tier, reloads host tier -> device, with
-``kernels.copy_blocks_between``; then copy-on-write, ``kernels.copy_blocks``), runs
+``kernels.copy_blocks_between``, and node transfers in, read over NIXL from another
+node's pool by ``compute_service.transfer_agent``; then copy-on-write,
+``kernels.copy_blocks``), runs
 the packed batch (prefill chunks and decode tokens together) through the model,
 which writes K/V into the slots and runs paged attention, and samples one token per
 sequence on the worker. Logits never leave it.
@@ -29,7 +31,13 @@ from compute_service.step_inputs import StepInputs, build_step_inputs
 from compute_service.timing import AttentionClock
 from compute_service.weights import ModelConfig
 from pagedkv.compute.v1 import compute_service_pb2 as pb
-from pagedkv.errors import POOL_GENERATION_MISMATCH, POOL_NOT_MAPPED, FailedPreconditionError
+from pagedkv.errors import (
+    POOL_GENERATION_MISMATCH,
+    POOL_NOT_MAPPED,
+    TRANSFERS_OFF,
+    FailedPreconditionError,
+    TransferFailedError,
+)
 
 
 class Worker:
@@ -52,12 +60,17 @@ class Worker:
         self.attention_clock = AttentionClock(model) if timed else None
         #: Set when the memory service went away during a step: its results are dropped.
         self.pool_lost = threading.Event()
+        #: The NIXL agent over the mapped pool (node transfers), or None: steps with node transfers are refused.
+        self.transfer_agent = None
 
     def set_pool(self, pool: MappedPool | None) -> None:
         """Swap the mapped pool (None drops it); waits for an in-flight step."""
         self.pool_lost.set()
         with self._lock:
             old, self.pool = self.pool, pool
+            if self.transfer_agent is not None:  # it registered the old pool's memory
+                self.transfer_agent.close()
+                self.transfer_agent = None
             if old is not None:
                 old.close()
             self.pool_lost.clear()
@@ -89,8 +102,8 @@ class Worker:
             checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs,
                                    host_epochs=getattr(pool, "host_epochs", None))  # None: no host tier
             plan = checked.plan
-            if plan.has_tier_copies or plan.copy_on_write:
-                do_copies(pool, plan)
+            if plan.has_tier_copies or plan.copy_on_write or plan.transfers:
+                do_copies(pool, plan, self.transfer_agent)
             t1 = time.perf_counter()
             logits = self.model(*inputs.model_args(pool.tensor))
             t2 = time.perf_counter()
@@ -137,20 +150,49 @@ class Worker:
         return results
 
 
-def do_copies(pool: MappedPool, plan: CopyPlan) -> None:
+def do_copies(pool: MappedPool, plan: CopyPlan, agent=None) -> None:
     """Do a checked step's copies on ``pool``, in order: offloads (``host[h] <- pool[b]``), reloads
-    (``pool[b] <- host[h]``), copy-on-write (``pool[dst] <- pool[src]``).
+    (``pool[b] <- host[h]``), node transfers in (``pool[b] <- another node's block``, read over NIXL
+    by ``agent``, a :class:`compute_service.transfer_agent.TransferAgent` over ``pool``),
+    copy-on-write (``pool[dst] <- pool[src]``).
 
-    On CUDA everything is queued on the current stream, before the step's kernels.
+    On CUDA everything is queued on the current stream, before the step's kernels (node transfers
+    wait for the stream first, and complete before the copies after them are queued).
 
     Raises:
         ValueError: a tier copy with no host tier mapped (``check_grants`` refuses that first).
+        FailedPreconditionError: node transfers on a worker without node transfers on.
+        TransferFailedError: a node transfer failed (ABORTED, reason TRANSFER_FAILED); the step's own
+            writes and copies-on-write have not run.
     """
     if plan.has_tier_copies:
         if pool.host_tensor is None:
             raise ValueError("the step has host-tier copies but no host tier is mapped")
         kernels.copy_blocks_between(pool.tensor, pool.host_tensor, plan.offloads)
         kernels.copy_blocks_between(pool.host_tensor, pool.tensor, plan.reloads)
+    if plan.transfers:
+        _transfer_in(pool, plan, agent)
     if plan.copy_on_write:
         kernels.copy_blocks(pool.tensor, torch.tensor(plan.copy_on_write, dtype=torch.int64,
                                                       device=pool.tensor.device))
+
+
+def _transfer_in(pool: MappedPool, plan: CopyPlan, agent) -> None:
+    """Read every node transfer of ``plan`` into ``pool``, source by source (one NIXL request each)."""
+    from compute_service.transfer_agent import TransferError, TransferSource
+
+    if agent is None:
+        raise FailedPreconditionError("the step reads blocks of another node's pool, and this worker has no NIXL "
+                                      "agent (start it with --node-transfers)", reason=TRANSFERS_OFF)
+    if pool.tensor.is_cuda:
+        torch.cuda.current_stream(pool.tensor.device).synchronize()  # the offloads above read those blocks first
+    for digest, pairs in plan.transfers.items():
+        s = plan.sources[digest]
+        source = TransferSource(s.agent_name, bytes(s.agent_metadata), s.base_address, s.num_blocks, s.block_bytes)
+        try:
+            agent.read_blocks(source, pairs)
+        except TransferError as e:
+            raise TransferFailedError(f"a node transfer from {s.agent_name!r} failed after {e.blocks_done} of "
+                                      f"{len(pairs)} blocks ({e}); no KV of this step was written: free the "
+                                      "sequences that read from that node and recompute them",
+                                      metadata={"blocks_done": str(e.blocks_done), "agent": s.agent_name}) from e

@@ -19,6 +19,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
+from memory_service.block_hash import CacheKey
 from memory_service.block_pool import BlockPool
 from memory_service.host_tier import HostTier
 from memory_service.leases import Lease, LeaseTable
@@ -160,40 +161,76 @@ class BlockManager(ManagerViews):
                 raise InvalidArgumentError(f"AllocateSequences: {len(r.token_ids)} token ids is more than a sequence "
                                            f"can hold (the pool's whole token capacity, {capacity})")
             hit, host = self.cached_prefix(r.token_ids, r.cache_key)  # host: the chain continued there (reloads)
-            cached = (len(hit.block_ids) + len(host)) * bs
+            remote = self._remote_hits(r, hit.block_hashes, host)  # then on another node (node transfers)
+            cached = (len(hit.block_ids) + len(host) + len(remote)) * bs
             total = cached + (min(r.num_tokens, len(r.token_ids) - cached) if r.token_ids else r.num_tokens)
             self._check_tokens(total, "AllocateSequences")
             pinned.update(b for b in hit.block_ids if self.pool.ref_counts[b] == 0)
             required += blocks_for(total, bs) - len(hit.block_ids)
-            plans.append((r, hit, host, total))
+            plans.append((r, hit, host, remote, total))
         self._check_quota(lease, "AllocateSequences", sum(blocks_for(t, bs) for *_, t in plans), len(plans))
         if required > self.pool.num_available - len(pinned):
             if self.releasing_refs:  # released blocks count as available: finish returning them, plan again
                 self.drain_released()
                 return self.allocate(lease_id, requests)
             return self._refuse(required, len(pinned))
-        for _, hit, host, _ in plans:  # pin every hit of the batch before anything is evicted
+        for _, hit, host, _, _ in plans:  # pin every hit of the batch before anything is evicted
             self.pool.touch(hit.block_ids)
             if host:
                 self.tiers.host.pin(h for _, h in host)
         out = []
-        for r, hit, host, total in plans:
+        for r, hit, host, remote, total in plans:
             hits = hit.block_ids
             seq = self.sequences.add(lease, total, hits + self.pool.allocate(blocks_for(total, bs) - len(hits)))
             self.tiers.attach(seq)  # offloads of the blocks it took
             # Only the tokens it holds slots for: later appends extend from there.
             seq.token_ids = list(r.token_ids[:total]) if r.token_ids is not None else None
-            seq.block_hashes = hit.block_hashes + [k for k, _ in host]
-            seq.cache_key, seq.num_cached_tokens = r.cache_key, (len(hits) + len(host)) * bs
+            seq.block_hashes = hit.block_hashes + [k for k, _ in host] + [k for k, *_ in remote]
+            seq.cache_key, seq.num_cached_tokens = r.cache_key, (len(hits) + len(host) + len(remote)) * bs
             seq.num_proven = seq.num_cached_tokens
             if host:
                 self.tiers.start_reloads(seq, len(hits), host, hit.block_hashes[-1] if hit.block_hashes else b"")
+            if remote:
+                before = len(hits) + len(host)
+                self.tiers.start_transfers(seq, before, remote, seq.block_hashes[before - 1] if before else b"",
+                                           r.remote.source)
             self.pool.fill_tokens(seq.block_ids, 0, total)
             if r.token_ids:
                 self.prefix_cache.record_lookup(len(r.token_ids), len(hits) + len(host))
             out.append(seq)
         log.debug("allocated", lease_id=lease_id, num_sequences=len(out), num_blocks=required)
         return out
+
+    def _remote_hits(self, r: Allocation, device_hashes: list[bytes], host: list) -> list[tuple[bytes, int, int]]:
+        """The blocks of ``r.remote`` (another node's) continuing this node's own cached prefix."""
+        if r.remote is None or not r.token_ids:
+            return []
+        before = device_hashes + [k for k, _ in host]
+        return self.tiers.remote_hits(r.token_ids, r.cache_key, before[-1] if before else None, len(before), r.remote)
+
+    def export_prefix(self, lease_id: str, token_ids: Seq[int], key: CacheKey) -> Sequence | None:
+        """Pin the leading full blocks of ``token_ids`` cached on the device, for another node to read,
+        as a new sequence of ``lease_id`` holding just them (proven, refcount + 1: nothing evicts or
+        rewrites them until it is freed; the lease's end frees it too). None when none is cached
+        (nothing changes). Never the block holding the last token (as a lookup).
+
+        Raises:
+            InvalidArgumentError: more token ids than one call may carry, ids outside int32.
+            NotFoundError / FailedPreconditionError: unknown / expired lease.
+            QuotaExceededError: the lease's sequences or block-table entries would pass its quota.
+        """
+        lease = self.leases.lookup(lease_id)
+        check_token_ids(len(token_ids), "ExportPrefix")
+        hit = self.prefix_cache.lookup(token_ids, key)
+        if not hit.block_ids:
+            return None
+        n = len(hit.block_ids) * self.block_size
+        self._check_quota(lease, "ExportPrefix", len(hit.block_ids), 1)
+        self.pool.touch(hit.block_ids)
+        seq = self.sequences.add(lease, n, list(hit.block_ids))
+        seq.token_ids, seq.block_hashes, seq.cache_key = list(token_ids[:n]), list(hit.block_hashes), key
+        seq.num_cached_tokens = seq.num_proven = n
+        return seq
 
     def append_slots(self, lease_id: str, appends: Seq[Append],
                      before_apply: Callable[[], object] | None = None) -> AppendResult | OutOfBlocks:

@@ -31,12 +31,14 @@ from memory_service.layout import host_cache_bytes, make_layout, parse_bytes
 from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
 from memory_service.step_grants import GrantSigner
+from memory_service.transfers import NodeTransfers
 from memory_service.worker_socket import WorkerSocketServer
 from pagedkv import tls
 from pagedkv.credentials import default_admin_token_file
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
+from pagedkv.transfer import load_transfer_key
 
 log = get_logger("memory_service")
 
@@ -102,6 +104,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--max-sequences-per-lease", type=_quota, default=DEFAULT_MAX_SEQUENCES_PER_LEASE,
                    help=f"quota of live sequences per lease (default {DEFAULT_MAX_SEQUENCES_PER_LEASE}: dropping a "
                         "lease removes its sequences in one turn of the event loop)")
+    p.add_argument("--node-name", default=os.environ.get("PAGEDKV_NODE_NAME"),
+                   help="this node's name among a deployment's nodes (default: the pool id)")
+    p.add_argument("--transfer-key-file", default=os.environ.get("PAGEDKV_TRANSFER_KEY_FILE"),
+                   help="the 32-byte hex secret every memory service of a deployment shares, mode 0600 "
+                        "(openssl rand -hex 32): with it this node exports cached prefixes to other nodes and takes "
+                        "theirs (node transfers over NIXL, trusted network only: docs/security.md)")
     return p
 
 
@@ -135,6 +143,7 @@ def create_pool(args: argparse.Namespace) -> Pool:
 async def serve(args: argparse.Namespace) -> None:
     """Create the pool and serve until SIGTERM."""
     server_tls(args)  # refuse bad TLS flags or a plaintext non-loopback bind before making the pool
+    transfer_key = load_transfer_key(args.transfer_key_file) if args.transfer_key_file else None
     token_file = os.path.abspath(args.admin_token_file or default_admin_token_file())
     admin_token = create_admin_token(token_file)
     pool = create_pool(args)
@@ -157,8 +166,9 @@ async def serve(args: argparse.Namespace) -> None:
         ready_info["metrics_port"] = start_metrics_server(manager, args.host, args.metrics_port)
     signer = GrantSigner(pool.plane_key, pool.generation, manager.pool.epochs,
                          host_epochs=manager.tiers.host.epochs if manager.tiers.host is not None else None)
+    transfers = NodeTransfers(args.node_name or pool.pool_id, pool.descriptor(), transfer_key)
     servicer = MemoryServicer(manager, pool, signer,
-                              admin_token=admin_token, admin_token_file=token_file)
+                              admin_token=admin_token, admin_token_file=token_file, transfers=transfers)
 
     async def grace() -> None:
         # Workers watching health see NOT_SERVING now; no new one gets the pool; give them time

@@ -80,6 +80,21 @@ class Allocation:
     token_ids: tuple[int, ...] | None = None
     #: Extra cache keys.
     cache_key: CacheKey = CacheKey()
+    #: Blocks another node holds for these tokens (a checked transfer ticket), or None.
+    remote: RemotePrefix | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefix:
+    """Leading full blocks of a prompt pinned on another node (a transfer ticket whose signature,
+    layout and expiry the server checked): block ``i`` of the prompt is the remote block
+    ``block_ids[i]`` (epoch ``block_epochs[i]``, hash ``block_hashes[i]``) of the pool that
+    ``source`` (a ``TransferSource`` digest) reads."""
+
+    block_ids: tuple[int, ...]
+    block_epochs: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    source: bytes
 
 
 @dataclass(slots=True)
@@ -127,9 +142,14 @@ class BlockCopy:
     dst: int
     #: The sequence whose grant carries the copy (not part of equality: a copy is its blocks).
     seq_id: int = field(default=-1, compare=False)
-    #: Media of each side: 0 the device pool, 1 the host tier (``pagedkv.grant.v1.Medium``).
+    #: Media of each side: 0 the device pool, 1 the host tier, 2 (src only) another node's pool
+    #: (``pagedkv.grant.v1.Medium``).
     src_medium: int = 0
     dst_medium: int = 0
+    #: A remote src: its epoch on its node (from the transfer ticket), and the digest of its
+    #: node's TransferSource (``pagedkv.transfer.source_digest``); unused otherwise.
+    src_epoch: int = 0
+    source: bytes = b""
 
     def __post_init__(self) -> None:
         assert self.src != self.dst or self.src_medium != self.dst_medium, f"copy of block {self.src} onto itself"

@@ -53,6 +53,8 @@ class Sequence:
     num_proven: int = 0
     #: Of ``num_cached_tokens``, those reloaded from the host tier.
     num_reloaded_tokens: int = 0
+    #: Of ``num_cached_tokens``, those read from another node's pool (node transfers).
+    num_transferred_tokens: int = 0
     #: Tier copies (:mod:`memory_service.tiers`): offloads this call caused, for the next grant
     #: only; offloads granted and not yet proven; reloads not yet proven (in every grant until then).
     fresh_offloads: list = field(default_factory=list)

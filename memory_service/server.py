@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from memory_service.authz import ROUTER, SCHEDULER, Authorizer
+from memory_service.authz import ROUTER, SCHEDULER, WORKER, Authorizer
 from memory_service.block_hash import CacheKey
 from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
 from memory_service.leases import Lease
@@ -23,6 +23,7 @@ from memory_service.prefix_cache import KvEvent, PrefixCache
 from memory_service.requests import Allocation, Append, BlockCopy, OutOfBlocks, check_batch, check_request_size
 from memory_service.sequence import Sequence, SequenceInfo
 from memory_service.step_grants import GrantSigner
+from memory_service.transfers import NodeTransfers
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PermissionDeniedError
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
@@ -37,7 +38,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MemoryService"].full_name
 
 def _table(seq: Sequence) -> pb.SequenceBlockTable:
     return pb.SequenceBlockTable(seq_id=seq.seq_id, num_tokens=seq.num_tokens, block_ids=seq.block_ids,
-                                 num_cached_tokens=seq.num_cached_tokens, num_reloaded_tokens=seq.num_reloaded_tokens)
+                                 num_cached_tokens=seq.num_cached_tokens, num_reloaded_tokens=seq.num_reloaded_tokens,
+                                 num_transferred_tokens=seq.num_transferred_tokens)
 
 
 def _copy(c: BlockCopy) -> pb.BlockCopy:
@@ -80,14 +82,16 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     """Serves one :class:`BlockManager` over one :class:`Pool`; ``signer`` signs its grants.
 
     ``admin_token``: the loopback admin credential (None: admin only by TLS certificate);
-    ``admin_token_file``: where it was written (named in refusals).
+    ``admin_token_file``: where it was written (named in refusals); ``transfers``: this node's side of
+    node transfers (default: a node named ``pool.pool_id`` without a transfer key, taking no part).
     """
 
     def __init__(self, manager: BlockManager, pool: Pool, signer: GrantSigner, *, admin_token: str | None = None,
-                 admin_token_file: str | None = None):
+                 admin_token_file: str | None = None, transfers: NodeTransfers | None = None):
         self.manager = manager
         self.pool = pool
         self.signer = signer
+        self.transfers = transfers or NodeTransfers(pool.pool_id, pool.descriptor(), None)
         self.authz = Authorizer(manager.leases, admin_token, admin_token_file)
 
     def _grants(self, lease: Lease, seqs, copies=(), tier_copies: list | None = None) -> list:
@@ -123,12 +127,34 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return pb.ReleaseLeaseResponse(freed_sequences=self.manager.leases.release(request.lease_id))
 
     async def GetPoolDescriptor(self, request, context):
-        return pb.GetPoolDescriptorResponse(pool=self.pool.descriptor())
+        d = self.pool.descriptor()
+        d.node_name = self.transfers.node_name
+        d.transfer_sources.extend(self.transfers.sources.values())
+        return pb.GetPoolDescriptorResponse(pool=d)
+
+    async def PublishTransferSource(self, request, context):
+        require_role(context, {WORKER}, "PublishTransferSource")
+        self.transfers.publish(request.pool_generation, request.source)
+        return pb.PublishTransferSourceResponse()
+
+    async def ExportPrefix(self, request, context):
+        lease = self.authz.lease(context, request.lease_id)
+        self.transfers.require("ExportPrefix")
+        seq = self.manager.export_prefix(request.lease_id, request.token_ids, CacheKey(request.model_id, request.cache_salt))
+        if seq is None:
+            return pb.ExportPrefixResponse()
+        try:
+            ticket = self.transfers.ticket(seq, lease.ttl, self.manager.pool.epochs)
+        except BaseException:
+            self.manager.free(request.lease_id, [seq.seq_id])  # no ticket, no pin
+            raise
+        return pb.ExportPrefixResponse(num_tokens=seq.num_tokens, seq_id=seq.seq_id, ticket=ticket)
 
     async def AllocateSequences(self, request, context):
         lease = self.authz.lease(context, request.lease_id)
         check_request_size(request.sequences, "AllocateSequences")  # before the work of converting it
-        reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None, CacheKey(s.model_id, s.cache_salt))
+        reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None, CacheKey(s.model_id, s.cache_salt),
+                           self.transfers.take(s.remote_prefix) if s.HasField("remote_prefix") else None)
                 for s in request.sequences]
         seqs = _ok(self.manager.allocate(request.lease_id, reqs), "allocation")
         tier: list = []

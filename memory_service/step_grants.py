@@ -20,7 +20,10 @@ from memory_service.requests import BlockCopy, Receipt
 from memory_service.sequence import Sequence
 from pagedkv.errors import PermissionDeniedError
 from pagedkv.grant.v1 import grant_pb2
-from pagedkv.grants import copy_tuple, grant_parts_message, mac, receipt_signed, token_digest
+from pagedkv.grants import copy_tuple, grant_parts_message, granted_copy, mac, receipt_signed, token_digest
+
+#: ``pagedkv.grant.v1.Medium`` of another node's pool.
+REMOTE = grant_pb2.MEDIUM_REMOTE
 
 
 class GrantSigner:
@@ -52,8 +55,9 @@ class GrantSigner:
         ids = seq.block_ids
         epochs = ep[ids].tolist()
         host = self.host_epochs
-        copied = [(c.src, int((host if c.src_medium else ep)[c.src]), c.dst, int((host if c.dst_medium else ep)[c.dst]),
-                   c.src_medium, c.dst_medium) for c in copies]
+        copied = [(c.src, c.src_epoch if c.src_medium == REMOTE else int((host if c.src_medium else ep)[c.src]),
+                   c.dst, int((host if c.dst_medium else ep)[c.dst]), c.src_medium, c.dst_medium, c.source)
+                  for c in copies]
         expires = self.wall_clock() + ttl
         # Signed from the fields (not read back out of the message): this runs once per sequence per step.
         signature = mac(self.key, grant_parts_message(self.generation, seq.seq_id, ids, epochs, readable, end,
@@ -61,8 +65,7 @@ class GrantSigner:
         return grant_pb2.StepGrant(
             pool_generation=self.generation, seq_id=seq.seq_id, block_ids=ids, block_epochs=epochs,
             readable_tokens=readable, write_end=end, token_digest=digest, expires_at=expires, signature=signature,
-            copies=[grant_pb2.GrantedCopy(src=s, src_epoch=se, dst=d, dst_epoch=de, src_medium=sm, dst_medium=dm)
-                    for s, se, d, de, sm, dm in copied])
+            copies=[granted_copy(t) for t in copied])
 
     def receipts(self, msgs: Seq[grant_pb2.StepReceipt]) -> list[Receipt]:
         """Check every receipt's signature and generation; returns them typed.

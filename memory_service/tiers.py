@@ -36,16 +36,16 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from memory_service.block_hash import CacheKey, leading_hits
+from memory_service.block_hash import CacheKey, block_hash, leading_hits
 from memory_service.block_pool import BlockPool
 from memory_service.host_tier import HELD, PENDING, HostTier
 from memory_service.prefix_cache import PrefixCache
-from memory_service.requests import BlockCopy
+from memory_service.requests import BlockCopy, RemotePrefix
 from memory_service.sequence import Sequence
 from pagedkv.errors import HOST_TIER_OFF, SWAP_LOST, FailedPreconditionError, OutOfHostBlocksError
 
-#: Media (``pagedkv.grant.v1.Medium``).
-DEVICE, HOST = 0, 1
+#: Media (``pagedkv.grant.v1.Medium``): the pool, the host tier, another node's pool.
+DEVICE, HOST, REMOTE = 0, 1, 2
 
 
 @dataclass(slots=True)
@@ -90,6 +90,9 @@ class Tiers:
         #: Host block -> (swapped sequence, table index) awaiting an offload's proof; None once that
         #: sequence is gone (the block is released when the offload settles).
         self.swap_targets: dict[int, tuple[Sequence, int] | None] = {}
+        #: Node transfers in (blocks read from another node's pool): granted, proven by a receipt,
+        #: dropped unproven (the sequence freed first).
+        self.transfers_started = self.transfers_proven = self.transfers_dropped = 0
         #: Sequences swapped out, swapped in; swapped out now.
         self.swap_outs = 0
         self.swap_ins = 0
@@ -135,6 +138,36 @@ class Tiers:
             return []
         return leading_hits(token_ids, self.pool.block_size, key, self.host.lookup, parent, start)
 
+    def remote_hits(self, token_ids, key: CacheKey, parent: bytes | None, start: int,
+                    remote: RemotePrefix) -> list[tuple[bytes, int, int]]:
+        """Another node's pinned blocks continuing a prefix lookup: ``(hash, remote block, its epoch)``
+        for the full blocks of ``token_ids`` from block index ``start`` (``parent``: the hash before
+        it) whose own hash the ticket names at the same index; stops at the first that differs, never
+        the block holding the last token (read-only)."""
+        out = []
+        bs = self.pool.block_size
+        for i in range(start, min(len(remote.block_ids), (len(token_ids) - 1) // bs)):
+            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs], key)
+            if parent != remote.block_hashes[i]:
+                break
+            out.append((parent, remote.block_ids[i], remote.block_epochs[i]))
+        return out
+
+    def start_transfers(self, seq: Sequence, first: int, hits: list[tuple[bytes, int, int]], parent: bytes,
+                        source: bytes) -> None:
+        """Read ``hits`` (another node's pinned blocks, :meth:`remote_hits`) into ``seq``'s blocks from
+        table index ``first``: node transfers in its grants until a receipt proves them, then the
+        blocks enter the prefix cache as a reload's do."""
+        bs = self.pool.block_size
+        for j, (k, b, ep) in enumerate(hits):
+            i = first + j
+            copy = BlockCopy(b, seq.block_ids[i], seq.seq_id, src_medium=REMOTE, dst_medium=DEVICE, src_epoch=ep,
+                             source=source)
+            seq.reloads.append(Reload(copy, k, tuple(seq.token_ids[i * bs:(i + 1) * bs]), parent))
+            parent = k
+        self.transfers_started += len(hits)
+        seq.num_transferred_tokens = len(hits) * bs
+
     def start_reloads(self, seq: Sequence, first: int, hits: list[tuple[bytes, int]], parent: bytes) -> None:
         """Reload ``hits`` (pinned by the caller) into ``seq``'s blocks from table index ``first``."""
         bs = self.pool.block_size
@@ -156,11 +189,12 @@ class Tiers:
             seq.fresh_offloads = []
         return [*fresh, *(r.copy for r in seq.reloads)] if seq.reloads else fresh
 
-    def copy_key(self, c: BlockCopy) -> tuple[int, int, int, int, int, int]:
-        """``c`` as signed now (pagedkv.grants.copy_tuple order), with each side's current epoch."""
-        src_ep = (self.host.epochs if c.src_medium == HOST else self.pool.epochs)[c.src]
+    def copy_key(self, c: BlockCopy) -> tuple[int, int, int, int, int, int, bytes]:
+        """``c`` as signed now (pagedkv.grants.copy_tuple order), with each side's current epoch (a
+        remote src: its epoch on its node, as the ticket named it)."""
+        src_ep = c.src_epoch if c.src_medium == REMOTE else (self.host.epochs if c.src_medium == HOST else self.pool.epochs)[c.src]
         dst_ep = (self.host.epochs if c.dst_medium == HOST else self.pool.epochs)[c.dst]
-        return c.src, int(src_ep), c.dst, int(dst_ep), c.src_medium, c.dst_medium
+        return c.src, int(src_ep), c.dst, int(dst_ep), c.src_medium, c.dst_medium, c.source
 
     def settle(self, seq: Sequence, done: Iterable[tuple]) -> bool:
         """Take a receipt of ``seq`` listing the tier copies ``done``: offloads it lists are proven,
@@ -201,12 +235,16 @@ class Tiers:
 
     def _reload_settled(self, r: Reload, proven: bool) -> None:
         h, d = r.copy.src, r.copy.dst
-        if r.block_hash is None:  # a swapped block back on the device: its host block is done
+        if r.copy.src_medium == REMOTE:  # nothing held here for it: the exporting node pins its block
+            self.transfers_proven += proven
+            self.transfers_dropped += not proven
+        elif r.block_hash is None:  # a swapped block back on the device: its host block is done
             self.host.release_held(h)
             self.host.reloads += proven
             return
-        self.host.unpin(h, reloaded=proven)
-        if proven and r.block_hash not in self.cache.cached and self.cache.hash_of[d] is None \
+        else:
+            self.host.unpin(h, reloaded=proven)
+        if proven and self.cache.enabled and r.block_hash not in self.cache.cached and self.cache.hash_of[d] is None \
                 and self.pool.ref_counts[d] > 0:
             self.cache.register(d, r.block_hash, r.tokens, r.parent)
 
@@ -344,7 +382,7 @@ class Tiers:
             for c in [*seq.fresh_offloads, *seq.offloads]:
                 offload_dst[c.dst] += 1
             for r in seq.reloads:
-                if r.block_hash is not None:
+                if r.block_hash is not None and r.copy.src_medium == HOST:
                     pins[r.copy.src] += 1
             for i, e in enumerate(seq.swap or ()):
                 if e is not None and e.device is not None:
@@ -363,4 +401,4 @@ class Tiers:
         assert all(self.host.state[h] == HELD for h in self.swap_targets)
 
 
-__all__ = ["DEVICE", "HOST", "Reload", "SwapEntry", "Tiers"]
+__all__ = ["DEVICE", "HOST", "REMOTE", "Reload", "SwapEntry", "Tiers"]

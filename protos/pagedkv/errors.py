@@ -30,6 +30,15 @@ HOST_TIER_OFF = "HOST_TIER_OFF"
 #: ErrorInfo reason (FAILED_PRECONDITION) of a swap-in whose block left the device with no proven host copy:
 #: free the sequence and recompute it.
 SWAP_LOST = "SWAP_LOST"
+#: ErrorInfo reason (FAILED_PRECONDITION) of ExportPrefix, or of an allocation with a transfer ticket, on a
+#: memory service that takes no part in node transfers (no --transfer-key-file, or no worker published a source).
+TRANSFERS_OFF = "TRANSFERS_OFF"
+#: ErrorInfo reason (FAILED_PRECONDITION) of a transfer ticket this node cannot take: another layout, dtype or
+#: model, expired, or this node's own.
+TRANSFER_TICKET_REFUSED = "TRANSFER_TICKET_REFUSED"
+#: ErrorInfo reason (ABORTED) of a Step whose node transfer failed (the peer gone, a NIXL error): no KV of the
+#: step was written; free its sequences that read from another node and recompute them.
+TRANSFER_FAILED = "TRANSFER_FAILED"
 
 
 class PagedKVError(Exception):
@@ -69,6 +78,13 @@ class FailedPreconditionError(PagedKVError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "FAILED_PRECONDITION"
+
+
+class TransferFailedError(PagedKVError):
+    """A step's node transfer failed before any of its own writes (metadata ``blocks_done``)."""
+
+    code = grpc.StatusCode.ABORTED
+    reason = TRANSFER_FAILED
 
 
 class _ShortfallError(PagedKVError):

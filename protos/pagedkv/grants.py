@@ -13,9 +13,10 @@ a receipt or the other way round.
 
 Token ids are bound by digest: SHA-256 of the ids as int32 little-endian.
 
-A copy is the tuple ``(src, src_epoch, dst, dst_epoch, src_medium, dst_medium)`` (media as
-``grant_pb2.Medium`` values: 0 device, 1 host), signed in grants (copies to do) and in receipts
-(tier copies done).
+A copy is the tuple ``(src, src_epoch, dst, dst_epoch, src_medium, dst_medium, src_source)``
+(media as ``grant_pb2.Medium`` values: 0 device, 1 host, 2 another node's pool; ``src_source``
+the digest of that node's ``TransferSource`` for a remote src, ``b""`` otherwise), signed in
+grants (copies to do) and in receipts (tier copies and node transfers done).
 """
 
 from __future__ import annotations
@@ -72,13 +73,19 @@ def _bytes(b: bytes) -> bytes:
     return struct.pack("<I", len(b)) + b
 
 
-def copy_tuple(c: grant_pb2.GrantedCopy) -> tuple[int, int, int, int, int, int]:
-    """``(src, src_epoch, dst, dst_epoch, src_medium, dst_medium)`` of a granted copy."""
-    return c.src, c.src_epoch, c.dst, c.dst_epoch, c.src_medium, c.dst_medium
+def copy_tuple(c: grant_pb2.GrantedCopy) -> tuple[int, int, int, int, int, int, bytes]:
+    """``(src, src_epoch, dst, dst_epoch, src_medium, dst_medium, src_source)`` of a granted copy."""
+    return c.src, c.src_epoch, c.dst, c.dst_epoch, c.src_medium, c.dst_medium, bytes(c.src_source)
+
+
+def granted_copy(t: tuple) -> grant_pb2.GrantedCopy:
+    """The message of a :func:`copy_tuple` tuple."""
+    return grant_pb2.GrantedCopy(src=t[0], src_epoch=t[1], dst=t[2], dst_epoch=t[3], src_medium=t[4],
+                                 dst_medium=t[5], src_source=t[6])
 
 
 def _copies(copies) -> bytes:
-    return struct.pack("<I", len(copies)) + b"".join(struct.pack("<IQIQBB", *c) for c in copies)
+    return struct.pack("<I", len(copies)) + b"".join(struct.pack("<IQIQBB", *c[:6]) + _bytes(c[6]) for c in copies)
 
 
 def grant_message(g: grant_pb2.StepGrant) -> bytes:
@@ -142,5 +149,5 @@ def receipt_signed(key: bytes, receipt: grant_pb2.StepReceipt) -> bool:
     return hmac.compare_digest(receipt.signature, mac(key, receipt_message(receipt)))
 
 
-__all__ = ["KEY_BYTES", "copy_tuple", "grant_message", "grant_parts_message", "mac", "grant_signed", "receipt_message", "receipt_parts_message", "receipt_signed", "sign_grant",
+__all__ = ["KEY_BYTES", "copy_tuple", "granted_copy", "grant_message", "grant_parts_message", "mac", "grant_signed", "receipt_message", "receipt_parts_message", "receipt_signed", "sign_grant",
            "sign_receipt", "token_digest"]

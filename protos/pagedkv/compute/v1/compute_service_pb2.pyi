@@ -50,14 +50,16 @@ class StepSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_index: _Optional[int] = ..., skip_sampling: _Optional[bool] = ..., grant: _Optional[_Union[_grant_pb2.StepGrant, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool_generation", "sequences", "copies")
+    __slots__ = ("pool_generation", "sequences", "copies", "transfer_sources")
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SOURCES_FIELD_NUMBER: _ClassVar[int]
     pool_generation: int
     sequences: _containers.RepeatedCompositeFieldContainer[StepSequence]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, pool_generation: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[StepSequence, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    transfer_sources: _containers.RepeatedCompositeFieldContainer[_grant_pb2.TransferSource]
+    def __init__(self, pool_generation: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[StepSequence, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., transfer_sources: _Optional[_Iterable[_Union[_grant_pb2.TransferSource, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

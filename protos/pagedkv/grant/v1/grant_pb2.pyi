@@ -11,24 +11,42 @@ class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MEDIUM_DEVICE: _ClassVar[Medium]
     MEDIUM_HOST: _ClassVar[Medium]
+    MEDIUM_REMOTE: _ClassVar[Medium]
 MEDIUM_DEVICE: Medium
 MEDIUM_HOST: Medium
+MEDIUM_REMOTE: Medium
+
+class TransferSource(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "base_address", "num_blocks", "block_bytes")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    base_address: int
+    num_blocks: int
+    block_bytes: int
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class GrantedCopy(_message.Message):
-    __slots__ = ("src", "src_epoch", "dst", "dst_epoch", "src_medium", "dst_medium")
+    __slots__ = ("src", "src_epoch", "dst", "dst_epoch", "src_medium", "dst_medium", "src_source")
     SRC_FIELD_NUMBER: _ClassVar[int]
     SRC_EPOCH_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     DST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SRC_MEDIUM_FIELD_NUMBER: _ClassVar[int]
     DST_MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    SRC_SOURCE_FIELD_NUMBER: _ClassVar[int]
     src: int
     src_epoch: int
     dst: int
     dst_epoch: int
     src_medium: Medium
     dst_medium: Medium
-    def __init__(self, src: _Optional[int] = ..., src_epoch: _Optional[int] = ..., dst: _Optional[int] = ..., dst_epoch: _Optional[int] = ..., src_medium: _Optional[_Union[Medium, str]] = ..., dst_medium: _Optional[_Union[Medium, str]] = ...) -> None: ...
+    src_source: bytes
+    def __init__(self, src: _Optional[int] = ..., src_epoch: _Optional[int] = ..., dst: _Optional[int] = ..., dst_epoch: _Optional[int] = ..., src_medium: _Optional[_Union[Medium, str]] = ..., dst_medium: _Optional[_Union[Medium, str]] = ..., src_source: _Optional[bytes] = ...) -> None: ...
 
 class StepGrant(_message.Message):
     __slots__ = ("pool_generation", "seq_id", "block_ids", "block_epochs", "readable_tokens", "write_end", "token_digest", "copies", "expires_at", "signature")

@@ -45,7 +45,7 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolDescriptor(_message.Message):
-    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid", "worker_socket", "host_num_blocks", "host_nbytes")
+    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid", "worker_socket", "host_num_blocks", "host_nbytes", "node_name", "transfer_sources")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class PoolDescriptor(_message.Message):
     WORKER_SOCKET_FIELD_NUMBER: _ClassVar[int]
     HOST_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SOURCES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     generation: int
     backend: PoolBackend
@@ -82,7 +84,9 @@ class PoolDescriptor(_message.Message):
     worker_socket: str
     host_num_blocks: int
     host_nbytes: int
-    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ..., worker_socket: _Optional[str] = ..., host_num_blocks: _Optional[int] = ..., host_nbytes: _Optional[int] = ...) -> None: ...
+    node_name: str
+    transfer_sources: _containers.RepeatedCompositeFieldContainer[_grant_pb2.TransferSource]
+    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ..., worker_socket: _Optional[str] = ..., host_num_blocks: _Optional[int] = ..., host_nbytes: _Optional[int] = ..., node_name: _Optional[str] = ..., transfer_sources: _Optional[_Iterable[_Union[_grant_pb2.TransferSource, _Mapping]]] = ...) -> None: ...
 
 class CreateLeaseRequest(_message.Message):
     __slots__ = ("ttl_seconds", "owner")
@@ -137,18 +141,20 @@ class GetPoolDescriptorResponse(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ...) -> None: ...
 
 class SequenceBlockTable(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "block_ids", "num_cached_tokens", "num_reloaded_tokens")
+    __slots__ = ("seq_id", "num_tokens", "block_ids", "num_cached_tokens", "num_reloaded_tokens", "num_transferred_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_RELOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERRED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     num_reloaded_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_reloaded_tokens: _Optional[int] = ...) -> None: ...
+    num_transferred_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_reloaded_tokens: _Optional[int] = ..., num_transferred_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst", "src_medium", "dst_medium", "seq_id")
@@ -165,16 +171,76 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ..., src_medium: _Optional[_Union[_grant_pb2.Medium, str]] = ..., dst_medium: _Optional[_Union[_grant_pb2.Medium, str]] = ..., seq_id: _Optional[int] = ...) -> None: ...
 
 class SequenceAllocation(_message.Message):
-    __slots__ = ("num_tokens", "token_ids", "cache_salt", "model_id")
+    __slots__ = ("num_tokens", "token_ids", "cache_salt", "model_id", "remote_prefix")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     model_id: str
-    def __init__(self, num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
+    remote_prefix: TransferTicket
+    def __init__(self, num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., model_id: _Optional[str] = ..., remote_prefix: _Optional[_Union[TransferTicket, _Mapping]] = ...) -> None: ...
+
+class TransferTicket(_message.Message):
+    __slots__ = ("node_name", "pool_generation", "layout", "block_ids", "block_epochs", "block_hashes", "source", "expires_at", "signature", "model")
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    node_name: str
+    pool_generation: int
+    layout: PoolLayout
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_epochs: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    source: _grant_pb2.TransferSource
+    expires_at: float
+    signature: bytes
+    model: str
+    def __init__(self, node_name: _Optional[str] = ..., pool_generation: _Optional[int] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_epochs: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., source: _Optional[_Union[_grant_pb2.TransferSource, _Mapping]] = ..., expires_at: _Optional[float] = ..., signature: _Optional[bytes] = ..., model: _Optional[str] = ...) -> None: ...
+
+class PublishTransferSourceRequest(_message.Message):
+    __slots__ = ("pool_generation", "source")
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    pool_generation: int
+    source: _grant_pb2.TransferSource
+    def __init__(self, pool_generation: _Optional[int] = ..., source: _Optional[_Union[_grant_pb2.TransferSource, _Mapping]] = ...) -> None: ...
+
+class PublishTransferSourceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExportPrefixRequest(_message.Message):
+    __slots__ = ("lease_id", "token_ids", "model_id", "cache_salt")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    model_id: str
+    cache_salt: str
+    def __init__(self, lease_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class ExportPrefixResponse(_message.Message):
+    __slots__ = ("num_tokens", "seq_id", "ticket")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    seq_id: int
+    ticket: TransferTicket
+    def __init__(self, num_tokens: _Optional[int] = ..., seq_id: _Optional[int] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ...) -> None: ...
 
 class AllocateSequencesRequest(_message.Message):
     __slots__ = ("lease_id", "sequences")

@@ -125,6 +125,16 @@ class MemoryServiceStub:
                 request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixResponse.FromString,
                 _registered_method=True)
+        self.PublishTransferSource = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/PublishTransferSource',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PublishTransferSourceRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PublishTransferSourceResponse.FromString,
+                _registered_method=True)
+        self.ExportPrefix = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/ExportPrefix',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -270,6 +280,27 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishTransferSource(self, request, context):
+        """A worker of this node publishes its NIXL transfer agent over the pool it
+        maps (the worker role under TLS), so that workers of other nodes can read
+        this node's blocks; GetPoolDescriptor and ExportPrefix carry it from then on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportPrefix(self, request, context):
+        """Pins the leading full blocks of a prompt this node holds on the device, as
+        a sequence of the caller's lease (free it with FreeSequences once the
+        reading node proved its copy; the lease's end frees it too), and returns a
+        TransferTicket another node's AllocateSequences takes to read them instead
+        of computing them. FAILED_PRECONDITION + TRANSFERS_OFF without a transfer
+        key, or when no worker published a transfer source.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -362,6 +393,16 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.LookupPrefix,
                     request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixRequest.FromString,
                     response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixResponse.SerializeToString,
+            ),
+            'PublishTransferSource': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishTransferSource,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PublishTransferSourceRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PublishTransferSourceResponse.SerializeToString,
+            ),
+            'ExportPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportPrefix,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -851,6 +892,60 @@ class MemoryService:
             '/pagedkv.memory.v1.MemoryService/LookupPrefix',
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixRequest.SerializeToString,
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.LookupPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishTransferSource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/PublishTransferSource',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PublishTransferSourceRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PublishTransferSourceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/ExportPrefix',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

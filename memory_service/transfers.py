@@ -1,0 +1,153 @@
+"""A node's side of node transfers: its workers' transfer sources, the tickets it signs, the tickets it takes.
+
+DESIGN.md, "Nodes" and "Tiers and transfers"; :mod:`pagedkv.transfer` has the trust argument.
+Moving a prompt's cached blocks from node A to node B (a cross-node prefix pull, or a request
+prefilled on A and decoded on B)::
+
+    scheduler --ExportPrefix--> A: pins the blocks as a sequence of the scheduler's lease on A,
+                                   signs a ticket (ids, epochs, hashes, layout, model, A's source)
+    scheduler --AllocateSequences(remote_prefix=ticket)--> B: checks the ticket, gives the blocks
+                                   past B's own cached prefix fresh device blocks and node
+                                   transfers (MEDIUM_REMOTE copies naming A's source by digest)
+    scheduler --Step(transfer_sources=[A's source])--> B's worker: reads A's blocks over NIXL
+                                   before any write of the step, signs a receipt listing them
+    scheduler --AppendSlots/CommitComputedTokens(receipt)--> B: the blocks are proven (and enter
+                                   B's prefix cache); FreeSequences on A drops the pin
+
+The memory services never touch KV bytes; a failure anywhere leaves B's blocks unproven (freed
+with their sequence) and A's pinned until its sequence or lease goes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from memory_service.requests import RemotePrefix
+from memory_service.sequence import Sequence
+from pagedkv.errors import (
+    TRANSFER_TICKET_REFUSED,
+    TRANSFERS_OFF,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+)
+from pagedkv.grant.v1 import grant_pb2
+from pagedkv.memory.v1 import memory_service_pb2 as pb
+from pagedkv.transfer import layouts_match, sign_ticket, source_digest, ticket_signed
+
+#: Most transfer sources one node keeps (one per worker; a worker that publishes again replaces its own).
+MAX_SOURCES = 64
+#: Longest agent name and agent metadata a source may carry, characters / bytes.
+MAX_AGENT_NAME = 256
+MAX_AGENT_METADATA = 1 << 20
+
+
+class NodeTransfers:
+    """This node's transfer sources, and its transfer key's tickets.
+
+    Args:
+        node_name: this node's name in its deployment.
+        descriptor: this node's pool descriptor (layout, generation, model).
+        key: the deployment's transfer key (32 bytes), or None: this node takes no part.
+        wall_clock: Unix time in seconds (tickets expire in wall time: other nodes compare).
+    """
+
+    def __init__(self, node_name: str, descriptor: pb.PoolDescriptor, key: bytes | None,
+                 wall_clock: Callable[[], float] = time.time):
+        self.node_name = node_name
+        self.descriptor = descriptor
+        self.key = key
+        self.wall_clock = wall_clock
+        #: Published sources by agent name, in publication order (the newest is exported).
+        self.sources: dict[str, grant_pb2.TransferSource] = {}
+
+    def publish(self, generation: int, source: grant_pb2.TransferSource) -> None:
+        """Keep a worker's source for this generation (its agent name replaces an older one).
+
+        Raises:
+            FailedPreconditionError: another pool generation (the worker maps a stale pool).
+            InvalidArgumentError: a source that does not describe this pool, or too large.
+        """
+        d = self.descriptor
+        if generation != d.generation:
+            raise FailedPreconditionError(f"PublishTransferSource: pool generation {generation} is not this pool's "
+                                          f"({d.generation}); map the current pool and publish again")
+        if not 0 < len(source.agent_name) <= MAX_AGENT_NAME or not 0 < len(source.agent_metadata) <= MAX_AGENT_METADATA:
+            raise InvalidArgumentError(f"PublishTransferSource: the agent name must have 1 to {MAX_AGENT_NAME} "
+                                       f"characters and its metadata 1 to {MAX_AGENT_METADATA} bytes")
+        if source.num_blocks != d.layout.num_blocks or source.block_bytes != d.block_nbytes or not source.base_address:
+            raise InvalidArgumentError(
+                f"PublishTransferSource: the source describes {source.num_blocks} blocks of {source.block_bytes} bytes "
+                f"at {source.base_address:#x}; this pool has {d.layout.num_blocks} blocks of {d.block_nbytes} bytes")
+        self.sources.pop(source.agent_name, None)
+        if len(self.sources) >= MAX_SOURCES:
+            self.sources.pop(next(iter(self.sources)))
+        self.sources[source.agent_name] = source
+
+    def require(self, what: str) -> None:
+        """Refuse ``what`` unless this node takes part in transfers (a transfer key).
+
+        Raises:
+            FailedPreconditionError: reason TRANSFERS_OFF.
+        """
+        if self.key is None:
+            raise FailedPreconditionError(
+                f"{what}: this memory service takes no part in node transfers; start every memory service of the "
+                "deployment with the same --transfer-key-file", reason=TRANSFERS_OFF)
+
+    def ticket(self, seq: Sequence, ttl: float, epochs) -> pb.TransferTicket:
+        """The signed ticket for ``seq``, an export's pinning sequence, valid ``ttl`` seconds (its lease's TTL).
+
+        Raises:
+            FailedPreconditionError: reason TRANSFERS_OFF, no key or no worker published a source.
+        """
+        self.require("ExportPrefix")
+        if not self.sources:
+            raise FailedPreconditionError(
+                "ExportPrefix: no worker of this node has published a transfer source yet (workers publish one when "
+                "they map the pool with node transfers on); start a worker, or retry shortly", reason=TRANSFERS_OFF)
+        d = self.descriptor
+        t = pb.TransferTicket(node_name=self.node_name, pool_generation=d.generation, layout=d.layout,
+                              block_ids=seq.block_ids, block_epochs=[int(epochs[b]) for b in seq.block_ids],
+                              block_hashes=seq.block_hashes, source=next(reversed(self.sources.values())),
+                              expires_at=self.wall_clock() + ttl, model=d.model)
+        return sign_ticket(self.key, t)
+
+    def take(self, t: pb.TransferTicket) -> RemotePrefix:
+        """A checked ticket, typed, for an allocation.
+
+        Raises:
+            FailedPreconditionError: reason TRANSFERS_OFF (no key here); reason TRANSFER_TICKET_REFUSED:
+                another layout, dtype, block size or model, this node's own ticket, or expired.
+            PermissionDeniedError: not signed with this deployment's transfer key.
+            InvalidArgumentError: a malformed ticket.
+        """
+        self.require("AllocateSequences with remote_prefix")
+        if not ticket_signed(self.key, t):
+            raise PermissionDeniedError("AllocateSequences: the remote_prefix ticket is not signed with this "
+                                        "deployment's transfer key; pass ExportPrefix's ticket unchanged (nothing "
+                                        "was allocated)")
+        d = self.descriptor
+        why = None
+        if not layouts_match(t.layout, d.layout) or t.source.block_bytes != d.block_nbytes:
+            why = (f"its pool holds {t.layout.dtype} blocks of {t.layout.block_size} tokens x {t.layout.num_layers} "
+                   f"layers x {t.layout.num_kv_heads} heads x {t.layout.head_dim}; this one {d.layout.dtype} blocks of "
+                   f"{d.layout.block_size} x {d.layout.num_layers} x {d.layout.num_kv_heads} x {d.layout.head_dim}")
+        elif t.model != d.model:
+            why = f"it holds KV of model {t.model!r}, this node of {d.model!r}"
+        elif t.node_name == self.node_name:
+            why = "it is this node's own (its blocks are here already)"
+        elif t.expires_at < self.wall_clock():
+            why = f"it expired {self.wall_clock() - t.expires_at:.1f} s ago; export the prefix again"
+        if why is not None:
+            raise FailedPreconditionError(f"AllocateSequences: the remote_prefix ticket of node {t.node_name!r} cannot "
+                                          f"be taken: {why} (nothing was allocated)", reason=TRANSFER_TICKET_REFUSED)
+        n = len(t.block_ids)
+        if len(t.block_epochs) != n or len(t.block_hashes) != n or any(b >= t.source.num_blocks for b in t.block_ids):
+            raise InvalidArgumentError("AllocateSequences: the remote_prefix ticket is malformed (nothing was allocated)")
+        return RemotePrefix(tuple(t.block_ids), tuple(t.block_epochs), tuple(bytes(h) for h in t.block_hashes),
+                            source_digest(t.source))
+
+
+__all__ = ["MAX_SOURCES", "NodeTransfers"]
