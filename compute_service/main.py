@@ -35,7 +35,6 @@ from compute_service.weights import ModelConfig, load_model_source
 from compute_service.worker import Worker
 from pagedkv import tls
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
-from pagedkv.grant.v1 import grant_pb2 as gpb
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
@@ -129,7 +128,7 @@ async def watch_memory_service(address: str, worker: Worker, health, compute: Ex
                     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         except grpc.aio.AioRpcError as e:
             log.info("memory_service_unreachable", memory=address, code=e.code().name, error=e.details())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RuntimeError) as e:
             log.warning("pool_map_failed", memory=address, error=str(e))
         if worker.pool is not None:
             log.warning("pool_lost", memory=address, generation=worker.pool.generation)
@@ -154,8 +153,8 @@ def publish_transfer_agent(worker: Worker, address: str, files: tls.TlsFiles | N
     (PublishTransferSource), so that workers of other nodes can read this pool's blocks.
 
     Raises:
-        RuntimeError: NIXL is not installed.
-        grpc.RpcError: the memory service refused the source.
+        ImportError: NIXL is not installed.
+        RuntimeError: the memory service refused the source (the agent is closed again).
     """
     from compute_service.transfer_agent import TransferAgent
 
@@ -163,11 +162,14 @@ def publish_transfer_agent(worker: Worker, address: str, files: tls.TlsFiles | N
     agent = TransferAgent(f"{pool.descriptor.node_name or pool.descriptor.pool_id}/{os.getpid()}/g{pool.generation}",
                           pool.tensor)
     s = agent.source()
-    with tls.channel(address, files) as ch:
-        mpb_grpc.MemoryServiceStub(ch).PublishTransferSource(mpb.PublishTransferSourceRequest(
-            pool_generation=pool.generation, source=gpb.TransferSource(
-                agent_name=s.agent_name, agent_metadata=s.agent_metadata, base_address=s.base_address,
-                num_blocks=s.num_blocks, block_bytes=s.block_bytes)), timeout=10)
+    try:
+        with tls.channel(address, files) as ch:
+            mpb_grpc.MemoryServiceStub(ch).PublishTransferSource(mpb.PublishTransferSourceRequest(
+                pool_generation=pool.generation, source=s.to_proto()), timeout=10)
+    except grpc.RpcError as e:
+        agent.close()
+        raise RuntimeError(f"the memory service at {address} refused this worker's transfer source: "
+                           f"{e.code().name}: {e.details()}") from None
     worker.transfer_agent = agent
     log.info("transfer_agent_published", agent=s.agent_name, num_blocks=s.num_blocks, block_bytes=s.block_bytes)
 
@@ -226,7 +228,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv compute``."""
     args = build_parser().parse_args(argv)
-    return serve_main("compute", lambda: serve(args), (ValueError, RuntimeError, OSError, LookupError))
+    return serve_main("compute", lambda: serve(args), (ValueError, RuntimeError, OSError, LookupError, ImportError))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import hashlib
 import logging
 import operator
 import os
-import struct
 import sys
 import threading
 import time
@@ -37,7 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedkv.grant.v1 import grant_pb2
 from pagedkv.logs import get_logger
+from pagedkv.transfer import source_digest
 
 log = get_logger("transfer_agent")
 
@@ -98,12 +99,20 @@ class TransferSource:
             raise ValueError(f"TransferSource: mem_type {self.mem_type!r} is not 'DRAM' or 'VRAM'")
 
     def digest(self) -> bytes:
-        """SHA-256 (32 bytes) over every field: strings and bytes length-prefixed (u64 LE), ints u64 LE."""
-        h = hashlib.sha256(b"pagedkv.TransferSource.v1\0")
-        for blob in (self.agent_name.encode(), self.agent_metadata, self.mem_type.encode()):
-            h.update(struct.pack("<Q", len(blob)) + blob)
-        h.update(struct.pack("<4Q", self.base_address, self.num_blocks, self.block_bytes, self.device_id))
-        return h.digest()
+        """SHA-256 (32 bytes) naming this source in grants: ``pagedkv.transfer.source_digest`` of :meth:`to_proto`."""
+        return source_digest(self.to_proto())
+
+    def to_proto(self) -> grant_pb2.TransferSource:
+        """As published (``PublishTransferSource``) and carried in tickets and StepRequests."""
+        return grant_pb2.TransferSource(agent_name=self.agent_name, agent_metadata=self.agent_metadata,
+                                        base_address=self.base_address, num_blocks=self.num_blocks,
+                                        block_bytes=self.block_bytes, mem_type=self.mem_type, device_id=self.device_id)
+
+    @classmethod
+    def from_proto(cls, s: grant_pb2.TransferSource) -> TransferSource:
+        """From its message (``mem_type`` unset: DRAM). Raises ValueError as the constructor."""
+        return cls(s.agent_name, bytes(s.agent_metadata), s.base_address, s.num_blocks, s.block_bytes,
+                   s.mem_type or "DRAM", s.device_id)
 
 
 class TransferError(Exception):

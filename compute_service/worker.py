@@ -188,9 +188,8 @@ def _transfer_in(pool: MappedPool, plan: CopyPlan, agent) -> None:
         torch.cuda.current_stream(pool.tensor.device).synchronize()  # the offloads above read those blocks first
     for digest, pairs in plan.transfers.items():
         s = plan.sources[digest]
-        source = TransferSource(s.agent_name, bytes(s.agent_metadata), s.base_address, s.num_blocks, s.block_bytes)
         try:
-            agent.read_blocks(source, pairs)
+            agent.read_blocks(TransferSource.from_proto(s), pairs)
         except TransferError as e:
             raise TransferFailedError(f"a node transfer from {s.agent_name!r} failed after {e.blocks_done} of "
                                       f"{len(pairs)} blocks ({e}); no KV of this step was written: free the "

@@ -40,7 +40,8 @@ def source_digest(s: grant_pb2.TransferSource) -> bytes:
     """SHA-256 (32 bytes) of a transfer source's canonical encoding: what grants name it by."""
     return hashlib.sha256(b"".join((
         _SOURCE_DOMAIN, _bytes(s.agent_name.encode()), _bytes(s.agent_metadata),
-        struct.pack("<QIQ", s.base_address, s.num_blocks, s.block_bytes)))).digest()
+        struct.pack("<QIQ", s.base_address, s.num_blocks, s.block_bytes), _bytes(s.mem_type.encode()),
+        struct.pack("<I", s.device_id)))).digest()
 
 
 def ticket_message(t: mpb.TransferTicket) -> bytes:

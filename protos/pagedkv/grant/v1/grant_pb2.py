@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedkv/grant/v1/grant.proto\x12\x10pagedkv.grant.v1\"{\n\x0eTransferSource\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62\x61se_address\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\"\xbd\x01\n\x0bGrantedCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x11\n\tsrc_epoch\x18\x02 \x01(\x04\x12\x0b\n\x03\x64st\x18\x03 \x01(\r\x12\x11\n\tdst_epoch\x18\x04 \x01(\x04\x12,\n\nsrc_medium\x18\x05 \x01(\x0e\x32\x18.pagedkv.grant.v1.Medium\x12,\n\ndst_medium\x18\x06 \x01(\x0e\x32\x18.pagedkv.grant.v1.Medium\x12\x12\n\nsrc_source\x18\x07 \x01(\x0c\"\xf5\x01\n\tStepGrant\x12\x17\n\x0fpool_generation\x18\x01 \x01(\x04\x12\x0e\n\x06seq_id\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_epochs\x18\x04 \x03(\x04\x12\x17\n\x0freadable_tokens\x18\x05 \x01(\x03\x12\x11\n\twrite_end\x18\x06 \x01(\x03\x12\x14\n\x0ctoken_digest\x18\x07 \x01(\x0c\x12-\n\x06\x63opies\x18\x08 \x03(\x0b\x32\x1d.pagedkv.grant.v1.GrantedCopy\x12\x12\n\nexpires_at\x18\t \x01(\x01\x12\x11\n\tsignature\x18\n \x01(\x0c\"\xd3\x01\n\x0bStepReceipt\x12\x17\n\x0fpool_generation\x18\x01 \x01(\x04\x12\x0e\n\x06seq_id\x18\x02 \x01(\x04\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x03\x12\x14\n\x0ctoken_digest\x18\x05 \x01(\x0c\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x14\n\x0c\x62lock_epochs\x18\x07 \x03(\x04\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x12-\n\x06\x63opies\x18\t \x03(\x0b\x32\x1d.pagedkv.grant.v1.GrantedCopy*?\n\x06Medium\x12\x11\n\rMEDIUM_DEVICE\x10\x00\x12\x0f\n\x0bMEDIUM_HOST\x10\x01\x12\x11\n\rMEDIUM_REMOTE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedkv/grant/v1/grant.proto\x12\x10pagedkv.grant.v1\"\xa0\x01\n\x0eTransferSource\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62\x61se_address\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\xbd\x01\n\x0bGrantedCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x11\n\tsrc_epoch\x18\x02 \x01(\x04\x12\x0b\n\x03\x64st\x18\x03 \x01(\r\x12\x11\n\tdst_epoch\x18\x04 \x01(\x04\x12,\n\nsrc_medium\x18\x05 \x01(\x0e\x32\x18.pagedkv.grant.v1.Medium\x12,\n\ndst_medium\x18\x06 \x01(\x0e\x32\x18.pagedkv.grant.v1.Medium\x12\x12\n\nsrc_source\x18\x07 \x01(\x0c\"\xf5\x01\n\tStepGrant\x12\x17\n\x0fpool_generation\x18\x01 \x01(\x04\x12\x0e\n\x06seq_id\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_epochs\x18\x04 \x03(\x04\x12\x17\n\x0freadable_tokens\x18\x05 \x01(\x03\x12\x11\n\twrite_end\x18\x06 \x01(\x03\x12\x14\n\x0ctoken_digest\x18\x07 \x01(\x0c\x12-\n\x06\x63opies\x18\x08 \x03(\x0b\x32\x1d.pagedkv.grant.v1.GrantedCopy\x12\x12\n\nexpires_at\x18\t \x01(\x01\x12\x11\n\tsignature\x18\n \x01(\x0c\"\xd3\x01\n\x0bStepReceipt\x12\x17\n\x0fpool_generation\x18\x01 \x01(\x04\x12\x0e\n\x06seq_id\x18\x02 \x01(\x04\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x03\x12\x14\n\x0ctoken_digest\x18\x05 \x01(\x0c\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x14\n\x0c\x62lock_epochs\x18\x07 \x03(\x04\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x12-\n\x06\x63opies\x18\t \x03(\x0b\x32\x1d.pagedkv.grant.v1.GrantedCopy*?\n\x06Medium\x12\x11\n\rMEDIUM_DEVICE\x10\x00\x12\x0f\n\x0bMEDIUM_HOST\x10\x01\x12\x11\n\rMEDIUM_REMOTE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.grant.v1.grant_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEDIUM']._serialized_start=829
-  _globals['_MEDIUM']._serialized_end=892
-  _globals['_TRANSFERSOURCE']._serialized_start=50
-  _globals['_TRANSFERSOURCE']._serialized_end=173
-  _globals['_GRANTEDCOPY']._serialized_start=176
-  _globals['_GRANTEDCOPY']._serialized_end=365
-  _globals['_STEPGRANT']._serialized_start=368
-  _globals['_STEPGRANT']._serialized_end=613
-  _globals['_STEPRECEIPT']._serialized_start=616
-  _globals['_STEPRECEIPT']._serialized_end=827
+  _globals['_MEDIUM']._serialized_start=867
+  _globals['_MEDIUM']._serialized_end=930
+  _globals['_TRANSFERSOURCE']._serialized_start=51
+  _globals['_TRANSFERSOURCE']._serialized_end=211
+  _globals['_GRANTEDCOPY']._serialized_start=214
+  _globals['_GRANTEDCOPY']._serialized_end=403
+  _globals['_STEPGRANT']._serialized_start=406
+  _globals['_STEPGRANT']._serialized_end=651
+  _globals['_STEPRECEIPT']._serialized_start=654
+  _globals['_STEPRECEIPT']._serialized_end=865
 # @@protoc_insertion_point(module_scope)

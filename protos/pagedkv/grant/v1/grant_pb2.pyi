@@ -17,18 +17,22 @@ MEDIUM_HOST: Medium
 MEDIUM_REMOTE: Medium
 
 class TransferSource(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "base_address", "num_blocks", "block_bytes")
+    __slots__ = ("agent_name", "agent_metadata", "base_address", "num_blocks", "block_bytes", "mem_type", "device_id")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     base_address: int
     num_blocks: int
     block_bytes: int
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    mem_type: str
+    device_id: int
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class GrantedCopy(_message.Message):
     __slots__ = ("src", "src_epoch", "dst", "dst_epoch", "src_medium", "dst_medium", "src_source")

@@ -1,0 +1,120 @@
+"""Two nodes on one machine: a prefix computed on node A is read by node B over NIXL (UCX on loopback).
+
+Each node is a memory service (its own pool, the same --transfer-key-file) and a worker started
+with --node-transfers; node C's worker fails every transfer after one block
+(PAGEDKV_TRANSFER_FAIL_AFTER=1). Checked against the engine's own step traces, the memory
+services' counters and a cold run on the same node (another cache salt, so nothing is shared).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from conftest import local_stack
+
+from client.api import Client
+from client.params import SamplingParams
+
+BS = 16
+#: A prompt of 150 tokens: 9 full blocks before the block holding its last token.
+PROMPT = [int(t) for t in (list(range(1000, 1100)) + list(range(2000, 2050)))]
+PULLED = (len(PROMPT) - 1) // BS * BS  # 144
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def node_args(tmp, name: str, key) -> list[str]:
+    return ["--num-blocks", "96", "--block-size", str(BS), "--transfer-key-file", str(key), "--node-name", name,
+            "--lease-ttl", "30"]
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("nodes")
+    key = tmp / "transfer.key"
+    key.write_text(os.urandom(32).hex())
+    key.chmod(0o600)
+    stacks = {}
+    try:
+        for name, env in (("a", None), ("b", None), ("c", {"PAGEDKV_TRANSFER_FAIL_AFTER": "1"})):
+            s = local_stack(tmp, node_args(tmp, name, key), name=name)
+            s.worker_args, s.env = ["--node-transfers"], env
+            stacks[name] = s.start()
+        yield stacks
+    finally:
+        for s in stacks.values():
+            s.stop()
+
+
+def used_and_ok(address: str, token_file) -> tuple[int, bool]:
+    from client.services import MemoryClient
+
+    m = MemoryClient(address, admin_token=open(token_file).read().strip())
+    try:
+        check = m.check_invariants()
+        return m.stats().used_blocks, check.ok
+    finally:
+        m.close()
+
+
+def admin_token(stack) -> str:
+    return stack.memory.info["admin_token_file"]
+
+
+def computed_first_step(client: Client) -> int:
+    """Tokens the worker computed in the engine's first step (the prompt's prefill)."""
+    return client.engine.traces[0].num_tokens
+
+
+def test_prefix_cached_on_a_is_read_by_b_and_the_output_equals_a_cold_run(nodes):
+    a, b = nodes["a"], nodes["b"]
+    with Client(a.memory_address, a.worker_addresses) as ca:
+        (on_a,) = ca.generate([PROMPT], GREEDY)
+        assert computed_first_step(ca) == len(PROMPT)  # computed there, now cached on A
+    with Client(b.memory_address, b.worker_addresses, peers=[a.memory_address]) as cb:
+        (pulled,) = cb.generate([PROMPT], GREEDY)
+        assert cb.engine.pulls.tokens_pulled == PULLED
+        assert pulled.num_cached_tokens == PULLED
+        assert computed_first_step(cb) == len(PROMPT) - PULLED  # only the uncached tokens on B
+        assert not cb.engine.pulls.pins  # the pin on A dropped once B proved its copy
+        (cold,) = cb.generate([PROMPT], GREEDY, cache_salt="cold")  # nothing shared: computed on B
+        assert cb.engine.traces[-1 - 7].num_tokens == len(PROMPT)
+    assert pulled.outputs[0].token_ids == cold.outputs[0].token_ids == on_a.outputs[0].token_ids
+    # The blocks B read are in B's own prefix cache now: a second request there pulls nothing.
+    with Client(b.memory_address, b.worker_addresses, peers=[a.memory_address]) as cb:
+        (again,) = cb.generate([PROMPT], GREEDY)
+        assert cb.engine.pulls.tokens_pulled == 0 and again.num_cached_tokens == PULLED
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+    for s in (a, b):
+        assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
+
+
+def test_a_transfer_that_fails_part_way_is_recomputed_and_leaks_nothing(nodes):
+    a, c = nodes["a"], nodes["c"]
+    with Client(a.memory_address, a.worker_addresses) as ca:
+        (on_a,) = ca.generate([PROMPT], GREEDY)
+    with Client(c.memory_address, c.worker_addresses, peers=[a.memory_address]) as cc:
+        (out,) = cc.generate([PROMPT], GREEDY)
+        assert cc.engine.pulls.transfers_failed == 1 and cc.engine.preemptions == 1
+        assert not cc.engine.pulls.pins
+        assert any(t.num_tokens == len(PROMPT) for t in cc.engine.traces)  # recomputed in full on C
+    assert out.outputs[0].token_ids == on_a.outputs[0].token_ids
+    for s in (a, c):
+        assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
+
+
+def test_a_killed_source_worker_falls_back_to_recompute(nodes):
+    """Last: it kills node A's worker."""
+    a, b = nodes["a"], nodes["b"]
+    prompt = [int(t) for t in range(3000, 3150)]
+    with Client(a.memory_address, a.worker_addresses) as ca:
+        (on_a,) = ca.generate([prompt], GREEDY)
+    os.kill(a.workers[0].pid, signal.SIGKILL)
+    a.workers[0].proc.wait(timeout=10)
+    with Client(b.memory_address, b.worker_addresses, peers=[a.memory_address]) as cb:
+        (out,) = cb.generate([prompt], GREEDY)
+        assert cb.engine.pulls.transfers_failed == 1
+    assert out.outputs[0].token_ids == on_a.outputs[0].token_ids
+    for s in (a, b):
+        assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
