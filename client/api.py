@@ -190,6 +190,9 @@ class Client:
         peers: memory-service addresses of other nodes whose cached prefixes this node may read
             instead of computing them (client.transfers; every memory service started with the same
             ``--transfer-key-file``, workers with ``--node-transfers``).
+        worker_roles: each worker's role, "prefill", "decode" or "both" (default all "both"): a
+            request prefills on a prefill worker and is handed to a decode worker with no copy
+            (both map the pool; client.scheduler.Scheduler.hand_off).
 
     Raises:
         ValueError: no worker address, or an unknown ``preemption_mode``.
@@ -200,7 +203,8 @@ class Client:
     def __init__(self, memory: str = "127.0.0.1:50051", workers: Iterable[str] = ("127.0.0.1:50052",), *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None,
                  max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
-                 tls: TlsFiles | None = None, preemption_mode: str = "recompute", peers: Iterable[str] = ()):
+                 tls: TlsFiles | None = None, preemption_mode: str = "recompute", peers: Iterable[str] = (),
+                 worker_roles: list[str] | None = None):
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
@@ -216,7 +220,7 @@ class Client:
         self._engine = Engine(self.memory, self.workers, self.tokenizer,
                               config=config, lease_ttl=lease_ttl,
                               max_model_len=max_model_len, recovery_timeout=recovery_timeout,
-                              peers=connect_peers(list(peers), tls, lease_ttl))
+                              peers=connect_peers(list(peers), tls, lease_ttl), worker_roles=worker_roles)
         self._handles: dict[str, RequestHandle] = {}
         self._wake = threading.Condition()
         self._closed = False

@@ -104,7 +104,7 @@ class Engine:
     def __init__(self, memory: MemoryClient, workers: list[WorkerClient], tokenizer, *,
                  config: SchedulerConfig | None = None, lease_ttl: float | None = None,
                  max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
-                 peers: list[Peer] = ()):
+                 peers: list[Peer] = (), worker_roles: list[str] | None = None):
         self.memory = memory
         self.workers = workers
         self.tokenizer = tokenizer
@@ -117,11 +117,11 @@ class Engine:
         self.model_id = f"{info.model_name}:{info.model_source}"
         self.eos_ids = set(info.eos_token_ids)
         self.max_context = min(info.max_context or 1 << 30, self.num_blocks * self.block_size, max_model_len or 1 << 30)
+        self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,  # checks the roles first
+                                   max_context=self.max_context, num_workers=len(workers), worker_roles=worker_roles)
         self.lease = Lease(memory, lease_ttl)
         #: The last step's receipts waiting for the next AppendSlots (client.commits).
         self.commits = Commits(memory, lambda: self.lease)
-        self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,
-                                   max_context=self.max_context, num_workers=len(workers))
         self.branching = Branching()
         self.stop_checker = StopChecker(self.eos_ids, self.max_context, tokenizer)
         self.step_count = 0
@@ -484,6 +484,7 @@ class Engine:
                 to_free.append(seq.seq_id)
                 seq.seq_id = None
         for req in {id(x.request): x.request for x in scheduled}.values():
+            self.scheduler.hand_off(req)  # a prefill worker's request goes on on a decode worker
             to_free.extend(self.branching.advance(req))
             if req.finished and req.status != Status.FINISHED:
                 req.status = Status.FINISHED

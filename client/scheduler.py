@@ -40,6 +40,10 @@ log = get_logger("scheduler")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
+#: Worker roles (``pagedkv serve --node ...,role=``): run prefills, decodes, or both.
+ROLES = ("prefill", "decode", "both")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Scheduler limits (vLLM's ``SchedulerConfig`` names)."""
@@ -121,13 +125,30 @@ class Scheduler:
         block_size: tokens per KV block.
         max_context: longest sequence, tokens (the model's context capped by the pool).
         num_workers: workers a request may be pinned to (the least loaded at admission).
+        worker_roles: each worker's role, "prefill", "decode" or "both" (default: all "both"). A
+            request is admitted to a worker that prefills, and handed to one that decodes once its
+            prompt is computed (:meth:`hand_off`): both map the same pool, so nothing is copied.
+
+    Raises:
+        ValueError: a role list of another length, an unknown role, or no worker for a phase.
     """
 
-    def __init__(self, config: SchedulerConfig, *, block_size: int, max_context: int, num_workers: int):
+    def __init__(self, config: SchedulerConfig, *, block_size: int, max_context: int, num_workers: int,
+                 worker_roles: list[str] | None = None):
         self.config = config
         self.block_size = block_size
         self.max_context = max_context
         self.num_workers = num_workers
+        roles = list(worker_roles or ["both"] * num_workers)
+        if len(roles) != num_workers or not set(roles) <= set(ROLES):
+            raise ValueError(f"worker roles {roles}: need one of {ROLES} for each of the {num_workers} workers")
+        #: Workers that run prefills, and those that run decodes (a "both" worker is in each).
+        self.prefill_workers = [w for w, r in enumerate(roles) if r != "decode"]
+        self.decode_workers = [w for w, r in enumerate(roles) if r != "prefill"]
+        if not self.prefill_workers or not self.decode_workers:
+            raise ValueError(f"worker roles {roles}: at least one worker must prefill and one must decode")
+        #: Requests moved from a prefill worker to a decode worker (:meth:`hand_off`).
+        self.handoffs = 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._lock = threading.Lock()
@@ -270,11 +291,26 @@ class Scheduler:
         if req.status != Status.SWAPPED:
             req.status = Status.RUNNING
         if req.worker is None:
-            load = collections.Counter(r.worker for r in self.running)
-            req.worker = min(range(self.num_workers), key=lambda w: load[w])
+            req.worker = self._least_loaded(self.prefill_workers)
         if req.metrics.first_scheduled is None:
             req.metrics.first_scheduled = time.time()
         self.running.append(req)
+
+    def _least_loaded(self, workers: list[int]) -> int:
+        load = collections.Counter(r.worker for r in self.running)
+        return min(workers, key=lambda w: load[w])
+
+    def hand_off(self, req: Request) -> bool:
+        """Move ``req`` from a prefill-only worker to the least loaded decode worker once its prompt is
+        computed (every live sequence past its prompt); True when it moved. Its KV stays where it is:
+        every worker maps the pool (DESIGN.md: a sequence may move between workers between steps)."""
+        if req.worker in self.decode_workers or req.finished:
+            return False
+        if any(s.num_computed < len(s.tokens) - 1 for s in req.live_seqs()):
+            return False
+        req.worker = self._least_loaded(self.decode_workers)
+        self.handoffs += 1
+        return True
 
     # ------------------------------------------------------ shortfall, endings
     def pick_victim(self, scheduled: list[ScheduledSeq]) -> Request | None:
