@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from conftest import local_stack
 
 from client.api import Client
+from client.cluster import Cluster, NodeSpec
 from client.params import SamplingParams
 
 BS = 16
@@ -101,6 +103,55 @@ def test_a_transfer_that_fails_part_way_is_recomputed_and_leaks_nothing(nodes):
         assert any(t.num_tokens == len(PROMPT) for t in cc.engine.traces)  # recomputed in full on C
     assert out.outputs[0].token_ids == on_a.outputs[0].token_ids
     for s in (a, c):
+        assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
+
+
+def wait_indexed(cluster: Cluster, node: str, prompt: list[int], blocks: int, timeout: float = 10.0) -> None:
+    """Until the router's index knows that ``node`` holds ``blocks`` leading blocks of ``prompt``."""
+    from memory_service.block_hash import CacheKey, chain_hashes
+
+    hashes = chain_hashes(prompt, BS, CacheKey(cluster.engine.model_id, ""), blocks)
+    deadline = time.monotonic() + timeout
+    while cluster.index.leading(hashes)[node] < blocks:
+        assert time.monotonic() < deadline, f"node {node}'s KV events did not reach the router"
+        time.sleep(0.05)
+
+
+def test_routing_follows_the_prefix_and_spreads_the_rest_by_load(nodes):
+    a, b = nodes["a"], nodes["b"]
+    specs = [NodeSpec("a", a.memory_address, a.worker_addresses), NodeSpec("b", b.memory_address, b.worker_addresses)]
+    system = list(range(5000, 5128))  # a 128-token shared system prompt
+    with Cluster(specs) as cluster:
+        first = cluster.submit(system + [7, 8, 9], GREEDY).result()
+        (holder,) = [n for n, k in cluster.router.routed.items() if k]
+        wait_indexed(cluster, holder, system, len(system) // BS)
+        for i in range(3):  # each shares the system prompt: each goes where it is, whatever the tie order
+            cluster.submit(system + [100 + i, 7], GREEDY).result()
+        assert cluster.router.routed[holder] == 4 and cluster.router.prefix_hits[holder] == 3
+        assert cluster.nodes[holder].client.engine.pulls.tokens_pulled == 0
+        cluster.router.routed.clear()
+        distinct = [list(range(6000 + 300 * i, 6000 + 300 * i + 64)) for i in range(4)]
+        handles = [cluster.submit(p, GREEDY) for p in distinct]  # queued at once: load decides
+        outs = [h.result() for h in handles]
+        assert dict(cluster.router.routed) == {"a": 2, "b": 2}
+    assert first.outputs[0].token_ids and all(o.outputs[0].token_ids for o in outs)
+
+
+def test_prefill_on_one_node_decode_on_another_equals_one_node(nodes):
+    a, b = nodes["a"], nodes["b"]
+    prompt = list(range(7000, 7150))
+    with Client(b.memory_address, b.worker_addresses) as one:
+        (alone,) = one.generate([prompt], GREEDY, cache_salt="alone")
+    specs = [NodeSpec("a", a.memory_address, a.worker_addresses, role="prefill"),
+             NodeSpec("b", b.memory_address, b.worker_addresses, role="decode")]
+    with Cluster(specs) as cluster:
+        out = cluster.submit(prompt, GREEDY).result(timeout=120)
+        prefill, decode = cluster.nodes["a"].client.engine, cluster.nodes["b"].client.engine
+        assert [t.num_tokens for t in prefill.traces] == [len(prompt)]  # the prompt, once, on A
+        assert decode.pulls.tokens_pulled == PULLED  # moved once; B computes the rest
+        assert decode.traces[0].num_tokens == len(prompt) - PULLED
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    for s in (a, b):
         assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
 
 

@@ -1,0 +1,220 @@
+"""Several nodes behind one front: each request routed by prefix and load, prefilled and decoded where each is cheapest.
+
+DESIGN.md, "Nodes". A :class:`Cluster` holds one :class:`~client.api.Client` (engine) per node,
+each with the other nodes as peers (cross-node prefix reuse, client.transfers), a
+:class:`~client.router.KvIndex` over the nodes' KV events and a :class:`~client.router.Router`.
+It offers what ``pagedkv serve`` uses of a Client (``submit``, ``abort``, ``tokenizer``, ``close``).
+
+Roles (``--node NAME=MEMORY,workers=A,B,role=prefill|decode|both``):
+
+- ``both`` nodes take whole requests, routed by the router's cost;
+- with ``prefill`` and ``decode`` nodes, a request is prefilled on a prefill node (the router's
+  pick: where its prefix is), then decoded on a decode node (the least loaded), which reads the
+  prompt's blocks from the prefill node's pool over NIXL (one move; only the block holding the
+  prompt's last token is computed again there, as every allocation does) and samples every
+  output token itself, so the output is the one a single node gives;
+- inside a node, workers may have roles too (``workers=A@prefill,B@decode``): a request moves from
+  the prefill worker to the decode worker with no copy (client.scheduler.Scheduler.hand_off).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+
+from client.api import Client, RequestHandle
+from client.params import SamplingParams
+from client.router import KvIndex, Router
+from client.tokenizer import encode_prompt
+from pagedkv.logs import get_logger
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
+
+log = get_logger("cluster")
+
+#: Requests whose node the cluster remembers for abort() (older ones have long finished).
+MAX_TRACKED = 100_000
+
+
+@dataclass
+class NodeSpec:
+    """One node as ``--node`` names it."""
+
+    name: str
+    memory: str
+    workers: list[str]
+    #: "prefill", "decode" or "both": what this node does for requests of the cluster.
+    role: str = "both"
+    #: Each worker's role inside the node (default all "both").
+    worker_roles: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Node:
+    spec: NodeSpec
+    client: Client
+
+
+class Cluster:
+    """The nodes of ``specs`` behind one API.
+
+    Args:
+        specs: the nodes (names unique; at least one decodes and one prefills).
+        client_kwargs: passed to every node's :class:`Client` (batch limits, TLS, ...).
+
+    Raises:
+        ValueError: no node, duplicate names, a role missing, nodes of different layouts.
+    """
+
+    def __init__(self, specs: list[NodeSpec], **client_kwargs):
+        if not specs or len({s.name for s in specs}) != len(specs):
+            raise ValueError(f"nodes {[s.name for s in specs]}: give at least one, each name once")
+        if not any(s.role != "decode" for s in specs) or not any(s.role != "prefill" for s in specs):
+            raise ValueError("the nodes need at least one that prefills and one that decodes (role both, or one "
+                             "prefill and one decode)")
+        self.nodes: dict[str, Node] = {}
+        try:
+            for s in specs:
+                peers = [o.memory for o in specs if o is not s]
+                self.nodes[s.name] = Node(s, Client(s.memory, s.workers, peers=peers,
+                                                    worker_roles=s.worker_roles or None, **client_kwargs))
+        except BaseException:
+            self.close()
+            raise
+        first = next(iter(self.nodes.values())).client.engine
+        for n in self.nodes.values():
+            e = n.client.engine
+            if (e.block_size, e.model_id) != (first.block_size, first.model_id):
+                self.close()
+                raise ValueError(f"node {n.spec.name} runs {e.model_id} with blocks of {e.block_size} tokens, another "
+                                 f"{first.model_id} with {first.block_size}: every node must hold the same KV")
+        self.index = KvIndex({name: self._stream(n) for name, n in self.nodes.items()})
+        self.router = Router(self.index, first.block_size, first.model_id, self._load)
+        #: Request id -> (node, its id there), the newest MAX_TRACKED (what abort() can reach).
+        self._where: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    # The parts of a Client that pagedkv serve uses, from the first node (all nodes run one model).
+    @property
+    def client(self) -> Client:
+        return next(iter(self.nodes.values())).client
+
+    @property
+    def tokenizer(self):
+        return self.client.tokenizer
+
+    @property
+    def engine(self):
+        return self.client.engine
+
+    @property
+    def memory(self):
+        return self.client.memory
+
+    def _stream(self, node: Node):
+        memory = node.client.memory
+        return lambda: memory.stub.StreamKvEvents(mpb.StreamKvEventsRequest(), metadata=memory._admin_md())
+
+    def _load(self, name: str) -> int:
+        """Blocks node ``name`` is busy with: its running and waiting requests' tokens."""
+        s = self.nodes[name].client.engine.scheduler
+        bs = self.engine.block_size
+        return sum(-(-len(q.seqs[0].tokens) // bs) for q in [*list(s.running), *list(s.waiting)] if q.seqs)
+
+    def submit(self, prompt, sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
+               request_id: str | None = None, listener=None):
+        """Route one prompt (the module's roles); returns its handle (:class:`RequestHandle`, or a
+        :class:`TwoPhaseHandle` when it prefills on one node and decodes on another).
+
+        Raises:
+            ValueError: as :meth:`Client.submit`.
+        """
+        ids = encode_prompt(self.tokenizer, prompt)
+        salt = cache_salt or ""
+        prefill = [n for n, x in self.nodes.items() if x.spec.role != "decode"]
+        p = self.router.choose(prefill, ids, salt)
+        if self.nodes[p].spec.role == "both":
+            handle = self.nodes[p].client.submit(ids, sampling_params, cache_salt=cache_salt, request_id=request_id,
+                                                 listener=listener)
+            self._track(handle.request_id, p, handle.request_id)
+            return handle
+        decode = [n for n, x in self.nodes.items() if x.spec.role != "prefill"]
+        d = min(decode, key=self._load)
+        return TwoPhaseHandle(self, p, d, ids, sampling_params or SamplingParams(), cache_salt, request_id, listener)
+
+    def _track(self, rid: str, node: str, there: str) -> None:
+        with self._lock:
+            self._where[rid] = (node, there)
+            if len(self._where) > MAX_TRACKED:
+                self._where.popitem(last=False)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request wherever it runs (thread-safe)."""
+        with self._lock:
+            where = self._where.pop(request_id, None)
+        if where is not None:
+            self.nodes[where[0]].client.engine.abort(where[1])
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if getattr(self, "index", None) is not None:
+            self.index.close()
+        for n in self.nodes.values():
+            n.client.close()
+
+
+class TwoPhaseHandle:
+    """A request prefilled on node ``p`` (one greedy token, discarded) and then run whole on node
+    ``d``, which reads the prompt's blocks from ``p``. ``result()``, iteration and ``cancel()`` as a
+    :class:`RequestHandle`'s; the listener sees only the decode node's outputs."""
+
+    def __init__(self, cluster: Cluster, p: str, d: str, ids: list[int], params: SamplingParams,
+                 cache_salt: str | None, request_id: str | None, listener):
+        self.cluster, self.decode_node, self.ids, self.params = cluster, d, ids, params
+        self.cache_salt, self.listener = cache_salt, listener
+        self.decode: RequestHandle | None = None
+        self._started = threading.Event()
+        self._cancelled = False
+        prefill = cluster.nodes[p].client.submit(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                                                 cache_salt=cache_salt, listener=self._prefilled)
+        self.request_id = request_id or f"{prefill.request_id}-decode"
+        cluster._track(self.request_id, p, prefill.request_id)
+
+    def _prefilled(self, out, error) -> None:  # the prefill node's engine thread
+        if error is None and (out is None or not out.finished):
+            return
+        if error is not None or self._cancelled:
+            if error is not None and self.listener is not None:
+                self.listener(None, error)
+            self._started.set()
+            return
+        try:
+            self.decode = self.cluster.nodes[self.decode_node].client.submit(
+                self.ids, self.params, cache_salt=self.cache_salt, request_id=self.request_id, listener=self.listener)
+            self.cluster._track(self.request_id, self.decode_node, self.request_id)
+        finally:
+            self._started.set()
+
+    def result(self, timeout: float | None = None):
+        if not self._started.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish its prefill within {timeout} s")
+        if self.decode is None:
+            raise RuntimeError(f"request {self.request_id} ended in its prefill (cancelled or failed)")
+        return self.decode.result(timeout)
+
+    def __iter__(self):
+        self._started.wait()
+        if self.decode is not None:
+            yield from self.decode
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self.cluster.abort(self.request_id)
+
+
+__all__ = ["Cluster", "Node", "NodeSpec", "TwoPhaseHandle"]
