@@ -289,6 +289,10 @@ class Client:
         """
         yield from self.submit(prompt, sampling_params)
 
+    def abort(self, request_id: str) -> None:
+        """Abort a request by id (thread-safe): its blocks are freed at the engine's next step."""
+        self._engine.abort(request_id)
+
     def stats(self):
         """The memory service's GetStats."""
         return self.memory.stats()

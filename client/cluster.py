@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from client.api import Client, RequestHandle
 from client.params import SamplingParams
 from client.router import KvIndex, Router
+from client.scheduler import ROLES
 from client.tokenizer import encode_prompt
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
@@ -47,6 +48,43 @@ class NodeSpec:
     role: str = "both"
     #: Each worker's role inside the node (default all "both").
     worker_roles: list[str] = field(default_factory=list)
+
+
+def parse_node(text: str) -> NodeSpec:
+    """``NAME=MEMORY_ADDR,workers=A,B,role=prefill|decode|both`` (``pagedkv serve --node``); a worker may
+    carry its own role inside the node as ``ADDR@prefill`` / ``ADDR@decode``.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    head, *rest = [p.strip() for p in text.split(",")]
+    name, sep, memory = head.partition("=")
+    if not sep or not name or not memory:
+        raise ValueError(f"--node {text!r}: start with NAME=MEMORY_ADDR")
+    fields: dict[str, list[str]] = {"workers": [], "role": []}
+    key = None
+    for part in rest:
+        k, sep, v = part.partition("=")
+        if sep:
+            if k not in fields:
+                raise ValueError(f"--node {text!r}: unknown key {k!r} (workers, role)")
+            key, part = k, v
+        if key is None:
+            raise ValueError(f"--node {text!r}: {part!r} follows no key")
+        fields[key].append(part)
+    role = fields["role"][0] if fields["role"] else "both"
+    if len(fields["role"]) > 1 or role not in ROLES:
+        raise ValueError(f"--node {text!r}: role must be one of {ROLES}")
+    if not fields["workers"]:
+        raise ValueError(f"--node {text!r}: name its workers (workers=HOST:PORT,...)")
+    workers, roles = [], []
+    for w in fields["workers"]:
+        addr, _, wrole = w.partition("@")
+        if wrole and wrole not in ROLES:
+            raise ValueError(f"--node {text!r}: worker {w!r}: role must be one of {ROLES}")
+        workers.append(addr)
+        roles.append(wrole or "both")
+    return NodeSpec(name, memory, workers, role, roles if any(r != "both" for r in roles) else [])
 
 
 @dataclass
@@ -160,6 +198,10 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def stats(self):
+        """The first node's GetStats (as :meth:`Client.stats`)."""
+        return self.client.stats()
 
     def close(self) -> None:
         if getattr(self, "index", None) is not None:

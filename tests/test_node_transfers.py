@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from conftest import local_stack
+from conftest import local_stack, pagedkv_process
 
 from client.api import Client
 from client.cluster import Cluster, NodeSpec
@@ -153,6 +153,27 @@ def test_prefill_on_one_node_decode_on_another_equals_one_node(nodes):
     assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     for s in (a, b):
         assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
+
+
+def test_serve_with_a_prefill_node_and_a_decode_node(nodes, tmp_path):
+    """`pagedkv serve --node a=...,role=prefill --node b=...,role=decode` over HTTP: tokens equal one node's."""
+    import httpx
+
+    a, b = nodes["a"], nodes["b"]
+    prompt = list(range(8000, 8150))
+    with Client(b.memory_address, b.worker_addresses) as one:
+        (alone,) = one.generate([prompt], GREEDY, cache_salt="alone")
+    serve = pagedkv_process(["serve", "--node", f"a={a.memory_address},workers={a.worker_addresses[0]},role=prefill",
+                             "--node", f"b={b.memory_address},workers={b.worker_addresses[0]},role=decode"],
+                            tmp_path, "serve")
+    try:
+        r = httpx.post(f"http://{serve.address}/v1/completions", timeout=120, json={
+            "model": "smollm2", "prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == alone.outputs[0].token_ids
+    finally:
+        serve.stop()
 
 
 def test_a_killed_source_worker_falls_back_to_recompute(nodes):

@@ -44,11 +44,14 @@ class Backends:
     stack: LocalStack | None = None
     #: The scheduler's mutual-TLS files for every channel to the backends; None: plaintext.
     tls: TlsFiles | None = None
+    #: The other nodes' (memory, workers) with ``--node``: healthy only when every node is.
+    others: list[tuple[str, list[str]]] = field(default_factory=list)
     _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether the memory service and at least one worker answer SERVING (standard health service)."""
-        return self._serving(self.memory, timeout) and any(self._serving(w, timeout) for w in self.workers)
+        return all(self._serving(m, timeout) and any(self._serving(w, timeout) for w in ws)
+                   for m, ws in [(self.memory, self.workers), *self.others])
 
     def _serving(self, address: str, timeout: float) -> bool:
         ch = self._channels.get(address)
@@ -77,7 +80,11 @@ def resolve(args: argparse.Namespace) -> Backends:
     """
     # The scheduler's files, read here (not at parsing) so a missing file is a start-up error.
     args.tls = from_args(args)
-    if args.memory:
+    if getattr(args, "nodes", None):
+        first = args.nodes[0]
+        found = Backends(first.memory, first.workers, "nodes", tls=args.tls,
+                         others=[(n.memory, n.workers) for n in args.nodes[1:]])
+    elif args.memory:
         found = Backends(args.memory, args.workers or ["127.0.0.1:50052"], "flags", tls=args.tls)
     elif args.workers:
         raise ValueError("--workers needs --memory (the memory service whose pool they map)")

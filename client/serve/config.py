@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from client.cluster import parse_node
 from pagedkv import tls as plane_tls
 
 #: Model dtypes (``--dtype``) and pool dtypes (``--kv-cache-dtype``) this build runs.
@@ -47,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--memory", default=_env("MEMORY"), help="memory service address host:port (env PAGEDKV_MEMORY)")
     where.add_argument("--workers", default=_env("WORKERS"),
                        help="worker addresses, comma-separated (env PAGEDKV_WORKERS)")
+    where.add_argument("--node", action="append", default=None, metavar="NAME=MEMORY,workers=A,B,role=ROLE",
+                       help="a node of several (repeatable; env PAGEDKV_NODE, nodes separated by ';'): its memory "
+                       "service, its workers (a worker may take a role inside the node: ADDR@prefill, ADDR@decode) and "
+                       "its role, prefill, decode or both (default). Requests go to the node of least cost by cached "
+                       "prefix and load; with prefill and decode nodes each request prefills on one and decodes on "
+                       "another, its blocks read once over NIXL (memory services with one --transfer-key-file, workers "
+                       "with --node-transfers). Replaces --memory/--workers")
     where.add_argument("--device", default=_env("DEVICE"), help="embedded services: cpu or cuda (default: cuda when present)")
     plane = p.add_argument_group("internal plane (mutual TLS; the scheduler's certificate, also given to embedded "
                                  "services; none: plaintext, loopback only)")
@@ -227,6 +235,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 "so the two must match")
     args.pool_dtype = kv_dtype or model_dtype
     args.workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else []
+    if args.node is None:
+        args.node = [n.strip() for n in (_env("NODE") or "").split(";") if n.strip()]
+    try:
+        args.nodes = [parse_node(n) for n in args.node]
+    except ValueError as e:
+        p.error(str(e))
+    if args.nodes and (args.memory or args.workers):
+        p.error("--node replaces --memory/--workers: name every node's memory service and workers with --node")
+    if len({n.name for n in args.nodes}) != len(args.nodes):
+        p.error("--node: each node name once")
     try:
         args.tenants = Tenants.load(args.api_key, args.api_keys_file, args.admin_api_key, args.cache_sharing_group)
     except (OSError, ValueError) as e:

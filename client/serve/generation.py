@@ -224,7 +224,7 @@ class _Run:
         """Abort every prompt that has not finished (the engine frees their blocks at its next step)."""
         for rid, done in zip(self.ids, self.done):
             if not done:
-                self.server.client.engine.abort(rid)
+                self.server.client.abort(rid)
 
 
 async def _stream(run: _Run, choices: Choices, include_usage: bool):

@@ -20,6 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from client.api import Client
+from client.cluster import Cluster
 from client.serve.app import Server, create_app
 from client.serve.backends import resolve
 from client.serve.config import parse_args
@@ -88,9 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     client = None
     try:
-        client = Client(backends.memory, backends.workers, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        tls=backends.tls, preemption_mode=args.preemption_mode)
+        limits = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_model_len=args.max_model_len, tls=backends.tls, preemption_mode=args.preemption_mode)
+        if args.nodes:  # several nodes: one engine each, requests routed (client.cluster)
+            client = Cluster(args.nodes, **limits)
+        else:
+            client = Client(backends.memory, backends.workers, **limits)
         name = args.served_model_name or args.model or "smollm2"
         pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests, args.max_requests_per_tenant)
         server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5),
