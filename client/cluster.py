@@ -27,9 +27,11 @@ from client.api import Client, RequestHandle
 from client.params import SamplingParams
 from client.router import KvIndex, Router
 from client.scheduler import ROLES
+from client.services import MemoryClient
 from client.tokenizer import encode_prompt
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.tls import TlsFiles
 
 log = get_logger("cluster")
 
@@ -98,18 +100,26 @@ class Cluster:
 
     Args:
         specs: the nodes (names unique; at least one decodes and one prefills).
+        router_tls: under mutual TLS (``client_kwargs["tls"]``), the router's certificate for the
+            nodes' KV event streams (StreamKvEvents needs the router role).
         client_kwargs: passed to every node's :class:`Client` (batch limits, TLS, ...).
 
     Raises:
-        ValueError: no node, duplicate names, a role missing, nodes of different layouts.
+        ValueError: no node, duplicate names, a role missing, nodes of different layouts, or mutual
+            TLS without ``router_tls``.
     """
 
-    def __init__(self, specs: list[NodeSpec], **client_kwargs):
+    def __init__(self, specs: list[NodeSpec], router_tls: TlsFiles | None = None, **client_kwargs):
         if not specs or len({s.name for s in specs}) != len(specs):
             raise ValueError(f"nodes {[s.name for s in specs]}: give at least one, each name once")
         if not any(s.role != "decode" for s in specs) or not any(s.role != "prefill" for s in specs):
             raise ValueError("the nodes need at least one that prefills and one that decodes (role both, or one "
                              "prefill and one decode)")
+        if client_kwargs.get("tls") is not None and router_tls is None:
+            raise ValueError("routing under mutual TLS follows the nodes' KV events, which needs a router certificate: "
+                             "give --router-tls-cert and --router-tls-key (pagedkv certs makes router.pem)")
+        self._router_tls = router_tls
+        self._streams: list[MemoryClient] = []
         self.nodes: dict[str, Node] = {}
         try:
             for s in specs:
@@ -150,8 +160,9 @@ class Cluster:
         return self.client.memory
 
     def _stream(self, node: Node):
-        memory = node.client.memory
-        return lambda: memory.stub.StreamKvEvents(mpb.StreamKvEventsRequest(), metadata=memory._admin_md())
+        memory = MemoryClient(node.spec.memory, tls=self._router_tls)  # the router's own channel
+        self._streams.append(memory)
+        return lambda: memory.stub.StreamKvEvents(mpb.StreamKvEventsRequest())
 
     def _load(self, name: str) -> int:
         """Blocks node ``name`` is busy with: its running and waiting requests' tokens."""
@@ -206,6 +217,8 @@ class Cluster:
     def close(self) -> None:
         if getattr(self, "index", None) is not None:
             self.index.close()
+        for m in getattr(self, "_streams", ()):
+            m.close()
         for n in self.nodes.values():
             n.client.close()
 

@@ -285,8 +285,10 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         Every event in order, sent as soon as it is logged (the stream wakes on each event, no
         polling); a subscriber that falls more than the retained window behind, or asks for an
         event no longer kept, ends with FAILED_PRECONDITION naming the first number it lost.
-        Token ids only for the admin role (routers and others get hashes and block ids).
+        Token ids only for the admin role (routers get hashes and block ids). Under TLS only the
+        router role (and the admin) may subscribe: the stream tells which prefixes are cached.
         """
+        require_role(context, {ROUTER}, "StreamKvEvents")
         with_token_ids = self.authz.caller(context).is_admin
         first = request.from_sequence_number if request.HasField("from_sequence_number") else None
         changes = _kv_changes(self.manager.prefix_cache)

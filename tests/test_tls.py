@@ -277,6 +277,21 @@ def test_kubernetes_manifest_runs_the_plane_with_mutual_tls(monkeypatch):
 
 
 @pytest.mark.parametrize("role", ["router", "scheduler", "worker", None])
+def test_kv_events_need_the_router_role(plane, tls_memory, role):
+    """StreamKvEvents (which prefixes the node caches) is the router's read too: others are refused at once;
+    the router's stream opens and waits for events (none come here: the deadline ends it)."""
+    files = _role_cert(plane["ca"], plane["tmp"], f"events-{role}", role)
+    m = MemoryClient(tls_memory.address, timeout=10, tls=files)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(m.stub.StreamKvEvents(mpb.StreamKvEventsRequest(), timeout=1.5))
+        want = grpc.StatusCode.DEADLINE_EXCEEDED if role == "router" else grpc.StatusCode.PERMISSION_DENIED
+        assert e.value.code() == want, e.value.details()
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("role", ["router", "scheduler", "worker", None])
 def test_lookup_prefix_needs_the_router_role(plane, tls_memory, role):
     """LookupPrefix (how much of a prompt the node caches) is the router's read: a scheduler, a worker
     or a certificate without a role is refused; the router gets the answer (nothing cached here)."""

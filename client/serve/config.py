@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "prefix and load; with prefill and decode nodes each request prefills on one and decodes on "
                        "another, its blocks read once over NIXL (memory services with one --transfer-key-file, workers "
                        "with --node-transfers). Replaces --memory/--workers")
+    where.add_argument("--router-tls-cert", default=_env("ROUTER_TLS_CERT"), metavar="PEM",
+                       help="with --node under mutual TLS: the router's certificate (role router) for the nodes' KV "
+                       "event streams (env PAGEDKV_ROUTER_TLS_CERT)")
+    where.add_argument("--router-tls-key", default=_env("ROUTER_TLS_KEY"), metavar="PEM",
+                       help="its private key (env PAGEDKV_ROUTER_TLS_KEY)")
     where.add_argument("--device", default=_env("DEVICE"), help="embedded services: cpu or cuda (default: cuda when present)")
     plane = p.add_argument_group("internal plane (mutual TLS; the scheduler's certificate, also given to embedded "
                                  "services; none: plaintext, loopback only)")

@@ -25,6 +25,7 @@ from client.serve.app import Server, create_app
 from client.serve.backends import resolve
 from client.serve.config import parse_args
 from pagedkv.logs import get_logger
+from pagedkv.tls import TlsFiles
 
 log = get_logger("serve")
 
@@ -92,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         limits = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=args.max_model_len, tls=backends.tls, preemption_mode=args.preemption_mode)
         if args.nodes:  # several nodes: one engine each, requests routed (client.cluster)
-            client = Cluster(args.nodes, **limits)
+            router = None
+            if backends.tls is not None and args.router_tls_cert and args.router_tls_key:
+                router = TlsFiles(args.router_tls_cert, args.router_tls_key, backends.tls.ca)
+            client = Cluster(args.nodes, router_tls=router, **limits)
         else:
             client = Client(backends.memory, backends.workers, **limits)
         name = args.served_model_name or args.model or "smollm2"
