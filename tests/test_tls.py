@@ -248,7 +248,7 @@ def test_pagedkv_certs_files_make_a_working_plane(tmp_path):
 
 
 def test_kubernetes_manifest_runs_the_plane_with_mutual_tls(monkeypatch):
-    """deploy/kubernetes: `certs` runs first; every container presents its own member's files and its
+    """deploy/k8s/pagedkv-cpu.yaml: `certs` runs first; every container presents its own member's files and its
     command parses with the CLI's parsers."""
     import yaml
 
@@ -257,7 +257,7 @@ def test_kubernetes_manifest_runs_the_plane_with_mutual_tls(monkeypatch):
     from compute_service.main import build_parser as compute_parser
     from memory_service.main import build_parser as memory_parser
 
-    docs = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "pagedkv-cpu.yaml").read_text()))
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "pagedkv-cpu.yaml").read_text()))
     (pod,) = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"]
     (init,) = pod["initContainers"]
     assert init["args"][:4] == ["pagedkv", "certs", "--out", "/etc/pagedkv/tls"]
