@@ -8,7 +8,10 @@
    cudaHostRegister); offload and reload copies of N blocks through the worker's own path
    (a signed grant -> `check_grants`' copy plan -> `do_copies`), byte-exact each way, and GB/s
    each way (consecutive and scattered blocks; figures). About 10 s.
-3. stack: a memory service (`--device cuda`) and a worker as separate processes, the pool shared
+3. node transfers: `scripts/gpu_check_nodes.py`'s `run(...)`: a source process's GPU pool read
+   by this process's over NIXL (UCX; VRAM registered with `TransferAgent`), consecutive and
+   scattered blocks byte-exact with GB/s, and a fault injected after k blocks. About 10 s.
+4. stack: a memory service (`--device cuda`) and a worker as separate processes, the pool shared
    by CUDA IPC (its handle only over the memory service's worker socket: GetPoolDescriptor has
    none; this script, a third process of the same uid, maps the pool through the socket and sees
    the worker's K/V, the read-only epoch table and the plane key; a Step without the memory
@@ -19,7 +22,7 @@
    leak; the production bf16 stack must generate; `pagedkv serve` attached to the GPU stack must
    answer a greedy chat completion over HTTP with the same tokens; and a worker must drop its
    mapping when the memory service stops first.
-4. throughput: `benchmarks/bench_throughput.py --device cuda` on the random model (pagedkv vs
+5. throughput: `benchmarks/bench_throughput.py --device cuda` on the random model (pagedkv vs
    Orca-Max vs Orca-Oracle under one KV budget, and transformers generate), where decode is
    memory-bound rather than compute-bound as on 2 CPU cores. `--throughput quick` (default) runs
    the CPU table's setting (32 requests, lengths scaled by 0.25); `full` adds the paper's setting
@@ -31,19 +34,19 @@ network and the project's .venv (this writes ~2 MB plus the wheels into shared/)
 
     pip download --no-deps structlog grpcio-health-checking grpcio-reflection grpcio-status \\
         googleapis-common-protos fastapi starlette uvicorn h11 click anyio sniffio pydantic \\
-        pydantic-core annotated-types typing-inspection -d shared/wheels
+        pydantic-core annotated-types typing-inspection nixl-cu12 -d shared/wheels
     .venv/bin/python scripts/gpu_check.py --prepare      # the wheels above (same versions as
                                                          # .venv) + SmolLM2's tokenizer
 
 Then on the GPU machine (carry `shared/`):
 
-    PYTHONPATH=. python scripts/gpu_check.py [--kernels quick|full|skip] [--tiers run|skip] \
+    PYTHONPATH=. python scripts/gpu_check.py [--kernels quick|full|skip] [--tiers run|skip] [--nodes run|skip] \
         [--throughput quick|full|skip] [--results DIR]
 
 Wheels in shared/wheels whose modules the machine lacks are unpacked to a temporary folder and
 put on the path of this process and of the services. The tokenizer comes from
 shared/gpu_check/tokenizer (or, where the GGUF is installed, straight from SmolLM2's GGUF).
-`--cpu-only` runs step 2 on a cpu pool, step 3 with both stacks on the CPU, and step 4 as
+`--cpu-only` runs steps 2 and 3 on cpu pools, step 4 with both stacks on the CPU, and step 5 as
 `--quick` on the CPU (checks this script without a GPU).
 Prints PASS/FAIL per check and exits 1 when any failed.
 """
@@ -89,6 +92,8 @@ WHEEL_MODULES = {
     "pydantic_core": "pydantic_core",
     "annotated_types": "annotated_types",
     "typing_inspection": "typing_inspection",
+    # node transfers
+    "nixl_cu12": "nixl_cu12",
 }
 #: SmolLM2-135M-Instruct's shape (config.json of the Hugging Face release).
 SMOLLM2_CONFIG = {
@@ -610,6 +615,15 @@ def run_tiers(device: str, env: dict[str, str], work: Path) -> None:
     print(f"# host tier: {time.perf_counter() - t:.0f} s", flush=True)
 
 
+def run_nodes(device: str, env: dict[str, str]) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_check_nodes", ROOT / "scripts" / "gpu_check_nodes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    t = time.perf_counter()
+    mod.run(report, device, env=env)
+    print(f"# node transfers: {time.perf_counter() - t:.0f} s", flush=True)
+
+
 #: bench_throughput settings per --throughput mode: (label, extra arguments).
 THROUGHPUT_RUNS = {
     "quick": [("scale 0.25 (the CPU table's setting)", [])],
@@ -682,6 +696,12 @@ def main(argv: list[str] | None = None) -> int:
         help="host-tier copies (offload/reload through a page-locked host tier): run (default) or skip",
     )
     ap.add_argument(
+        "--nodes",
+        choices=["run", "skip"],
+        default="run",
+        help="node transfers (NIXL reads between two processes' GPU pools): run (default) or skip",
+    )
+    ap.add_argument(
         "--throughput",
         choices=["quick", "full", "skip"],
         default="quick",
@@ -734,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_kernels(args.kernels)
         if args.tiers != "skip":
             run_tiers(device, env, work)
+        if args.nodes != "skip":
+            run_nodes(device, env)
         model = work / "model"
         t = time.perf_counter()
         tokenizer = args.shared / "gpu_check" / "tokenizer"
