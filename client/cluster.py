@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from client.api import Client, RequestHandle
 from client.params import SamplingParams
-from client.router import KvIndex, Router
+from client.router import POLICIES, KvIndex, Router
 from client.scheduler import ROLES
 from client.services import MemoryClient
 from client.tokenizer import encode_prompt
@@ -102,6 +102,7 @@ class Cluster:
         specs: the nodes (names unique; at least one decodes and one prefills).
         router_tls: under mutual TLS (``client_kwargs["tls"]``), the router's certificate for the
             nodes' KV event streams (StreamKvEvents needs the router role).
+        routing: the router's policy, "kv" or "round-robin" (:class:`~client.router.Router`).
         client_kwargs: passed to every node's :class:`Client` (batch limits, TLS, ...).
 
     Raises:
@@ -109,9 +110,12 @@ class Cluster:
             TLS without ``router_tls``.
     """
 
-    def __init__(self, specs: list[NodeSpec], router_tls: TlsFiles | None = None, **client_kwargs):
+    def __init__(self, specs: list[NodeSpec], router_tls: TlsFiles | None = None, routing: str = "kv",
+                 **client_kwargs):
         if not specs or len({s.name for s in specs}) != len(specs):
             raise ValueError(f"nodes {[s.name for s in specs]}: give at least one, each name once")
+        if routing not in POLICIES:
+            raise ValueError(f"routing policy {routing!r}: one of {POLICIES}")
         if not any(s.role != "decode" for s in specs) or not any(s.role != "prefill" for s in specs):
             raise ValueError("the nodes need at least one that prefills and one that decodes (role both, or one "
                              "prefill and one decode)")
@@ -137,7 +141,7 @@ class Cluster:
                 raise ValueError(f"node {n.spec.name} runs {e.model_id} with blocks of {e.block_size} tokens, another "
                                  f"{first.model_id} with {first.block_size}: every node must hold the same KV")
         self.index = KvIndex({name: self._stream(n) for name, n in self.nodes.items()})
-        self.router = Router(self.index, first.block_size, first.model_id, self._load)
+        self.router = Router(self.index, first.block_size, first.model_id, self._load, routing)
         #: Request id -> (node, its id there), the newest MAX_TRACKED (what abort() can reach).
         self._where: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._lock = threading.Lock()

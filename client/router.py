@@ -31,6 +31,9 @@ from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
 log = get_logger("router")
 
+#: Routing policies: by cached prefix and load, or each node in turn.
+POLICIES = ("kv", "round-robin")
+
 
 class KvIndex:
     """Block hash -> nodes holding it, kept from the nodes' KV event streams (one thread per node).
@@ -125,10 +128,19 @@ class Router:
         block_size: tokens per block (every node's pool has the same layout).
         model_id: the prefix-cache identity of the model (the engines' ``model_id``).
         load: node name -> blocks it is busy with now.
+        policy: "kv" (the module's cost) or "round-robin" (each node in turn, blind to prefixes and
+            load: the baseline benchmarks/bench_nodes.py compares with).
+
+    Raises:
+        ValueError: an unknown policy.
     """
 
-    def __init__(self, index: KvIndex, block_size: int, model_id: str, load: Callable[[str], int]):
+    def __init__(self, index: KvIndex, block_size: int, model_id: str, load: Callable[[str], int],
+                 policy: str = "kv"):
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy {policy!r}: one of {POLICIES}")
         self.index, self.block_size, self.model_id, self.load = index, block_size, model_id, load
+        self.policy = policy
         self._turn = itertools.count()
         #: Requests routed per node, and of them those routed to a node holding part of their prefix.
         self.routed: collections.Counter[str] = collections.Counter()
@@ -140,6 +152,11 @@ class Router:
         cached = self.index.leading(chain_hashes(token_ids, self.block_size, CacheKey(self.model_id, cache_salt), n)) \
             if n else {}
         turn = next(self._turn)
+        if self.policy == "round-robin":
+            best = nodes[turn % len(nodes)]
+            self.routed[best] += 1
+            self.prefix_hits[best] += bool(cached.get(best))
+            return best
         order = {name: (i - turn) % len(nodes) for i, name in enumerate(nodes)}
 
         def cost(name: str) -> tuple[int, int, int]:
@@ -153,4 +170,4 @@ class Router:
         return best
 
 
-__all__ = ["KvIndex", "Router"]
+__all__ = ["POLICIES", "KvIndex", "Router"]
