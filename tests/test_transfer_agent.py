@@ -227,3 +227,25 @@ def test_pool_blocks_must_be_contiguous():
     pool = torch.zeros(SOURCE_SHAPE).transpose(1, 3)
     with pytest.raises(ValueError, match="contiguous"):
         TransferAgent("bad", pool)
+
+
+def test_an_idle_agent_does_not_spin_a_core():
+    """NIXL's wrapper gives its progress thread no pause (it would take a whole core for the agent's
+    life); ours pauses between rounds: an idle agent's process uses a small share of one core."""
+    import resource
+    import time
+
+    from nixl_cu12 import _api
+
+    before_config = _api.nixlBind.nixlAgentConfig
+    agent = TransferAgent("idle", torch.zeros(SOURCE_SHAPE))
+    try:
+        assert _api.nixlBind.nixlAgentConfig is before_config  # the wrapper's name is restored
+        time.sleep(0.2)
+        r0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        time.sleep(1.5)
+        r1, w1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        cpu = (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / (w1 - w0)
+        assert cpu < 0.3, f"{cpu:.2f} CPU-seconds per second while idle"
+    finally:
+        agent.close()
