@@ -8,8 +8,9 @@ Part 1, throughput. A spawned process holds a pool of SmolLM2's layout (``[block
 blocks into odd local ones, shuffled: N descriptors). Beside them ``raw NIXL``, a plain
 ``nixl_agent`` reading the same bytes as one descriptor, busy-polling (the gap is our layer's cost),
 and ``memcpy`` of the same bytes inside this process. Medians of one call, connected beforehand;
-GB/s = 10^9 bytes / s. Twice: ``progress thr on`` as shipped (NIXL's default progress thread in
-every agent) and ``off`` (the source then progresses NIXL every 1 ms, which UCX's set-up needs).
+GB/s = 10^9 bytes / s. Twice: ``progress thr on`` as shipped (NIXL's progress thread in every
+agent, pausing ``transfer_agent.PROGRESS_DELAY_US`` between rounds) and ``off`` (the source then
+progresses NIXL every 1 ms, which UCX's set-up needs).
 
 Part 2, TTFT. Two nodes as in tests/test_node_transfers.py (two memory services with one
 ``--transfer-key-file`` and their own ``--node-name``, a worker each with ``--node-transfers``). Per
@@ -24,13 +25,13 @@ without ``--node-transfers`` (no NIXL agent anywhere), a fresh prompt (computed)
 another suffix (``plain hit``: the node's own cache, the floor a pull can approach). The crossover
 is the shortest P from which pulling wins at every longer P.
 
-What it showed (2-core VM, 2026-12-02; docs/benchmarks.md section 11): NIXL's default progress
-thread polls without pause and keeps a core busy in every worker started with ``--node-transfers``,
-halving read throughput (2.5-3.3 GB/s against 5.6-9.2) and slowing the forwards 1.7-4x; our layer
-costs ~35-40 us a call over raw NIXL. As deployed, pulling wins from 2 blocks (bf16, barely; clearly
-from 4) and 1 (fp32): DEFAULT_MIN_BLOCKS = 2 is not too low. Against a node without NIXL, only from
-4 (bf16) and 32 blocks (fp32), the pull's own forward being slowed: measure again once the workers
-stop spinning, before lowering the default.
+What it showed (2-core VM, 2026-12-02; docs/benchmarks.md section 11): the first run found NIXL's
+progress thread polling without pause (a core busy in every worker with ``--node-transfers``,
+forwards 1.7-4x slower); with ``TransferAgent``'s pause a pull of 16-1536 tokens costs 43-76 ms of
+TTFT in bf16 (a node's own cache hit: 30-57 ms) and beats recomputing from the first block (1.1x)
+to 14.3x (bf16) and 21.2x (fp32) at 1536 tokens; against a node without NIXL at all, from 4 blocks
+(bf16) and 1 (fp32). The progress thread still halves the throughput of large reads (2.35 vs 4.17
+GB/s at 256 blocks, bf16). DEFAULT_MIN_BLOCKS = 2 stays.
 
     python benchmarks/bench_nodes.py [--quick] [--dtypes bfloat16,float32]
 """
@@ -370,9 +371,9 @@ def main() -> int:
         c = result["crossover"][d]
         print(f"crossover {d}, as deployed (B recomputes): {c['as_deployed']['note']}")
         print(f"crossover {d}, against a node without NIXL: {c['vs_node_without_nixl']['note']}")
-        print(f"  suggests min_blocks {c['as_deployed']['blocks']} with the workers as they are (NIXL's progress "
-              f"thread on), at most {c['vs_node_without_nixl']['blocks']} once they stop spinning (pulls then get "
-              f"cheaper than here); DEFAULT_MIN_BLOCKS is {DEFAULT_MIN_BLOCKS}")
+        print(f"  suggests min_blocks {c['as_deployed']['blocks']} (against recompute on the same nodes), "
+              f"{c['vs_node_without_nixl']['blocks']} (against a node without NIXL); "
+              f"DEFAULT_MIN_BLOCKS is {DEFAULT_MIN_BLOCKS}")
     write_result("bench_nodes", result)
     plot(result, dtypes)
     return 0

@@ -103,6 +103,8 @@ class Cluster:
         router_tls: under mutual TLS (``client_kwargs["tls"]``), the router's certificate for the
             nodes' KV event streams (StreamKvEvents needs the router role).
         routing: the router's policy, "kv" or "round-robin" (:class:`~client.router.Router`).
+        pulls: whether a node reads prefixes other nodes cache (client.transfers); without, each
+            node computes what it lacks (a request split across prefill and decode nodes needs them).
         client_kwargs: passed to every node's :class:`Client` (batch limits, TLS, ...).
 
     Raises:
@@ -111,9 +113,11 @@ class Cluster:
     """
 
     def __init__(self, specs: list[NodeSpec], router_tls: TlsFiles | None = None, routing: str = "kv",
-                 **client_kwargs):
+                 pulls: bool = True, **client_kwargs):
         if not specs or len({s.name for s in specs}) != len(specs):
             raise ValueError(f"nodes {[s.name for s in specs]}: give at least one, each name once")
+        if not pulls and {s.role for s in specs} != {"both"}:
+            raise ValueError("prefill and decode nodes move each request's blocks between them: keep pulls on")
         if routing not in POLICIES:
             raise ValueError(f"routing policy {routing!r}: one of {POLICIES}")
         if not any(s.role != "decode" for s in specs) or not any(s.role != "prefill" for s in specs):
@@ -127,7 +131,7 @@ class Cluster:
         self.nodes: dict[str, Node] = {}
         try:
             for s in specs:
-                peers = [o.memory for o in specs if o is not s]
+                peers = [o.memory for o in specs if o is not s] if pulls else []
                 self.nodes[s.name] = Node(s, Client(s.memory, s.workers, peers=peers,
                                                     worker_roles=s.worker_roles or None, **client_kwargs))
         except BaseException:
