@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from client.errors import error_info
+from memory_service.block_hash import CacheKey, chain_hashes
 from memory_service.layout import make_layout
 from memory_service.leases import MAX_OWNER_CHARS
 from memory_service.paging import MAX_PAGE_SIZE, encode_page_token
@@ -46,6 +48,7 @@ from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.pool_socket import receive_handle
 from pagedkv.service import MAX_DETAIL_BYTES
+from pagedkv.transfer import sign_ticket, source_digest, ticket_signed
 
 FULL = os.environ.get("PAGEDKV_TEST_FULL") == "1"
 NUM_BLOCKS, BLOCK_SIZE = 64, 4
@@ -153,20 +156,28 @@ class Target:
     admin: tuple
     key: bytes
     generation: int
+    #: The deployment's transfer key (a peer memory service's), and the pool's descriptor.
+    transfer_key: bytes
+    pool: pb.PoolDescriptor
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fuzz")
+    transfer_key = os.urandom(32)
+    (tmp / "transfer.key").write_text(transfer_key.hex())
+    (tmp / "transfer.key").chmod(0o600)
     flags = ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--lease-ttl", str(DEFAULT_TTL),
              "--max-sequences-per-lease", str(MAX_SEQUENCES_PER_LEASE),
-             "--max-blocks-per-lease", str(MAX_BLOCKS_PER_LEASE), "--host-cache-memory", str(HOST_BLOCKS * BLOCK_NBYTES)]
-    with local_stack(tmp_path_factory.mktemp("fuzz"), flags, num_workers=0, name="fuzz") as s, \
+             "--max-blocks-per-lease", str(MAX_BLOCKS_PER_LEASE), "--host-cache-memory", str(HOST_BLOCKS * BLOCK_NBYTES),
+             "--transfer-key-file", str(tmp / "transfer.key"), "--node-name", "fuzz"]
+    with local_stack(tmp, flags, num_workers=0, name="fuzz") as s, \
             grpc.insecure_channel(s.memory.address) as channel:
         stub = pb_grpc.MemoryServiceStub(channel)
         desc = stub.GetPoolDescriptor(pb.GetPoolDescriptorRequest(), timeout=CALL_TIMEOUT).pool
         handle = receive_handle(desc.worker_socket)
         handle.close()
-        yield Target(s.memory, channel, stub, admin_md(s.memory), handle.plane_key, desc.generation)
+        yield Target(s.memory, channel, stub, admin_md(s.memory), handle.plane_key, desc.generation, transfer_key, desc)
 
 
 def _admin(md) -> bool:
@@ -522,6 +533,73 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
             assert resp.cached_tokens % BLOCK_SIZE == 0 and resp.cached_tokens <= max(0, len(tokens) - 1), resp
             after = self.stub.GetStats(pb.GetStatsRequest(), timeout=CALL_TIMEOUT)
             assert [getattr(after, c) for c in counters] == [getattr(before, c) for c in counters]
+
+    # ------------------------------------------------------------------ node transfers
+    @rule(honest=HONEST_CALL, cred=CRED, generation=U64, name=TEXT, metadata=st.binary(max_size=16), address=U64,
+          blocks=U32, block_bytes=U64)
+    def publish_transfer_source(self, honest, cred, generation, name, metadata, address, blocks, block_bytes):
+        """PublishTransferSource: only a source of this pool (generation, blocks, block bytes) is kept."""
+        p = self.t.pool
+        if honest:
+            generation, blocks, block_bytes = p.generation, p.layout.num_blocks, p.block_nbytes
+            name, metadata, address = f"agent-{len(name) % 3}", metadata or b"m", address or 4096
+        source = grant_pb2.TransferSource(agent_name=name, agent_metadata=metadata, base_address=address,
+                                          num_blocks=blocks, block_bytes=block_bytes)
+        resp = self.call("PublishTransferSource", pb.PublishTransferSourceRequest(pool_generation=generation,
+                                                                                  source=source), self._md(cred, None))
+        if resp is not None:
+            listed = self.stub.GetPoolDescriptor(pb.GetPoolDescriptorRequest(), timeout=CALL_TIMEOUT).pool
+            assert source in listed.transfer_sources and listed.node_name == "fuzz"
+
+    @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED, tokens=TOKENS, salt=SALT)
+    def export_prefix(self, honest, lease, cred, tokens, salt):
+        """ExportPrefix: a signed ticket for a pinning sequence of the lease holding the cached full blocks."""
+        self.honest = honest
+        model, lease_id = self._lease(lease)
+        tokens = [t % 4 for t in tokens[:24]] if honest else tokens
+        resp = self.call("ExportPrefix", pb.ExportPrefixRequest(lease_id=lease_id, token_ids=tokens, cache_salt=salt),
+                         self._md(cred, model))
+        if resp is not None and resp.num_tokens:
+            t = resp.ticket
+            assert ticket_signed(self.t.transfer_key, t) and t.node_name == "fuzz", t
+            assert resp.num_tokens == len(t.block_ids) * BLOCK_SIZE <= max(0, len(tokens) - 1), resp
+            assert list(t.block_hashes) == chain_hashes(tokens, BLOCK_SIZE, CacheKey("", salt), len(t.block_ids))
+            self.seqs[resp.seq_id] = SeqModel(model, tokens[:resp.num_tokens])
+
+    @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED, tokens=TOKENS, salt=SALT, blocks=st.lists(U32, max_size=6),
+          kind=st.sampled_from(["peer"] * 4 + ["wrong-key", "expired", "own", "other-dtype", "other-model"]))
+    def allocate_with_ticket(self, honest, lease, cred, tokens, salt, blocks, kind):
+        """AllocateSequences with another node's ticket: refused unless signed, current, for this layout and
+        model; taken, its hashes decide which blocks become node transfers in the grant."""
+        self.honest = honest
+        model, lease_id = self._lease(lease)
+        if honest:
+            tokens, kind = [t % 4 for t in tokens[:24]] or [1, 2], "peer"
+        p = self.t.pool
+        layout = pb.PoolLayout()
+        layout.CopyFrom(p.layout)
+        if kind == "other-dtype":
+            layout.dtype = "bfloat16"
+        n = min(len(blocks), max(0, (len(tokens) - 1) // BLOCK_SIZE))
+        ticket = pb.TransferTicket(
+            node_name="fuzz" if kind == "own" else "peer", pool_generation=1, layout=layout,
+            block_ids=[b % 32 for b in blocks[:n]], block_epochs=[1] * n,
+            block_hashes=chain_hashes(tokens, BLOCK_SIZE, CacheKey("", salt), n),
+            source=grant_pb2.TransferSource(agent_name="peer-agent", agent_metadata=b"m", base_address=4096,
+                                            num_blocks=32, block_bytes=p.block_nbytes),
+            expires_at=time.time() + (-5 if kind == "expired" else 60), model="other" if kind == "other-model" else p.model)
+        sign_ticket(os.urandom(32) if kind == "wrong-key" else self.t.transfer_key, ticket)
+        req = pb.AllocateSequencesRequest(lease_id=lease_id, sequences=[pb.SequenceAllocation(
+            num_tokens=max(1, len(tokens)), token_ids=tokens, cache_salt=salt, remote_prefix=ticket)])
+        resp = self.call("AllocateSequences", req, self._md(cred, model))
+        assert resp is None or kind == "peer", (kind, resp)
+        if resp is not None:
+            self._took(resp.grants, resp.sequences)
+            (table,), (grant,) = resp.sequences, resp.grants
+            remote = [c for c in grant.copies if c.src_medium == grant_pb2.MEDIUM_REMOTE]
+            assert table.num_transferred_tokens == len(remote) * BLOCK_SIZE <= n * BLOCK_SIZE, (table, grant)
+            assert all(c.src_source == source_digest(ticket.source) for c in remote)
+            self.seqs[table.seq_id] = SeqModel(model, list(tokens))
 
     @rule(cred=ADMIN_CRED)
     def reset_prefix_cache(self, cred):
