@@ -82,6 +82,8 @@ def parse_node(text: str) -> NodeSpec:
     workers, roles = [], []
     for w in fields["workers"]:
         addr, _, wrole = w.partition("@")
+        if not addr:
+            raise ValueError(f"--node {text!r}: an empty worker address")
         if wrole and wrole not in ROLES:
             raise ValueError(f"--node {text!r}: worker {w!r}: role must be one of {ROLES}")
         workers.append(addr)
@@ -114,8 +116,9 @@ class Cluster:
 
     def __init__(self, specs: list[NodeSpec], router_tls: TlsFiles | None = None, routing: str = "kv",
                  pulls: bool = True, **client_kwargs):
-        if not specs or len({s.name for s in specs}) != len(specs):
-            raise ValueError(f"nodes {[s.name for s in specs]}: give at least one, each name once")
+        if not specs or len({s.name for s in specs}) != len(specs) or len({s.memory for s in specs}) != len(specs):
+            raise ValueError(f"nodes {[(s.name, s.memory) for s in specs]}: give at least one, each name and memory "
+                             "service once")
         if not pulls and {s.role for s in specs} != {"both"}:
             raise ValueError("prefill and decode nodes move each request's blocks between them: keep pulls on")
         if routing not in POLICIES:
@@ -138,12 +141,13 @@ class Cluster:
             self.close()
             raise
         first = next(iter(self.nodes.values())).client.engine
+        kv = lambda e: (e.block_size, e.model_id, e.memory.pool().layout.dtype)  # noqa: E731
         for n in self.nodes.values():
             e = n.client.engine
-            if (e.block_size, e.model_id) != (first.block_size, first.model_id):
+            if kv(e) != kv(first):
                 self.close()
-                raise ValueError(f"node {n.spec.name} runs {e.model_id} with blocks of {e.block_size} tokens, another "
-                                 f"{first.model_id} with {first.block_size}: every node must hold the same KV")
+                raise ValueError(f"node {n.spec.name} holds (block size, model, dtype) {kv(e)}, another {kv(first)}: "
+                                 "every node must hold the same KV")
         self.index = KvIndex({name: self._stream(n) for name, n in self.nodes.items()})
         self.router = Router(self.index, first.block_size, first.model_id, self._load, routing)
         #: Request id -> (node, its id there), the newest MAX_TRACKED (what abort() can reach).
@@ -241,6 +245,8 @@ class TwoPhaseHandle:
         self.cluster, self.decode_node, self.ids, self.params = cluster, d, ids, params
         self.cache_salt, self.listener = cache_salt, listener
         self.decode: RequestHandle | None = None
+        #: Why the request ended before its decode (the decode node refused it), else None.
+        self.error: Exception | None = None
         self._started = threading.Event()
         self._cancelled = False
         prefill = cluster.nodes[p].client.submit(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
@@ -248,18 +254,22 @@ class TwoPhaseHandle:
         self.request_id = request_id or f"{prefill.request_id}-decode"
         cluster._track(self.request_id, p, prefill.request_id)
 
-    def _prefilled(self, out, error) -> None:  # the prefill node's engine thread
+    def _prefilled(self, out, error) -> None:  # the prefill node's engine thread: never raises
         if error is None and (out is None or not out.finished):
             return
-        if error is not None or self._cancelled:
-            if error is not None and self.listener is not None:
-                self.listener(None, error)
-            self._started.set()
-            return
+        aborted = out is not None and any(o.finish_reason == "abort" for o in out.outputs)
         try:
-            self.decode = self.cluster.nodes[self.decode_node].client.submit(
-                self.ids, self.params, cache_salt=self.cache_salt, request_id=self.request_id, listener=self.listener)
-            self.cluster._track(self.request_id, self.decode_node, self.request_id)
+            if error is None and not (self._cancelled or aborted):
+                self.decode = self.cluster.nodes[self.decode_node].client.submit(
+                    self.ids, self.params, cache_salt=self.cache_salt, request_id=self.request_id, listener=self.listener)
+                self.cluster._track(self.request_id, self.decode_node, self.request_id)
+            elif error is not None and self.listener is not None:
+                self.listener(None, error)
+        except Exception as e:  # noqa: BLE001 - e.g. the decode node's pool cannot hold the prompt
+            log.warning("decode_submit_failed", request_id=self.request_id, node=self.decode_node, error=str(e))
+            self.error = e
+            if self.listener is not None:
+                self.listener(None, e)
         finally:
             self._started.set()
 
@@ -267,6 +277,8 @@ class TwoPhaseHandle:
         if not self._started.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish its prefill within {timeout} s")
         if self.decode is None:
+            if self.error is not None:
+                raise self.error
             raise RuntimeError(f"request {self.request_id} ended in its prefill (cancelled or failed)")
         return self.decode.result(timeout)
 

@@ -53,7 +53,7 @@ from client.stop import StopChecker
 from client.swap import Swapper
 from client.transfers import Peer, PrefixPull
 from client.worker_step import StepResults, StepRunner
-from pagedkv.errors import TRANSFER_FAILED
+from pagedkv.errors import TRANSFER_FAILED, TRANSFER_TICKET_REFUSED, TRANSFERS_OFF
 from pagedkv.grant.v1 import grant_pb2 as gpb
 from pagedkv.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 from pagedkv.logs import get_logger
@@ -222,7 +222,7 @@ class Engine:
         try:
             results = self.runner.run(scheduled, copies_by_worker)
         except ServiceError as e:
-            if e.reason != TRANSFER_FAILED:
+            if e.reason not in (TRANSFER_FAILED, TRANSFERS_OFF) or self.pulls is None:
                 raise
             self._transfer_failed(scheduled, preempted)
             return list(updated.values())
@@ -402,6 +402,15 @@ class Engine:
                 last = needing[-1]
                 self.scheduler.unadmit(last)
                 out.drop(last)
+                continue
+            except ServiceError as e:  # a peer's ticket this node cannot take: allocate without it
+                pulled = [x for x, a in zip(new[:n], allocations[:n]) if a.HasField("remote_prefix")]
+                if e.reason not in (TRANSFER_TICKET_REFUSED, TRANSFERS_OFF) or not pulled:
+                    raise
+                for x in pulled:
+                    x.request.no_pull = True
+                    self.pulls.release(x.seq)
+                log.warning("transfer_ticket_refused", requests=len(pulled), error=str(e))
                 continue
             for x, t, g in zip(new, resp.sequences, resp.grants):
                 x.allocated(t, g)

@@ -28,6 +28,8 @@ log = get_logger("transfers")
 
 #: Default fewest blocks worth pulling from another node (below, this node recomputes them).
 DEFAULT_MIN_BLOCKS = 2
+#: Seconds a call to a peer's memory service may take (a hung peer stalls this engine at most that long).
+PEER_TIMEOUT = 5.0
 
 
 @dataclass
@@ -148,7 +150,7 @@ def connect_peers(addresses: list[str], tls=None, lease_ttl: float | None = None
     """A :class:`Peer` (memory client and lease) per memory-service address; named by their pools' node names."""
     peers = []
     for address in addresses:
-        memory = MemoryClient(address, tls=tls)
+        memory = MemoryClient(address, timeout=PEER_TIMEOUT, tls=tls)
         peers.append(Peer(memory.pool().node_name or address, memory, Lease(memory, lease_ttl)))
     return peers
 

@@ -190,6 +190,10 @@ def _transfer_in(pool: MappedPool, plan: CopyPlan, agent) -> None:
         s = plan.sources[digest]
         try:
             agent.read_blocks(TransferSource.from_proto(s), pairs)
+        except ValueError as e:  # a source no agent can read (malformed, or metadata of another agent)
+            raise TransferFailedError(f"the step's transfer source {s.agent_name[:64]!r} cannot be read ({e}); no KV "
+                                      "of this step was written: recompute the sequences that read from it",
+                                      metadata={"blocks_done": "0", "agent": s.agent_name[:64]}) from e
         except TransferError as e:
             raise TransferFailedError(f"a node transfer from {s.agent_name!r} failed after {e.blocks_done} of "
                                       f"{len(pairs)} blocks ({e}); no KV of this step was written: free the "

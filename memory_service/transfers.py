@@ -37,10 +37,11 @@ from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.transfer import layouts_match, sign_ticket, source_digest, ticket_signed
 
 #: Most transfer sources one node keeps (one per worker; a worker that publishes again replaces its own).
-MAX_SOURCES = 64
-#: Longest agent name and agent metadata a source may carry, characters / bytes.
+MAX_SOURCES = 16
+#: Longest agent name and agent metadata a source may carry, characters / bytes (NIXL's metadata of a
+#: UCX agent over one registration is a few KiB): every source fits GetPoolDescriptor's reply.
 MAX_AGENT_NAME = 256
-MAX_AGENT_METADATA = 1 << 20
+MAX_AGENT_METADATA = 64 << 10
 
 
 class NodeTransfers:
@@ -76,6 +77,8 @@ class NodeTransfers:
         if not 0 < len(source.agent_name) <= MAX_AGENT_NAME or not 0 < len(source.agent_metadata) <= MAX_AGENT_METADATA:
             raise InvalidArgumentError(f"PublishTransferSource: the agent name must have 1 to {MAX_AGENT_NAME} "
                                        f"characters and its metadata 1 to {MAX_AGENT_METADATA} bytes")
+        if source.mem_type not in ("", "DRAM", "VRAM"):
+            raise InvalidArgumentError(f"PublishTransferSource: mem_type must be DRAM or VRAM, got {source.mem_type[:16]!r}")
         if source.num_blocks != d.layout.num_blocks or source.block_bytes != d.block_nbytes or not source.base_address:
             raise InvalidArgumentError(
                 f"PublishTransferSource: the source describes {source.num_blocks} blocks of {source.block_bytes} bytes "
@@ -122,12 +125,14 @@ class NodeTransfers:
                 another layout, dtype, block size or model, this node's own ticket, or expired.
             PermissionDeniedError: not signed with this deployment's transfer key.
             InvalidArgumentError: a malformed ticket.
+        Every refusal of the ticket itself carries reason TRANSFER_TICKET_REFUSED (or TRANSFERS_OFF): a
+        scheduler allocates again without it.
         """
         self.require("AllocateSequences with remote_prefix")
         if not ticket_signed(self.key, t):
             raise PermissionDeniedError("AllocateSequences: the remote_prefix ticket is not signed with this "
                                         "deployment's transfer key; pass ExportPrefix's ticket unchanged (nothing "
-                                        "was allocated)")
+                                        "was allocated)", reason=TRANSFER_TICKET_REFUSED)
         d = self.descriptor
         why = None
         if not layouts_match(t.layout, d.layout) or t.source.block_bytes != d.block_nbytes:
@@ -145,7 +150,8 @@ class NodeTransfers:
                                           f"be taken: {why} (nothing was allocated)", reason=TRANSFER_TICKET_REFUSED)
         n = len(t.block_ids)
         if len(t.block_epochs) != n or len(t.block_hashes) != n or any(b >= t.source.num_blocks for b in t.block_ids):
-            raise InvalidArgumentError("AllocateSequences: the remote_prefix ticket is malformed (nothing was allocated)")
+            raise InvalidArgumentError("AllocateSequences: the remote_prefix ticket is malformed (nothing was allocated)",
+                                       reason=TRANSFER_TICKET_REFUSED)
         return RemotePrefix(tuple(t.block_ids), tuple(t.block_epochs), tuple(bytes(h) for h in t.block_hashes),
                             source_digest(t.source))
 

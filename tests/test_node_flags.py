@@ -26,6 +26,7 @@ def test_nodes_from_the_environment(monkeypatch):
     ("a", "NAME=MEMORY_ADDR"), ("=h:1,workers=h:2", "NAME=MEMORY_ADDR"), ("a=h:1", "workers"),
     ("a=h:1,workers=h:2,role=fast", "role"), ("a=h:1,workers=h:2@fast", "role"), ("a=h:1,gpus=2", "unknown key"),
     ("a=h:1,h:2", "follows no key"), ("a=h:1,workers=h:2,role=prefill,role=decode", "role"),
+    ("a=h:1,workers=h:2,,h:3", "empty worker"), ("a=h:1,workers=", "empty worker"),
 ])
 def test_a_bad_node_spec_names_what_is_wrong(spec, why):
     with pytest.raises(ValueError, match=why):

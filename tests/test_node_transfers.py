@@ -92,6 +92,23 @@ def test_prefix_cached_on_a_is_read_by_b_and_the_output_equals_a_cold_run(nodes)
         assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
 
 
+def test_a_ticket_the_node_refuses_is_dropped_and_only_that_request_computes_everything(nodes):
+    """A node given its own ticket (a peer list naming itself) refuses it (TRANSFER_TICKET_REFUSED): the
+    request is allocated again without it, and the requests beside it in the same call carry on."""
+    b = nodes["b"]
+    prompt = list(range(9000, 9150))
+    with Client(b.memory_address, b.worker_addresses) as cb:
+        cb.generate([prompt], GREEDY)  # cached on B
+    with Client(b.memory_address, b.worker_addresses, peers=[b.memory_address]) as cb:
+        outs = cb.generate([prompt, list(range(9500, 9540))], GREEDY)
+        assert cb.engine.pulls.tokens_pulled == 0 and not cb.engine.pulls.pins
+        assert outs[0].num_cached_tokens == PULLED  # B's own cache, after the refused ticket
+    with Client(b.memory_address, b.worker_addresses) as cb:
+        assert [o.outputs[0].token_ids for o in outs] == [
+            o.outputs[0].token_ids for o in cb.generate([prompt, list(range(9500, 9540))], GREEDY, cache_salt="x")]
+    assert used_and_ok(b.memory_address, admin_token(b)) == (0, True)
+
+
 def test_a_transfer_that_fails_part_way_is_recomputed_and_leaks_nothing(nodes):
     a, c = nodes["a"], nodes["c"]
     with Client(a.memory_address, a.worker_addresses) as ca:

@@ -217,8 +217,12 @@ def test_publish_refuses_a_source_for_another_pool():
     t = node("a")
     with pytest.raises(FailedPreconditionError):
         t.publish(8, source())
+    bogus = source()
+    bogus.mem_type = "BOGUS"
+    huge = source()
+    huge.agent_metadata = b"m" * (64 << 10 | 1)
     for s in (source(blocks=9), grant_pb2.TransferSource(agent_name="", agent_metadata=b"m", base_address=1,
-                                                         num_blocks=8, block_bytes=source().block_bytes)):
+                                                         num_blocks=8, block_bytes=source().block_bytes), bogus, huge):
         with pytest.raises(InvalidArgumentError):
             t.publish(7, s)
     assert list(t.sources) == ["a/1/g7"]

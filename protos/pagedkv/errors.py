@@ -33,8 +33,9 @@ SWAP_LOST = "SWAP_LOST"
 #: ErrorInfo reason (FAILED_PRECONDITION) of ExportPrefix, or of an allocation with a transfer ticket, on a
 #: memory service that takes no part in node transfers (no --transfer-key-file, or no worker published a source).
 TRANSFERS_OFF = "TRANSFERS_OFF"
-#: ErrorInfo reason (FAILED_PRECONDITION) of a transfer ticket this node cannot take: another layout, dtype or
-#: model, expired, or this node's own.
+#: ErrorInfo reason of a transfer ticket this node cannot take: another layout, dtype or model, expired, this
+#: node's own (FAILED_PRECONDITION), not signed with the deployment's key (PERMISSION_DENIED), malformed
+#: (INVALID_ARGUMENT). The scheduler allocates again without the ticket.
 TRANSFER_TICKET_REFUSED = "TRANSFER_TICKET_REFUSED"
 #: ErrorInfo reason (ABORTED) of a Step whose node transfer failed (the peer gone, a NIXL error): no KV of the
 #: step was written; free its sequences that read from another node and recompute them.
