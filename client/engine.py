@@ -416,7 +416,6 @@ class Engine:
                 x.allocated(t, g)
                 if self.pulls is not None:
                     self.pulls.allocated(x.seq, t)
-                    x.request.num_pulled_tokens = x.request.num_pulled_tokens or t.num_transferred_tokens
             for x in new[n:]:
                 if self.pulls is not None:
                     self.pulls.release(x.seq)

@@ -141,9 +141,8 @@ class Request:
     #: service's ``num_cached_tokens``); None until then. A preempted or recovered request keeps
     #: its first figure: it is what the request was served from the cache, as vLLM reports it.
     num_cached_tokens: int | None = None
-    #: Prompt tokens read from another node's pool at the request's first allocation
-    #: (client.transfers); a request whose transfer failed computes everything here from then on.
-    num_pulled_tokens: int = 0
+    #: A request whose node transfer failed, or whose ticket was refused, computes everything here
+    #: from then on (client.transfers).
     no_pull: bool = False
 
     def __post_init__(self) -> None:

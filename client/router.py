@@ -154,19 +154,13 @@ class Router:
         turn = next(self._turn)
         if self.policy == "round-robin":
             best = nodes[turn % len(nodes)]
-            self.routed[best] += 1
-            self.prefix_hits[best] += bool(cached.get(best))
-            return best
-        order = {name: (i - turn) % len(nodes) for i, name in enumerate(nodes)}
-
-        def cost(name: str) -> tuple[int, int, int]:
-            load = self.load(name)
-            return n - cached.get(name, 0) + load, load, order[name]
-
-        best = min(nodes, key=cost)
+        else:
+            loads = {name: self.load(name) for name in nodes}  # once per node: each walks its queues
+            order = {name: (i - turn) % len(nodes) for i, name in enumerate(nodes)}
+            best = min(nodes, key=lambda x: (n - cached.get(x, 0) + loads[x], loads[x], order[x]))
+            log.debug("routed", node=best, prompt_blocks=n, cached=cached, loads=loads)
         self.routed[best] += 1
         self.prefix_hits[best] += bool(cached.get(best))
-        log.debug("routed", node=best, prompt_blocks=n, cached=cached, loads={x: self.load(x) for x in nodes})
         return best
 
 

@@ -48,7 +48,6 @@ class Pin:
     peer: Peer
     seq_id: int  # the pinning sequence on the peer
     source: object  # the ticket's TransferSource, for the worker's StepRequest
-    num_tokens: int
 
 
 @dataclass
@@ -92,7 +91,7 @@ class PrefixPull:
         if best is None:
             return None
         peer, resp = best
-        self.pins[id(seq)] = Pin(peer, resp.seq_id, resp.ticket.source, resp.num_tokens)
+        self.pins[id(seq)] = Pin(peer, resp.seq_id, resp.ticket.source)
         return resp.ticket
 
     def allocated(self, seq, table: mpb.SequenceBlockTable) -> None:
