@@ -8,6 +8,7 @@ a time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -49,7 +50,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             model_source=self.model_source,
             weights_path=self.weights_path,
             vocab_size=c.vocab_size,
-            eos_token_ids=[c.eos_token_id] if c.eos_token_id is not None else [],
+            eos_token_ids=c.eos_token_ids,
             bos_token_id=c.bos_token_id,
             max_context=c.max_position_embeddings,
             num_layers=c.num_layers,
@@ -60,4 +61,9 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             pool_generation=pool.generation if pool else 0,
             block_size=lay.block_size if lay else 0,
             num_blocks=lay.num_blocks if lay else 0,
+            architecture=c.architecture,
+            sliding_window=c.sliding_window or 0,
+            generation_defaults=pb.GenerationDefaults(**{
+                k: v for k, v in dataclasses.asdict(c.generation).items() if v is not None}),
+            ignored_generation_keys=c.ignored_generation_keys,
         )

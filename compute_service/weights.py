@@ -32,92 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pagedkv.model_config import ModelConfig, RopeScaling, read_hf_config  # noqa: F401 (re-exported)
 from pagedkv.paths import SMOLLM2_GGUF, pagedkv_home, smollm2_gguf_path  # noqa: F401 (re-exported)
-
-
-@dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """RoPE frequency scaling (Hugging Face `rope_scaling` / `rope_parameters`).
-
-    `kind` is "linear" (every inverse frequency divided by `factor`) or "llama3" (Llama 3.1's
-    wavelength-banded scaling; uses the three extra fields).
-    """
-
-    kind: str  # "linear" | "llama3"
-    factor: float  # frequency divisor (> 0)
-    low_freq_factor: float = 1.0  # llama3 only
-    high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only: pretraining context (tokens)
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3"):
-            raise ValueError(f"unsupported RoPE scaling {self.kind!r}: use 'linear' or 'llama3'")
-        if not self.factor > 0:
-            raise ValueError(f"RoPE scaling factor must be > 0, got {self.factor}")
-        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Shape and hyper-parameters of a Llama-family decoder."""
-
-    vocab_size: int  # rows of the embedding / lm_head
-    hidden_size: int  # D, model width
-    intermediate_size: int  # I, SwiGLU width
-    num_layers: int  # decoder blocks
-    num_q_heads: int  # query heads
-    num_kv_heads: int  # key/value heads (GQA: divides num_q_heads)
-    head_dim: int  # channels per head
-    rms_norm_eps: float  # RMSNorm epsilon
-    rope_theta: float  # RoPE base
-    rope_scaling: RopeScaling | None  # None = plain RoPE
-    max_position_embeddings: int  # context length the model was trained for (tokens)
-    tie_word_embeddings: bool  # lm_head shares the embedding matrix
-    bos_token_id: int | None  # beginning-of-sequence token, if the model has one
-    eos_token_id: int | None  # end-of-sequence token, if the model has one
-    name: str  # human-readable model name
-    source: str  # where it was loaded from (path or "smollm2")
-
-    def __post_init__(self) -> None:
-        for f in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_q_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"ModelConfig.{f} must be > 0, got {getattr(self, f)}")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_q_heads {self.num_q_heads} is not a multiple of "
-                f"num_kv_heads {self.num_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> ModelConfig:
-        d = json.loads(text)
-        if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        return cls(**d)
-
 
 Weights = dict[str, torch.Tensor]
 
@@ -258,7 +180,7 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, Weights]:
         max_position_embeddings=int(field("llama.context_length", 2048)),
         tie_word_embeddings="output.weight" not in raw,
         bos_token_id=_opt_int(field("tokenizer.ggml.bos_token_id")),
-        eos_token_id=_opt_int(field("tokenizer.ggml.eos_token_id")),
+        eos_token_ids=tuple(_ids(field("tokenizer.ggml.eos_token_id"))),
         name=str(field("general.name", path.stem)),
         source=str(path),
     )
@@ -283,27 +205,12 @@ def _opt_int(v) -> int | None:
     return None if v is None else int(v)
 
 
+def _ids(v) -> list[int]:
+    return [] if v is None else [int(v)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Hugging Face directory
-
-
-def _rope_scaling_from_hf(d: dict | None) -> RopeScaling | None:
-    if not d:
-        return None
-    kind = d.get("rope_type", d.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind == "linear":
-        return RopeScaling("linear", float(d["factor"]))
-    if kind == "llama3":
-        return RopeScaling(
-            "llama3",
-            float(d["factor"]),
-            float(d["low_freq_factor"]),
-            float(d["high_freq_factor"]),
-            int(d["original_max_position_embeddings"]),
-        )
-    raise ValueError(f"RoPE scaling {kind!r} not supported (only linear and llama3)")
 
 
 def load_hf_dir(path: str | Path) -> tuple[ModelConfig, Weights]:
@@ -316,45 +223,15 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, Weights]:
     from safetensors.torch import load_file
 
     path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path}/config.json not found")
-    c = json.loads((path / "config.json").read_text())
-    mtype = c.get("model_type", "llama")
-    if mtype not in ("llama", "mistral", "smollm", "smollm2"):
-        raise ValueError(f"{path}: model_type {mtype!r} is not a Llama-family decoder")
+    config = read_hf_config(path)
     files = sorted(glob.glob(str(path / "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     raw: Weights = {}
     for f in files:
         raw.update(load_file(f))
-
-    rope = c.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-    scaling = _rope_scaling_from_hf(c.get("rope_scaling") or rope)
-    heads = int(c["num_attention_heads"])
-    eos = c.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    tie = bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in raw
-    config = ModelConfig(
-        vocab_size=int(c["vocab_size"]),
-        hidden_size=int(c["hidden_size"]),
-        intermediate_size=int(c["intermediate_size"]),
-        num_layers=int(c["num_hidden_layers"]),
-        num_q_heads=heads,
-        num_kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        rope_scaling=scaling,
-        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=tie,
-        bos_token_id=_opt_int(c.get("bos_token_id")),
-        eos_token_id=_opt_int(eos),
-        name=str(c.get("_name_or_path") or path.name),
-        source=str(path),
-    )
+    tie = config.tie_word_embeddings or ("lm_head.weight" not in raw and "model.lm_head.weight" not in raw)
+    config = dataclasses.replace(config, tie_word_embeddings=tie)
 
     def get(key: str) -> torch.Tensor:
         for k in (key, key.removeprefix("model.")):

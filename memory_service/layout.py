@@ -7,11 +7,11 @@ block is one contiguous byte range (the unit of a copy-on-write copy).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
+
+from pagedkv.model_config import read_hf_config
 
 #: Dimension names of the pool tensor, outermost first.
 DIM_NAMES = ("num_blocks", "num_layers", "kv", "block_size", "num_kv_heads", "head_dim")
@@ -113,22 +113,19 @@ def host_cache_bytes(text: str | None) -> int:
 def model_attention_layout(model: str) -> dict[str, int]:
     """``num_layers``, ``num_kv_heads``, ``head_dim`` of ``"smollm2"`` or a Hugging Face directory.
 
+    Read from config.json alone (`pagedkv.model_config.read_hf_config`), no weights.
+
     Raises:
-        ValueError: the directory has no readable config.json.
+        ValueError: the directory has no readable config.json, or names an unsupported
+            architecture.
     """
     if model == "smollm2":
         return dict(SMOLLM2_LAYOUT)
-    config_path = Path(model) / "config.json"
     try:
-        cfg = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        c = read_hf_config(model)
+    except FileNotFoundError as e:
         raise ValueError(f"--model {model!r}: expected 'smollm2' or a Hugging Face directory with config.json ({e})") from e
-    num_heads = cfg["num_attention_heads"]
-    return {
-        "num_layers": cfg["num_hidden_layers"],
-        "num_kv_heads": cfg.get("num_key_value_heads", num_heads),
-        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-    }
+    return {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
 
 def make_layout(

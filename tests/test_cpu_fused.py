@@ -211,7 +211,7 @@ def test_model_native_path_matches_torch_path(dtype):
     c = ModelConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=4, num_kv_heads=2,
         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, name="tiny", source="test",
+        tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(), name="tiny", source="test",
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     shapes = {"embed": (128, 64), "norm": (64,)}

@@ -173,7 +173,7 @@ def test_gguf_config_and_cache(ours, pagedkv_home, monkeypatch):
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (49152, 576, 1536)
     assert (config.num_layers, config.num_q_heads, config.num_kv_heads) == (30, 9, 3)
     assert config.tie_word_embeddings and "lm_head" not in weights
-    assert (config.bos_token_id, config.eos_token_id, config.rope_scaling) == (1, 2, None)
+    assert (config.bos_token_id, config.eos_token_ids, config.rope_scaling) == (1, (2,), None)
     assert ModelConfig.from_json(config.to_json()) == config
     # The first load wrote a dequantized copy under $PAGEDKV_HOME/weights; this one reads it.
     monkeypatch.setenv("PAGEDKV_HOME", str(pagedkv_home))
@@ -239,7 +239,7 @@ def test_rope_inv_freq_matches_transformers(scaling):
         max_position_embeddings=131072,
         tie_word_embeddings=True,
         bos_token_id=None,
-        eos_token_id=None,
+        eos_token_ids=(),
         name="t",
         source="t",
     )

@@ -8,18 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "num_logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "num_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
     num_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ...) -> None: ...
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
@@ -30,7 +36,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "positions", "block_ids", "sampling", "output_index", "skip_sampling", "grant")
+    __slots__ = ("seq_id", "token_ids", "positions", "block_ids", "sampling", "output_index", "skip_sampling", "grant", "prompt_token_ids", "output_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +45,8 @@ class StepSequence(_message.Message):
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SKIP_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -47,7 +55,9 @@ class StepSequence(_message.Message):
     output_index: int
     skip_sampling: bool
     grant: _grant_pb2.StepGrant
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_index: _Optional[int] = ..., skip_sampling: _Optional[bool] = ..., grant: _Optional[_Union[_grant_pb2.StepGrant, _Mapping]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_index: _Optional[int] = ..., skip_sampling: _Optional[bool] = ..., grant: _Optional[_Union[_grant_pb2.StepGrant, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool_generation", "sequences", "copies", "transfer_sources")
@@ -102,7 +112,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "model_source", "weights_path", "vocab_size", "eos_token_ids", "bos_token_id", "max_context", "num_layers", "num_kv_heads", "head_dim", "dtype", "device", "pool_generation", "block_size", "num_blocks")
+    __slots__ = ("model_name", "model_source", "weights_path", "vocab_size", "eos_token_ids", "bos_token_id", "max_context", "num_layers", "num_kv_heads", "head_dim", "dtype", "device", "pool_generation", "block_size", "num_blocks", "revision", "architecture", "sliding_window", "generation_defaults", "ignored_generation_keys")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +128,11 @@ class GetModelInfoResponse(_message.Message):
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_GENERATION_KEYS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_source: str
     weights_path: str
@@ -133,4 +148,21 @@ class GetModelInfoResponse(_message.Message):
     pool_generation: int
     block_size: int
     num_blocks: int
-    def __init__(self, model_name: _Optional[str] = ..., model_source: _Optional[str] = ..., weights_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., pool_generation: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    revision: str
+    architecture: str
+    sliding_window: int
+    generation_defaults: GenerationDefaults
+    ignored_generation_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., model_source: _Optional[str] = ..., weights_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., pool_generation: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[int] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., ignored_generation_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerationDefaults(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "repetition_penalty")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
