@@ -49,7 +49,7 @@ from client.recovery import Recovery
 from client.request import Request, Status
 from client.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from client.services import Lease, MemoryClient, WorkerClient
-from client.stop import StopChecker
+from client.stop import StopChecker, context_limit
 from client.swap import Swapper
 from client.transfers import Peer, PrefixPull
 from client.worker_step import StepResults, StepRunner
@@ -116,7 +116,8 @@ class Engine:
         #: Prefix-cache identity of this model's KV.
         self.model_id = f"{info.model_name}:{info.model_source}"
         self.eos_ids = set(info.eos_token_ids)
-        self.max_context = min(info.max_context or 1 << 30, self.num_blocks * self.block_size, max_model_len or 1 << 30)
+        self.max_context = context_limit(info.max_context, info.sliding_window, self.num_blocks * self.block_size,
+                                         max_model_len)
         self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,  # checks the roles first
                                    max_context=self.max_context, num_workers=len(workers), worker_roles=worker_roles)
         self.lease = Lease(memory, lease_ttl)

@@ -18,6 +18,27 @@ from client.params import SamplingParams
 from client.request import Seq
 
 
+def context_limit(max_context: int, sliding_window: int, pool_tokens: int, max_model_len: int | None) -> int:
+    """Longest sequence (prompt + generated) a deployment serves, tokens (vLLM's ``max_model_len``).
+
+    The model's context (``max_context``, 0 = unknown), capped by the pool's ``pool_tokens`` and by
+    ``max_model_len`` when given. A model with a sliding window (``sliding_window`` > 0 tokens,
+    Mistral v0.1) is served within its window only, where attention is exact without windowing:
+    the limit defaults to the window (vLLM's ``disable_sliding_window`` caps it the same way).
+
+    Raises:
+        ValueError: ``max_model_len`` exceeds the sliding window (the message names the window).
+    """
+    if sliding_window and max_model_len is not None and max_model_len > sliding_window:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's sliding window of "
+                         f"{sliding_window} tokens; attention past the window is not supported: "
+                         f"use --max-model-len {sliding_window} or less")
+    limits = [max_context or 1 << 30, pool_tokens, max_model_len or 1 << 30]
+    if sliding_window:
+        limits.append(sliding_window)
+    return min(limits)
+
+
 @dataclass(slots=True)
 class StopChecker:
     """Stop conditions that do not depend on the request."""
