@@ -388,6 +388,24 @@ def test_prefix_cache_never_shares_blocks_between_revisions(hub_stack, offline):
         memory.close()
 
 
+def test_serve_attaching_checks_the_revision(hub_stack, hub):
+    """`pagedkv serve --model REPO --revision R` refuses workers that run another commit than R
+    names in its own cache; the pool size is checked in the pool's blocks, whatever the model."""
+    stack, _ = hub_stack
+    env = {**os.environ, **services_env(hub[0]), "PAGEDKV_HOME": str(hub[0].parent)}
+    attach = ["serve", "--memory", stack.memory_address, "--workers", stack.worker_addresses[0], "--model", REPO,
+              "--port", "0"]
+    runs = [[*attach, "--revision", "v2"], [*attach, "--revision", "main", "--kv-cache-memory", "1MiB"]]
+    procs = [subprocess.Popen([sys.executable, "-m", "client.cli", *args], env=env, cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in runs]
+    (_, v2), (_, size) = (p.communicate(timeout=120) for p in procs)
+    assert [p.returncode for p in procs] == [1, 1], v2 + size
+    assert f"--revision v2 (the workers run revision {COMMITS['main']})" in v2, v2
+    block_nbytes = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4  # layers, K and V, tokens, KV heads, head dim, fp32
+    assert f"--kv-cache-memory 1MiB ({2**20 // block_nbytes} blocks; the pool has 64)" in size, size
+    assert "--revision" not in size, size
+
+
 def test_model_identity_includes_the_revision_and_the_kv_dtype():
     ids = list(range(2 * BLOCK_SIZE))
 

@@ -188,7 +188,8 @@ def resolve_model(name: str, revision: str | None = None, *, files: FileSet = "m
 def _offline() -> bool:
     from huggingface_hub import constants
 
-    return constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    # The constant is read when huggingface_hub is imported; the variable may be set later.
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
 def _missing(folder: Path, files: FileSet) -> list[str]:
@@ -259,10 +260,10 @@ def _resolve_repo(repo_id: str, revision: str, files: FileSet, download: bool | 
 
 def _cache_reason(cache: Path, repo_id: str, revision: str, error: Exception) -> str:
     """Why the cache has no usable snapshot, in a few words."""
-    from huggingface_hub.errors import IncompleteSnapshotError
+    from huggingface_hub import errors
 
     repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
-    if isinstance(error, IncompleteSnapshotError):
+    if isinstance(error, getattr(errors, "IncompleteSnapshotError", ())):  # newer huggingface_hub only
         return f"its snapshot is incomplete: {error}"
     if not repo_dir.is_dir():
         return f"no folder {repo_dir.name} there"
