@@ -212,10 +212,16 @@ def test_repo_id_resolves_offline_from_the_cache(offline):
     ("pagedkv-test/missing", None, "no folder models--pagedkv-test--missing there"),
     (REPO, "v3", "has no ref 'v3'"),
     (REPO, "0" * 40, f"no snapshot {'0' * 40}"),
+    (REPO, "stale", f"its ref 'stale' names commit {'2' * 40}, which has no snapshot there"),
 ])
 def test_missing_repo_or_revision_fails_with_how_to_fetch_it(offline, name, revision, reason):
-    with pytest.raises(ModelNotCachedError) as e:
-        resolve_model(name, revision)
+    ref = offline / f"models--{REPO.replace('/', '--')}" / "refs" / "stale"  # a ref left by a deleted snapshot
+    ref.write_text("2" * 40)
+    try:
+        with pytest.raises(ModelNotCachedError) as e:
+            resolve_model(name, revision)
+    finally:
+        ref.unlink()
     msg = str(e.value)
     rev = revision or "main"
     for part in (f"model {name!r} at revision {rev!r}", f"Hugging Face cache {offline}", reason,

@@ -267,6 +267,9 @@ def _cache_reason(cache: Path, repo_id: str, revision: str, error: Exception) ->
         return f"its snapshot is incomplete: {error}"
     if not repo_dir.is_dir():
         return f"no folder {repo_dir.name} there"
-    if _COMMIT.fullmatch(revision) or (repo_dir / "refs" / revision).is_file():
+    ref = repo_dir / "refs" / revision
+    if ref.is_file():
+        return f"its ref {revision!r} names commit {ref.read_text().strip()}, which has no snapshot there"
+    if _COMMIT.fullmatch(revision):
         return f"no snapshot {revision} in {repo_dir.name}"
     return f"{repo_dir.name} has no ref {revision!r}"
