@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from client.engine import Engine
 from client.params import SamplingParams
@@ -30,7 +29,7 @@ from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.request import Request, Status
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
-from client.tokenizer import Messages, encode_prompt, load_tokenizer
+from client.tokenizer import Messages, encode_prompt, load_tokenizer, tokenizer_source
 from client.transfers import connect_peers
 from pagedkv.logs import get_logger
 from pagedkv.tls import TlsFiles
@@ -197,7 +196,8 @@ class Client:
     Raises:
         ValueError: no worker address, or an unknown ``preemption_mode``.
         client.errors.ServiceError: a service refused the connection-time calls.
-        FileNotFoundError: the model's tokenizer is not available locally.
+        FileNotFoundError: the model's tokenizer is not on this host (nor, for a Hugging Face repo
+            id, in its Hugging Face cache at the worker's revision, with downloads off).
     """
 
     def __init__(self, memory: str = "127.0.0.1:50051", workers: Iterable[str] = ("127.0.0.1:50052",), *,
@@ -212,11 +212,9 @@ class Client:
         self.memory = MemoryClient(memory, tls=tls)
         self.workers = [WorkerClient(w, tls=tls) for w in workers]
         info = self.workers[0].model_info()
-        # The worker's file when this host has it (same machine), else the named source.
-        source = info.model_source
-        if source != "smollm2" and info.weights_path and Path(info.weights_path).exists():
-            source = info.weights_path
-        self.tokenizer = load_tokenizer(source)
+        # The worker's files when this host has them, else the same model and revision from this
+        # host's Hugging Face cache (client.tokenizer.tokenizer_source).
+        self.tokenizer = load_tokenizer(tokenizer_source(info))
         self._engine = Engine(self.memory, self.workers, self.tokenizer,
                               config=config, lease_ttl=lease_ttl,
                               max_model_len=max_model_len, recovery_timeout=recovery_timeout,

@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", add_help=False)
     up = sub.add_parser("up", help="start a memory service and a worker on this machine")
     up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    up.add_argument("--model", default="smollm2", help="'smollm2' or a Hugging Face directory (default smollm2)")
+    up.add_argument("--model", default="smollm2", help="'smollm2', a Hugging Face directory or .gguf file, or a "
+                    "Hugging Face repo id such as Qwen/Qwen2.5-0.5B-Instruct (default smollm2)")
+    up.add_argument("--revision", default=None, help="branch, tag or commit of a repo id (default main)")
     up.add_argument("--memory-port", type=int, default=50051, help="memory service port; 0 = a free one (default 50051)")
     up.add_argument("--worker-port", type=int, default=50052, help="worker port; 0 = a free one (default 50052)")
     up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
@@ -135,10 +137,12 @@ def main(argv: list[str] | None = None) -> int:
 
             state = up(device=args.device, model=args.model, memory_port=args.memory_port, worker_port=args.worker_port,
                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
-                       host_cache_memory=args.host_cache_memory, tls=plane_tls.from_args(args))
+                       host_cache_memory=args.host_cache_memory, tls=plane_tls.from_args(args),
+                       revision=args.revision)
             print(f"memory service  {state['memory']['address']}  (pid {state['memory']['pid']})")
             for w in state["workers"]:
                 print(f"worker          {w['address']}  (pid {w['pid']}, {state['device']})")
+            print(f"model           {state['model']}  (revision {state['revision']})")
             return 0
         if args.command == "down":
             from client.launcher import down

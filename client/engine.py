@@ -58,6 +58,7 @@ from pagedkv.grant.v1 import grant_pb2 as gpb
 from pagedkv.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.model_source import model_identity
 
 log = get_logger("engine")
 
@@ -113,8 +114,8 @@ class Engine:
         self.num_blocks = pool.layout.num_blocks
         info = workers[0].model_info()
         self.model_info = info
-        #: Prefix-cache identity of this model's KV.
-        self.model_id = f"{info.model_name}:{info.model_source}"
+        #: Prefix-cache identity of this model's KV: model, resolved revision and KV dtype.
+        self.model_id = model_identity(info.model_name, info.model_source, info.revision, info.dtype)
         self.eos_ids = set(info.eos_token_ids)
         self.max_context = context_limit(info.max_context, info.sliding_window, self.num_blocks * self.block_size,
                                          max_model_len)

@@ -83,8 +83,13 @@ def check_tls(tls: TlsFiles | None) -> None:
 
 def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 50051, worker_port: int = 50052,
        block_size: int = 16, kv_cache_memory: str | None = None, num_blocks: int | None = None,
-       host_cache_memory: str | None = None, timeout: float = 300.0, tls: TlsFiles | None = None) -> dict:
+       host_cache_memory: str | None = None, timeout: float = 300.0, tls: TlsFiles | None = None,
+       revision: str | None = None) -> dict:
     """Start a memory service and one worker, wait for both to be healthy, write the state file.
+
+    ``model`` is "smollm2", a local directory or .gguf file, or a Hugging Face repo id at
+    ``revision`` (branch, tag or commit; None: main), resolved by both services through the
+    Hugging Face cache (pagedkv.model_source).
 
     ``host_cache_memory`` (e.g. "4GiB"; None or "0": none) sizes the memory service's host tier
     (``--host-cache-memory``): offloaded prefix-cache blocks and swapped-out requests.
@@ -106,10 +111,12 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
         mem_args += ["--kv-cache-memory", kv_cache_memory]
     if host_cache_memory:
         mem_args += ["--host-cache-memory", host_cache_memory]
-    stack = LocalStack(mem_args, device=device, model=model, host="127.0.0.1", run_dir=pagedkv_home() / "run",
+    stack = LocalStack(mem_args, device=device, model=model, revision=revision, host="127.0.0.1",
+                       run_dir=pagedkv_home() / "run",
                        memory_port=memory_port, worker_port=worker_port, timeout=timeout, detach=True, tls=tls).start()
     state = {"memory": _entry(stack.memory), "workers": [_entry(w) for w in stack.workers], "device": device,
-             "model": model, "tls": tls is not None, "started": time.time()}
+             "model": model, "revision": stack.workers[0].info.get("revision"), "tls": tls is not None,
+             "started": time.time()}
     state_path().write_text(json.dumps(state, indent=2))
     return state
 

@@ -145,8 +145,10 @@ class LocalStack:
     num_workers: int = 1
     #: ``--device`` of both services ("cpu", "cuda", "cuda:N"); None: the services' default.
     device: str | None = None
-    #: ``--model`` of both services ("smollm2", a .gguf file, a Hugging Face directory); None: default.
+    #: ``--model`` of both services ("smollm2", a .gguf file, a Hugging Face directory or repo id); None: default.
     model: str | None = None
+    #: ``--revision`` of both services (branch, tag or commit of a repo id); None: main.
+    revision: str | None = None
     #: ``--host`` of both services; None: the services' default (127.0.0.1).
     host: str | None = None
     #: Ready files and logs (``<name>-memory.log``; ``<name>-worker.log`` for one worker,
@@ -213,7 +215,8 @@ class LocalStack:
             self._tmp = tempfile.TemporaryDirectory(prefix="pagedkv-stack-")
             run_dir = Path(self._tmp.name)
         both = [*(["--host", self.host] if self.host else []), *(["--device", self.device] if self.device else []),
-                *(["--model", str(self.model)] if self.model else []), *(self.tls.flags() if self.tls else [])]
+                *(["--model", str(self.model)] if self.model else []),
+                *(["--revision", self.revision] if self.revision else []), *(self.tls.flags() if self.tls else [])]
         prefix = f"{self.name}-" if self.name else ""
         try:
             self.memory = self._service(["memory", *both, *self.memory_args], run_dir, f"{prefix}memory",

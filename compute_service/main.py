@@ -3,8 +3,11 @@
 Example::
 
     pagedkv compute --memory 127.0.0.1:50051 --host 127.0.0.1 --port 50052 --device cpu --model smollm2
+    pagedkv compute --memory 127.0.0.1:50051 --model Qwen/Qwen2.5-0.5B-Instruct --revision main
 
-Start-up: wait for the memory service, read its pool descriptor (the layout
+Start-up: resolve ``--model`` (a repo id through the Hugging Face cache, downloading only when it
+is not cached and HF_HUB_OFFLINE is unset; :mod:`pagedkv.model_source`), wait for the memory
+service, read its pool descriptor (the layout
 and the path of its worker socket), load the model, receive the pool's handle,
 epoch table and plane key on that socket (``--memory-socket`` overrides the
 path, for a container that mounts it elsewhere), map the pool and check that
@@ -38,6 +41,7 @@ from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+from pagedkv.model_source import resolve_model
 from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
 
 log = get_logger("compute_service")
@@ -50,7 +54,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--host", default=os.environ.get("PAGEDKV_COMPUTE_HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=int(os.environ.get("PAGEDKV_COMPUTE_PORT", "50052")), help="port; 0 = any free port (default 50052)")
     p.add_argument("--device", default=os.environ.get("PAGEDKV_DEVICE", "cpu"), help="cpu, cuda or cuda:N; a cuda pool is mapped on the GPU with its UUID")
-    p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"), help="'smollm2' or a Hugging Face directory")
+    p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"),
+                   help="'smollm2', a Hugging Face directory, a .gguf file, or a Hugging Face repo id such as "
+                        "Qwen/Qwen2.5-0.5B-Instruct (from the Hugging Face cache; downloaded when missing unless "
+                        "HF_HUB_OFFLINE=1)")
+    p.add_argument("--revision", default=os.environ.get("PAGEDKV_REVISION") or None,
+                   help="branch, tag or commit of a repo id (default main)")
     p.add_argument("--memory-socket", default=os.environ.get("PAGEDKV_MEMORY_SOCKET"),
                    help="the memory service's worker socket here (default: the path its pool descriptor names)")
     p.add_argument("--memory-timeout", type=float, default=60.0, help="seconds to wait for the memory service at start (default 60)")
@@ -200,6 +209,9 @@ def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str) -> tu
 
 
 async def serve(args: argparse.Namespace) -> None:
+    # Before waiting for the memory service: a model that is not there fails at once.
+    model = await asyncio.to_thread(resolve_model, args.model, args.revision)
+    log.info("model_resolved", model=model.name, revision=model.revision, path=str(model.path))
     files = server_tls(args)
     desc = await asyncio.to_thread(fetch_descriptor, args.memory, args.memory_timeout, files)
     device = _torch_device(args.device, desc)
@@ -207,17 +219,19 @@ async def serve(args: argparse.Namespace) -> None:
     # team of worker threads, which hand work over quickly; a second calling thread would add a
     # second team, and with more threads than cores each parallel region goes through futex sleeps.
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-    worker, model_device = await asyncio.get_running_loop().run_in_executor(compute, _load, args, desc, device)
+    load_args = argparse.Namespace(**{**vars(args), "model": model.load_source})
+    worker, model_device = await asyncio.get_running_loop().run_in_executor(compute, _load, load_args, desc, device)
     if args.node_transfers:
         await asyncio.get_running_loop().run_in_executor(compute, publish_transfer_agent, worker, args.memory, files)
     pool = worker.pool
-    servicer = ComputeServicer(worker, args.model, model_device, compute)
+    servicer = ComputeServicer(worker, model, model_device, compute)
     from grpc_health.v1 import health
 
     health_servicer = health.aio.HealthServicer()
     spec = ServerSpec.from_flags(
         args, SERVICE_NAME, lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
-        ready_info={"memory": args.memory, "model": args.model, "device": model_device, "generation": pool.generation},
+        ready_info={"memory": args.memory, "model": args.model, "revision": model.revision, "device": model_device,
+                    "generation": pool.generation},
         background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute, args.memory_socket, files,
                                                  args.node_transfers)],
         health=health_servicer,

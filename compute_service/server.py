@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from concurrent.futures import Executor
-from pathlib import Path
 
-from compute_service.weights import smollm2_gguf_path
 from compute_service.worker import Worker
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
+from pagedkv.model_source import ResolvedModel
 from pagedkv.service import map_errors
 from pagedkv.tls import require_role
 
@@ -24,18 +23,25 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
 
 @map_errors
 class ComputeServicer(pb_grpc.ComputeServiceServicer):
-    """Serves one :class:`Worker`."""
+    """Serves one :class:`Worker` of ``model`` (its name, local files and resolved revision,
+    pagedkv.model_source): GetModelInfo reports them, so that a client loads the same tokenizer and
+    keys its prefix cache on the revision."""
 
-    def __init__(self, worker: Worker, model_source: str, device: str, compute: Executor | None = None):
+    def __init__(self, worker: Worker, model: ResolvedModel, device: str, compute: Executor | None = None):
         self.worker = worker
         #: Where steps run (None: asyncio's default executor).
         self.compute = compute
-        self.model_source = model_source
+        #: The model as named (--model): "smollm2", a path, or a repo id.
+        self.model_source = model.name
+        #: The local file or directory loaded (a hub snapshot folder for a repo id).
+        self.weights_path = str(model.path)
+        #: Commit hash of a hub snapshot, or the local files' fingerprint.
+        self.revision = model.revision
         self.device = device
-        if model_source == "smollm2":
-            self.model_name, self.weights_path = "SmolLM2-135M-Instruct", str(smollm2_gguf_path())
-        else:
-            self.model_name, self.weights_path = worker.config.name, str(Path(model_source).resolve())
+        if model.name == "smollm2":
+            self.model_name = "SmolLM2-135M-Instruct"
+        else:  # a snapshot folder is named by its commit: the repo id names the model better
+            self.model_name = model.repo_id or worker.config.name
 
     async def Step(self, request, context):
         require_role(context, {"scheduler"}, "Step")  # under TLS: schedulers (and the admin) only
@@ -49,6 +55,7 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             model_name=self.model_name,
             model_source=self.model_source,
             weights_path=self.weights_path,
+            revision=self.revision,
             vocab_size=c.vocab_size,
             eos_token_ids=c.eos_token_ids,
             bos_token_id=c.bos_token_id,

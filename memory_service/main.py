@@ -5,8 +5,11 @@ Example::
     pagedkv memory --host 127.0.0.1 --port 50051 --device cpu --block-size 16 \\
         --kv-cache-memory 1GiB --model smollm2 --lease-ttl 10 --ready-file /tmp/mem.json
 
+``--model`` (with ``--revision``) is resolved as the workers resolve it (:mod:`pagedkv.model_source`),
+fetching only the repo's config.json and generation_config.json: the pool's layout comes from
+the config alone, no weights.
 ``--port 0`` binds a free port; the ready file (JSON: address, host, port, pid,
-pool_id, generation, metrics_port, worker_socket, admin_token_file) says which. Workers of the same uid
+pool_id, generation, metrics_port, worker_socket, admin_token_file, revision) says which. Workers of the same uid
 receive the pool's handle on the Unix socket ``--worker-socket`` (default
 ``$PAGEDKV_HOME/run/memory-<pid>.sock``; see :mod:`memory_service.worker_socket`). At start the service
 writes a fresh admin token to ``--admin-token-file`` (mode 0600; default
@@ -37,6 +40,7 @@ from pagedkv import tls
 from pagedkv.credentials import default_admin_token_file
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from pagedkv.model_source import ResolvedModel, resolve_model
 from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
 from pagedkv.transfer import load_transfer_key
 
@@ -79,7 +83,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--host-cache-memory", default=os.environ.get("PAGEDKV_HOST_CACHE_MEMORY", "0"),
                    help="host tier behind the pool, in bytes (e.g. 4GiB; default 0 = none): evicted prefix-cache blocks "
                         "are offloaded there and reloaded on a hit, and swap preemption keeps sequences there")
-    p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"), help="'smollm2' or a Hugging Face directory (layout source)")
+    p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"),
+                   help="layout source: 'smollm2', a Hugging Face directory, or a Hugging Face repo id such as "
+                        "Qwen/Qwen2.5-0.5B-Instruct (its config from the Hugging Face cache; downloaded when missing "
+                        "unless HF_HUB_OFFLINE=1)")
+    p.add_argument("--revision", default=os.environ.get("PAGEDKV_REVISION") or None,
+                   help="branch, tag or commit of a repo id (default main)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="KV dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds without keep-alive (default 10)")
     p.add_argument("--max-kv-events", type=int, default=10_000,
@@ -113,8 +122,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-def create_pool(args: argparse.Namespace) -> Pool:
-    """The pool the flags ask for.
+def create_pool(args: argparse.Namespace, model: ResolvedModel | None = None) -> Pool:
+    """The pool the flags ask for; its layout from ``model`` (default: ``args.model`` resolved, config only).
 
     Raises:
         ValueError: inconsistent or invalid flags.
@@ -128,7 +137,8 @@ def create_pool(args: argparse.Namespace) -> Pool:
     memory = None
     if args.num_blocks is None:
         memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if is_cuda else DEFAULT_CPU_KV_MEMORY))
-    layout = make_layout(args.model, block_size=args.block_size, dtype=dtype, num_blocks=args.num_blocks, kv_cache_memory=memory)
+    model = model or resolve_model(args.model, args.revision, files="config")
+    layout = make_layout(model.load_source, block_size=args.block_size, dtype=dtype, num_blocks=args.num_blocks, kv_cache_memory=memory)
     host_bytes = host_cache_bytes(args.host_cache_memory)
     host_blocks = host_bytes // layout.block_nbytes
     if host_bytes and not host_blocks:
@@ -143,10 +153,12 @@ def create_pool(args: argparse.Namespace) -> Pool:
 async def serve(args: argparse.Namespace) -> None:
     """Create the pool and serve until SIGTERM."""
     server_tls(args)  # refuse bad TLS flags or a plaintext non-loopback bind before making the pool
+    model = await asyncio.to_thread(resolve_model, args.model, args.revision, files="config")
+    log.info("model_resolved", model=model.name, revision=model.revision, path=str(model.path))
     transfer_key = load_transfer_key(args.transfer_key_file) if args.transfer_key_file else None
     token_file = os.path.abspath(args.admin_token_file or default_admin_token_file())
     admin_token = create_admin_token(token_file)
-    pool = create_pool(args)
+    pool = create_pool(args, model)
     sock = WorkerSocketServer(pool, args.worker_socket)
     try:
         await sock.start()
@@ -159,7 +171,7 @@ async def serve(args: argparse.Namespace) -> None:
                            max_sequences_per_lease=args.max_sequences_per_lease, max_leases=args.max_leases,
                            host_num_blocks=pool.host_num_blocks, host_epochs=pool.host_epochs)
     ready_info = {"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks,
-                  "worker_socket": pool.worker_socket, "admin_token_file": token_file}
+                  "worker_socket": pool.worker_socket, "admin_token_file": token_file, "revision": model.revision}
     if args.metrics_port is not None:
         from memory_service.metrics import start_metrics_server
 

@@ -221,6 +221,8 @@ wait_healthy() {  # SERVICE TIMEOUT: start it, then run its health check until i
 }
 
 : >"$CACHE/up.log"
+# The services bind-mount the host's Hugging Face cache; podman refuses a bind source that is missing.
+mkdir -p "${HF_HOME:-$HOME/.cache/huggingface}"
 # The plane's certificates first: `certs` runs `pagedkv certs` into the tls volume and exits.
 t=$SECONDS
 "${COMPOSE[@]}" up -d --no-build certs >>"$CACHE/up.log" 2>&1 || { tail -20 "$CACHE/up.log"; fail "up certs"; }

@@ -64,12 +64,18 @@ TLS_DIR = "/etc/pagedkv/tls"
 TLS_MEMBER = {"memory": "memory", "compute": "worker", "frontend": "scheduler", "client": "scheduler"}
 HEALTHCHECK = ROOT / "docker" / "healthcheck.py"
 
+#: Hugging Face's own variables (huggingface_hub reads them in the containers), passed from the
+#: host's shell: the cache (HF_HOME, also the host folder mounted), the token, offline mode.
+HUB_VARS = {"HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE"}
+#: Where the compose files mount the host's Hugging Face cache in the containers (their HF_HOME).
+HF_HOME_DIR = "/var/lib/huggingface"
 #: Container environment variables read by libraries rather than by pagedkv.
 FOREIGN_ENV_VARS = {
     "PYTORCH_CUDA_ALLOC_CONF",
     "CUDA_VISIBLE_DEVICES",
     "OMP_NUM_THREADS",
     "NVIDIA_TF32_OVERRIDE",
+    *HUB_VARS,
 }
 
 _VAR = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
@@ -202,7 +208,7 @@ def test_environment_variables_are_read_by_the_code(path):
             )
     for m in _VAR.finditer(path.read_text()):
         var = m["name"]
-        assert var in known or var in COMPOSE_ONLY_VARS, (
+        assert var in known or var in COMPOSE_ONLY_VARS or var in HUB_VARS, (
             f"{path.name}: ${{{var}}} is neither read by the code nor a documented compose knob"
         )
         assert not (var in known and var in COMPOSE_ONLY_VARS)
@@ -215,7 +221,8 @@ def test_compose_knobs_are_documented():
         "PAGEDKV_KV_CACHE_MEMORY",
         "PAGEDKV_BLOCK_SIZE",
         "PAGEDKV_MODEL",
-    }:
+        "PAGEDKV_REVISION",
+    } | HUB_VARS:
         assert var in doc, f"docs/deploy.md does not mention {var}"
 
 
@@ -365,6 +372,29 @@ def test_worker_socket_folder_is_shared(path):
             assert "deploy" not in svcs[name], f"{name}: the CPU stack must not reserve a GPU"
 
 
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_hugging_face_cache_is_mounted(path, monkeypatch):
+    """Every service that reads the model (memory: config, compute: weights, frontend and client:
+    tokenizer) mounts the host's Hugging Face cache read-write at its HF_HOME and gets HF_TOKEN and
+    HF_HUB_OFFLINE from the host; the ones that name the model also get PAGEDKV_REVISION, unset by
+    default (a revision names a repo's; smollm2 has none)."""
+    raw = load(path)["services"]
+    svcs = services(path)
+    assert "HF_HOME" not in svcs["certs"].get("environment", {})
+    for name in ("memory", "compute", "frontend", "client"):
+        env = svcs[name]["environment"]
+        assert env["HF_HOME"] == HF_HOME_DIR, name
+        assert f"~/.cache/huggingface:{HF_HOME_DIR}" in svcs[name]["volumes"], name
+        assert f"${{HF_HOME:-~/.cache/huggingface}}:{HF_HOME_DIR}" in raw[name]["volumes"], name
+        assert raw[name]["environment"]["HF_TOKEN"] == "${HF_TOKEN:-}", name
+        assert raw[name]["environment"]["HF_HUB_OFFLINE"] == "${HF_HUB_OFFLINE:-0}", name
+        if name != "client":
+            assert raw[name]["environment"]["PAGEDKV_REVISION"] == "${PAGEDKV_REVISION:-}", name
+            with monkeypatch.context() as mp:
+                _, args = parse_command(svcs[name]["command"], env, mp)
+            assert args.model == "smollm2" and not args.revision, name
+
+
 def test_dockerfile_matches_the_compose_files():
     text = (ROOT / "Dockerfile").read_text()
     assert f"WORKDIR {IMAGE_ROOT}" in text and "COPY . ." in text
@@ -471,6 +501,11 @@ def local_env(svc: dict, tmp: Path) -> dict[str, str]:
     env.update({k: str(v) for k, v in svc.get("environment", {}).items()})
     for var in ("PAGEDKV_MEMORY", "PAGEDKV_WORKERS"):
         env.pop(var, None)
+    if "HF_HOME" in env and env["HF_HOME"] == HF_HOME_DIR:  # the container's mount point: a folder here
+        env["HF_HOME"] = str(tmp / "huggingface")
+    for var in HUB_VARS - {"HF_HOME"}:  # this machine's (offline) settings win over the defaults
+        if var in os.environ:
+            env[var] = os.environ[var]
     return env
 
 

@@ -13,7 +13,7 @@ mutual-TLS files (``--tls-cert/--tls-key/--tls-ca``), and embedded services get 
 without them everything is plaintext on loopback.
 
 Attaching, the pool flags given (``--block-size``, ``--kv-cache-memory``, ``--host-cache-memory``,
-``--kv-cache-dtype``, ``--dtype``, ``--model``) are checked against the running pool's descriptor and the worker's
+``--kv-cache-dtype``, ``--dtype``, ``--model``, ``--revision``) are checked against the running pool's descriptor and the worker's
 model, and refused when they differ: a server must never believe in a pool it does not have.
 ``--no-prefix-caching`` configures embedded services only, and is refused when attaching.
 """
@@ -28,7 +28,8 @@ import grpc
 from client.launcher import alive, check_tls, default_device, read_state
 from client.services import MemoryClient, WorkerClient
 from client.stack import LocalStack, serving
-from memory_service.layout import host_cache_bytes, make_layout, parse_bytes
+from memory_service.layout import host_cache_bytes, parse_bytes
+from pagedkv.model_source import resolve_model
 from pagedkv.tls import TlsFiles, from_args
 from pagedkv.tls import channel as plane_channel
 
@@ -112,7 +113,7 @@ def _embedded(args: argparse.Namespace) -> Backends:
     if not args.prefix_caching:
         memory_args.append("--no-prefix-caching")
     stack = LocalStack(memory_args, device=args.device or default_device(), model=args.model or "smollm2",
-                       host="127.0.0.1", name="serve", tls=args.tls).start()
+                       revision=args.revision, host="127.0.0.1", name="serve", tls=args.tls).start()
     return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, tls=args.tls)
 
 
@@ -136,8 +137,7 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
     if args.pool_dtype is not None and args.pool_dtype != layout.dtype:
         wrong.append(f"--kv-cache-dtype/--dtype {args.pool_dtype} (the pool's is {layout.dtype})")
     if args.kv_cache_memory:
-        want = make_layout(args.model or "smollm2", block_size=layout.block_size, dtype=layout.dtype,
-                           kv_cache_memory=parse_bytes(args.kv_cache_memory)).num_blocks
+        want = parse_bytes(args.kv_cache_memory) // pool.block_nbytes if pool.block_nbytes else 0  # the pool's block
         if want != layout.num_blocks:
             wrong.append(f"--kv-cache-memory {args.kv_cache_memory} ({want} blocks; the pool has {layout.num_blocks})")
     if args.host_cache_memory:
@@ -145,13 +145,24 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
         if want != pool.host_num_blocks:
             wrong.append(f"--host-cache-memory {args.host_cache_memory} ({want} blocks; the host tier has "
                          f"{pool.host_num_blocks})")
-    if args.model:
+    if args.model or args.revision:
         worker = WorkerClient(backends.workers[0], tls=backends.tls)
         try:
             info = worker.model_info()
         finally:
             worker.close()
-        if args.model not in (info.model_source, info.weights_path, info.model_name):
+        if args.model and args.model not in (info.model_source, info.weights_path, info.model_name):
             wrong.append(f"--model {args.model} (the workers run {info.model_source})")
+        if args.revision and args.revision != info.revision and _revision(args.model or info.model_source,
+                                                                          args.revision) != info.revision:
+            wrong.append(f"--revision {args.revision} (the workers run revision {info.revision})")
     if wrong:
         raise ValueError("attached to a running pool that differs from the flags: " + "; ".join(wrong))
+
+
+def _revision(model: str, revision: str) -> str | None:
+    """The commit ``revision`` of ``model`` names in this host's Hugging Face cache (None: unknown here)."""
+    try:
+        return resolve_model(model, revision, files="config", download=False).revision
+    except (OSError, ValueError):
+        return None

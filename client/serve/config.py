@@ -85,8 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "per-tenant limit; needs API keys)")
     http.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
     model = p.add_argument_group("model and pool")
-    model.add_argument("--model", default=_env("MODEL"), help="'smollm2', a .gguf file or a Hugging Face directory "
-                       "(default smollm2)")
+    model.add_argument("--model", default=_env("MODEL"), help="'smollm2', a .gguf file, a Hugging Face directory or "
+                       "a Hugging Face repo id such as Qwen/Qwen2.5-0.5B-Instruct, from the Hugging Face cache "
+                       "(downloaded when missing unless HF_HUB_OFFLINE=1; default smollm2)")
+    model.add_argument("--revision", default=_env("REVISION"),
+                       help="branch, tag or commit of a repo id (default main); attaching, the workers must run it")
     model.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"),
                        help="the name in the API's 'model' field (default: --model)")
     model.add_argument("--dtype", default=_env("DTYPE"), choices=DTYPES,
