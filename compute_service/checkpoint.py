@@ -5,9 +5,10 @@ names (see `compute_service.weights`) to a tensor inside a safetensors file and 
 when asked, through safetensors' lazy `safe_open` (framework "pt"): the file is memory-mapped and
 a tensor is a view of its bytes, so reading one costs page cache, not anonymous memory, until it
 is copied. `WeightSource.fetch` copies one or more tensors (concatenated along dim 0, e.g. the
-fused Q/K/V projection) into one new tensor of the target dtype and device in a single
-conversion each, so the model is built tensor by tensor and the float32 dict of every weight
-never exists (peak host memory: the final weights plus the largest fused tensor being packed).
+fused Q/K/V projection) into one tensor of the target dtype and device in a single conversion
+each, so the model is built tensor by tensor and the float32 dict of every weight never exists
+(peak host memory: the final weights plus the largest fused projection, staged in one scratch
+buffer while oneDNN packs it; see `compute_service.model`).
 The same interface wraps an in-memory dict (`TensorDict`), for tests and the uncached GGUF path.
 
 Each read calls the source's `hooks` with (name, bytes as stored): the load progress bar
@@ -79,17 +80,19 @@ class WeightSource(Mapping[str, torch.Tensor]):
         device: str | torch.device,
         dtype: torch.dtype,
         zero_rows: Sequence[int] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The tensors `names` concatenated along dim 0, as one new tensor on `device` in `dtype`.
 
         Each tensor is converted once, straight into its rows of the result (no intermediate
         copy in host memory when the stored tensor is a file view). With `zero_rows` (1-D
         tensors), an absent name `names[i]` gives `zero_rows[i]` zeros (a fused bias whose
-        checkpoint lacks one member).
+        checkpoint lacks one member). With `out` (e.g. a view of a scratch buffer reused for
+        every projection that is packed), the result is written there: no allocation.
 
         Raises:
             KeyError: a name is absent (and no `zero_rows`).
-            ValueError: the tensors' trailing dimensions differ.
+            ValueError: the tensors' trailing dimensions differ, or `out` has another shape.
         """
         shapes = []
         for i, n in enumerate(names):
@@ -102,7 +105,11 @@ class WeightSource(Mapping[str, torch.Tensor]):
         rest = shapes[0][1:]
         if any(s[1:] != rest for s in shapes):
             raise ValueError(f"cannot concatenate {list(names)} along dim 0: shapes {shapes}")
-        out = torch.empty((sum(s[0] for s in shapes), *rest), dtype=dtype, device=device)
+        shape = (sum(s[0] for s in shapes), *rest)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=device)
+        elif tuple(out.shape) != shape:
+            raise ValueError(f"out has shape {list(out.shape)}, {list(names)} need {list(shape)}")
         row = 0
         for n, s in zip(names, shapes):
             part = out[row : row + s[0]]

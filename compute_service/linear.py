@@ -47,7 +47,8 @@ class Linear(nn.Module):
     kernel takes no bias: it is added to its bf16 result (one more rounding than oneDNN's fused
     bias add).
 
-    Memory: a packed Linear does not keep the caller's `weight` (drop it to free it).
+    Memory: with `packed`, `weight` is never kept (it may be a scratch buffer the caller reuses;
+    if oneDNN refuses it, a copy is kept); without, it is kept as given (no copy).
 
     Raises ValueError for a bias of another shape than [out_features].
     """
@@ -61,6 +62,8 @@ class Linear(nn.Module):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
             except RuntimeError:
                 self.packed = None
+        if self.packed is None and packed:
+            weight = weight.clone()
         self.weight = None if self.packed is not None else nn.Parameter(weight, requires_grad=False)
         #: Address of the packed weight for `kernels.cpu_amx.linear`; None: oneDNN or F.linear only.
         self.amx_address = cpu_amx.weight_address(weight, self.packed) if self.packed is not None else None

@@ -115,18 +115,10 @@ class Attention(nn.Module):
     """GQA self-attention over the paged cache; Q/K/V fused into one projection (with the q/k/v
     biases of Qwen2 / Llama's `attention_bias`, concatenated alike)."""
 
-    def __init__(
-        self,
-        c: ModelConfig,
-        wqkv: torch.Tensor,  # [(Hq + 2 Hkv) * Dh, D]: wq | wk | wv
-        bqkv: torch.Tensor | None,  # [(Hq + 2 Hkv) * Dh] or None
-        wo: torch.Tensor,  # [D, Hq * Dh]
-        bo: torch.Tensor | None,  # [D] or None
-        packed: bool,
-    ) -> None:
+    def __init__(self, c: ModelConfig, wqkv: Linear, wo: Linear) -> None:
+        # wqkv: D -> (Hq + 2 Hkv) * Dh, rows wq | wk | wv (bias bq | bk | bv); wo: Hq * Dh -> D
         super().__init__()
-        self.wqkv = Linear(wqkv, packed, bqkv)
-        self.wo = Linear(wo, packed, bo)
+        self.wqkv, self.wo = wqkv, wo
         self.hq, self.hkv, self.dh = c.num_q_heads, c.num_kv_heads, c.head_dim
         self.paged = PagedAttention(c.head_dim**-0.5)
 
@@ -146,17 +138,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: w_down(silu(x w_gate^T) * (x w_up^T)), gate and up fused into one projection."""
 
-    def __init__(
-        self,
-        w_gate_up: torch.Tensor,  # [2I, D]: w_gate | w_up
-        b_gate_up: torch.Tensor | None,  # [2I] or None (Llama's mlp_bias)
-        w_down: torch.Tensor,  # [D, I]
-        b_down: torch.Tensor | None,  # [D] or None
-        packed: bool,
-    ) -> None:
+    def __init__(self, w_gate_up: Linear, w_down: Linear) -> None:
+        # w_gate_up: D -> 2I, rows w_gate | w_up; w_down: I -> D
         super().__init__()
-        self.w_gate_up = Linear(w_gate_up, packed, b_gate_up)
-        self.w_down = Linear(w_down, packed, b_down)
+        self.w_gate_up, self.w_down = w_gate_up, w_down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
@@ -165,49 +150,64 @@ class MLP(nn.Module):
 
 
 class _Load:
-    """Reads tensors of a `WeightSource` onto the model's device and dtype (see `WeightSource.fetch`)."""
+    """Builds the model's tensors and projections from a `WeightSource`, one at a time, on the
+    model's device and dtype (see `WeightSource.fetch`).
 
-    def __init__(self, source: WeightSource, device: torch.device, dtype: torch.dtype) -> None:
-        self.source, self.device, self.dtype = source, device, dtype
+    A projection that oneDNN packs is staged in one scratch buffer, reused for every projection
+    and sized for the largest (`scratch_numel` elements): only the packed copy is allocated per
+    projection, so host memory peaks at the final weights plus that buffer (no per-tensor
+    allocations whose freed memory the C allocator would keep).
+    """
+
+    def __init__(self, source: WeightSource, device: torch.device, dtype: torch.dtype, packed: bool,
+                 scratch_numel: int) -> None:
+        self.source, self.device, self.dtype, self.packed = source, device, dtype, packed
+        self.scratch_numel = scratch_numel
+        self._scratch: torch.Tensor | None = None
 
     def __call__(self, names: list[str]) -> torch.Tensor:
-        """`names` concatenated along dim 0."""
+        """`names` concatenated along dim 0, a tensor of its own."""
         return self.source.fetch(names, self.device, self.dtype)
 
-    def bias(self, names: list[str], sizes: list[int]) -> torch.Tensor | None:
-        """The biases `names` concatenated, zeros for an absent one; None when all are absent."""
-        if not any(n in self.source for n in names):
-            return None
-        return self.source.fetch(names, self.device, self.dtype, zero_rows=sizes)
+    def linear(self, names: list[str], bias_names: list[str] = ()) -> Linear:
+        """The projection whose weight is `names` concatenated along dim 0 (W [out, in]), with the
+        biases `bias_names` concatenated alike when any is present (zeros for an absent one)."""
+        rows = [self.source.shape(n)[0] for n in names]
+        bias = None
+        if any(n in self.source for n in bias_names):
+            bias = self.source.fetch(bias_names, self.device, self.dtype, zero_rows=rows)
+        if not self.packed:
+            return Linear(self(names), False, bias)
+        shape = (sum(rows), self.source.shape(names[0])[1])
+        if self._scratch is None:
+            self._scratch = torch.empty(self.scratch_numel, dtype=self.dtype, device=self.device)
+        staged = self.source.fetch(names, self.device, self.dtype, out=self._scratch[: shape[0] * shape[1]].view(shape))
+        return Linear(staged, True, bias)
+
+    def release(self) -> None:
+        """Free the scratch buffer."""
+        self._scratch = None
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: attention then SwiGLU MLP, each after an RMSNorm, with residual adds.
 
-    Built from `load` (layer i's tensors read one fused projection at a time: each is packed and
-    its unpacked copy dropped before the next is read).
+    Built from `load`: layer i's tensors, one fused projection at a time.
     """
 
-    def __init__(self, c: ModelConfig, load: _Load, i: int, packed: bool) -> None:
+    def __init__(self, c: ModelConfig, load: _Load, i: int) -> None:
         super().__init__()
         p = f"layers.{i}."
-        qd, kd = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.attn_norm = RMSNorm(load([p + "attn_norm"]), c.rms_norm_eps)
         self.attn = Attention(
             c,
-            load([p + "wq", p + "wk", p + "wv"]),
-            load.bias([p + "bq", p + "bk", p + "bv"], [qd, kd, kd]),
-            load([p + "wo"]),
-            load.bias([p + "bo"], [c.hidden_size]),
-            packed,
+            load.linear([p + "wq", p + "wk", p + "wv"], [p + "bq", p + "bk", p + "bv"]),
+            load.linear([p + "wo"], [p + "bo"]),
         )
         self.mlp_norm = RMSNorm(load([p + "mlp_norm"]), c.rms_norm_eps)
         self.mlp = MLP(
-            load([p + "w_gate", p + "w_up"]),
-            load.bias([p + "b_gate", p + "b_up"], [c.intermediate_size] * 2),
-            load([p + "w_down"]),
-            load.bias([p + "b_down"], [c.hidden_size]),
-            packed,
+            load.linear([p + "w_gate", p + "w_up"], [p + "b_gate", p + "b_up"]),
+            load.linear([p + "w_down"], [p + "b_down"]),
         )
 
     def forward(
@@ -261,15 +261,15 @@ class LlamaForPagedLM(nn.Module):
         self.device, self.dtype = torch.device(device), dtype
         source = as_weight_source(weights)
         _check_shapes(config, source)
-        load = _Load(source, self.device, dtype)
         packed = packed_linear_wanted(self.device, dtype)
+        load = _Load(source, self.device, dtype, packed, _largest_projection(config))
         self.embed = nn.Parameter(load(["embed"]), requires_grad=False)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, load, i, packed) for i in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, load, i) for i in range(config.num_layers))
         self.norm = RMSNorm(load(["norm"]), config.rms_norm_eps)
         # Tied: the head shares the embedding's values (a packed copy when packing).
-        self.lm_head = Linear(self.embed.data if config.tie_word_embeddings else load(["lm_head"]), packed)
+        self.lm_head = (Linear(self.embed.data, packed) if config.tie_word_embeddings
+                        else load.linear(["lm_head"]))
+        load.release()
         rope_freqs = source.fetch(["rope_freqs"], "cpu", torch.float32) if "rope_freqs" in source else None
         self.register_buffer("inv_freq", rope_inv_freq(config, rope_freqs).to(self.device), persistent=False)
         self.eval()
@@ -329,6 +329,13 @@ class LlamaForPagedLM(nn.Module):
             x, residual = layer(x, residual, kv_pool[:, i, 0], kv_pool[:, i, 1], meta)
         x = self.norm(x[logits_indices], residual[logits_indices])  # [S', D]: last add, final norm
         return self.lm_head(x).float()  # [S', vocab]
+
+
+def _largest_projection(c: ModelConfig) -> int:
+    """Elements of the largest (fused) projection weight of config `c`."""
+    qkv = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size
+    head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+    return max(qkv, c.num_q_heads * c.head_dim * c.hidden_size, 2 * c.intermediate_size * c.hidden_size, head)
 
 
 def _check_shapes(c: ModelConfig, w: WeightSource) -> None:
