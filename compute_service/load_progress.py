@@ -1,8 +1,8 @@
 """Progress of a model load, by bytes read from the checkpoint.
 
 On a terminal, a rich progress bar on stderr (transient: it disappears when the load ends); when
-stderr is not a terminal (a container, a log file), a structlog `loading_weights` event at most
-every `LOG_EVERY_SECONDS` seconds instead. Fed by the weight source's read hooks
+stderr is not a terminal (a container, a log file), a structlog `loading_weights` event at the
+start and then at most every `LOG_EVERY_SECONDS` seconds instead. Fed by the weight source's read hooks
 (`compute_service.checkpoint.WeightSource.hooks`).
 """
 
@@ -49,6 +49,7 @@ def load_progress(source: WeightSource, model: str) -> Iterator[None]:
         return
 
     done, last = 0, time.monotonic()
+    log.info("loading_weights", model=model, read_bytes=0, total_bytes=total, percent=0.0)
 
     def hook(name: str, nbytes: int) -> None:
         nonlocal done, last

@@ -148,4 +148,6 @@ def test_peak_memory_of_a_load_stays_near_the_final_weights(checkpoint):
     assert ratio <= PEAK_BOUND, f"peak {ratio:.3f}x the final weights > {PEAK_BOUND}x"
     assert final <= PEAK_BOUND * weight_bytes
     for name, diff in got["checks"].items():
-        assert diff <= 1e-4, f"{name}: loaded model differs from the stored tensor by {diff:.3g}"
+        # bf16 -> fp32 is exact; a product differs from the float64 one by fp32 rounding only.
+        tol = 0.0 if name in ("norm", "embed") else 1e-4
+        assert diff <= tol, f"{name}: loaded model differs from the stored tensor by {diff:.3g}"
