@@ -30,6 +30,7 @@ from torch import nn
 import kernels
 from compute_service.checkpoint import WeightSource, as_weight_source
 from compute_service.linear import Linear, packed_linear_wanted
+from compute_service.weight_loader import WeightLoader
 from compute_service.weights import REQUIRED_BIASES, ModelConfig, Weights
 from kernels import fused_ops
 from kernels.fused_ops import signed_sin
@@ -149,53 +150,13 @@ class MLP(nn.Module):
         return self.w_down(fused_ops.silu_mul(gate_up))  # [T, D]
 
 
-class _Load:
-    """Builds the model's tensors and projections from a `WeightSource`, one at a time, on the
-    model's device and dtype (see `WeightSource.fetch`).
-
-    A projection that oneDNN packs is staged in one scratch buffer, reused for every projection
-    and sized for the largest (`scratch_numel` elements): only the packed copy is allocated per
-    projection, so host memory peaks at the final weights plus that buffer (no per-tensor
-    allocations whose freed memory the C allocator would keep).
-    """
-
-    def __init__(self, source: WeightSource, device: torch.device, dtype: torch.dtype, packed: bool,
-                 scratch_numel: int) -> None:
-        self.source, self.device, self.dtype, self.packed = source, device, dtype, packed
-        self.scratch_numel = scratch_numel
-        self._scratch: torch.Tensor | None = None
-
-    def __call__(self, names: list[str]) -> torch.Tensor:
-        """`names` concatenated along dim 0, a tensor of its own."""
-        return self.source.fetch(names, self.device, self.dtype)
-
-    def linear(self, names: list[str], bias_names: list[str] = ()) -> Linear:
-        """The projection whose weight is `names` concatenated along dim 0 (W [out, in]), with the
-        biases `bias_names` concatenated alike when any is present (zeros for an absent one)."""
-        rows = [self.source.shape(n)[0] for n in names]
-        bias = None
-        if any(n in self.source for n in bias_names):
-            bias = self.source.fetch(bias_names, self.device, self.dtype, zero_rows=rows)
-        if not self.packed:
-            return Linear(self(names), False, bias)
-        shape = (sum(rows), self.source.shape(names[0])[1])
-        if self._scratch is None:
-            self._scratch = torch.empty(self.scratch_numel, dtype=self.dtype, device=self.device)
-        staged = self.source.fetch(names, self.device, self.dtype, out=self._scratch[: shape[0] * shape[1]].view(shape))
-        return Linear(staged, True, bias)
-
-    def release(self) -> None:
-        """Free the scratch buffer."""
-        self._scratch = None
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm block: attention then SwiGLU MLP, each after an RMSNorm, with residual adds.
 
     Built from `load`: layer i's tensors, one fused projection at a time.
     """
 
-    def __init__(self, c: ModelConfig, load: _Load, i: int) -> None:
+    def __init__(self, c: ModelConfig, load: WeightLoader, i: int) -> None:
         super().__init__()
         p = f"layers.{i}."
         self.attn_norm = RMSNorm(load([p + "attn_norm"]), c.rms_norm_eps)
@@ -262,7 +223,7 @@ class LlamaForPagedLM(nn.Module):
         source = as_weight_source(weights)
         _check_shapes(config, source)
         packed = packed_linear_wanted(self.device, dtype)
-        load = _Load(source, self.device, dtype, packed, _largest_projection(config))
+        load = WeightLoader(source, self.device, dtype, packed, _largest_projection(config))
         self.embed = nn.Parameter(load(["embed"]), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(config, load, i) for i in range(config.num_layers))
         self.norm = RMSNorm(load(["norm"]), config.rms_norm_eps)
