@@ -32,7 +32,7 @@ def packed_linear_wanted(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Module):
-    """y = x W^T for a frozen weight W [out_features, in_features].
+    """y = x W^T (+ b) for a frozen weight W [out_features, in_features] and optional bias b [out_features].
 
     With `packed`, W is reordered once into oneDNN's blocked layout and applied by oneDNN's matmul
     (`torch.ops.mkldnn`, the prepacked path torch.compile's CPU backend uses for frozen linear
@@ -43,10 +43,17 @@ class Linear(nn.Module):
 
     A packed bf16 weight on an AMX CPU also serves batches of up to `kernels.cpu_amx.MAX_ROWS`
     rows (decode steps) through `kernels.cpu_amx.linear`, which reads the same packed bytes with
-    a prefetch ahead of its tile loads (bit-identical to oneDNN's result up to 32 rows).
+    a prefetch ahead of its tile loads (bit-identical to oneDNN's result up to 32 rows). That
+    kernel takes no bias: it is added to its bf16 result (one more rounding than oneDNN's fused
+    bias add).
+
+    Memory: with `packed`, `weight` is never kept (it may be a scratch buffer the caller reuses;
+    if oneDNN refuses it, a copy is kept); without, it is kept as given (no copy).
+
+    Raises ValueError for a bias of another shape than [out_features].
     """
 
-    def __init__(self, weight: torch.Tensor, packed: bool) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = None
@@ -55,14 +62,25 @@ class Linear(nn.Module):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
             except RuntimeError:
                 self.packed = None
+        if self.packed is None and packed:
+            weight = weight.clone()
         self.weight = None if self.packed is not None else nn.Parameter(weight, requires_grad=False)
         #: Address of the packed weight for `kernels.cpu_amx.linear`; None: oneDNN or F.linear only.
         self.amx_address = cpu_amx.weight_address(weight, self.packed) if self.packed is not None else None
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"bias of shape {list(bias.shape)} for a weight of {self.out_features} output features")
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
         if self.amx_address is not None and x.shape[0] <= cpu_amx.MAX_ROWS and x.shape[0]:
-            return cpu_amx.linear(x, self.amx_address, self.out_features)
+            y = cpu_amx.linear(x, self.amx_address, self.out_features)
+            return y if self.bias is None else y.add_(self.bias)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        """Bytes this projection holds: the packed weight (or the plain one) and the bias."""
+        w = self.packed if self.packed is not None else self.weight
+        return w.numel() * w.element_size() + (0 if self.bias is None else self.bias.nbytes)

@@ -31,10 +31,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kernels
+from compute_service.load_progress import load_progress
 from compute_service.model import LlamaForPagedLM
 from compute_service.pool_map import TORCH_DTYPES, MappedPool, map_pool
 from compute_service.server import SERVICE_NAME, ComputeServicer
-from compute_service.weights import ModelConfig, load_model_source
+from compute_service.weights import ModelConfig, check_model_source, load_model_source
 from compute_service.worker import Worker
 from pagedkv import tls
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
@@ -193,16 +194,29 @@ def _remap(worker: Worker, desc: mpb.PoolDescriptor, socket_path: str | None, tr
 
 
 def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str) -> tuple[Worker, str]:
-    """Load the model, map the pool and check that they fit; returns the worker and its device."""
+    """Load the model, map the pool and check that they fit; returns the worker and its device.
+
+    The config is read and checked against the pool before any weight; the weights then stream
+    from the checkpoint tensor by tensor into the model (`compute_service.checkpoint`), with a
+    progress bar (`compute_service.load_progress`).
+    """
     t = time.perf_counter()
     config, weights = load_model_source(args.model)
+    log.info("model_config", model=config.name, architecture=config.architecture, num_layers=config.num_layers,
+             sliding_window=config.sliding_window, eos_token_ids=list(config.eos_token_ids))
+    if config.ignored_generation_keys:
+        log.warning("generation_config_ignored_keys", keys=list(config.ignored_generation_keys),
+                    message="generation_config.json keys not honoured: " + ", ".join(config.ignored_generation_keys))
     check_layout(desc, config)
     pool: MappedPool = map_pool(desc, args.memory_socket)
     model_device = str(pool.tensor.device) if desc.backend == mpb.POOL_BACKEND_CUDA else device
-    model = LlamaForPagedLM(config, weights, device=model_device, dtype=TORCH_DTYPES[desc.layout.dtype])
+    with load_progress(weights, config.name):
+        model = LlamaForPagedLM(config, weights, device=model_device, dtype=TORCH_DTYPES[desc.layout.dtype])
+    weights.close()
     del weights
     native = model_device == "cpu" and kernels.cpu_native.available()
-    log.info("model_loaded", model=config.name, seconds=round(time.perf_counter() - t, 2), device=model_device,
+    log.info("model_loaded", model=config.name, architecture=config.architecture,
+             seconds=round(time.perf_counter() - t, 2), weight_bytes=model.nbytes(), device=model_device,
              threads=torch.get_num_threads(),
              cpu_kernels="native" if native else f"torch ({kernels.cpu_native.unavailable_reason})")
     return Worker(model, config, pool), model_device
@@ -213,6 +227,7 @@ async def serve(args: argparse.Namespace) -> None:
     model = await asyncio.to_thread(resolve_model, args.model, args.revision)
     log.info("model_resolved", model=model.name, revision=model.revision, path=str(model.path))
     files = server_tls(args)
+    check_model_source(args.model)  # an unsupported model fails here, not after the memory service answers
     desc = await asyncio.to_thread(fetch_descriptor, args.memory, args.memory_timeout, files)
     device = _torch_device(args.device, desc)
     # Every torch call of this process runs on one thread: torch's OpenMP runtime then keeps one

@@ -9,7 +9,8 @@ kernel chosen) is built once per step by the caller and shared by every layer. O
 the caller asks for are computed.
 
 Architecture as in Hugging Face `LlamaForCausalLM` (RMSNorm, RoPE with rotate-half, GQA, SwiGLU,
-optional tied embeddings); layout of the file after gpt-fast's model.py: the architecture only.
+optional tied embeddings, optional projection biases), which also covers `MistralForCausalLM`
+and `Qwen2ForCausalLM` (q/k/v biases); layout of the file after gpt-fast's model.py: the architecture only.
 Q/K/V and gate/up projections are fused into one matmul each; the projections are
 `compute_service.linear.Linear` (oneDNN's prepacked matmul on CPU, fp32 or bf16). The elementwise ops
 (RMSNorm with the residual add fused in, as vLLM's `fused_add_rms_norm`; silu(gate) * up; RoPE)
@@ -27,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from compute_service.checkpoint import WeightSource, as_weight_source
 from compute_service.linear import Linear, packed_linear_wanted
-from compute_service.weights import ModelConfig, Weights
+from compute_service.weight_loader import WeightLoader
+from compute_service.weights import REQUIRED_BIASES, ModelConfig, Weights
 from kernels import fused_ops
 from kernels.fused_ops import signed_sin
 
@@ -110,18 +113,13 @@ class PagedAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(
-        self,
-        c: ModelConfig,
-        wq: torch.Tensor,
-        wk: torch.Tensor,
-        wv: torch.Tensor,
-        wo: torch.Tensor,
-        packed: bool,
-    ) -> None:
+    """GQA self-attention over the paged cache; Q/K/V fused into one projection (with the q/k/v
+    biases of Qwen2 / Llama's `attention_bias`, concatenated alike)."""
+
+    def __init__(self, c: ModelConfig, wqkv: Linear, wo: Linear) -> None:
+        # wqkv: D -> (Hq + 2 Hkv) * Dh, rows wq | wk | wv (bias bq | bk | bv); wo: Hq * Dh -> D
         super().__init__()
-        self.wqkv = Linear(torch.cat([wq, wk, wv]), packed)
-        self.wo = Linear(wo, packed)
+        self.wqkv, self.wo = wqkv, wo
         self.hq, self.hkv, self.dh = c.num_q_heads, c.num_kv_heads, c.head_dim
         self.paged = PagedAttention(c.head_dim**-0.5)
 
@@ -139,10 +137,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, packed: bool) -> None:
+    """SwiGLU: w_down(silu(x w_gate^T) * (x w_up^T)), gate and up fused into one projection."""
+
+    def __init__(self, w_gate_up: Linear, w_down: Linear) -> None:
+        # w_gate_up: D -> 2I, rows w_gate | w_up; w_down: I -> D
         super().__init__()
-        self.w_gate_up = Linear(torch.cat([w_gate, w_up]), packed)
-        self.w_down = Linear(w_down, packed)
+        self.w_gate_up, self.w_down = w_gate_up, w_down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
@@ -151,13 +151,25 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, w: Weights, i: int, packed: bool) -> None:
+    """Pre-norm block: attention then SwiGLU MLP, each after an RMSNorm, with residual adds.
+
+    Built from `load`: layer i's tensors, one fused projection at a time.
+    """
+
+    def __init__(self, c: ModelConfig, load: WeightLoader, i: int) -> None:
         super().__init__()
         p = f"layers.{i}."
-        self.attn_norm = RMSNorm(w[p + "attn_norm"], c.rms_norm_eps)
-        self.attn = Attention(c, w[p + "wq"], w[p + "wk"], w[p + "wv"], w[p + "wo"], packed)
-        self.mlp_norm = RMSNorm(w[p + "mlp_norm"], c.rms_norm_eps)
-        self.mlp = MLP(w[p + "w_gate"], w[p + "w_up"], w[p + "w_down"], packed)
+        self.attn_norm = RMSNorm(load([p + "attn_norm"]), c.rms_norm_eps)
+        self.attn = Attention(
+            c,
+            load.linear([p + "wq", p + "wk", p + "wv"], [p + "bq", p + "bk", p + "bv"]),
+            load.linear([p + "wo"], [p + "bo"]),
+        )
+        self.mlp_norm = RMSNorm(load([p + "mlp_norm"]), c.rms_norm_eps)
+        self.mlp = MLP(
+            load.linear([p + "w_gate", p + "w_up"], [p + "b_gate", p + "b_up"]),
+            load.linear([p + "w_down"], [p + "b_down"]),
+        )
 
     def forward(
         self,
@@ -179,15 +191,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForPagedLM(nn.Module):
-    """Llama decoder over a paged KV pool; returns the logits of chosen packed tokens.
+    """Llama-family decoder over a paged KV pool; returns the logits of chosen packed tokens.
+
+    Runs Hugging Face's LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (the same
+    block; Qwen2 adds q/k/v biases, Llama may have `attention_bias` / `mlp_bias`). Attention is
+    full causal: a model with a sliding window (`config.sliding_window`) is exact only while
+    every position is below the window, which the worker enforces (`compute_service.worker`).
 
     Args:
         config: model shape (see `compute_service.weights.ModelConfig`).
-        weights: tensors in our naming (see `compute_service.weights`); copied to device/dtype.
+        weights: tensors in our naming (see `compute_service.weights`), a lazy
+            `compute_service.checkpoint.WeightSource` or a dict; read one tensor (or fused
+            projection) at a time, converted straight to device/dtype, so that host memory peaks
+            near the final weights, never at a second full copy.
         device: where to run ("cpu" or a CUDA device).
         dtype: weight and activation dtype (float32 or bfloat16 on CPU, bfloat16 on CUDA).
 
-    Raises ValueError when a weight is missing or has the wrong shape.
+    Raises ValueError when a weight is missing or has the wrong shape (checked before any is read).
     """
 
     def __init__(
@@ -200,26 +220,27 @@ class LlamaForPagedLM(nn.Module):
         super().__init__()
         self.config = config
         self.device, self.dtype = torch.device(device), dtype
-        _check_shapes(config, weights)
-        w = {
-            k: v.to(device=self.device, dtype=dtype)
-            for k, v in weights.items()
-            if k != "rope_freqs"
-        }
+        source = as_weight_source(weights)
+        _check_shapes(config, source)
         packed = packed_linear_wanted(self.device, dtype)
-        self.embed = nn.Parameter(w["embed"], requires_grad=False)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, w, i, packed) for i in range(config.num_layers)
-        )
-        self.norm = RMSNorm(w["norm"], config.rms_norm_eps)
+        load = WeightLoader(source, self.device, dtype, packed, _largest_projection(config))
+        self.embed = nn.Parameter(load(["embed"]), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, load, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(load(["norm"]), config.rms_norm_eps)
         # Tied: the head shares the embedding's values (a packed copy when packing).
-        self.lm_head = Linear(w["embed"] if config.tie_word_embeddings else w["lm_head"], packed)
-        self.register_buffer(
-            "inv_freq",
-            rope_inv_freq(config, weights.get("rope_freqs")).to(self.device),
-            persistent=False,
-        )
+        self.lm_head = (Linear(self.embed.data, packed) if config.tie_word_embeddings
+                        else load.linear(["lm_head"]))
+        load.release()
+        rope_freqs = source.fetch(["rope_freqs"], "cpu", torch.float32) if "rope_freqs" in source else None
+        self.register_buffer("inv_freq", rope_inv_freq(config, rope_freqs).to(self.device), persistent=False)
         self.eval()
+
+    def nbytes(self) -> int:
+        """Bytes of every weight the model holds (packed projections at their packed size)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        inside = {id(p) for m in linears for p in m.parameters()}
+        rest = [p for p in self.parameters() if id(p) not in inside]
+        return sum(m.nbytes() for m in linears) + sum(p.nbytes for p in rest) + self.inv_freq.nbytes
 
     @torch.inference_mode()
     def forward(
@@ -271,7 +292,15 @@ class LlamaForPagedLM(nn.Module):
         return self.lm_head(x).float()  # [S', vocab]
 
 
-def _check_shapes(c: ModelConfig, w: Weights) -> None:
+def _largest_projection(c: ModelConfig) -> int:
+    """Elements of the largest (fused) projection weight of config `c`."""
+    qkv = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size
+    head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+    return max(qkv, c.num_q_heads * c.head_dim * c.hidden_size, 2 * c.intermediate_size * c.hidden_size, head)
+
+
+def _check_shapes(c: ModelConfig, w: WeightSource) -> None:
+    """Raise ValueError naming the first missing or misshapen weight (bias) of config `c`."""
     d, i, qd, kd = (
         c.hidden_size,
         c.intermediate_size,
@@ -281,6 +310,9 @@ def _check_shapes(c: ModelConfig, w: Weights) -> None:
     want = {"embed": (c.vocab_size, d), "norm": (d,)}
     if not c.tie_word_embeddings:
         want["lm_head"] = (c.vocab_size, d)
+    biases = {"bq": (qd,), "bk": (kd,), "bv": (kd,), "bo": (d,), "b_gate": (i,), "b_up": (i,), "b_down": (d,)}
+    required = REQUIRED_BIASES.get(c.architecture, ())
+    optional = {"rope_freqs": (c.head_dim // 2,)}
     for n in range(c.num_layers):
         p = f"layers.{n}."
         want.update(
@@ -296,10 +328,13 @@ def _check_shapes(c: ModelConfig, w: Weights) -> None:
                 p + "w_down": (d, i),
             }
         )
+        for b, shape in biases.items():
+            (want if b in required else optional)[p + b] = shape
     for name, shape in want.items():
         if name not in w:
             raise ValueError(f"weight {name!r} missing (expected shape {list(shape)})")
-        if tuple(w[name].shape) != shape:
+    for name, shape in (want | optional).items():
+        if name in w and tuple(w.shape(name)) != shape:
             raise ValueError(
-                f"weight {name!r} has shape {list(w[name].shape)}, expected {list(shape)}"
+                f"weight {name!r} has shape {list(w.shape(name))}, expected {list(shape)}"
             )

@@ -36,6 +36,7 @@ from pagedkv.errors import (
     POOL_NOT_MAPPED,
     TRANSFERS_OFF,
     FailedPreconditionError,
+    InvalidArgumentError,
     TransferFailedError,
 )
 
@@ -80,7 +81,8 @@ class Worker:
 
         Raises:
             FailedPreconditionError: no pool mapped, or the request names another generation.
-            InvalidArgumentError: a malformed batch (see `build_step_inputs`); nothing is written.
+            InvalidArgumentError: a malformed batch (see `build_step_inputs`), or a position at or past
+                the model's sliding window (`_check_window`); nothing is written.
             PermissionDeniedError: a sequence or copy outside its grant (`check_grants`); nothing is
                 read or written.
         """
@@ -99,6 +101,7 @@ class Worker:
             lay = pool.descriptor.layout
             inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
                                        vocab_size=self.config.vocab_size, device=self.device)
+            self._check_window(inputs)
             checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs,
                                    host_epochs=getattr(pool, "host_epochs", None))  # None: no host tier
             plan = checked.plan
@@ -125,6 +128,27 @@ class Worker:
                 step_seconds=time.perf_counter() - t0,
                 num_tokens=inputs.num_tokens,
             )
+
+    def _check_window(self, inputs: StepInputs) -> None:
+        """Refuse a step with a position at or past the model's sliding window, before any write.
+
+        The model's attention is full causal, which equals the windowed attention of Mistral
+        (and of Qwen2 with `use_sliding_window`) exactly while a query's position p < W: it then
+        sees positions [0, p], all inside its window (transformers' and vLLM's windows are the
+        W positions (p - W, p], the query's own included). From p = W on, keys leave the window.
+
+        Raises:
+            InvalidArgumentError: a sequence reaches position >= sliding_window.
+        """
+        window = self.config.sliding_window
+        if window is None or inputs.host_seq_lens.numel() == 0:
+            return
+        longest = int(inputs.host_seq_lens.max())
+        if longest > window:
+            raise InvalidArgumentError(
+                f"the step reaches position {longest - 1}, past this model's sliding window of {window} tokens "
+                f"(positions 0-{window - 1}); sequences of this model may hold at most {window} tokens "
+                f"(--max-model-len {window}); nothing was written")
 
     def _sample(self, request: pb.StepRequest, inputs: StepInputs, logits: torch.Tensor) -> list[pb.StepResult]:
         """One result per sequence of the batch; a token (and logprobs) for each sampled one.
