@@ -227,7 +227,7 @@ async def serve(args: argparse.Namespace) -> None:
     model = await asyncio.to_thread(resolve_model, args.model, args.revision)
     log.info("model_resolved", model=model.name, revision=model.revision, path=str(model.path))
     files = server_tls(args)
-    check_model_source(args.model)  # an unsupported model fails here, not after the memory service answers
+    check_model_source(model.load_source)  # an unsupported model fails here, not after the memory service answers
     desc = await asyncio.to_thread(fetch_descriptor, args.memory, args.memory_timeout, files)
     device = _torch_device(args.device, desc)
     # Every torch call of this process runs on one thread: torch's OpenMP runtime then keeps one

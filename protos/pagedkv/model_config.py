@@ -41,9 +41,12 @@ SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCaus
 #: generation_config.json keys used as request defaults, with transformers' GenerationConfig
 #: default for each (a value equal to it is no default, vLLM's `to_diff_dict`).
 HONOURED_GENERATION_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
-#: generation_config.json keys that carry no sampling setting (never warned about).
+#: generation_config.json keys that carry no sampling setting (never warned about): token ids read
+#: elsewhere, file metadata, and what transformers' `save_pretrained` writes about its own outputs.
 _GENERATION_METADATA_KEYS = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
-                             "transformers_version", "_from_model_config"}
+                             "transformers_version", "_from_model_config", "output_attentions",
+                             "output_hidden_states", "output_scores", "output_logits",
+                             "return_dict_in_generate", "use_cache", "cache_implementation"}
 
 
 class UnsupportedArchitectureError(ValueError):
