@@ -35,6 +35,7 @@ from client.stack import LocalStack
 from compute_service.model import LlamaForPagedLM
 from compute_service.weights import load_model_source
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
 ROOT = Path(__file__).resolve().parent.parent
 ATOL = 1e-4
@@ -168,6 +169,23 @@ def test_services_generate_like_transformers(models, stacks, name):
         params = SamplingParams(temperature=0.0, max_tokens=len(m.generated), ignore_eos=True)
         (out,) = client.generate([m.prompt], params)
     assert out.outputs[0].token_ids == m.generated, name
+
+
+def test_window_limits_the_context_at_start(stacks):
+    """A client of a windowed model serves within the window by default and refuses a longer
+    --max-model-len at start, naming the window; leases stay untouched."""
+    from client.api import Client
+
+    stack = stacks["mistral"]
+    with Client(stack.memory_address, stack.worker_addresses) as client:
+        assert client.engine.max_context == WINDOW
+    with pytest.raises(ValueError, match=f"exceeds the model's sliding window of {WINDOW} tokens"):
+        Client(stack.memory_address, stack.worker_addresses, max_model_len=WINDOW + 1)
+    driver = Driver(stack)
+    try:
+        assert driver.mem.GetStats(mpb.GetStatsRequest()).num_leases == 1  # the driver's own only
+    finally:
+        driver.close()
 
 
 def test_step_past_the_window_is_refused_and_writes_nothing(stacks):
