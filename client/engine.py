@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from client.beam import BeamState, Branching
 from client.commits import Commits
 from client.errors import OutOfBlocks, QuotaExceeded, ServiceError
+from client.params import SamplingParams, model_defaults
 from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.recovery import Recovery
 from client.request import Request, Status
@@ -72,6 +73,20 @@ def _fits(items: list, size, limit: int = MAX_TOKEN_IDS_PER_CALL) -> int:
         if total > limit and i:
             return i
     return min(len(items), MAX_BATCH)
+
+
+def _checked_defaults(defaults: dict[str, float | int]) -> dict[str, float | int]:
+    """The model's request defaults that are valid sampling values; each other one is dropped with
+    a warning (vLLM's default applies instead), so a bad generation_config.json fails no request."""
+    out = {}
+    for name, value in defaults.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as e:
+            log.warning("generation_default_ignored", key=name, value=value, error=str(e))
+            continue
+        out[name] = value
+    return out
 
 
 @dataclass(slots=True)
@@ -116,6 +131,8 @@ class Engine:
         #: Prefix-cache identity of this model's KV.
         self.model_id = f"{info.model_name}:{info.model_source}"
         self.eos_ids = set(info.eos_token_ids)
+        #: The model's request defaults (its generation_config.json), applied at admission (:meth:`add`).
+        self.generation_defaults = _checked_defaults(model_defaults(info.generation_defaults))
         self.max_context = min(info.max_context or 1 << 30, self.num_blocks * self.block_size, max_model_len or 1 << 30)
         self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,  # checks the roles first
                                    max_context=self.max_context, num_workers=len(workers), worker_roles=worker_roles)
@@ -146,7 +163,10 @@ class Engine:
         self.pulls = PrefixPull(list(peers)) if peers else None
 
     def add(self, request: Request) -> None:
-        """Queue a request (thread-safe). Raises ValueError when it can never fit (:meth:`Scheduler.add`)."""
+        """Queue a request (thread-safe); its unset sampling fields take the model's defaults here,
+        once (``request.params`` becomes a resolved copy). Raises ValueError when it can never fit
+        (:meth:`Scheduler.add`)."""
+        request.params = request.params.with_defaults(self.generation_defaults)
         if request.params.use_beam_search:
             limit = min(request.params.max_tokens, self.max_context - len(request.prompt_token_ids))
             request.beam = BeamState.of(request.params, limit, self.eos_ids)
