@@ -133,6 +133,9 @@ class Engine:
         self.eos_ids = set(info.eos_token_ids)
         #: The model's request defaults (its generation_config.json), applied at admission (:meth:`add`).
         self.generation_defaults = _checked_defaults(model_defaults(info.generation_defaults))
+        if info.ignored_generation_keys:
+            log.warning("generation_config_keys_ignored", keys=list(info.ignored_generation_keys),
+                        honoured="temperature, top_p, top_k, repetition_penalty")
         self.max_context = min(info.max_context or 1 << 30, self.num_blocks * self.block_size, max_model_len or 1 << 30)
         self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,  # checks the roles first
                                    max_context=self.max_context, num_workers=len(workers), worker_roles=worker_roles)

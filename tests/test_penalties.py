@@ -58,10 +58,14 @@ def _history(rows) -> TokenHistory:
                               for i in pen], [np.array(rows[i][2], dtype=np.int64) for i in pen])
 
 
-def test_penalised_logits_equal_the_float64_reference():
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_penalised_logits_equal_the_float64_reference(device):
     logits, rows = _rows()
-    got = penalised(logits, [p for p, _, _ in rows], _history(rows))
-    assert got is not logits and torch.equal(logits, _rows()[0]), "the raw logits are not changed"
+    got = penalised(logits.to(device), [p for p, _, _ in rows], _history(rows)).cpu()
+    assert torch.equal(logits, _rows()[0]), "the raw logits are not changed"
     for i, (p, prompt, output) in enumerate(rows):
         ref = _reference(logits[i].double().tolist(), prompt, output, p.repetition_penalty, p.presence_penalty,
                          p.frequency_penalty)
