@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 from conftest import local_stack, pagedkv_process
-from tiny_llama import CYCLE_PROMPT, make_tiny_llama, reference_greedy, set_json
+from tiny_llama import BASE_PROMPT, echo_prompt, make_tiny_llama, reference_greedy, set_json
 
 from client.api import Client
 from client.params import VLLM_DEFAULTS, SamplingParams
@@ -123,27 +123,28 @@ def test_unset_fields_take_the_models_defaults(client, model_dir):
     info = client.engine.model_info
     assert info.generation_defaults.HasField("temperature") and "do_sample" in info.ignored_generation_keys
     assert client.engine.generation_defaults == pytest.approx(DEFAULTS)
-    prompt = CYCLE_PROMPT[:8]
+    prompt = BASE_PROMPT
     unset = tokens(client, prompt, seed=3)
     assert unset == tokens(client, prompt, seed=3, **DEFAULTS)
     assert unset != tokens(client, prompt, seed=3, **VLLM_DEFAULTS)
     # One field set, the others the model's.
     assert tokens(client, prompt, seed=3, top_k=5) == tokens(client, prompt, seed=3, **{**DEFAULTS, "top_k": 5})
     # Greedy takes the model's repetition penalty too: transformers with it applied by hand.
-    greedy = tokens(client, CYCLE_PROMPT, temperature=0)
-    assert greedy == reference_greedy(model_dir[1], CYCLE_PROMPT, 24, repetition_penalty=DEFAULTS["repetition_penalty"])
-    assert greedy != tokens(client, CYCLE_PROMPT, temperature=0, repetition_penalty=1.0)
+    echo = echo_prompt(model_dir[1])
+    greedy = tokens(client, echo, temperature=0)
+    assert greedy == reference_greedy(model_dir[1], echo, 24, repetition_penalty=DEFAULTS["repetition_penalty"])
+    assert greedy != tokens(client, echo, temperature=0, repetition_penalty=1.0)
 
 
 def test_a_users_params_are_resolved_on_a_copy_and_beam_search_ignores_the_models_defaults(client):
     params = SamplingParams(max_tokens=4, seed=1)
-    handle = client.submit(CYCLE_PROMPT, params)
+    handle = client.submit(BASE_PROMPT, params)
     handle.result()
     assert params.temperature is None and params.repetition_penalty is None  # the caller's object is unchanged
     assert handle.request.params.temperature == pytest.approx(DEFAULTS["temperature"])
     beams = SamplingParams(max_tokens=6, num_beams=2, ignore_eos=True).with_defaults(client.engine.generation_defaults)
     assert (beams.temperature, beams.top_k, beams.repetition_penalty) == (1.0, 0, 1.0)
-    (out,) = client.generate([CYCLE_PROMPT], SamplingParams(max_tokens=6, num_beams=2, ignore_eos=True))
+    (out,) = client.generate([BASE_PROMPT], SamplingParams(max_tokens=6, num_beams=2, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 6
     with pytest.raises(ValueError, match="beam search takes no repetition"):
         SamplingParams(num_beams=2, repetition_penalty=1.2)
@@ -156,12 +157,12 @@ def test_the_http_front_applies_the_same_defaults(client, tmp_path):
         url = f"http://{svc.address}/v1/completions"
 
         def http(**body) -> list[int]:
-            r = httpx.post(url, json={"prompt": CYCLE_PROMPT[:8], "max_tokens": 24, "ignore_eos": True,
+            r = httpx.post(url, json={"prompt": BASE_PROMPT, "max_tokens": 24, "ignore_eos": True,
                                       "return_token_ids": True, **body}, timeout=120)
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["token_ids"]
 
-        prompt = CYCLE_PROMPT[:8]
+        prompt = BASE_PROMPT
         assert http(seed=3) == tokens(client, prompt, seed=3)
         assert http(seed=3, temperature=None, top_p=None) == tokens(client, prompt, seed=3)  # null = unset
         assert http(seed=3, **VLLM_DEFAULTS) == tokens(client, prompt, seed=3, **VLLM_DEFAULTS)

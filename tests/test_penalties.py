@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from tiny_llama import CYCLE_PROMPT, make_tiny_llama, reference_greedy
+from tiny_llama import echo_prompt, make_tiny_llama, reference_greedy
 
 from compute_service.penalties import TokenHistory, penalised
 from compute_service.sampling import SamplingParams, sample
@@ -178,7 +178,7 @@ def test_an_inconsistent_history_refuses_the_step_naming_the_sequence(name, seq,
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(transformers model, Client) over a memory service and a worker running the tiny Llama."""
+    """(transformers model, Client, prompt) over a memory service and a worker running the tiny Llama."""
     from conftest import local_stack
 
     from client.api import Client
@@ -188,47 +188,46 @@ def tiny(tmp_path_factory):
     stack = local_stack(tmp, ["--num-blocks", "64", "--block-size", "16"], name="penalties")
     stack.model = str(tmp / "model")
     with stack, Client(stack.memory_address, stack.worker_addresses) as client:
-        yield model, client
-
-
-PROMPT = CYCLE_PROMPT
+        yield model, client, echo_prompt(model)
 
 
 def test_greedy_with_penalties_equals_transformers_with_them_applied_by_hand(tiny):
     from client.params import SamplingParams as Params
 
-    model, client = tiny
-    plain = reference_greedy(model, PROMPT, 16)
-    assert plain[0] in PROMPT  # unpenalised, the model repeats a prompt token at once
-    for kw in ({"repetition_penalty": 1.8}, {"presence_penalty": 1.5, "frequency_penalty": 0.5},
-               {"repetition_penalty": 0.7, "frequency_penalty": -0.4}):
-        ref = reference_greedy(model, PROMPT, 16, **kw)
-        (out,) = client.generate([PROMPT], Params(temperature=0, max_tokens=16, ignore_eos=True, **kw))
+    model, client, prompt = tiny
+    plain = reference_greedy(model, prompt, 16)
+    assert plain[0] in prompt  # unpenalised, the model repeats a prompt token at once
+    # The prompt's history (a repetition penalty), the output's (a presence reward that makes it
+    # repeat, a frequency penalty that ends it), all three.
+    for kw in ({"repetition_penalty": 1.8}, {"presence_penalty": -2.0, "frequency_penalty": 0.5},
+               {"repetition_penalty": 0.7, "frequency_penalty": -0.4, "presence_penalty": 0.3}):
+        ref = reference_greedy(model, prompt, 16, **kw)
+        (out,) = client.generate([prompt], Params(temperature=0, max_tokens=16, ignore_eos=True, **kw))
         assert out.outputs[0].token_ids == ref, kw
-    assert reference_greedy(model, PROMPT, 16, repetition_penalty=1.8)[0] != plain[0]  # the prompt counts
-    (out,) = client.generate([PROMPT], Params(temperature=0, max_tokens=16, ignore_eos=True))
+        assert ref != plain, kw
+    (out,) = client.generate([prompt], Params(temperature=0, max_tokens=16, ignore_eos=True))
     assert out.outputs[0].token_ids == plain
 
 
 def test_parallel_samples_with_penalties_equal_solo_runs(tiny):
-    """After the fork each sample carries its own history: n = 3 equals three solo runs. (Penalties
-    < 1 and < 0 reward repeats, so the draws differ from unpenalised ones.)"""
+    """After the fork each sample carries its own history: n = 3 equals three solo runs. (A presence
+    reward makes the samples repeat their own tokens, so the draws differ from unpenalised ones.)"""
     from client.params import SamplingParams as Params
 
-    _, client = tiny
-    kw = dict(temperature=0.9, max_tokens=12, ignore_eos=True, repetition_penalty=0.6, frequency_penalty=-1.0,
-              presence_penalty=0.5)
-    (out,) = client.generate([PROMPT], Params(n=3, seed=11, **kw))
-    solo = [client.generate([PROMPT], Params(seed=11 + i, **kw))[0].outputs[0].token_ids for i in range(3)]
+    _, client, prompt = tiny
+    kw = dict(temperature=0.2, max_tokens=12, ignore_eos=True, repetition_penalty=1.2, presence_penalty=-2.0,
+              frequency_penalty=0.5)
+    (out,) = client.generate([prompt], Params(n=3, seed=11, **kw))
+    solo = [client.generate([prompt], Params(seed=11 + i, **kw))[0].outputs[0].token_ids for i in range(3)]
     assert [o.token_ids for o in out.outputs] == solo
-    (plain,) = client.generate([PROMPT], Params(n=3, seed=11, **{**kw, "repetition_penalty": 1.0,
-                                                                   "frequency_penalty": 0.0}))
+    (plain,) = client.generate([prompt], Params(n=3, seed=11, **{**kw, "repetition_penalty": 1.0,
+                                                                   "presence_penalty": 0.0, "frequency_penalty": 0.0}))
     assert [o.token_ids for o in plain.outputs] != solo
 
 
 def test_the_worker_refuses_a_step_whose_history_is_inconsistent(tiny):
     """Over gRPC: INVALID_ARGUMENT naming the sequence, before anything is read or written."""
-    _, client = tiny
+    client = tiny[1]
     req = _step(([5], 6, pb.SamplingParams(presence_penalty=1), [], [9, 8], 3))
     req.pool_generation = client.engine.model_info.pool_generation
     with pytest.raises(grpc.RpcError) as e:
