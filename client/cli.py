@@ -55,9 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.add_argument("--n", type=int, default=1, help="parallel samples (prefilled once, forked)")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=None, help="default: the model's (generation_config.json), else 1")
+    gen.add_argument("--top-k", type=int, default=None, help="0 = off; default: the model's, else 0")
+    gen.add_argument("--repetition-penalty", type=float, default=None, help="1 = off; default: the model's, else 1")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--num-beams", type=int, default=1)
     plane_tls.add_arguments(gen)
@@ -78,7 +81,9 @@ def _generate(args: argparse.Namespace) -> int:
     from client.params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, n=args.n, num_beams=args.num_beams)
+                            top_k=args.top_k, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            seed=args.seed, n=args.n, num_beams=args.num_beams)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     memory, workers = addresses()
     tls = plane_tls.from_args(args)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from client.beam import BeamState, Branching
 from client.commits import Commits
 from client.errors import OutOfBlocks, QuotaExceeded, ServiceError
+from client.params import SamplingParams, model_defaults
 from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.recovery import Recovery
 from client.request import Request, Status
@@ -73,6 +74,20 @@ def _fits(items: list, size, limit: int = MAX_TOKEN_IDS_PER_CALL) -> int:
         if total > limit and i:
             return i
     return min(len(items), MAX_BATCH)
+
+
+def _checked_defaults(defaults: dict[str, float | int]) -> dict[str, float | int]:
+    """The model's request defaults that are valid sampling values; each other one is dropped with
+    a warning (vLLM's default applies instead), so a bad generation_config.json fails no request."""
+    out = {}
+    for name, value in defaults.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as e:
+            log.warning("generation_default_ignored", key=name, value=value, error=str(e))
+            continue
+        out[name] = value
+    return out
 
 
 @dataclass(slots=True)
@@ -117,6 +132,11 @@ class Engine:
         #: Prefix-cache identity of this model's KV: model, resolved revision and KV dtype.
         self.model_id = model_identity(info.model_name, info.model_source, info.revision, info.dtype)
         self.eos_ids = set(info.eos_token_ids)
+        #: The model's request defaults (its generation_config.json), applied at admission (:meth:`add`).
+        self.generation_defaults = _checked_defaults(model_defaults(info.generation_defaults))
+        if info.ignored_generation_keys:
+            log.warning("generation_config_keys_ignored", keys=list(info.ignored_generation_keys),
+                        honoured="temperature, top_p, top_k, repetition_penalty")
         self.max_context = context_limit(info.max_context, info.sliding_window, self.num_blocks * self.block_size,
                                          max_model_len)
         self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,  # checks the roles first
@@ -148,7 +168,10 @@ class Engine:
         self.pulls = PrefixPull(list(peers)) if peers else None
 
     def add(self, request: Request) -> None:
-        """Queue a request (thread-safe). Raises ValueError when it can never fit (:meth:`Scheduler.add`)."""
+        """Queue a request (thread-safe); its unset sampling fields take the model's defaults here,
+        once (``request.params`` becomes a resolved copy). Raises ValueError when it can never fit
+        (:meth:`Scheduler.add`)."""
+        request.params = request.params.with_defaults(self.generation_defaults)
         if request.params.use_beam_search:
             limit = min(request.params.max_tokens, self.max_context - len(request.prompt_token_ids))
             request.beam = BeamState.of(request.params, limit, self.eos_ids)

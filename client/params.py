@@ -2,18 +2,28 @@
 
 Validated at the edge, in ``__post_init__``: a bad value raises ``ValueError``
 with what was wrong, before anything is sent to a service.
+
+``temperature``, ``top_p``, ``top_k`` and ``repetition_penalty`` may be left unset (None): the
+model's default then applies, as in vLLM's default ``generation_config="auto"``. The engine
+resolves them once, when it admits the request (:meth:`SamplingParams.with_defaults`): from the
+model's generation_config.json (GetModelInfo's ``generation_defaults``), else vLLM's own
+defaults (:data:`VLLM_DEFAULTS`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedkv.limits import MAX_LOGPROBS
 
-#: The worker's StepRequest carries top_k as int32 and temperature / top_p as float32.
+#: The worker's StepRequest carries top_k as int32 and temperature / top_p / penalties as float32.
 _INT32_MAX = 2**31 - 1
+#: What an unset field becomes when the model sets no default (vLLM's SamplingParams defaults).
+VLLM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 
 
 def _as_float32(x: float) -> float:
@@ -26,22 +36,35 @@ def _as_float32(x: float) -> float:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to generate. Defaults follow vLLM: temperature 1, 16 new tokens.
+    """How to generate. Defaults follow vLLM: the model's generation defaults (else temperature 1,
+    no filter, no penalty), 16 new tokens.
+
+    Penalties follow vLLM (vllm/model_executor/layers/utils.py ``apply_penalties``, applied by the
+    worker to the logits before temperature, the filters and greedy's argmax; logprobs stay those
+    of the raw logits).
 
     Beam search (``num_beams > 1``) follows Hugging Face transformers' semantics
     (``length_penalty``, ``early_stopping``) and is deterministic: temperature,
-    top-k/top-p and seed are ignored. Blocks are shared between beams through
+    top-k/top-p, seed and the model's generation defaults are ignored, and penalties are refused
+    (vLLM's beam search has none). Blocks are shared between beams through
     fork and copy-on-write (vLLM paper, section 4.4).
     """
 
     #: Most new tokens per output sequence (>= 1).
     max_tokens: int = 16
-    #: Softmax temperature; 0 = greedy.
-    temperature: float = 1.0
-    #: Nucleus sampling mass in (0, 1]; 1 = off.
-    top_p: float = 1.0
-    #: Keep the k most likely tokens; 0 = off.
-    top_k: int = 0
+    #: Softmax temperature; 0 = greedy; None = the model's default (else 1).
+    temperature: float | None = None
+    #: Nucleus sampling mass in (0, 1]; 1 = off; None = the model's default (else 1).
+    top_p: float | None = None
+    #: Keep the k most likely tokens; 0 = off; None = the model's default (else 0).
+    top_k: int | None = None
+    #: > 0: the logit of every token of the prompt or the output is divided by it when > 0, else
+    #: multiplied (CTRL, Keskar et al. 2019); 1 = off; None = the model's default (else 1).
+    repetition_penalty: float | None = None
+    #: In [-2, 2], subtracted from the logit of every token already generated; 0 = off (OpenAI).
+    presence_penalty: float = 0.0
+    #: In [-2, 2], subtracted from a token's logit once per time it was generated; 0 = off (OpenAI).
+    frequency_penalty: float = 0.0
     #: Seed of the draws; the n samples use seed, seed + 1, ...; None = random.
     seed: int | None = None
     #: Strings that end a sequence (not included in the text).
@@ -64,13 +87,19 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(_as_float32(self.temperature))
-                and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite float32 >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < _as_float32(self.top_p) and self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] (and > 0 in float32), got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= _INT32_MAX:
-            raise ValueError(f"top_k must be an integer in [0, {_INT32_MAX}] (0 = off), got {self.top_k!r}")
+        t, p, k, rep = self.temperature, self.top_p, self.top_k, self.repetition_penalty
+        if t is not None and not (_number(t) and math.isfinite(_as_float32(t)) and t >= 0):
+            raise ValueError(f"temperature must be a finite float32 >= 0 (0 = greedy) or None, got {t!r}")
+        if p is not None and not (_number(p) and 0 < _as_float32(p) and p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (and > 0 in float32) or None, got {p!r}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= _INT32_MAX):
+            raise ValueError(f"top_k must be an integer in [0, {_INT32_MAX}] (0 = off) or None, got {k!r}")
+        if rep is not None and not (_number(rep) and 0 < _as_float32(rep) < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite float32 > 0 (1 = off) or None, got {rep!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (_number(v) and -2 <= v <= 2):
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -89,11 +118,58 @@ class SamplingParams:
             raise ValueError(f"with beam search, n ({self.n}) must be <= num_beams ({self.num_beams})")
         if not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty!r}")
+        if self.num_beams > 1 and (rep not in (None, 1) or self.presence_penalty or self.frequency_penalty):
+            raise ValueError("beam search takes no repetition, presence or frequency penalty (nor does vLLM's); "
+                             "leave them unset, or sample instead of num_beams > 1")
 
     @property
     def use_beam_search(self) -> bool:
         return self.num_beams > 1
 
     @property
+    def resolved(self) -> bool:
+        """Whether every field the model may default is set (:meth:`with_defaults` done)."""
+        return all(getattr(self, name) is not None for name in VLLM_DEFAULTS)
+
+    @property
     def greedy(self) -> bool:
+        """Greedy decoding (temperature 0). An unset temperature is the model's default, unknown
+        here: False until :meth:`with_defaults` has set it."""
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a penalty is on (an unset repetition penalty counts as off)."""
+        return self.repetition_penalty not in (None, 1) or bool(self.presence_penalty or self.frequency_penalty)
+
+    def with_defaults(self, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+        """A copy with every unset field (None) set: from ``defaults`` (a model's
+        generation_config.json: ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``),
+        else :data:`VLLM_DEFAULTS`. Beam search takes vLLM's defaults only (it ignores the model's,
+        as vLLM's does). Self when nothing is unset.
+
+        Raises:
+            ValueError: a model default out of range (``__post_init__``'s checks).
+        """
+        if self.resolved:
+            return self
+        source = {} if self.use_beam_search or defaults is None else defaults
+        fill = {name: source.get(name, default) for name, default in VLLM_DEFAULTS.items()
+                if getattr(self, name) is None}
+        return dataclasses.replace(self, **fill)
+
+
+def model_defaults(generation_defaults) -> dict[str, float | int]:
+    """The request defaults a model sets, from GetModelInfo's ``generation_defaults`` (a
+    ``pagedkv.compute.v1.GenerationDefaults``: each field present only when generation_config.json
+    sets it). A ``top_k`` <= 0 is "off" (0), as in vLLM."""
+    out: dict[str, float | int] = {}
+    for name in VLLM_DEFAULTS:
+        if generation_defaults.HasField(name):
+            v = getattr(generation_defaults, name)
+            out[name] = max(0, int(v)) if name == "top_k" else float(v)
+    return out
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

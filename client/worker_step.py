@@ -1,7 +1,8 @@
 """One step on the workers: build each worker's StepRequest, send them in parallel, gather the results.
 
 A sequence contributes its tokens to compute (``tokens[num_computed:num_computed + n]``),
-their positions, its block table and its sampling parameters; the worker samples
+their positions, its block table and its sampling parameters (and, when it samples with a
+penalty on, its prompt and generated tokens: the worker keeps no history); the worker samples
 only where the step completes what the sequence knows (not mid chunked prefill,
 nor at a compute limit before a fork). Copy-on-write pairs from AppendSlots go to
 the worker of the sequence that now holds the destination block; they are the only
@@ -24,8 +25,16 @@ from pagedkv.compute.v1 import compute_service_pb2 as cpb
 
 def sampling(req: Request, seq: Seq) -> cpb.SamplingParams:
     """The worker's sampling parameters for ``seq``: greedy unless temperature > 0, the draw seed
-    ``seed + sample index``, top-K logprobs for beam search (``BeamState.top_k``) or when asked."""
+    ``seed + sample index``, top-K logprobs for beam search (``BeamState.top_k``) or when asked,
+    the penalties that are on.
+
+    Raises:
+        ValueError: ``req.params`` not resolved (the engine applies the model's defaults at admission).
+    """
     p = req.params
+    if not p.resolved:
+        raise ValueError(f"request {req.request_id}: sampling parameters without the model's defaults applied "
+                         "(SamplingParams.with_defaults, done by Engine.add)")
     out = cpb.SamplingParams()
     if p.use_beam_search:
         out.num_logprobs = req.beam.top_k
@@ -40,6 +49,24 @@ def sampling(req: Request, seq: Seq) -> cpb.SamplingParams:
             out.seed = p.seed + seq.index
     if p.logprobs is not None:
         out.num_logprobs = p.logprobs
+    if p.repetition_penalty != 1:
+        out.repetition_penalty = p.repetition_penalty
+    if p.presence_penalty:
+        out.presence_penalty = p.presence_penalty
+    if p.frequency_penalty:
+        out.frequency_penalty = p.frequency_penalty
+    return out
+
+
+def history(req: Request, seq: Seq) -> dict[str, list[int]]:
+    """The token history a sampled step of ``seq`` carries when a penalty is on (the worker keeps
+    none): ``output_token_ids``, and ``prompt_token_ids`` with a repetition penalty; {} otherwise."""
+    p = req.params
+    if not p.has_penalties or p.use_beam_search:
+        return {}
+    out = {"output_token_ids": seq.generated}
+    if p.repetition_penalty != 1:
+        out["prompt_token_ids"] = seq.tokens[:seq.prompt_len]
     return out
 
 
@@ -62,7 +89,7 @@ def build_steps(scheduled: list[ScheduledSeq], copies_by_worker: dict[int, list[
         step.sequences.append(cpb.StepSequence(
             seq_id=seq.seq_id, token_ids=x.token_ids, positions=range(start, end),
             block_ids=seq.block_table, sampling=sampling(req, seq), output_index=len(seq.generated),
-            skip_sampling=skip, grant=seq.grant))
+            skip_sampling=skip, grant=seq.grant, **({} if skip else history(req, seq))))
         if seq.transfer_source is not None and seq.transfer_source not in step.transfer_sources:
             step.transfer_sources.append(seq.transfer_source)
     for w, copies in copies_by_worker.items():

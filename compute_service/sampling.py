@@ -7,8 +7,10 @@ probabilities p (the Gumbel-max / exponential-race trick vLLM uses). So a sample
 whatever else shares the batch, equals a solo run with that seed, and a preempted request
 resumes on the same draws. The n samples of one request use seeds seed, seed+1, ...
 
-Filters apply in vLLM's order: temperature, top-k, then top-p over what top-k kept.
-Logprobs are vLLM's default: log_softmax of the raw logits (before temperature and filters).
+Order as vLLM's sampler: penalties (repetition, presence, frequency:
+`compute_service.penalties`), then greedy's argmax or temperature, top-k, then top-p over what
+top-k kept. Logprobs are vLLM's default: log_softmax of the raw logits (before penalties,
+temperature and filters).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compute_service.penalties import TokenHistory, penalised
 from pagedkv.limits import MAX_LOGPROBS
 
 _MASK64 = (1 << 64) - 1
@@ -37,6 +40,9 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p; in (0, 1]
     seed: int | None = None  # draw seed; None = fresh entropy each draw (not reproducible)
     logprobs: int | None = None  # top logprobs per output token (0..MAX_LOGPROBS); None = off
+    repetition_penalty: float = 1.0  # > 0; seen tokens' logits > 0 divided, others multiplied; 1 = off
+    presence_penalty: float = 0.0  # in [-2, 2], subtracted from every generated token's logit; 0 = off
+    frequency_penalty: float = 0.0  # in [-2, 2], subtracted once per occurrence in the output; 0 = off
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0 or self.temperature == float("inf"):
@@ -53,10 +59,21 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"
             )
+        # vLLM's SamplingParams._verify_args bounds.
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty is on (the step must then carry the sequence's tokens)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(slots=True)
@@ -118,7 +135,10 @@ def filtered_probs(
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], output_positions: Sequence[int]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_positions: Sequence[int],
+    history: TokenHistory | None = None,
 ) -> SamplerOutput:
     """Pick one token per row of `logits`.
 
@@ -127,8 +147,11 @@ def sample(
         params: S `SamplingParams`, one per row.
         output_positions: S ints >= 0, the index of the token being drawn among the sequence's
             generated tokens (0 for the first); with `seed` fixes the draw.
+        history: the prompt and generated tokens of the rows whose params set a penalty (every
+            such row must be in it); None when no row does.
 
-    Returns a `SamplerOutput`. Raises ValueError when the lengths disagree or a position is < 0.
+    Returns a `SamplerOutput`. Raises ValueError when the lengths disagree, a position is < 0, or
+    a row with a penalty has no history.
     """
     s, vocab = logits.shape
     if len(params) != s or len(output_positions) != s:
@@ -139,16 +162,21 @@ def sample(
     if any(t < 0 for t in output_positions):
         raise ValueError(f"output positions must be >= 0, got {list(output_positions)}")
     logits = logits.float()
+    want_history = [i for i, p in enumerate(params) if p.has_penalties]
+    if want_history != (history.rows if history is not None else []):
+        raise ValueError(f"rows {want_history} set a penalty but the history covers "
+                         f"{history.rows if history is not None else []}")
+    x = penalised(logits, params, history) if history is not None else logits  # raw logits stay for logprobs
     rows = [i for i, p in enumerate(params) if not p.greedy]
     # greedy for every row (sampled rows are overwritten); the draws only when some row samples
-    tokens = row_argmax(logits)
+    tokens = row_argmax(x)
     if rows:
         idx = torch.tensor(rows)
         temp = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
         top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64)
         top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)
         dev = logits.device
-        probs = filtered_probs(logits[idx.to(dev)], temp.to(dev), top_k.to(dev), top_p.to(dev))
+        probs = filtered_probs(x[idx.to(dev)], temp.to(dev), top_k.to(dev), top_p.to(dev))
         # Draws on the CPU, so a CUDA worker makes the same ones as a CPU worker.
         q = torch.empty(len(rows), vocab, dtype=torch.float32)
         gen = torch.Generator(device="cpu")

@@ -11,7 +11,9 @@ sequence with block table ``bt``::
 plus the packed batch's block tables, ``query_start_loc``, ``seq_lens`` and the rows whose
 logits are sampled (vLLM v1's ``InputBatch`` / model-runner inputs), and keeps host copies of the
 lengths so that the step's attention plan (`StepInputs.attention_plan`) is built without waiting
-on the device. Nothing here touches the pool.
+on the device. A sampled sequence whose sampling sets a penalty also carries its token history
+(``prompt_token_ids``, ``output_token_ids``), checked here and handed to the sampler as a
+`compute_service.penalties.TokenHistory`. Nothing here touches the pool.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 import kernels
+from compute_service.penalties import TokenHistory
 from compute_service.sampling import SamplingParams
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.errors import InvalidArgumentError
@@ -52,6 +55,7 @@ class StepInputs:
     block_copies: torch.Tensor  # block_copies: [C, 2] int64 (src, dst) copy-on-write pairs, done before the forward
     sample_rows: list[int]  # [S'] batch index of each sampled sequence
     sampling: list[SamplingParams]  # [S'] sampling parameters of each sampled sequence
+    history: TokenHistory | None = None  # token ids of the sampled sequences that set a penalty; None: none does
 
     def __post_init__(self) -> None:
         t, s = self.token_ids.shape[0], self.seq_lens.shape[0]
@@ -92,7 +96,7 @@ _SAMPLING_CACHE_SIZE = 1024
 
 
 def sampling_from_proto(sp: pb.SamplingParams, where: str) -> SamplingParams:
-    """Worker-side sampling parameters; unset fields mean greedy / off.
+    """Worker-side sampling parameters; unset fields mean greedy / off (penalties: 1, 0, 0).
 
     Equal messages give one shared instance (cached by their bytes): read it, never change it.
 
@@ -117,9 +121,49 @@ def _sampling_from_proto(sp: pb.SamplingParams, where: str) -> SamplingParams:
             top_p=sp.top_p if sp.HasField("top_p") else 1.0,
             seed=sp.seed if sp.HasField("seed") else None,
             logprobs=sp.num_logprobs if sp.HasField("num_logprobs") else None,
+            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+            presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
+            frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
         )
     except ValueError as e:
         raise InvalidArgumentError(f"{where}: bad sampling parameters: {e}") from e
+
+
+def token_history(s: pb.StepSequence, params: SamplingParams, vocab_size: int,
+                  where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt ids, generated ids), int64, of a sampled sequence whose ``params`` set a penalty.
+
+    The prompt is read only with a repetition penalty (else an empty array). The step must carry
+    exactly ``output_index`` generated ids and, with a repetition penalty, a non-empty prompt whose
+    length plus ``output_index`` is the sequence's length after the step (its last position + 1):
+    the history of exactly the tokens in its KV cache.
+
+    Raises:
+        InvalidArgumentError: a history that is missing, of the wrong length, or has an id outside
+            [0, vocab_size).
+    """
+    n_out = len(s.output_token_ids)
+    if n_out != s.output_index:
+        raise InvalidArgumentError(
+            f"{where}: sampling sets a penalty, so output_token_ids must hold the {s.output_index} tokens "
+            f"generated so far (output_index); got {n_out}")
+    seq_len = s.positions[-1] + 1
+    prompt = np.zeros(0, dtype=np.int64)
+    if params.repetition_penalty != 1.0:
+        n_prompt = len(s.prompt_token_ids)
+        if n_prompt == 0 or n_prompt + n_out != seq_len:
+            raise InvalidArgumentError(
+                f"{where}: sampling sets a repetition penalty, so prompt_token_ids and output_token_ids must "
+                f"hold the sequence's {seq_len} tokens (positions 0..{seq_len - 1}); got {n_prompt} + {n_out}")
+        prompt = _ints(s.prompt_token_ids, n_prompt)
+    elif n_out >= seq_len:
+        raise InvalidArgumentError(
+            f"{where}: {n_out} generated tokens but the sequence has only {seq_len} tokens after this step")
+    output = _ints(s.output_token_ids, n_out)
+    for name, ids in (("prompt_token_ids", prompt), ("output_token_ids", output)):
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise InvalidArgumentError(f"{where}: {name} must be in [0, {vocab_size}) (the vocabulary)")
+    return prompt, output
 
 
 def _first_violation(request: pb.StepRequest, block_size: int, num_blocks: int, vocab_size: int) -> None:
@@ -161,7 +205,9 @@ def _first_violation(request: pb.StepRequest, block_size: int, num_blocks: int, 
         if not s.skip_sampling:
             if s.output_index < 0:
                 raise InvalidArgumentError(f"{where}: output_index must be >= 0")
-            sampling_from_proto(s.sampling, where)
+            params = sampling_from_proto(s.sampling, where)
+            if params.has_penalties:
+                token_history(s, params, vocab, where)
     if len(slots) > MAX_STEP_TOKENS:
         raise InvalidArgumentError(f"Step: {len(slots)} tokens is more than {MAX_STEP_TOKENS} per step; chunk the prefill")
     if len(set(slots)) != len(slots):
@@ -206,7 +252,8 @@ def build_step_inputs(
         InvalidArgumentError: empty or oversized batch; a duplicate seq_id; no tokens; a
             token outside the vocabulary; positions negative or not consecutive; a block
             table too short for the positions; a block id outside the pool; two tokens
-            writing one slot; a copy naming a block outside the pool; bad sampling values.
+            writing one slot; a copy naming a block outside the pool; bad sampling values; a
+            penalty without the token history it needs (`token_history`).
     """
     seqs = request.sequences
     bs = block_size
@@ -221,6 +268,7 @@ def build_step_inputs(
         raise InvalidArgumentError("Step: the batch is malformed")  # not reached: the walk names it
 
     lens, starts, table_lens, params, out_idx = [], [], [], [], []
+    hist_rows, hist_prompt, hist_output = [], [], []
     for i, s in enumerate(seqs):
         n = len(s.token_ids)
         if n == 0 or len(s.positions) != n:
@@ -232,9 +280,15 @@ def build_step_inputs(
             if s.output_index < 0:
                 fail()
             try:
-                params.append(sampling_from_proto(s.sampling, f"Step sequence {s.seq_id} (batch index {i})"))
+                p = sampling_from_proto(s.sampling, f"Step sequence {s.seq_id} (batch index {i})")
+                if p.has_penalties:
+                    prompt, output = token_history(s, p, vocab_size, "")
+                    hist_rows.append(len(params))
+                    hist_prompt.append(prompt)
+                    hist_output.append(output)
             except InvalidArgumentError:
                 fail()  # names the first violation in batch order (this one unless an earlier one)
+            params.append(p)
             out_idx.append(i)
     T = sum(lens)
     if T > MAX_STEP_TOKENS or len({s.seq_id for s in seqs}) != S:
@@ -290,4 +344,5 @@ def build_step_inputs(
         block_copies=torch.tensor(copies, dtype=torch.int64).view(-1, 2).to(device),
         sample_rows=out_idx,
         sampling=params,
+        history=TokenHistory(hist_rows, hist_prompt, hist_output) if hist_rows else None,
     )

@@ -11,7 +11,8 @@ node's pool by ``compute_service.transfer_agent``; then copy-on-write,
 ``kernels.copy_blocks``), runs
 the packed batch (prefill chunks and decode tokens together) through the model,
 which writes K/V into the slots and runs paged attention, and samples one token per
-sequence on the worker. Logits never leave it.
+sequence on the worker (penalties first, from the token history the step carries:
+``compute_service.penalties``). Logits never leave it.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class Worker:
         results = [pb.StepResult(seq_id=s.seq_id) for s in seqs]
         if not inputs.sample_rows:
             return results
-        out = sample(logits, inputs.sampling, [seqs[i].output_index for i in inputs.sample_rows])
+        out = sample(logits, inputs.sampling, [seqs[i].output_index for i in inputs.sample_rows], inputs.history)
         token_ids = out.token_ids.tolist()
         chosen = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None

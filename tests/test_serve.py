@@ -226,7 +226,10 @@ BAD = [
     ("chat", {"messages": chat("hi"), "n": 0}, 400, "n"),
     ("chat", {"messages": chat("hi"), "max_tokens": 0}, 400, "max_tokens"),
     ("chat", {"messages": chat("hi"), "max_tokens": 10**6}, 400, "max_tokens"),
-    ("chat", {"messages": chat("hi"), "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("chat", {"messages": chat("hi"), "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("chat", {"messages": chat("hi"), "presence_penalty": -3}, 400, "presence_penalty"),
+    ("chat", {"messages": chat("hi"), "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "hi", "repetition_penalty": 1e39}, 400, "repetition_penalty"),
     ("chat", {"messages": chat("hi"), "logit_bias": {"42": 3}}, 400, "logit_bias"),
     ("chat", {"messages": chat("hi"), "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat", {"messages": chat("hi"), "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
@@ -285,6 +288,23 @@ def test_neutral_values_of_unimplemented_parameters_are_accepted(oai):
     r = oai.chat.completions.create(model="smollm2", messages=chat("hi"), max_tokens=2, temperature=0,
                                     frequency_penalty=0, presence_penalty=0, logit_bias={}, user="someone")
     assert r.choices[0].message.content
+
+
+def test_unset_sampling_fields_are_the_models_defaults_and_penalties_apply(url):
+    """SmolLM2's GGUF sets no generation defaults: unset temperature, top_p and top_k are vLLM's
+    (1, 1, off). Penalties change greedy text of a repetitive prompt."""
+    def tokens(**body) -> list[int]:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "one two one two one two one", "max_tokens": 6,
+                                                      "ignore_eos": True, "return_token_ids": True, **body},
+                       headers={"Authorization": f"Bearer {KEY_A}"}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    unset = tokens(seed=5)
+    assert unset == tokens(seed=5, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+    assert unset != tokens(seed=5, temperature=0.3)
+    greedy = tokens(temperature=0)
+    assert greedy != tokens(temperature=0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=1.0)
 
 
 def test_keys_and_admin_routes(url, oai):

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | None,
               max_tokens: int | None) -> list[SamplingParams]:
-    """Sampling parameters per prompt; an unset ``max_tokens`` is the rest of the context (vLLM).
+    """Sampling parameters per prompt; an unset ``max_tokens`` is the rest of the context (vLLM); an
+    unset ``temperature``, ``top_p``, ``top_k`` or ``repetition_penalty`` is the model's default
+    (the engine applies it at admission); unset penalties are 0.
 
     Raises:
         APIError: 400 for a prompt that leaves no room in the context, or a bad value.
@@ -49,8 +51,10 @@ def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | 
                               "the length of the input or of the completion.", "max_tokens")
         try:
             out.append(SamplingParams(
-                max_tokens=mt, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0), seed=req.seed,
+                max_tokens=mt, temperature=req.temperature, top_p=req.top_p,
+                top_k=None if req.top_k is None else max(0, req.top_k), seed=req.seed,
+                repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
                 stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, n=req.n, logprobs=logprobs))
         except ValueError as e:

@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI API (``/v1/chat/completions``, ``/v1/completions``) and its errors.
 
 The shapes and names follow the OpenAI API reference and vLLM's extras (``top_k``,
-``ignore_eos``, ``cache_salt``, ``stop_token_ids``, ``return_tokens_as_token_ids``,
-``return_token_ids``). A parameter this server does not implement is accepted at its neutral
-value (``frequency_penalty: 0``, an empty ``logit_bias``, any ``user``, ...) and refused with 400
+``repetition_penalty``, ``ignore_eos``, ``cache_salt``, ``stop_token_ids``,
+``return_tokens_as_token_ids``, ``return_token_ids``). ``temperature``, ``top_p``, ``top_k`` and
+``repetition_penalty`` left unset (or null) take the model's defaults (its generation_config.json,
+else vLLM's), as in vLLM. A parameter this server does not implement is accepted at its neutral
+value (an empty ``logit_bias``, any ``user``, ``min_p: 0``, ...) and refused with 400
 naming it otherwise; a parameter the API does not have is refused with OpenAI's own message,
 "Unrecognized request argument supplied: NAME".
 """
@@ -55,7 +57,10 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0 = off
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     n: int = Field(default=1, ge=1, le=64)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
@@ -67,9 +72,6 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted at their neutral values only (see NEUTRAL).
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     min_tokens: int | None = 0
@@ -110,9 +112,6 @@ class CompletionRequest(_Sampling):
 
 #: Parameters accepted only at their neutral value: name -> (is it neutral?, what is accepted).
 NEUTRAL = {
-    "frequency_penalty": (lambda v: not v, "0"),
-    "presence_penalty": (lambda v: not v, "0"),
-    "repetition_penalty": (lambda v: v in (None, 1), "1"),
     "logit_bias": (lambda v: not v, "an empty object"),
     "min_tokens": (lambda v: not v, "0"),
     "min_p": (lambda v: not v, "0"),
