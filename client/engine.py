@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from client.beam import BeamState, Branching
 from client.commits import Commits
 from client.errors import OutOfBlocks, QuotaExceeded, ServiceError
-from client.params import SamplingParams, model_defaults
+from client.params import model_defaults
 from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.recovery import Recovery
 from client.request import Request, Status
@@ -74,20 +74,6 @@ def _fits(items: list, size, limit: int = MAX_TOKEN_IDS_PER_CALL) -> int:
         if total > limit and i:
             return i
     return min(len(items), MAX_BATCH)
-
-
-def _checked_defaults(defaults: dict[str, float | int]) -> dict[str, float | int]:
-    """The model's request defaults that are valid sampling values; each other one is dropped with
-    a warning (vLLM's default applies instead), so a bad generation_config.json fails no request."""
-    out = {}
-    for name, value in defaults.items():
-        try:
-            SamplingParams(**{name: value})
-        except ValueError as e:
-            log.warning("generation_default_ignored", key=name, value=value, error=str(e))
-            continue
-        out[name] = value
-    return out
 
 
 @dataclass(slots=True)
@@ -133,7 +119,7 @@ class Engine:
         self.model_id = model_identity(info.model_name, info.model_source, info.revision, info.dtype)
         self.eos_ids = set(info.eos_token_ids)
         #: The model's request defaults (its generation_config.json), applied at admission (:meth:`add`).
-        self.generation_defaults = _checked_defaults(model_defaults(info.generation_defaults))
+        self.generation_defaults = model_defaults(info.generation_defaults)
         if info.ignored_generation_keys:
             log.warning("generation_config_keys_ignored", keys=list(info.ignored_generation_keys),
                         honoured="temperature, top_p, top_k, repetition_penalty")

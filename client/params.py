@@ -19,6 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedkv.limits import MAX_LOGPROBS
+from pagedkv.logs import get_logger
+
+log = get_logger("client")
 
 #: The worker's StepRequest carries top_k as int32 and temperature / top_p / penalties as float32.
 _INT32_MAX = 2**31 - 1
@@ -162,12 +165,20 @@ class SamplingParams:
 def model_defaults(generation_defaults) -> dict[str, float | int]:
     """The request defaults a model sets, from GetModelInfo's ``generation_defaults`` (a
     ``pagedkv.compute.v1.GenerationDefaults``: each field present only when generation_config.json
-    sets it). A ``top_k`` <= 0 is "off" (0), as in vLLM."""
+    sets it). A ``top_k`` <= 0 is "off" (0), as in vLLM. A value that is not a valid sampling value
+    is dropped with a warning (vLLM's default applies instead), so a bad generation_config.json
+    fails no request."""
     out: dict[str, float | int] = {}
     for name in VLLM_DEFAULTS:
         if generation_defaults.HasField(name):
             v = getattr(generation_defaults, name)
-            out[name] = max(0, int(v)) if name == "top_k" else float(v)
+            value = max(0, int(v)) if name == "top_k" else float(v)
+            try:
+                SamplingParams(**{name: value})
+            except ValueError as e:
+                log.warning("generation_default_ignored", key=name, value=value, error=str(e))
+                continue
+            out[name] = value
     return out
 
 
