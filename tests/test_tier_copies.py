@@ -181,7 +181,7 @@ def test_offload_reload_and_copy_on_write_run_in_order_before_the_forward(tiered
     request = cpb.StepRequest(pool_generation=pool.generation, sequences=[first, second],
                               copies=[cpb.BlockCopy(src=2, dst=3)])
     model = Model(m)
-    response = Worker(model, types.SimpleNamespace(vocab_size=VOCAB), m).step(request)
+    response = Worker(model, types.SimpleNamespace(vocab_size=VOCAB, sliding_window=None), m).step(request)
 
     want_dev, want_host = old_dev.copy(), old_host.copy()
     want_host[1] = old_dev[2]
@@ -243,7 +243,7 @@ def test_bad_tier_copy_is_refused_and_nothing_is_written(tiered, what):
     before_dev, before_host = dev.copy(), host.copy()
     model = Model(m)
     with pytest.raises(PermissionDeniedError, match="nothing was read or written") as e:
-        Worker(model, types.SimpleNamespace(vocab_size=VOCAB), m).step(request)
+        Worker(model, types.SimpleNamespace(vocab_size=VOCAB, sliding_window=None), m).step(request)
     assert reason in e.value.message
     assert model.seen is None and np.array_equal(dev, before_dev) and np.array_equal(host, before_host)
 
@@ -260,7 +260,7 @@ def test_host_copy_without_a_host_tier_is_refused():
         request = cpb.StepRequest(pool_generation=pool.generation,
                                   sequences=[sequence(pool, 1, [2, 3], [1, 2], [cow, offload])])
         with pytest.raises(PermissionDeniedError, match="maps none"):
-            Worker(Model(m), types.SimpleNamespace(vocab_size=VOCAB), m).step(request)
+            Worker(Model(m), types.SimpleNamespace(vocab_size=VOCAB, sliding_window=None), m).step(request)
         assert np.array_equal(dev, before)
     finally:
         m.close()
@@ -326,7 +326,7 @@ def test_memory_service_offload_and_reload_round_trip_through_the_worker():
                                host_num_blocks=HOST_BLOCKS, host_epochs=pool.host_epochs)
         signer = GrantSigner(pool.plane_key, pool.generation, pool.epochs, host_epochs=pool.host_epochs)
         lease = manager.leases.create().lease_id
-        worker = Worker(WritingModel(m), types.SimpleNamespace(vocab_size=VOCAB), m)
+        worker = Worker(WritingModel(m), types.SimpleNamespace(vocab_size=VOCAB, sliding_window=None), m)
 
         def step(seq, tokens):
             grant = signer.grant(seq, 30.0, manager.tiers.grant_copies(seq))

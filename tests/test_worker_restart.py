@@ -119,7 +119,7 @@ async def test_pool_drop_voids_the_step_in_flight():
                                  tensor=torch.zeros(8, 1, 2, 4, 1, 2),  # [blocks, layers, K/V, block_size, heads, dim]
                                  close=lambda: None, plane_key=key, epochs=epochs)
     model = _SlowModel(1.0, vocab=32)
-    worker = Worker(model, types.SimpleNamespace(vocab_size=32), pool)
+    worker = Worker(model, types.SimpleNamespace(vocab_size=32, sliding_window=None), pool)
     grant = sign_grant(key, grant_pb2.StepGrant(
         pool_generation=3, seq_id=0, block_ids=[5], block_epochs=[1], readable_tokens=0, write_end=2,
         token_digest=token_digest([1, 2]), expires_at=time.time() + 60))
