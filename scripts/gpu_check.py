@@ -330,25 +330,35 @@ def used_blocks(stack: LocalStack) -> int:
         )
 
 
+#: Penalties (vLLM's semantics, applied on the worker: compute_service.penalties) of the penalised run.
+PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+
+
 def generate(
     stack: LocalStack,
-) -> tuple[list[list[int]], list[list[dict[int, float]]], list[list[int]], float]:
-    """(greedy tokens per prompt, their top-2 logprobs, the n=2 greedy samples of prompt 0, seconds)."""
+) -> tuple[list[list[int]], list[list[dict[int, float]]], list[list[int]], float, list[list[int]]]:
+    """(greedy tokens per prompt, their top-2 logprobs, the n=2 greedy samples of prompt 0, seconds,
+    greedy tokens per prompt with `PENALTIES`)."""
     from client import Client, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    messages = [[{"role": "user", "content": p}] for p in PROMPTS]
     t = time.perf_counter()
     with Client(stack.memory_address, stack.worker_addresses) as llm:
-        outs = llm.generate([[{"role": "user", "content": p}] for p in PROMPTS], greedy)
+        outs = llm.generate(messages, greedy)
         (forked,) = llm.generate(
             [[{"role": "user", "content": PROMPTS[0]}]],
             SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2),
         )
+        secs = time.perf_counter() - t
+        penalised = llm.generate(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                          **PENALTIES))
     return (
         [o.outputs[0].token_ids for o in outs],
         [o.outputs[0].logprobs for o in outs],
         [o.token_ids for o in forked.outputs],
-        time.perf_counter() - t,
+        secs,
+        [o.outputs[0].token_ids for o in penalised],
     )
 
 
@@ -420,7 +430,7 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
                 stack.stop()
     if len(runs) < 2:
         return
-    (tok, _, forked, secs), (ref, ref_lps, _, ref_secs) = runs["test"], runs["reference"]
+    (tok, _, forked, secs, pen), (ref, ref_lps, _, ref_secs, ref_pen) = runs["test"], runs["reference"]
     report(
         "reference top-2 logprobs present",
         all(
@@ -429,6 +439,12 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
         "",
     )
     compare_greedy(label, tok, ref, ref_lps)
+    diffs = [first_difference(a, b) for a, b in zip(pen, ref_pen)]
+    report(
+        f"greedy with penalties on {label} equals the cpu reference (penalties on the worker's device)",
+        all(d is None for d in diffs) and pen != tok,
+        f"first differences {diffs}; penalties change the tokens: {pen != tok}",
+    )
     report(
         "n=2 greedy samples (fork + copy-on-write) repeat the greedy answer",
         all(s == tok[0] for s in forked) and len(forked) == 2,
@@ -442,7 +458,7 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
         stack = None
         try:
             stack = start_stack("bf16", "cuda", model, env, work, dtype=None)
-            bf16, _, _, secs = generate(stack)
+            bf16, _, _, secs, _ = generate(stack)
             agree = sum(
                 len(a) if (d := first_difference(a, b)) is None else d for a, b in zip(bf16, ref)
             )
