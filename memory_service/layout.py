@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedkv.model_config import read_hf_config
 
@@ -110,17 +111,53 @@ def host_cache_bytes(text: str | None) -> int:
     return n
 
 
-def model_attention_layout(model: str) -> dict[str, int]:
-    """``num_layers``, ``num_kv_heads``, ``head_dim`` of ``"smollm2"`` or a Hugging Face directory.
-
-    Read from config.json alone (`pagedkv.model_config.read_hf_config`), no weights.
+def gguf_attention_layout(path: Path) -> dict[str, int]:
+    """``num_layers``, ``num_kv_heads``, ``head_dim`` of a llama-architecture GGUF file, from its
+    metadata alone (the `gguf` reader maps the file; no tensor is read).
 
     Raises:
-        ValueError: the directory has no readable config.json, or names an unsupported
-            architecture.
+        ValueError: not a GGUF file, or not the llama architecture.
+    """
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError, IndexError) as e:
+        raise ValueError(f"--model {str(path)!r}: not a readable GGUF file ({e})") from e
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"--model {str(path)!r}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    heads = int(field("llama.attention.head_count"))
+    return {
+        "num_layers": int(field("llama.block_count")),
+        "num_kv_heads": int(field("llama.attention.head_count_kv", heads)),
+        "head_dim": int(field("llama.attention.key_length", int(field("llama.embedding_length")) // heads)),
+    }
+
+
+def model_attention_layout(model: str) -> dict[str, int]:
+    """``num_layers``, ``num_kv_heads``, ``head_dim`` of ``"smollm2"``, a Hugging Face directory or
+    a GGUF file (or a directory holding one GGUF and no config.json), as the worker reads them.
+
+    Read from config.json alone (`pagedkv.model_config.read_hf_config`) or the GGUF's metadata,
+    no weights.
+
+    Raises:
+        ValueError: no readable config.json or GGUF, or an unsupported architecture.
     """
     if model == "smollm2":
         return dict(SMOLLM2_LAYOUT)
+    path = Path(model)
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").exists() else []
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_attention_layout(path)
+    if len(ggufs) == 1:
+        return gguf_attention_layout(ggufs[0])
     try:
         c = read_hf_config(model)
     except FileNotFoundError as e:
