@@ -50,7 +50,7 @@ from client.recovery import Recovery
 from client.request import Request, Status
 from client.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from client.services import Lease, MemoryClient, WorkerClient
-from client.stop import StopChecker, context_limit
+from client.stop import StopChecker, context_limit, same_model
 from client.swap import Swapper
 from client.transfers import Peer, PrefixPull
 from client.worker_step import StepResults, StepRunner
@@ -113,7 +113,7 @@ class Engine:
         pool = memory.pool()
         self.block_size = pool.layout.block_size
         self.num_blocks = pool.layout.num_blocks
-        info = workers[0].model_info()
+        info = same_model([w.model_info() for w in workers], [w.address for w in workers])
         self.model_info = info
         #: Prefix-cache identity of this model's KV: model, resolved revision and KV dtype.
         self.model_id = model_identity(info.model_name, info.model_source, info.revision, info.dtype)

@@ -39,6 +39,29 @@ def context_limit(max_context: int, sliding_window: int, pool_tokens: int, max_m
     return min(limits)
 
 
+#: GetModelInfo fields that must agree between the workers of one engine: the prefix cache's
+#: model identity (name, source, revision, KV dtype) and what the engine derives from the model.
+SAME_MODEL_FIELDS = ("model_name", "model_source", "revision", "dtype", "architecture", "vocab_size",
+                     "eos_token_ids", "sliding_window", "max_context")
+
+
+def same_model(infos: list, addresses: list[str]):
+    """The first of ``infos`` (each worker's GetModelInfoResponse) when every worker runs the same
+    model; one engine's requests move between its workers and share their KV.
+
+    Raises:
+        ValueError: two workers differ in a :data:`SAME_MODEL_FIELDS` field (both named).
+    """
+    first = infos[0]
+    for info, address in zip(infos[1:], addresses[1:]):
+        for f in SAME_MODEL_FIELDS:
+            a, b = getattr(first, f), getattr(info, f)
+            if a != b:
+                raise ValueError(f"workers {addresses[0]} and {address} run different models: {f} "
+                                 f"{list(a) if f == 'eos_token_ids' else a!r} vs {list(b) if f == 'eos_token_ids' else b!r}")
+    return first
+
+
 @dataclass(slots=True)
 class StopChecker:
     """Stop conditions that do not depend on the request."""

@@ -65,6 +65,10 @@ class WeightSource(Mapping[str, torch.Tensor]):
     def __contains__(self, name: object) -> bool:
         return name in self._shapes
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of `name` (no data read)."""
+        return self._dtypes[name]
+
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor `name` without reading it. Raises KeyError when absent."""
         return self._shapes[name]
@@ -92,8 +96,12 @@ class WeightSource(Mapping[str, torch.Tensor]):
 
         Raises:
             KeyError: a name is absent (and no `zero_rows`).
-            ValueError: the tensors' trailing dimensions differ, or `out` has another shape.
+            ValueError: a tensor is not floating point (an integer or bool tensor is no weight),
+                the tensors' trailing dimensions differ, or `out` has another shape.
         """
+        bad = [f"{n} ({self._dtypes[n]})" for n in names if n in self._dtypes and not self._dtypes[n].is_floating_point]
+        if bad:
+            raise ValueError(f"weights must be floating point; {', '.join(bad)} are not")
         shapes = []
         for i, n in enumerate(names):
             if n in self._shapes:
@@ -193,20 +201,25 @@ def index_safetensors(path: str | Path) -> dict[str, StoredTensor]:
     """Name, shape and dtype of every tensor in a safetensors file, from its header (no data read).
 
     Raises:
-        ValueError: a tensor of a dtype torch cannot hold.
-        OSError: the file cannot be read (safetensors' own error for a malformed header).
+        ValueError: a tensor of a dtype torch cannot hold, or a file safetensors cannot read (empty,
+            truncated, a malformed header: its error, with the file named).
     """
     from safetensors import safe_open
 
     path = Path(path)
     out = {}
-    with safe_open(path, framework="pt") as f:
-        for key in f.keys():
-            sl = f.get_slice(key)
-            dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
-            if dtype is None:
-                raise ValueError(f"{path}: tensor {key} has dtype {sl.get_dtype()}, which pagedkv does not load")
-            out[key] = StoredTensor(path, key, tuple(sl.get_shape()), dtype)
+    try:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
+                if dtype is None:
+                    raise ValueError(f"{path}: tensor {key} has dtype {sl.get_dtype()}, which pagedkv does not load")
+                out[key] = StoredTensor(path, key, tuple(sl.get_shape()), dtype)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError)
+        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     return out
 
 

@@ -79,7 +79,8 @@ def apply_penalties(
         presence_penalty: [P] float32 (0 = off).
         frequency_penalty: [P] float32 (0 = off).
 
-    Returns [P, V] float32 on ``logits``' device.
+    Returns [P, V] float32 on ``logits``' device, finite (an overflow is clamped to float32's
+    largest magnitude).
     """
     vocab = logits.shape[1]
     out_counts = bin_counts(output_ids, vocab)  # [P, V]
@@ -88,7 +89,11 @@ def apply_penalties(
     rep = repetition_penalty[:, None].expand_as(logits)
     x = torch.where(seen_any, torch.where(logits > 0, logits / rep, logits * rep), logits)
     x = x - frequency_penalty[:, None] * out_counts.to(x.dtype)
-    return x - presence_penalty[:, None] * seen.to(x.dtype)
+    x = x - presence_penalty[:, None] * seen.to(x.dtype)
+    # A tiny repetition penalty overflows float32 (logit / penalty): keep the row finite, its order
+    # kept up to ties among the overflowed entries, so the sampler never sees inf - inf.
+    big = torch.finfo(x.dtype).max
+    return x.clamp_(min=-big, max=big)
 
 
 def penalised(logits: torch.Tensor, params: Sequence, history: TokenHistory) -> torch.Tensor:

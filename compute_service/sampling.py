@@ -113,9 +113,15 @@ def filtered_probs(
 
     logits: [S, V] float; temperature: [S] float (> 0); top_k: [S] int64 (0 = off);
     top_p: [S] float in (0, 1]. Returns [S, V] float32 with zeros where filtered out.
-    Ties at the top-k boundary are all kept (as in vLLM's threshold filter).
+    Ties at the top-k boundary are all kept (as in vLLM's threshold filter). A row that a tiny
+    temperature sends to +inf is scaled after subtracting its maximum instead (the same
+    distribution in exact arithmetic, without inf - inf = NaN); `logits` must be finite.
     """
     x = logits.float() / temperature[:, None]
+    over = torch.isposinf(x).any(dim=-1)  # [S] bool
+    if bool(over.any()):
+        rows = logits.float()[over]
+        x[over] = (rows - rows.amax(dim=-1, keepdim=True)) / temperature[over, None]
     vocab = x.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     if bool((k < vocab).any()) or bool((top_p < 1).any()):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -105,14 +106,27 @@ def load_model_source(source: str, cache: bool = True) -> tuple[ModelConfig, Wei
 
 def check_model_source(source: str) -> None:
     """Fail fast, before anything waits or maps: a Hugging Face directory's config must describe
-    a supported architecture (config.json only; a GGUF is checked when it is read).
+    a supported architecture and its safetensors must hold every tensor it needs, as floating
+    point (headers only: no weight is read); a GGUF is checked when it is read.
 
-    Raises the errors of `pagedkv.model_config.read_hf_config` (UnsupportedArchitectureError
-    naming the architecture, FileNotFoundError, ValueError).
+    Raises the errors of `load_hf_dir` (UnsupportedArchitectureError naming the architecture,
+    FileNotFoundError, ValueError naming the file, key or tensor), and FileNotFoundError for a
+    path that is no model.
     """
+    if source == "smollm2":
+        return
     path = Path(source)
-    if source != "smollm2" and path.is_dir() and (path / "config.json").exists():
-        read_hf_config(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return
+    if path.is_dir() and not (path / "config.json").exists() and len(list(path.glob("*.gguf"))) == 1:
+        return
+    if not path.is_dir():
+        raise FileNotFoundError(f"model source {source!r} is neither 'smollm2', a .gguf file nor a "
+                                "Hugging Face directory with config.json")
+    config, weights = load_hf_dir(path)
+    bad = [f"{n} ({weights.dtype(n)})" for n in weights if not weights.dtype(n).is_floating_point]
+    if bad:
+        raise ValueError(f"{path}: weights must be floating point; {', '.join(bad[:4])} are not")
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -123,7 +137,18 @@ def safetensors_files(path: Path) -> list[Path]:
     """
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = set(weight_map.values())
+            if not all(isinstance(f, str) for f in names):
+                raise TypeError("file names must be strings")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a weight_map of file names ({e!r})") from None
+        # Lexically (a Hugging Face cache's snapshot files are links into its blobs/).
+        files = sorted(Path(os.path.normpath(path / f)) for f in names)
+        outside = [f for f in files if not f.is_relative_to(os.path.normpath(path)) or f == Path(os.path.normpath(path))]
+        if outside:
+            raise ValueError(f"{index}: names files outside the model directory: {outside[0]}")
     else:
         files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
     if not files:
@@ -134,9 +159,10 @@ def safetensors_files(path: Path) -> list[Path]:
 def load_hf_dir(path: str | Path) -> tuple[ModelConfig, SafetensorsWeights]:
     """Read a Hugging Face directory's config and index its tensors in our naming (no data read).
 
-    The head is tied when config.json says so or the checkpoint has no lm_head. Biases are taken
-    where present; those the architecture (Qwen2: q/k/v) or config.json (`attention_bias`,
-    `mlp_bias`) calls for must be present.
+    The head is tied when config.json says so or the checkpoint has no lm_head. The biases the
+    architecture (Qwen2: q/k/v) or config.json (`attention_bias`, `mlp_bias`) calls for must be
+    present; any other bias tensor is ignored, as transformers ignores a checkpoint's unexpected
+    keys (its model has no such parameter).
 
     Raises:
         FileNotFoundError: no config.json or no safetensors.
@@ -153,7 +179,7 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, SafetensorsWeights]:
     raw = json.loads((path / "config.json").read_text())
     required = set(REQUIRED_BIASES.get(config.architecture, ()))
     for flag, names in BIAS_FLAGS.items():
-        if raw.get(flag):
+        if raw.get(flag) is True:
             required.update(names)
 
     def find(key: str) -> StoredTensor | None:
@@ -164,12 +190,11 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, SafetensorsWeights]:
 
     ours: dict[str, StoredTensor] = {}
 
-    def take(name: str, key: str, needed: bool = True) -> None:
+    def take(name: str, key: str) -> None:
         t = find(key)
-        if t is not None:
-            ours[name] = t
-        elif needed:
+        if t is None:
             raise ValueError(f"{path}: tensor {key} missing")
+        ours[name] = t
 
     take("embed", "model.embed_tokens.weight")
     take("norm", "model.norm.weight")
@@ -179,5 +204,6 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, SafetensorsWeights]:
         for name, hf in LAYER_TENSORS.items():
             take(f"layers.{i}.{name}", f"model.layers.{i}.{hf}.weight")
         for name, hf in LAYER_BIASES.items():
-            take(f"layers.{i}.{name}", f"model.layers.{i}.{hf}.bias", needed=name in required)
+            if name in required:
+                take(f"layers.{i}.{name}", f"model.layers.{i}.{hf}.bias")
     return config, SafetensorsWeights(ours)

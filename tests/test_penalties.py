@@ -94,6 +94,19 @@ def test_penalties_come_before_greedy_and_draws_and_logprobs_stay_raw():
     torch.testing.assert_close(out.top_logprobs, raw.topk(3, dim=-1).values)
 
 
+def test_an_overflowing_penalty_or_temperature_samples_the_largest_entries_not_nan():
+    """A tiny positive repetition penalty (or temperature) sends positive logits to +inf in
+    float32; the draw must still be among the largest entries (not token 0 from NaN)."""
+    logits = torch.full((2, VOCAB), -1.0)
+    logits[:, 17], logits[:, 42] = 5.0, 3.0  # both in the history, both positive: both overflow
+    params = [SamplingParams(temperature=0.7, repetition_penalty=1e-40, seed=s) for s in (1, 2)]
+    hist = TokenHistory([0, 1], [np.array([17, 42, 9]), np.array([17, 42])], [np.array([], dtype=np.int64)] * 2)
+    drawn = {int(t) for pos in range(20) for t in sample(logits, params, [pos, pos], hist).token_ids}
+    assert drawn <= {17, 42} and drawn, drawn  # every draw is one of the two +inf entries
+    tiny_t = sample(logits[:1], [SamplingParams(temperature=1e-40, seed=0)], [0]).token_ids
+    assert tiny_t.tolist() == [17]
+
+
 def test_a_penalty_without_its_history_is_an_error():
     logits, rows = _rows()
     params = [p for p, _, _ in rows]

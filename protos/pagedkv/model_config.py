@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pagedkv.config_json import MAX_TOKEN_ID, ConfigFile, is_integer, is_number
 
 #: architectures entry -> model_type, of the decoders this project runs.
 SUPPORTED_ARCHITECTURES = {
@@ -164,97 +167,105 @@ def _unsupported(name: str, where: str) -> str:
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 1-3.x, SmolLM2, Mistral, Qwen2, Qwen2.5)")
 
 
-def _ids(value) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, list):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def _opt_int(v) -> int | None:
-    return None if v is None else int(v)
-
-
-def rope_scaling_from_hf(d: dict | None) -> RopeScaling | None:
+def rope_scaling_from_hf(d: dict | None, where: str = "config.json") -> RopeScaling | None:
     """`rope_scaling` (or transformers 5's `rope_parameters`) of a config.json as a RopeScaling.
 
-    Raises ValueError for a kind other than default, linear and llama3.
+    Raises ValueError for a kind other than default, linear and llama3, or a missing or mistyped
+    field (named, with `where`).
     """
     if not d:
         return None
-    kind = d.get("rope_type", d.get("type", "default"))
+    r = ConfigFile(d, f"{where} rope_scaling")
+    kind = r.str("rope_type", r.str("type", "default"))
     if kind == "default":
         return None
     if kind == "linear":
-        return RopeScaling("linear", float(d["factor"]))
+        return RopeScaling("linear", r.float("factor", positive=True))
     if kind == "llama3":
         return RopeScaling(
             "llama3",
-            float(d["factor"]),
-            float(d["low_freq_factor"]),
-            float(d["high_freq_factor"]),
-            int(d["original_max_position_embeddings"]),
+            r.float("factor", positive=True),
+            r.float("low_freq_factor"),
+            r.float("high_freq_factor"),
+            r.int("original_max_position_embeddings"),
         )
-    raise ValueError(f"RoPE scaling {kind!r} not supported (only linear and llama3)")
+    raise ValueError(f"{where}: RoPE scaling {kind!r} not supported (only linear and llama3)")
 
 
-def architecture_of(c: dict, where: str) -> str:
-    """The supported architecture a config.json dict names.
+def architecture_of(c: ConfigFile) -> str:
+    """The supported architecture a config.json names (`architectures`, else `model_type`).
 
-    Raises UnsupportedArchitectureError naming the architecture (or model_type) otherwise.
+    Raises UnsupportedArchitectureError naming the architecture (or model_type) otherwise, and
+    ValueError when `architectures` is not a list of names.
     """
-    archs = c.get("architectures") or []
-    mtype = c.get("model_type", "llama")
+    archs = c.names("architectures")
+    mtype = c.str("model_type", "llama")
     for a in archs:
         if a in SUPPORTED_ARCHITECTURES:
             return a
     if archs:
-        raise UnsupportedArchitectureError(_unsupported(archs[0], where))
+        raise UnsupportedArchitectureError(_unsupported(archs[0], c.path))
     if mtype not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedArchitectureError(_unsupported(f"model_type {mtype}", where))
+        raise UnsupportedArchitectureError(_unsupported(f"model_type {mtype}", c.path))
     return SUPPORTED_MODEL_TYPES[mtype]
 
 
-def sliding_window_of(c: dict, architecture: str) -> int | None:
+def sliding_window_of(c: ConfigFile, architecture: str) -> int | None:
     """Tokens each query attends to, or None for full causal attention.
 
     Mistral: `sliding_window` (null in v0.2 and later). Qwen2: only with `use_sliding_window`
     (off in every released Qwen2/Qwen2.5 model), and then only when it covers every layer
     (`max_window_layers` >= num_hidden_layers is full attention in transformers' Qwen2).
     """
-    window = c.get("sliding_window")
-    if window is None or architecture == "LlamaForCausalLM":
+    if c.data.get("sliding_window") is None or architecture == "LlamaForCausalLM":
         return None
+    window = c.int("sliding_window")
     if architecture == "Qwen2ForCausalLM":
-        if not c.get("use_sliding_window", False):
+        if not c.bool("use_sliding_window", False):
             return None
-        if int(c.get("max_window_layers", 0)) < int(c["num_hidden_layers"]):
-            raise ValueError("a Qwen2 config with use_sliding_window on some layers only is not supported")
-    return int(window)
+        if c.int("max_window_layers", 0, minimum=0) < c.int("num_hidden_layers"):
+            raise ValueError(f"{c.path}: a Qwen2 config with use_sliding_window on some layers only is not supported")
+    return window
+
+
+def _generation_value(key: str, v) -> float | int | None:
+    """A honoured generation_config.json value as a request default, or None when it is not one a
+    request could carry (not a finite number; top_k not an int32)."""
+    if not is_number(v) or not math.isfinite(v):
+        return None
+    if key == "top_k":
+        return int(v) if is_integer(v) and abs(v) <= MAX_TOKEN_ID else None
+    return float(v)
 
 
 def generation_settings(path: Path) -> tuple[GenerationDefaults, list[int], tuple[str, ...]]:
     """(defaults, eos ids, ignored keys) of `path`/generation_config.json (empty when absent).
 
-    Raises ValueError when the file exists but is not a JSON object.
+    A honoured key whose value no request could carry (a string, NaN, a top_k past int32) is
+    listed among the ignored keys instead (its default does not apply).
+
+    Raises ValueError when the file exists but is not a JSON object, or its eos_token_id is not
+    a token id or a list of them.
     """
     f = path / "generation_config.json"
     if not f.exists():
         return GenerationDefaults(), [], ()
     try:
-        g = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
+        g = ConfigFile(json.loads(f.read_text()), f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{f}: not JSON ({e})") from e
-    if not isinstance(g, dict):
-        raise ValueError(f"{f}: expected a JSON object")
-    values = {}
+    values, ignored = {}, []
     for k, default in HONOURED_GENERATION_KEYS.items():
-        v = g.get(k)
-        if v is not None and v != default:
-            values[k] = int(v) if k == "top_k" else float(v)
-    ignored = tuple(sorted(k for k in g if k not in HONOURED_GENERATION_KEYS and k not in _GENERATION_METADATA_KEYS))
-    return GenerationDefaults(**values), _ids(g.get("eos_token_id")), ignored
+        v = g.data.get(k)
+        if v is None or v == default:
+            continue
+        value = _generation_value(k, v)
+        if value is None:
+            ignored.append(k)
+        else:
+            values[k] = value
+    ignored += [k for k in g.data if k not in HONOURED_GENERATION_KEYS and k not in _GENERATION_METADATA_KEYS]
+    return GenerationDefaults(**values), g.token_ids("eos_token_id"), tuple(sorted(ignored))
 
 
 def read_hf_config(path: str | Path) -> ModelConfig:
@@ -262,42 +273,46 @@ def read_hf_config(path: str | Path) -> ModelConfig:
 
     Accepts both the legacy `rope_theta`/`rope_scaling` keys and transformers 5's
     `rope_parameters`. `tie_word_embeddings` is what config.json says (default False); a loader
-    that finds no lm_head tensor ties the head itself.
+    that finds no lm_head tensor ties the head itself. Every value is type-checked
+    (`pagedkv.config_json`): nothing is coerced.
 
     Raises:
         FileNotFoundError: no config.json.
         UnsupportedArchitectureError: an architecture other than SUPPORTED_ARCHITECTURES.
-        ValueError: a config that does not describe a valid decoder.
+        ValueError: a config that does not describe a valid decoder (the file and key named).
     """
     path = Path(path)
-    if not (path / "config.json").exists():
+    if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}/config.json not found")
     try:
-        c = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
+        c = ConfigFile(json.loads((path / "config.json").read_text()), path / "config.json")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}/config.json: not JSON ({e})") from e
-    architecture = architecture_of(c, str(path))
-    rope = c.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-    heads = int(c["num_attention_heads"])
+    architecture = architecture_of(c)
+    rope = c.object("rope_parameters") or {}
+    theta = ConfigFile(rope, f"{c.path} rope_parameters").float("rope_theta", c.float("rope_theta", 10000.0, positive=True),
+                                                               positive=True)
+    heads = c.int("num_attention_heads")
+    hidden = c.int("hidden_size")
     generation, gen_eos, ignored = generation_settings(path)
-    eos = list(dict.fromkeys(_ids(c.get("eos_token_id")) + gen_eos))
+    eos = list(dict.fromkeys(c.token_ids("eos_token_id") + gen_eos))
+    bos = c.token_ids("bos_token_id")
     return ModelConfig(
-        vocab_size=int(c["vocab_size"]),
-        hidden_size=int(c["hidden_size"]),
-        intermediate_size=int(c["intermediate_size"]),
-        num_layers=int(c["num_hidden_layers"]),
+        vocab_size=c.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=c.int("intermediate_size"),
+        num_layers=c.int("num_hidden_layers"),
         num_q_heads=heads,
-        num_kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        rope_scaling=rope_scaling_from_hf(c.get("rope_scaling") or rope),
-        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        bos_token_id=_opt_int(c.get("bos_token_id")),
+        num_kv_heads=c.int("num_key_value_heads", heads),
+        head_dim=c.int("head_dim", hidden // heads),
+        rms_norm_eps=c.float("rms_norm_eps", 1e-6, positive=True),
+        rope_theta=theta,
+        rope_scaling=rope_scaling_from_hf(c.object("rope_scaling") or rope, c.path),
+        max_position_embeddings=c.int("max_position_embeddings", 2048),
+        tie_word_embeddings=c.bool("tie_word_embeddings", False),
+        bos_token_id=bos[0] if len(bos) == 1 else None,
         eos_token_ids=tuple(eos),
-        name=str(c.get("_name_or_path") or path.name),
+        name=c.str("_name_or_path", "") or path.name,
         source=str(path),
         architecture=architecture,
         sliding_window=sliding_window_of(c, architecture),
