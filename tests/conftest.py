@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# The suite never downloads (a test that means to, against its own local hub, says so itself);
+# set before huggingface_hub is imported, which reads it once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import grpc
 import pytest
