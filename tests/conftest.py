@@ -22,6 +22,18 @@ ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 120.0
 
 
+def private_home(path: Path) -> Path:
+    """A fresh ``$PAGEDKV_HOME`` at ``path`` (its own state file and admin token) that shares the
+    default home's weight, tokenizer and compiled-kernel caches, so the services it starts load in
+    seconds."""
+    path.mkdir(parents=True, exist_ok=True)
+    default_home = Path(os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv")
+    for sub in ("weights", "tokenizers", "kernels"):
+        (default_home / sub).mkdir(parents=True, exist_ok=True)
+        (path / sub).symlink_to(default_home / sub)
+    return path
+
+
 def pagedkv_process(args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = START_TIMEOUT,
                     port: int = 0) -> ServiceProcess:
     """``pagedkv <args>`` on ``port`` (0: a free one) as its own process, logging under ``tmp``.

@@ -8,17 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import private_home
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_quick(tmp_path):
     env = {**os.environ, "PAGEDKV_HOME": str(tmp_path),
            "COLUMNS": "160", "HOME": os.environ.get("HOME", str(tmp_path))}
-    # Share the weight and tokenizer caches of the default home so the services start in seconds.
-    default_home = Path(os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv")
-    for sub in ("weights", "tokenizers"):
-        if (default_home / sub).exists():
-            (tmp_path / sub).symlink_to(default_home / sub)
+    private_home(tmp_path)  # the default home's caches shared, so the services start in seconds
     out = subprocess.run([sys.executable, "scripts/demo.py", "--quick", "--memory-port", "0", "--worker-port", "0"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     text = out.stdout

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import START_TIMEOUT, pagedkv_process
+from conftest import START_TIMEOUT, pagedkv_process, private_home
 from prometheus_client.parser import text_string_to_metric_families
 
 from client.services import MemoryClient
@@ -388,7 +388,7 @@ def test_queue_limit_shutdown_and_pool_check(stack, tmp_path, memory):
 
 
 def test_embedded_backends_stop_with_the_server(tmp_path):
-    env = {"PAGEDKV_HOME": str(tmp_path / "home"), "PAGEDKV_KV_CACHE_MEMORY": "64MiB"}
+    env = {"PAGEDKV_HOME": str(private_home(tmp_path / "home")), "PAGEDKV_KV_CACHE_MEMORY": "64MiB"}
     svc = pagedkv_process(["serve"], tmp_path, "serve-embedded", env=env, timeout=START_TIMEOUT * 2)
     url = f"http://{svc.address}"
     children = [int(p) for p in subprocess.run(["pgrep", "-P", str(svc.pid)], capture_output=True,
@@ -431,8 +431,7 @@ def test_a_request_done_in_its_prefill_step_fills_the_prefix_cache(url, oai):
 
 def test_attaches_to_the_services_of_pagedkv_up(stack, tmp_path, memory):
     """No flags, no PAGEDKV_MEMORY: the state file of `pagedkv up` whose processes live is used."""
-    home = tmp_path / "home"
-    home.mkdir()
+    home = private_home(tmp_path / "home")
     state = {"memory": {"address": stack.memory.address, "pid": stack.memory.pid},
              "workers": [{"address": a.address, "pid": a.pid} for a in stack.workers], "device": "cpu"}
     (home / "state.json").write_text(json.dumps(state))
