@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from compute_service.checkpoint import SafetensorsWeights, TensorDict, WeightSource
-from pagedkv.model_config import ModelConfig, RopeScaling
+from pagedkv.gguf_config import gguf_model_config, open_gguf
+from pagedkv.model_config import ModelConfig
 from pagedkv.paths import pagedkv_home
 
 #: Each layer's tensors: our name -> GGUF name between `blk.{i}.` and `.weight` / `.bias`.
@@ -84,21 +85,9 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(str(path))
-
-    def field(key: str, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    num_q_heads = int(field("llama.attention.head_count"))
-    num_kv_heads = int(field("llama.attention.head_count_kv", num_q_heads))
-    hidden = int(field("llama.embedding_length"))
-    vocab = field("llama.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    reader = open_gguf(path)
+    config = gguf_model_config(reader, path)
+    num_q_heads, num_kv_heads = config.num_q_heads, config.num_kv_heads
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -106,33 +95,6 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         # numpy shape is the reverse of ggml's ne: [rows, cols] == torch Linear [out, in].
         arr = arr.reshape(tuple(reversed([int(n) for n in t.shape])))
         raw[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
-
-    scaling = None
-    kind = field("llama.rope.scaling.type")
-    if kind not in (None, "none"):
-        if kind != "linear":
-            raise ValueError(f"{path}: GGUF RoPE scaling {kind!r} not supported")
-        scaling = RopeScaling("linear", float(field("llama.rope.scaling.factor")))
-
-    eos = field("tokenizer.ggml.eos_token_id")
-    config = ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(field("llama.feed_forward_length")),
-        num_layers=int(field("llama.block_count")),
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=int(field("llama.attention.key_length", hidden // num_q_heads)),
-        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(field("llama.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in raw,
-        bos_token_id=None if field("tokenizer.ggml.bos_token_id") is None else int(field("tokenizer.ggml.bos_token_id")),
-        eos_token_ids=() if eos is None else (int(eos),),
-        name=str(field("general.name", path.stem)),
-        source=str(path),
-    )
 
     w = {"embed": raw.pop("token_embd.weight"), "norm": raw.pop("output_norm.weight")}
     if not config.tie_word_embeddings:

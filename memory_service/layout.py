@@ -7,12 +7,12 @@ block is one contiguous byte range (the unit of a copy-on-write copy).
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedkv.gguf_config import read_gguf_config
 from pagedkv.model_config import read_hf_config
 
 #: Dimension names of the pool tensor, outermost first.
@@ -114,39 +114,13 @@ def host_cache_bytes(text: str | None) -> int:
 
 def gguf_attention_layout(path: Path) -> dict[str, int]:
     """``num_layers``, ``num_kv_heads``, ``head_dim`` of a llama-architecture GGUF file, from its
-    metadata alone (the `gguf` reader maps the file; no tensor is read). Remembered per file
-    (path, size, modification time): the reader parses every metadata field, the vocabulary
-    included, which takes seconds.
+    metadata alone (`pagedkv.gguf_config.read_gguf_config`: no tensor is read).
 
     Raises:
         ValueError: not a GGUF file, or not the llama architecture.
     """
-    st = path.stat()
-    return dict(_gguf_layout(str(path), st.st_size, st.st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=8)
-def _gguf_layout(path: str, size: int, mtime_ns: int) -> dict[str, int]:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except (OSError, ValueError, IndexError) as e:
-        raise ValueError(f"--model {path!r}: not a readable GGUF file ({e})") from e
-
-    def field(key: str, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"--model {path!r}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    heads = int(field("llama.attention.head_count"))
-    return {
-        "num_layers": int(field("llama.block_count")),
-        "num_kv_heads": int(field("llama.attention.head_count_kv", heads)),
-        "head_dim": int(field("llama.attention.key_length", int(field("llama.embedding_length")) // heads)),
-    }
+    c = read_gguf_config(path)
+    return {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
 
 def model_attention_layout(model: str) -> dict[str, int]:
