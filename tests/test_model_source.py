@@ -234,6 +234,7 @@ def test_missing_repo_or_revision_fails_with_how_to_fetch_it(offline, name, revi
     ("a/b/c", FileNotFoundError, "no such file or directory"),
     ("./missing-dir", FileNotFoundError, "no such file or directory"),
     ("", ValueError, "no model named"),
+    ("x" * 600, ValueError, "not a usable path"),
 ])
 def test_a_name_that_is_neither_path_nor_repo_id_fails(offline, name, error, text):
     with pytest.raises(error, match=text):

@@ -166,7 +166,11 @@ def resolve_model(name: str, revision: str | None = None, *, files: FileSet = "m
         raise ValueError("no model named: give --model smollm2, a local directory or .gguf file, or a Hugging Face "
                          "repo id such as Qwen/Qwen2.5-0.5B-Instruct")
     local = Path(name).expanduser()
-    if name == "smollm2" or local.exists():
+    try:
+        exists = local.exists()
+    except OSError as e:  # a name too long for a path, say
+        raise ValueError(f"model {name[:80]!r}{'...' if len(name) > 80 else ''}: not a usable path ({e.strerror})") from None
+    if name == "smollm2" or exists:
         if revision:
             raise ValueError(f"--revision {revision} names a revision of a Hugging Face repo, but model {name!r} is "
                              "local; leave --revision out, or name the repo id")
