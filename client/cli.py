@@ -9,6 +9,7 @@
     pagedkv stats             pool, leases and every lease's sequences (block ids, refcounts, shared blocks);
                               reads the memory service's admin token ($PAGEDKV_HOME/admin-token)
     pagedkv certs --out DIR   a CA and one certificate per member of the plane  [--hosts a,b] [--days N] [--force]
+    pagedkv top               a `pagedkv serve`'s pool, block tables and rates, live  [--url URL] [--key KEY] [--once]
 
 ``up``, ``generate``, ``stats`` (and every service) take ``--tls-cert/--tls-key/--tls-ca`` for
 mutual TLS on the internal plane (pagedkv.tls); without them the services listen on loopback only.
@@ -24,7 +25,8 @@ import sys
 
 from pagedkv import tls as plane_tls
 
-_SERVICES = {"memory": "memory_service.main", "compute": "compute_service.main", "serve": "client.serve.main"}
+_SERVICES = {"memory": "memory_service.main", "compute": "compute_service.main", "serve": "client.serve.main",
+             "top": "client.top"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("memory", help="run the KV-cache memory service", add_help=False)
     sub.add_parser("compute", help="run a compute worker", add_help=False)
     sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", add_help=False)
+    sub.add_parser("top", help="watch a `pagedkv serve`'s pool and requests live in the terminal", add_help=False)
     up = sub.add_parser("up", help="start a memory service and a worker on this machine")
     up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     up.add_argument("--model", default="smollm2", help="'smollm2', a Hugging Face directory or .gguf file, or a "

@@ -5,8 +5,9 @@ one continuous batch (vLLM's ``AsyncLLMEngine`` behind its OpenAI server). Outpu
 from the engine thread through a per-request ``asyncio.Queue``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, and the admin-only ``GET /debug/steps`` (the engine's step
-trace: which requests each step carried, and at which step each abort was asked).
+``GET /health``, ``GET /metrics``, the admin-only ``GET /debug/steps`` (the engine's step
+trace: which requests each step carried, and at which step each abort was asked), and the
+operator's dashboard feed under ``/dashboard/`` (client.serve.dashboard_routes).
 
 Errors use the OpenAI error body (:class:`~client.serve.protocol.APIError`): 400 bad parameter or
 a prompt longer than the context, 401 missing or wrong key, 403 a tenant key on an admin route,
@@ -35,6 +36,9 @@ from client.api import Client
 from client.errors import ServiceError, Unavailable
 from client.serve.backends import Backends
 from client.serve.config import Tenants
+from client.serve.dashboard_auth import Sessions
+from client.serve.dashboard_feed import DEFAULT_INTERVAL, DashboardFeed
+from client.serve.dashboard_routes import add_dashboard_routes
 from client.serve.generation import generate
 from client.serve.metrics import ServeMetrics
 from client.serve.protocol import (
@@ -75,6 +79,12 @@ class Server:
     runs: set = field(default_factory=set, init=False, repr=False)
     #: Engine requests in flight per tenant (one per prompt).
     in_flight: collections.Counter = field(default_factory=collections.Counter, init=False, repr=False)
+    #: Seconds between dashboard snapshots while someone watches.
+    dashboard_interval: float = DEFAULT_INTERVAL
+    #: Dashboard logins (client.serve.dashboard_auth).
+    sessions: Sessions = field(default_factory=Sessions, init=False, repr=False)
+    #: The dashboard's feed, made at the first viewer (client.serve.dashboard_feed).
+    _feed: DashboardFeed | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.metrics = ServeMetrics(self.model_name, self.client.engine, self.client.memory)
@@ -85,10 +95,27 @@ class Server:
 
     def shutdown(self) -> None:
         """Fail every request in flight with 503 now (streams get an error event and ``[DONE]``),
-        rather than let them be cut when uvicorn's grace period ends; called on SIGINT/SIGTERM."""
+        rather than let them be cut when uvicorn's grace period ends, and end the dashboard's
+        streams; called on SIGINT/SIGTERM."""
         error = Unavailable(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         for run in list(self.runs):
             run.fail(error)
+        if self._feed is not None:
+            self._feed.end_streams()
+
+    def dashboard_feed(self) -> DashboardFeed:
+        """The dashboard's feed (one for every viewer), made on first use. With several nodes
+        (``--node``) it shows the first node's pool and engine."""
+        if self._feed is None:
+            self._feed = DashboardFeed(memory_address=self.backends.memory, tls=self.backends.tls,
+                                       admin_token_file=self.backends.admin_token_file, engine=lambda: self.engine,
+                                       token_totals=self.metrics.token_totals, interval=self.dashboard_interval)
+        return self._feed
+
+    def close_dashboard(self) -> None:
+        """Stop the dashboard's feed, if it ever started."""
+        if self._feed is not None:
+            self._feed.close()
 
     async def backends_up(self, max_age: float = 1.0) -> bool:
         """Whether the memory service and a worker serve (a check at most ``max_age`` seconds old)."""
@@ -216,6 +243,7 @@ def create_app(server: Server) -> FastAPI:
         return await generate(server, request, tenant, req, ids, chat=False, logprobs=req.logprobs,
                                max_tokens=req.max_tokens)
 
+    add_dashboard_routes(app, server)
     return app
 
 
@@ -229,6 +257,7 @@ def _lifespan(server: Server):
             yield
         finally:
             task.cancel()
+            await asyncio.to_thread(server.close_dashboard)
 
     return lifespan
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from client.launcher import alive, check_tls, default_device, read_state
-from client.services import MemoryClient, WorkerClient
+from client.services import MemoryClient, WorkerClient, admin_token_path
 from client.stack import LocalStack, serving
 from memory_service.layout import host_cache_bytes, parse_bytes
 from pagedkv.model_source import resolve_model
@@ -47,6 +47,10 @@ class Backends:
     tls: TlsFiles | None = None
     #: The other nodes' (memory, workers) with ``--node``: healthy only when every node is.
     others: list[tuple[str, list[str]]] = field(default_factory=list)
+    #: Where the memory service's admin token is (the dashboard lists every lease with it): an
+    #: embedded service's own file, else ``--memory-admin-token-file``, else the default
+    #: (client.services.admin_token_path); None: none.
+    admin_token_file: str | None = None
     _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False)
 
     def healthy(self, timeout: float = 1.0) -> bool:
@@ -99,6 +103,7 @@ def resolve(args: argparse.Namespace) -> Backends:
         else:
             return _embedded(args)
     check_pool(args, found)
+    found.admin_token_file = str(args.memory_admin_token_file or admin_token_path())
     return found
 
 
@@ -114,7 +119,8 @@ def _embedded(args: argparse.Namespace) -> Backends:
         memory_args.append("--no-prefix-caching")
     stack = LocalStack(memory_args, device=args.device or default_device(), model=args.model or "smollm2",
                        revision=args.revision, host="127.0.0.1", name="serve", tls=args.tls).start()
-    return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, tls=args.tls)
+    return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, tls=args.tls,
+                    admin_token_file=stack.memory.info.get("admin_token_file"))
 
 
 def check_pool(args: argparse.Namespace, backends: Backends) -> None:

@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "event streams (env PAGEDKV_ROUTER_TLS_CERT)")
     where.add_argument("--router-tls-key", default=_env("ROUTER_TLS_KEY"), metavar="PEM",
                        help="its private key (env PAGEDKV_ROUTER_TLS_KEY)")
+    where.add_argument("--memory-admin-token-file", default=_env("MEMORY_ADMIN_TOKEN_FILE"), metavar="PATH",
+                       help="the memory service's admin token, read by the dashboard to show every lease's "
+                       "sequences (default: an embedded service's own, else $PAGEDKV_ADMIN_TOKEN_FILE, else "
+                       "$PAGEDKV_HOME/admin-token; unreadable: the dashboard shows this server's lease only)")
     where.add_argument("--device", default=_env("DEVICE"), help="embedded services: cpu or cuda (default: cuda when present)")
     plane = p.add_argument_group("internal plane (mutual TLS; the scheduler's certificate, also given to embedded "
                                  "services; none: plaintext, loopback only)")
@@ -83,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="sequences (queued and running; each prompt counts its n samples or beams) one tenant "
                       "may have in flight; more get 429, so one tenant cannot fill the server for all (default: no "
                       "per-tenant limit; needs API keys)")
+    http.add_argument("--dashboard-interval", type=float, default=_env("DASHBOARD_INTERVAL", 0.5),
+                      help="seconds between the dashboard's snapshots while someone watches (default 0.5)")
     http.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
     model = p.add_argument_group("model and pool")
     model.add_argument("--model", default=_env("MODEL"), help="'smollm2', a .gguf file, a Hugging Face directory or "
@@ -226,6 +232,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_requests_per_tenant is not None and args.max_requests_per_tenant < 1:
         p.error("--max-requests-per-tenant must be >= 1")
+    try:
+        args.dashboard_interval = float(args.dashboard_interval)
+    except ValueError:
+        p.error(f"--dashboard-interval {args.dashboard_interval!r} is not a number of seconds")
+    if not 0.05 <= args.dashboard_interval <= 3600:
+        p.error("--dashboard-interval must lie in 0.05-3600 seconds")
     if args.max_model_len is not None and args.max_model_len < 2:
         p.error("--max-model-len must be >= 2")
     if args.preemption_mode not in ("recompute", "swap"):  # from PAGEDKV_PREEMPTION_MODE

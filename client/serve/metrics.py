@@ -71,12 +71,14 @@ class ServeMetrics:
         self.registry.register(_LiveCollector(self._labels, engine, memory))
         self._progress: dict[str, _Progress] = {}
         self._lock = threading.Lock()
+        #: The two token counters' totals, kept beside them so reading them collects nothing (a
+        #: registry read would run the live collector's GetStats).
+        self._totals = [0, 0]
 
     def token_totals(self) -> tuple[float, float]:
         """(prompt tokens, generation tokens) counted so far, as /metrics shows them."""
-        get = self.registry.get_sample_value
-        return (get("pagedkv:prompt_tokens_total", self._labels) or 0.0,
-                get("pagedkv:generation_tokens_total", self._labels) or 0.0)
+        with self._lock:
+            return float(self._totals[0]), float(self._totals[1])
 
     def observe(self, request_id: str, out: RequestOutput | None, error: Exception | None) -> None:
         """Count what ``out`` adds since the last output of request ``request_id`` (engine thread)."""
@@ -91,8 +93,10 @@ class ServeMetrics:
             if not prog.prompt_counted:
                 prog.prompt_counted = True
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self._totals[0] += len(out.prompt_token_ids)
             if new > 0:
                 self.generation_tokens.inc(new)
+                self._totals[1] += new
                 if prog.tokens == 0:
                     if out.metrics.get("ttft") is not None:
                         self.ttft.observe(out.metrics["ttft"])
