@@ -144,7 +144,13 @@ class DashboardFeed:
                     self._wake.wait()
                 continue
             t0 = time.perf_counter()
-            self._publish(self.tick())
+            try:
+                item = self.tick()
+            except Exception as e:  # noqa: BLE001 - a bug in one tick must not end the feed for every viewer
+                log.error("dashboard_tick_error", error=repr(e))
+                item = "error", self._seq, json.dumps({"type": "error", "seq": self._seq, "time": round(time.time(), 3),
+                                                       "message": f"the snapshot failed: {e!r}"})
+            self._publish(item)
             took = time.perf_counter() - t0
             self._stop.wait(max(self.interval - took, REST_FACTOR * took))
 
