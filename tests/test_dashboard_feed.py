@@ -171,7 +171,8 @@ def test_three_samples_share_their_prompt_blocks_then_free_them(url, admin):
             if len(running) != 1 or len(running[0]["sequences"]) != 3:
                 continue
             mine = running[0]["sequences"]
-            if any(s["ref_counts"] is None or len(s["block_ids"]) <= SHARED for s in mine):
+            # Each sample computed past the prompt: its first write after the fork happened.
+            if any(s["ref_counts"] is None or s["num_computed"] <= len(PROMPT) for s in mine):
                 continue
             if _tables(mine) == _tables(listed):  # no step moved a table between the two reads
                 match = snap, running[0], listed
@@ -230,3 +231,48 @@ def test_top_once_draws_getstats_numbers(url, admin):
     assert grid.count("▒") >= before.cached_blocks and "█" not in grid.split("(one character")[0]
     assert top(["--url", url, "--key", "wrong", "--once"], console=console) == 1
     assert "HTTP 401" in console.export_text()
+
+
+def test_without_the_admin_token_the_feed_lists_its_own_lease(tmp_path):
+    import grpc
+
+    from client.errors import Unauthenticated
+    from client.serve.dashboard_feed import DashboardFeed
+
+    class Memory:  # what the feed calls on its MemoryClient
+        def __init__(self):
+            self.admin_token, self.calls, self.good = None, [], "fresh"
+
+        def add_lease(self, lease_id, secret):
+            self.calls.append(("secret", lease_id, secret))
+
+        def sequences(self, lease_id=None):
+            self.calls.append(("list", lease_id, self.admin_token))
+            if lease_id is None and self.admin_token != self.good:
+                raise Unauthenticated(grpc.StatusCode.UNAUTHENTICATED, "not the admin token")
+            return []
+
+    class Engine:
+        class lease:  # noqa: N801 - stands for the engine's Lease
+            lease_id, secret = "L", "S"
+
+    token = tmp_path / "admin-token"
+    feed = DashboardFeed(memory_address="127.0.0.1:1", tls=None, admin_token_file=token, engine=Engine,
+                         token_totals=lambda: (0.0, 0.0))
+    feed._memory.close()
+    feed._memory = memory = Memory()
+    _, scope, note = feed._list(Engine, "L")
+    assert scope == "own lease" and "no admin token at" in note and memory.calls == [("secret", "L", "S"),
+                                                                                        ("list", "L", None)]
+    token.write_text("stale\n")
+    memory.calls.clear()
+    _, scope, note = feed._list(Engine, "L")
+    assert scope == "own lease" and "refused the admin token" in note
+    assert memory.calls == [("list", None, "stale"), ("secret", "L", "S"), ("list", "L", None)]
+    memory.calls.clear()
+    feed._list(Engine, "L")  # the refused token is not tried again until the file changes
+    assert memory.calls == [("secret", "L", "S"), ("list", "L", None)]
+    token.write_text("fresh\n")
+    memory.calls.clear()
+    _, scope, note = feed._list(Engine, "L")
+    assert scope == "all leases" and str(token) in note and memory.calls == [("list", None, "fresh")]

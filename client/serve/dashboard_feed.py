@@ -76,6 +76,8 @@ class DashboardFeed:
         self._memory = MemoryClient(memory_address, timeout=10, tls=tls)
         self._tls = tls
         self._token, self._token_note = self._read_token()
+        #: The last token the memory service refused (not tried again until the file changes).
+        self._refused: str | None = None
         self._cached: CachedBlocks | None = None
         self._history = History()
         self._seq = 0
@@ -182,17 +184,22 @@ class DashboardFeed:
 
     def _list(self, engine, lease_id: str) -> tuple[list, str, str]:
         """(sequences, scope, note): every lease's with the admin token, else the front's own."""
-        for attempt in range(2):
+        if self._token is None:  # not there at start, or refused: the file may be (re)written since
+            token, note = self._read_token()
+            if token is not None and token != self._refused:
+                self._token, self._token_note = token, note
+        for _ in range(2):
             if self._token is None:
                 break
             self._memory.admin_token = self._token
             try:
                 return self._memory.sequences(), "all leases", self._token_note
             except (Unauthenticated, PermissionDenied) as e:
-                old = self._token
-                self._token, self._token_note = self._read_token()
-                if self._token == old or attempt:
-                    self._token, self._token_note = None, f"the memory service refused the admin token: {e.message}"
+                self._refused = self._token
+                token, note = self._read_token()
+                self._token, self._token_note = (token, note) if token != self._refused else (
+                    None, f"the memory service refused the admin token in {self._token_file}: {e.message}; "
+                    "this front's lease only")
         self._memory.admin_token = None
         self._memory.add_lease(lease_id, engine.lease.secret)
         return self._memory.sequences(lease_id), "own lease", self._token_note
