@@ -112,7 +112,7 @@ def test_sessions_and_login_bodies():
 
 # ---------------------------------------------------------------- on a real server
 def test_the_feed_needs_the_operator(url):
-    for kw in ({}, {"headers": {"Authorization": "Bearer wrong"}}, {"cookies": {COOKIE: "made-up"}}):
+    for kw in ({}, {"headers": {"Authorization": "Bearer wrong"}}, {"headers": {"Cookie": f"{COOKIE}=made-up"}}):
         for path in ("events", "snapshot"):
             r = httpx.get(f"{url}/dashboard/{path}", **kw)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, kw)
@@ -127,7 +127,7 @@ def test_the_feed_needs_the_operator(url):
         assert cookie.startswith(f"{COOKIE}=") and "HttpOnly" in cookie and "SameSite=strict" in cookie.replace(
             "Strict", "strict") and "Path=/dashboard" in cookie
         token = browser.cookies[COOKIE]
-        assert snapshot(url, cookies={COOKIE: token})["type"] == "snapshot"
+        assert snapshot(url, headers={"Cookie": f"{COOKIE}={token}"})["type"] == "snapshot"
         with browser.stream("GET", "/dashboard/events") as events:
             assert events.headers["content-type"].startswith("text/event-stream")
             lines = events.iter_lines()
@@ -138,7 +138,7 @@ def test_the_feed_needs_the_operator(url):
             assert next(lines).startswith('data: {"type":"snapshot"')
         r = browser.post("/dashboard/logout")
         assert r.status_code == 200 and f'{COOKIE}=""' in r.headers["set-cookie"]
-    assert httpx.get(f"{url}/dashboard/snapshot", cookies={COOKIE: token}).status_code == 401  # the session ended
+    assert httpx.get(f"{url}/dashboard/snapshot", headers={"Cookie": f"{COOKIE}={token}"}).status_code == 401  # the session ended
     r = httpx.post(f"{url}/dashboard/login", data={"key": ADMIN}, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/dashboard" and COOKIE in r.headers["set-cookie"]
 

@@ -141,7 +141,8 @@ def build(*, seq: int, now: float, stats, sequences: list, front: FrontView, sco
     mine = {s["seq_id"] for r in running + waiting for s in r["sequences"] if s["seq_id"] is not None}
     leases: dict[str, list] = {}
     for s in sequences:
-        if s.seq_id in mine or (s.lease_id and s.lease_id == front.lease_id):
+        # Only the admin's listing names leases; a listing of the front's own lease has no others.
+        if s.seq_id in mine or scope != "all leases" or s.lease_id == front.lease_id:
             continue
         leases.setdefault(s.lease_id or "?", []).append(_row(s, budget))
     hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
