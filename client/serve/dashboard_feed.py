@@ -129,6 +129,8 @@ class DashboardFeed:
         self._memory.close()
 
     def _publish(self, item) -> None:
+        if item is not None and self._stop.is_set():  # a tick that ended after end_streams: its None stays last
+            return
         with self._lock:
             subs = list(self._subs.items())
         for q, loop in subs:
