@@ -84,9 +84,10 @@ def _message(e: urllib.error.HTTPError) -> str:
 def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     """Entry point of ``pagedkv top``; ``console`` to draw on (default: the terminal)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    err = console or Console(stderr=True)  # errors: stderr on a terminal, the given console otherwise
     console = console or Console()
     if not args.key:
-        console.print("pagedkv top: error: give the server's admin key (--key or $PAGEDKV_ADMIN_API_KEY)")
+        err.print("pagedkv top: error: give the server's admin key (--key or $PAGEDKV_ADMIN_API_KEY)")
         return 2
     if args.once:
         try:
@@ -94,12 +95,12 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
                 if name == "snapshot":
                     console.print(render(data, console.width))
                     return 0
-                console.print(f"pagedkv top: {data.get('message', data)}")
+                err.print(f"pagedkv top: {data.get('message', data)}")
                 return 1
         except (Refused, OSError) as e:
-            console.print(f"pagedkv top: error: {e}")
+            err.print(f"pagedkv top: error: {e}")
             return 1
-        console.print("pagedkv top: error: the feed ended before a snapshot")
+        err.print("pagedkv top: error: the feed ended before a snapshot")
         return 1
     try:
         with Live(console=console, refresh_per_second=4, screen=False) as live:
