@@ -36,7 +36,7 @@ from client.api import Client
 from client.errors import ServiceError, Unavailable
 from client.serve.backends import Backends
 from client.serve.config import Tenants
-from client.serve.dashboard_auth import Sessions
+from client.serve.dashboard_auth import Sessions, same_key
 from client.serve.dashboard_feed import DEFAULT_INTERVAL, DashboardFeed
 from client.serve.dashboard_routes import add_dashboard_routes
 from client.serve.generation import generate
@@ -136,7 +136,7 @@ class Server:
             if self.tenants.admin_key is None:
                 raise APIError(403, "this route needs --admin-api-key, which the server was started without",
                                type="permission_error")
-            if key != self.tenants.admin_key:
+            if not same_key(key, self.tenants.admin_key):
                 raise APIError(401 if key is None else 403, "this route needs the admin API key",
                                type="authentication_error" if key is None else "permission_error")
             return "admin"
