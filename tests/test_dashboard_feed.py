@@ -135,7 +135,7 @@ def test_the_feed_needs_the_operator(url):
             assert next(lines) == ""
             assert next(lines).startswith("id: ")
             assert next(lines) == "event: snapshot"
-            assert next(lines).startswith('data: {"type":"snapshot"')
+            assert next(lines).startswith('data: {"type":"snapshot","version":1,')
         r = browser.post("/dashboard/logout")
         assert r.status_code == 200 and f'{COOKIE}=""' in r.headers["set-cookie"]
     assert httpx.get(f"{url}/dashboard/snapshot", headers={"Cookie": f"{COOKIE}={token}"}).status_code == 401  # the session ended

@@ -3,6 +3,7 @@ counters. Pure: built from what the feed read (client.serve.dashboard_feed), no 
 
 The JSON (``type: "snapshot"``; the browser page and ``pagedkv top`` read it)::
 
+    version                   SCHEMA_VERSION (bumped when a field changes meaning or goes)
     seq, time                 snapshot number (from 1 at each server start), seconds since the epoch
     scope                     "all leases" (the feed holds the memory service's admin token) or
                               "own lease" (it does not: other leases are hidden); scope_note says why
@@ -34,6 +35,8 @@ from client.request import Request
 from client.serve.pool_map import MEDIUM_DEVICE, MEDIUM_HOST, encode, pool_map
 from client.serve.rates import History
 
+#: The snapshot's schema version.
+SCHEMA_VERSION = 1
 #: Sequences sent with their block tables in one snapshot (the front's first, then other leases');
 #: the rest go without tables, so a snapshot stays bounded on a busy node.
 MAX_TABLE_SEQUENCES = 512
@@ -147,7 +150,7 @@ def build(*, seq: int, now: float, stats, sequences: list, front: FrontView, sco
         leases.setdefault(s.lease_id or "?", []).append(_row(s, budget))
     hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
     return {
-        "type": "snapshot", "seq": seq, "time": round(now, 3), "scope": scope, "scope_note": scope_note,
+        "type": "snapshot", "version": SCHEMA_VERSION, "seq": seq, "time": round(now, 3), "scope": scope, "scope_note": scope_note,
         "pool": pool, "host": host, "stats": {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields},
         "requests": {"running": running, "waiting": waiting},
         "leases": [{"lease_id": k, "sequences": v} for k, v in sorted(leases.items())],
@@ -160,4 +163,4 @@ def build(*, seq: int, now: float, stats, sequences: list, front: FrontView, sco
     }
 
 
-__all__ = ["MAX_TABLE_SEQUENCES", "FrontView", "build", "front_view"]
+__all__ = ["MAX_TABLE_SEQUENCES", "SCHEMA_VERSION", "FrontView", "build", "front_view"]
