@@ -276,3 +276,70 @@ def test_without_the_admin_token_the_feed_lists_its_own_lease(tmp_path):
     memory.calls.clear()
     _, scope, note = feed._list(Engine, "L")
     assert scope == "all leases" and str(token) in note and memory.calls == [("list", None, "fresh")]
+
+
+async def test_one_feed_serves_every_viewer_and_rests_unwatched():
+    import asyncio
+    import collections
+    import json
+
+    from client.serve.dashboard_feed import DashboardFeed
+    from pagedkv.memory.v1 import memory_service_pb2 as mpb
+
+    class Stream:  # a KV event stream with no events, until cancelled
+        def __init__(self):
+            self.done = threading.Event()
+
+        def __iter__(self):
+            self.done.wait()
+            return iter(())
+
+        def cancel(self):
+            self.done.set()
+
+    class Memory:
+        admin_token = None
+
+        def __init__(self):
+            self.ticks = 0
+            self.stub = type("Stub", (), {"StreamKvEvents": lambda _, req, metadata: Stream()})()
+
+        def stats(self):
+            self.ticks += 1
+            return mpb.GetStatsResponse(total_blocks=8, free_blocks=8, block_size=16)
+
+        def add_lease(self, lease_id, secret):
+            pass
+
+        def sequences(self, lease_id=None):
+            return []
+
+        def close(self):
+            pass
+
+    class Engine:
+        scheduler = type("Scheduler", (), {"running": [], "waiting": collections.deque(), "_lock": threading.Lock()})
+        lease = type("Lease", (), {"lease_id": "L", "secret": "S"})
+        preemptions = swaps = 0
+
+    feed = DashboardFeed(memory_address="127.0.0.1:1", tls=None, admin_token_file=None, engine=lambda: Engine,
+                         token_totals=lambda: (0.0, 0.0), interval=0.05)
+    feed._memory.close()
+    feed._memory = memory = Memory()
+    assert memory.ticks == 0  # nobody watches yet: nothing is read
+    viewers = [feed.subscribe(), feed.subscribe()]
+    first = [await asyncio.wait_for(q.get(), 30) for q in viewers]
+    assert first[0] is first[1] and first[0][0] == "snapshot"  # one read, one serialization, for both
+    snap = json.loads(first[0][2])
+    assert snap["pool"]["state_runs"] == [0, 8] and snap["scope"] == "own lease" and snap["leases"] == []
+    for q in viewers:
+        feed.unsubscribe(q)
+    await asyncio.sleep(0.5)  # a tick in flight when the last viewer left ends
+    rested = memory.ticks
+    await asyncio.sleep(0.5)
+    assert memory.ticks == rested
+    again = feed.subscribe()
+    assert (await asyncio.wait_for(again.get(), 30))[1] > first[0][1]
+    await asyncio.to_thread(feed.close)
+    assert await asyncio.wait_for(again.get(), 30) is None  # the end replaces a snapshot not yet taken
+    assert await feed.subscribe().get() is None
