@@ -24,12 +24,18 @@ install: $(STAMP)
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
 
-test: $(STAMP)
+# The dashboard's browser tests drive Debian's headless Chromium (installed once, with apt-get).
+BROWSER_STAMP := $(VENV)/.browser-installed
+$(BROWSER_STAMP): scripts/install_browser.sh
+	scripts/install_browser.sh
+	touch $(BROWSER_STAMP)
+
+test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The slow cases at full size (longer property-based searches).
-test-full: $(STAMP)
+test-full: $(STAMP) $(BROWSER_STAMP)
 	PAGEDKV_TEST_FULL=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)

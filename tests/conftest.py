@@ -105,3 +105,25 @@ def stack(tmp_path_factory):
     with local_stack(tmp_path_factory.mktemp("stack"), ["--num-blocks", "512", "--block-size", "16", "--lease-ttl", "30"],
                      num_workers=2) as s:
         yield s
+
+
+#: The admin API key of :func:`dashboard_server`'s ``pagedkv serve``.
+DASHBOARD_ADMIN_KEY = "key-operator"
+
+
+@pytest.fixture(scope="session")
+def dashboard_server(tmp_path_factory):
+    """The dashboard's server, shared by its feed's and its page's tests: a small pool (96 blocks of
+    16 tokens), one worker, and ``pagedkv serve`` over them with ``--admin-api-key``
+    :data:`DASHBOARD_ADMIN_KEY`, the memory service's admin token, and a snapshot every 0.2 s.
+    Yields ``(stack, url)``. Its own stack, so the KV events replay from event 1."""
+    run = tmp_path_factory.mktemp("dashboard")
+    with local_stack(run, ["--num-blocks", "96", "--block-size", "16", "--lease-ttl", "30"], num_workers=1,
+                     name="dash") as s:
+        svc = pagedkv_process(["serve", "--memory", s.memory.address, "--workers", s.worker_addresses[0],
+                               "--admin-api-key", DASHBOARD_ADMIN_KEY, "--memory-admin-token-file",
+                               s.memory.info["admin_token_file"], "--dashboard-interval", "0.2"], run, "serve")
+        try:
+            yield s, f"http://{svc.address}"
+        finally:
+            svc.stop()

@@ -14,14 +14,14 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import local_stack, pagedkv_process
+from conftest import DASHBOARD_ADMIN_KEY
 from rich.console import Console
 
 from client.serve.dashboard_auth import COOKIE, Sessions, login_key, same_key
 from client.serve.pool_map import CACHED, FREE, USED, encode, pool_map, runs, unruns
 from client.services import MemoryClient, read_admin_token
 
-ADMIN = "key-operator"
+ADMIN = DASHBOARD_ADMIN_KEY
 BLOCK = 16
 #: 37 prompt tokens: two full blocks and 5 tokens in a third (not a multiple of the block size).
 PROMPT = [504, 3458, 282, 4649, 314] * 7 + [504, 3458]
@@ -29,11 +29,9 @@ SHARED = len(PROMPT) // BLOCK
 
 
 @pytest.fixture(scope="module")
-def backends(tmp_path_factory):
-    """A small pool (96 blocks of 16 tokens) and one worker."""
-    with local_stack(tmp_path_factory.mktemp("dashboard"), ["--num-blocks", "96", "--block-size", str(BLOCK),
-                                                           "--lease-ttl", "30"], num_workers=1, name="dash") as s:
-        yield s
+def backends(dashboard_server):
+    """A small pool (96 blocks of 16 tokens) and one worker (conftest.dashboard_server)."""
+    return dashboard_server[0]
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +42,8 @@ def admin(backends):
 
 
 @pytest.fixture(scope="module")
-def url(backends, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dashboard-serve")
-    svc = pagedkv_process(["serve", "--memory", backends.memory.address, "--workers", backends.worker_addresses[0],
-                           "--admin-api-key", ADMIN, "--memory-admin-token-file",
-                           backends.memory.info["admin_token_file"], "--dashboard-interval", "0.2"], tmp, "serve")
-    yield f"http://{svc.address}"
-    svc.stop()
+def url(dashboard_server):
+    return dashboard_server[1]
 
 
 def snapshot(url: str, **kw) -> dict:

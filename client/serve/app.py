@@ -38,6 +38,7 @@ from client.serve.backends import Backends
 from client.serve.config import Tenants
 from client.serve.dashboard_auth import Sessions, same_key
 from client.serve.dashboard_feed import DEFAULT_INTERVAL, DashboardFeed
+from client.serve.dashboard_page import add_dashboard_page
 from client.serve.dashboard_routes import add_dashboard_routes
 from client.serve.generation import generate
 from client.serve.metrics import ServeMetrics
@@ -244,6 +245,7 @@ def create_app(server: Server) -> FastAPI:
                                max_tokens=req.max_tokens)
 
     add_dashboard_routes(app, server)
+    add_dashboard_page(app)
     return app
 
 
