@@ -201,6 +201,9 @@ def test_three_samples_share_their_prompt_blocks_then_free_them(url, admin):
     assert snap["pool"]["counts"] == {"free": stats.free_blocks, "used": 0, "cached": stats.cached_blocks}
     assert snap["pool"]["exact"] and stats.cached_blocks >= SHARED
     assert snap["stats"]["total_blocks"] == 96 and snap["leases"] == []
+    # The feed reports its own cost: the interval it was started with, the previous tick's time.
+    assert snap["feed"]["interval_s"] == 0.2 and 0 < snap["feed"]["last_tick_cpu_ms"]
+    assert snap["feed"]["last_tick_cpu_ms"] <= snap["feed"]["last_tick_ms"] * 1.05 + 1  # one thread: CPU <= wall
 
 
 def test_top_once_draws_getstats_numbers(url, admin):

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
+import sys
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import DASHBOARD_ADMIN_KEY, ROOT, START_TIMEOUT, pagedkv_process
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from tiny_llama import make_tiny_llama
@@ -33,6 +31,10 @@ BLOCK = 16
 #: 37 prompt tokens: two full blocks and 5 tokens in a third (not a multiple of the block size).
 PROMPT = [504, 3458, 282, 4649, 314] * 7 + [504, 3458]
 SHARED = len(PROMPT) // BLOCK
+sys.path.insert(0, str(ROOT / "scripts"))
+import headless_chromium  # noqa: E402 - scripts/ is not a package
+from headless_chromium import chromium  # noqa: E402
+
 ARTIFACTS = Path(os.environ.get("PAGEDKV_TEST_ARTIFACTS") or ROOT / "test-artifacts")
 
 #: What the page draws, read in one script: the grid's cells and every request row's block table.
@@ -52,24 +54,9 @@ return {seq: +document.body.dataset.seq, encoding: grid.dataset.encoding, cells,
 """
 
 
-def chromium() -> webdriver.Chrome:
-    """Headless Debian Chromium (scripts/install_browser.sh installs it; no skip when it is missing)."""
-    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    assert binary and driver, "Chromium and ChromeDriver are not installed: run scripts/install_browser.sh"
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-extensions", "--window-size=1400,1000"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(driver), options=options)
-
-
 @pytest.fixture(scope="module")
 def browser():
-    d = chromium()
-    d.set_page_load_timeout(60)
+    d = chromium()  # no skip: a missing Chromium fails here, naming scripts/install_browser.sh
     yield d
     d.quit()
 
@@ -97,12 +84,8 @@ def script_errors(browser) -> list[str]:
 
 
 def log_in(browser, url: str, key: str = DASHBOARD_ADMIN_KEY) -> None:
-    browser.get(f"{url}/dashboard")
-    wait_for(browser, lambda p: p["login"], message="the login form")
-    field = browser.find_element(By.ID, "key")
-    field.clear()
-    field.send_keys(key)
-    browser.find_element(By.ID, "login-button").click()
+    """Log in through the page's form; the caller waits for what should follow."""
+    headless_chromium.log_in(browser, url, key, wait=False)
 
 
 def test_the_page_asks_for_the_key_and_keeps_its_cookie_from_scripts(browser, dashboard_server):

@@ -25,6 +25,8 @@ The JSON (``type: "snapshot"``; the browser page and ``pagedkv top`` read it)::
                               (this front's) and pool_preemptions, swaps, and ``now``: tokens/s and hit
                               rate over the last seconds (client.serve.rates)
     history                   one point per 5 s over the last 5 minutes (client.serve.rates)
+    feed                      what the feed costs this front: interval_s between snapshots, and the
+                              previous tick's wall and CPU milliseconds (last_tick_ms, last_tick_cpu_ms)
 """
 
 from __future__ import annotations
@@ -111,8 +113,8 @@ def _request(req: Request, listed: dict, budget: _Budget) -> dict:
 
 
 def build(*, seq: int, now: float, stats, sequences: list, front: FrontView, scope: str, scope_note: str,
-          cached: tuple[set[int], set[int], bool], history: History, max_table_sequences: int = MAX_TABLE_SEQUENCES
-          ) -> dict:
+          cached: tuple[set[int], set[int], bool], history: History, feed: dict | None = None,
+          max_table_sequences: int = MAX_TABLE_SEQUENCES) -> dict:
     """The snapshot (module docstring) from one tick's reads.
 
     Args:
@@ -124,6 +126,7 @@ def build(*, seq: int, now: float, stats, sequences: list, front: FrontView, sco
         scope, scope_note: what the listing covers, and why.
         cached: (device block ids, host block ids, complete) from the KV events.
         history: the counters' history, this tick's sample already added.
+        feed: the feed's own cost (module docstring), or None.
     """
     device_cached, host_cached, complete = cached
     dev = pool_map(stats.total_blocks, sequences, device_cached, MEDIUM_DEVICE)
@@ -160,6 +163,7 @@ def build(*, seq: int, now: float, stats, sequences: list, front: FrontView, sco
                      "preemptions": front.preemptions, "swaps": front.swaps, "pool_preemptions": stats.preemptions,
                      "now": history.now()},
         "history": history.series(),
+        "feed": feed,
     }
 
 

@@ -23,7 +23,9 @@
   let retry = null;     // the timer of the next start()
   let last = null;      // the last snapshot drawn
   let selected = null;  // the selected row's request id ("lease:<id>" for a lease)
-  let tableKey = "";    // what the requests table last drew
+  let chartsKey = "";   // the history the charts last drew
+  const rows = new Map(); // the requests table's rows by request and sequence (seqRow)
+  const emptyRow = el("tr", { class: "empty" }, el("td", { colspan: "6", class: "none" }, "no requests"));
   const grids = {};     // grid element id -> {mode, per, cells, keys}
 
   function setStatus(state, text) {
@@ -149,6 +151,9 @@
       $("host-note").textContent = tierNote(snap.host);
     }
     renderRequests(snap);
+    const f = snap.feed;
+    $("feed-cost").textContent = f ? `a snapshot every ${f.interval_s} s while watched · the last one took ` +
+      `${f.last_tick_ms.toFixed(1)} ms in the server (${f.last_tick_cpu_ms.toFixed(1)} ms of CPU)` : "";
   }
 
   function tierNote(tier) {
@@ -174,12 +179,22 @@
       ["generation_tokens_per_s", "output tokens/s", num(c.now.generation_tokens_per_s)],
     ];
     if (st.host_total_blocks) cards.push(["host_used_blocks", "host tier used", `${st.host_used_blocks} / ${st.host_total_blocks}`]);
-    $("counters").replaceChildren(...cards.map(([key, label, value]) =>
-      el("div", { class: "card", data: { counter: key } }, el("div", { class: "label" }, label), el("div", { class: "value" }, value))));
+    const box = $("counters");
+    if (box.children.length !== cards.length) {  // built once (again when the host tier appears)
+      box.replaceChildren(...cards.map(([key, label]) =>
+        el("div", { class: "card", data: { counter: key } }, el("div", { class: "label" }, label), el("div", { class: "value" }))));
+    }
+    cards.forEach(([, , value], i) => {
+      const v = box.children[i].lastChild;
+      if (v.textContent !== value) v.textContent = value;
+    });
   }
 
   function renderCharts(snap) {
     const h = snap.history || [];
+    const key = `${h.length}:${h.length ? h[h.length - 1].time : 0}`;
+    if (key === chartsKey) return;  // a new point every 5 s: redrawn then
+    chartsKey = key;
     const pts = (f) => h.filter((p) => f(p) !== null && f(p) !== undefined).map((p) => [p.time, f(p)]);
     chart("kv_usage", snap.time, [pts((p) => 100 * p.kv_usage)], "%", 100);
     chart("prefix_cache_hit_rate", snap.time,
@@ -291,37 +306,57 @@
     return td;
   }
 
+  // A row per sequence, kept between snapshots and changed in place: during decode only a row's
+  // token count changes every step, and its block table once per block.
   function seqRow(rowId, label, status, s) {
-    const tr = el("tr", { data: { request: rowId, seq: s.seq_id ?? "", sample: s.index ?? "", status } },
-      el("td", {}, label), el("td", {}, status), el("td", { class: "num" }, s.index ?? ""),
-      el("td", { class: "num" }, s.seq_id ?? "-"), el("td", { class: "num" }, String(s.num_tokens)),
-      el("td", { class: "table" }, blockTable(s)));
-    if (rowId === selected) tr.classList.add("selected");
-    tr.addEventListener("click", () => {
-      selected = selected === rowId ? null : rowId;
-      tableKey = "";
-      if (last) render(last);
-    });
+    const key = `${rowId}|${s.seq_id ?? `i${s.index}`}`;
+    let tr = rows.get(key);
+    if (!tr) {
+      tr = el("tr", { data: { request: rowId, seq: s.seq_id ?? "", sample: s.index ?? "" } },
+        el("td", {}, label), el("td"), el("td", { class: "num" }, s.index ?? ""),
+        el("td", { class: "num" }, s.seq_id ?? "-"), el("td", { class: "num" }), el("td", { class: "table" }));
+      tr.drawn = {};
+      rows.set(key, tr);
+    }
+    const cells = tr.children, drawn = tr.drawn;
+    const table = JSON.stringify([s.seq_id, s.block_ids, s.ref_counts, s.media]);
+    if (drawn.status !== status) cells[1].textContent = tr.dataset.status = drawn.status = status;
+    if (drawn.tokens !== s.num_tokens) cells[4].textContent = drawn.tokens = s.num_tokens;
+    if (drawn.table !== table) {
+      cells[5].replaceChildren(blockTable(s));
+      drawn.table = table;
+    }
+    tr.classList.toggle("selected", rowId === selected);
+    tr.seen = true;
     return tr;
   }
 
   function renderRequests(snap) {
     const { running, waiting } = snap.requests;
-    const key = JSON.stringify([selected, running, waiting, snap.leases]);
     $("requests-note").textContent = `${running.length} running · ${waiting.length} waiting · ${snap.leases.length} other leases` +
       (snap.truncated ? " · some tables not sent" : "");
-    if (key === tableKey) return;
-    tableKey = key;
-    const rows = [];
+    const order = [];
+    for (const tr of rows.values()) tr.seen = false;
     for (const r of [...running, ...waiting]) {
-      for (const s of r.sequences) rows.push(seqRow(r.request_id, r.request_id, s.finished ? "finished" : r.status, s));
+      for (const s of r.sequences) order.push(seqRow(r.request_id, r.request_id, s.finished ? "finished" : r.status, s));
     }
     for (const l of snap.leases) {
-      for (const s of l.sequences) rows.push(seqRow(`lease:${l.lease_id}`, `lease ${l.lease_id.slice(0, 8)}`, s.swapped ? "swapped" : "lease", s));
+      for (const s of l.sequences) order.push(seqRow(`lease:${l.lease_id}`, `lease ${l.lease_id.slice(0, 8)}`, s.swapped ? "swapped" : "lease", s));
     }
-    if (!rows.length) rows.push(el("tr", { class: "empty" }, el("td", { colspan: "6", class: "none" }, "no requests")));
-    document.querySelector("#requests tbody").replaceChildren(...rows);
+    for (const [key, tr] of rows) if (!tr.seen) rows.delete(key);
+    if (!order.length) order.push(emptyRow);
+    const tbody = document.querySelector("#requests tbody");
+    const now = tbody.children;
+    if (now.length !== order.length || order.some((tr, i) => now[i] !== tr)) tbody.replaceChildren(...order);
   }
+
+  // One listener for every row: a click selects its request (again: unselects).
+  document.querySelector("#requests tbody").addEventListener("click", (e) => {
+    const tr = e.target.closest("tr[data-request]");
+    if (!tr) return;
+    selected = selected === tr.dataset.request ? null : tr.dataset.request;
+    if (last) render(last);
+  });
 
   // ------------------------------------------------------------------ login, logout, visibility
   $("login-form").addEventListener("submit", async (e) => {
