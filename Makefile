@@ -51,7 +51,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(PIP) install -e '.[dev,bench]'
 	touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP)
+bench: $(BENCH_STAMP) $(BROWSER_STAMP)
 	$(PY) benchmarks/bench_allocator.py
 	$(PY) benchmarks/bench_kernels.py --quick
 	$(PY) benchmarks/bench_worker.py --quick
@@ -62,6 +62,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_prefix.py
 	$(PY) benchmarks/bench_nodes.py --quick
 	$(PY) benchmarks/bench_routing.py --quick
+	$(PY) benchmarks/bench_dashboard.py --quick
 
 # Throughput in the vLLM paper's own setting (full ShareGPT-like lengths, sequences of at most
 # 2048 tokens, Orca-Max reserving 2048): about 10 minutes on 2 cores, so not part of `make bench`.

@@ -88,6 +88,13 @@ def log_in(browser, url: str, key: str = DASHBOARD_ADMIN_KEY) -> None:
     headless_chromium.log_in(browser, url, key, wait=False)
 
 
+def on_board(browser, url: str) -> dict:
+    """The page of ``url`` logged in and drawing (logs in when it is not); returns what it draws."""
+    if not browser.current_url.startswith(f"{url}/dashboard") or not read(browser)["board"]:
+        log_in(browser, url)
+    return wait_for(browser, lambda p: p["board"] and p["seq"] > 0 and p, message="the board")
+
+
 def test_the_page_asks_for_the_key_and_keeps_its_cookie_from_scripts(browser, dashboard_server):
     _, url = dashboard_server
     browser.delete_all_cookies()
@@ -107,8 +114,7 @@ def test_the_page_asks_for_the_key_and_keeps_its_cookie_from_scripts(browser, da
 
 def test_three_samples_share_prompt_blocks_on_the_page(browser, dashboard_server, admin):
     stack, url = dashboard_server
-    if not read(browser)["board"]:
-        log_in(browser, url)
+    on_board(browser, url)
     total = admin.stats().total_blocks
     assert len(wait_for(browser, lambda p: p["board"] and p["cells"])) == total == 96  # one cell per block
 
@@ -182,6 +188,31 @@ def test_three_samples_share_prompt_blocks_on_the_page(browser, dashboard_server
     assert sum(c[0] == "free" for c in page["cells"]) == stats.free_blocks
     assert page["counters"]["total_blocks"] == "96" and page["counters"]["free_blocks"] == str(stats.free_blocks)
     assert script_errors(browser) == []
+
+
+def test_another_lease_is_drawn_as_lease_rows(browser, dashboard_server, admin):
+    stack, url = dashboard_server
+    on_board(browser, url)
+    other = MemoryClient(stack.memory.address)
+    lease = other.create_lease(ttl=60).lease_id
+    try:
+        listed = {s.seq_id: list(s.block_ids) for s in other.allocate(lease, [40, 20]).sequences}
+        assert sorted(len(b) for b in listed.values()) == [2, 3]  # 40 and 20 tokens in blocks of 16
+
+        def lease_rows(page):
+            rows = [r for r in page["rows"] if r["request"] == f"lease:{lease}"]
+            return (page, rows) if len(rows) == 2 else None
+
+        page, rows = wait_for(browser, lease_rows, message="the other lease's two rows")
+        assert {r["seq"]: r["blocks"] for r in rows} == listed
+        assert all(r["status"] == "lease" and r["refs"] == [1] * len(r["blocks"]) for r in rows)
+        assert all(page["cells"][b][:2] == ["used", 1] for blocks in listed.values() for b in blocks)
+    finally:
+        other.release_lease(lease)
+        other.close()
+    page = wait_for(browser, lambda p: not any(r["request"].startswith("lease:") for r in p["rows"]) and p,
+                    message="the lease's rows gone after its release")
+    assert all(page["cells"][b][0] != "used" for blocks in listed.values() for b in blocks)
 
 
 @pytest.fixture(scope="module")

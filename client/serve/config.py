@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="sequences (queued and running; each prompt counts its n samples or beams) one tenant "
                       "may have in flight; more get 429, so one tenant cannot fill the server for all (default: no "
                       "per-tenant limit; needs API keys)")
-    http.add_argument("--dashboard-interval", type=float, default=_env("DASHBOARD_INTERVAL", 0.5),
-                      help="seconds between the dashboard's snapshots while someone watches (default 0.5)")
+    http.add_argument("--dashboard-interval", type=float, default=_env("DASHBOARD_INTERVAL", 1.0),
+                      help="seconds between the dashboard's snapshots while someone watches (default 1)")
     http.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
     model = p.add_argument_group("model and pool")
     model.add_argument("--model", default=_env("MODEL"), help="'smollm2', a .gguf file, a Hugging Face directory or "

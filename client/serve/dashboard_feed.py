@@ -12,7 +12,7 @@ plus the cached block ids that a second thread follows from StreamKvEvents
 (:class:`client.serve.kv_follower.CachedBlocks`); builds one snapshot
 (:mod:`client.serve.dashboard_snapshot`), serializes it once, and hands the same text to every
 viewer's queue. A viewer's queue holds one item: a slow viewer skips snapshots, never delays the
-feed. Ticks come every ``interval`` seconds (0.5 by default: 2 snapshots/s), and never take more
+feed. Ticks come every ``interval`` seconds (1.0 by default: one snapshot a second), and never take more
 than a tenth of the time (after a tick of d seconds the next waits at least 9 d), so the feed's
 load on the memory service stays bounded on a busy pool. The engine thread is only read.
 
@@ -48,7 +48,7 @@ from pagedkv.tls import TlsFiles
 log = get_logger("dashboard")
 
 #: Default seconds between snapshots.
-DEFAULT_INTERVAL = 0.5
+DEFAULT_INTERVAL = 1.0
 #: After a tick of d seconds the next waits at least this many times d (the feed's duty cycle <= 10%).
 REST_FACTOR = 9.0
 

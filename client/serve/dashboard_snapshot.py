@@ -90,7 +90,7 @@ def _row(info, budget: _Budget) -> dict:
     if budget.take():
         row["block_ids"] = list(info.block_ids)
         row["ref_counts"] = list(info.ref_counts)
-        if any(m != MEDIUM_DEVICE for m in info.media):
+        if info.media and max(info.media) != MEDIUM_DEVICE:
             row["media"] = list(info.media)
     return row
 

@@ -73,17 +73,25 @@ def pool_map(total: int, sequences: Iterable, cached: Iterable[int], medium: int
     refcount = np.zeros(total, dtype=np.uint32)
     ids = np.fromiter(cached, dtype=np.int64)
     state[ids[(ids >= 0) & (ids < total)]] = CACHED
-    blocks, refs = [], []
+    blocks: list[int] = []
+    refs: list[int] = []
     for s in sequences:
-        media = list(s.media) or [MEDIUM_DEVICE] * len(s.block_ids)
-        for b, rc, m in zip(s.block_ids, s.ref_counts, media):
-            if m == medium and b < total:
-                blocks.append(b)
-                refs.append(rc)
+        media = s.media
+        if not media or (min(media) == max(media) == medium):  # the whole table on this tier: no per-entry loop
+            if not media and medium != MEDIUM_DEVICE:
+                continue
+            blocks.extend(s.block_ids)
+            refs.extend(s.ref_counts)
+        else:
+            for b, rc, m in zip(s.block_ids, s.ref_counts, media):
+                if m == medium:
+                    blocks.append(b)
+                    refs.append(rc)
     if blocks:
         b = np.asarray(blocks, dtype=np.int64)
-        state[b] = USED
-        refcount[b] = np.asarray(refs, dtype=np.uint32)
+        keep = b < total
+        state[b[keep]] = USED
+        refcount[b[keep]] = np.asarray(refs, dtype=np.uint32)[keep]
     return PoolMap(state, refcount)
 
 
