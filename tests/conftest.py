@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 # The suite never downloads (a test that means to, against its own local hub, says so itself);
@@ -127,3 +129,27 @@ def dashboard_server(tmp_path_factory):
             yield s, f"http://{svc.address}"
         finally:
             svc.stop()
+
+
+@contextlib.contextmanager
+def streamed_request(url: str, body: dict, path: str = "/v1/completions"):
+    """POST ``body`` (a streamed request) to ``url + path`` from a thread while the ``with`` block
+    runs; leaving the block closes the connection, so the server aborts the request, and waits for
+    the thread."""
+    import httpx
+
+    stop = threading.Event()
+
+    def run():
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=300) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    client = threading.Thread(target=run, daemon=True)
+    client.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        client.join(timeout=60)

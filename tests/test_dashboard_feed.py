@@ -14,7 +14,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import DASHBOARD_ADMIN_KEY
+from conftest import DASHBOARD_ADMIN_KEY, streamed_request
 from rich.console import Console
 
 from client.serve.dashboard_auth import COOKIE, Sessions, login_key, same_key
@@ -143,19 +143,9 @@ def _tables(rows) -> dict[int, tuple[list[int], list[int]]]:
 
 
 def test_three_samples_share_their_prompt_blocks_then_free_them(url, admin):
-    stop = threading.Event()
     body = {"prompt": [PROMPT], "n": 3, "max_tokens": 400, "ignore_eos": True, "temperature": 1.0, "seed": 3,
             "stream": True}
-
-    def run():
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return  # leaving closes the connection: the server aborts the request
-
-    client = threading.Thread(target=run, daemon=True)
-    client.start()
-    try:
+    with streamed_request(url, body):
         deadline, match = time.monotonic() + 240, None
         while match is None and time.monotonic() < deadline:
             snap = snapshot(url, **as_admin())
@@ -170,9 +160,6 @@ def test_three_samples_share_their_prompt_blocks_then_free_them(url, admin):
             if _tables(mine) == _tables(listed):  # no step moved a table between the two reads
                 match = snap, running[0], listed
         assert match is not None, "no snapshot of the three samples equal to ListSequences"
-    finally:
-        stop.set()
-        client.join(timeout=60)
     snap, request, listed = match
     assert request["n"] == 3 and request["prompt_tokens"] == len(PROMPT) and request["status"] == "running"
     tables = [s["block_ids"] for s in request["sequences"]]

@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 import os
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import DASHBOARD_ADMIN_KEY, ROOT, START_TIMEOUT, pagedkv_process
+from conftest import DASHBOARD_ADMIN_KEY, ROOT, START_TIMEOUT, pagedkv_process, streamed_request
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from tiny_llama import make_tiny_llama
@@ -118,19 +117,9 @@ def test_three_samples_share_prompt_blocks_on_the_page(browser, dashboard_server
     total = admin.stats().total_blocks
     assert len(wait_for(browser, lambda p: p["board"] and p["cells"])) == total == 96  # one cell per block
 
-    stop = threading.Event()
     body = {"prompt": [PROMPT], "n": 3, "max_tokens": 400, "ignore_eos": True, "temperature": 1.0, "seed": 5,
             "stream": True}
-
-    def run():
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return  # leaving closes the connection: the server aborts the request
-
-    client = threading.Thread(target=run, daemon=True)
-    client.start()
-    try:
+    with streamed_request(url, body):
         def drawn_as_listed(page):
             """The page's three rows once every sample wrote past the fork, when they equal
             ListSequences read right after (no step moved a table in between)."""
@@ -169,9 +158,6 @@ def test_three_samples_share_prompt_blocks_on_the_page(browser, dashboard_server
         assert set(in_tables) <= selected <= {b for b, c in enumerate(page["cells"]) if c[0] == "used"}
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         assert browser.save_screenshot(str(ARTIFACTS / "dashboard.png"))
-    finally:
-        stop.set()
-        client.join(timeout=60)
 
     # Finished: no block drawn as used, the counters are GetStats' own.
     def idle(page):
