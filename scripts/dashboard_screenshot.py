@@ -6,7 +6,7 @@ The load, on a pool of 128 MiB (SmolLM2 fp32: about 180 blocks of 16 tokens):
 - then, at once: a request of ``n=3`` samples (their prompt blocks shared, refcount 3; their
   copy-on-write tails apart), two more chat requests with that system prompt (its cached blocks
   shared again), and two plain completions;
-- after about 15 seconds of watching (the charts get their first points), the ``n=3`` request is
+- after about 30 seconds of watching (the charts get their first points), the ``n=3`` request is
   selected and the page is saved as a PNG.
 
     python scripts/dashboard_screenshot.py [--out docs/images/dashboard.png]
@@ -53,7 +53,7 @@ def chat(question: str, max_tokens: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "images" / "dashboard.png")
-    ap.add_argument("--watch", type=float, default=15.0, help="seconds of load before the screenshot")
+    ap.add_argument("--watch", type=float, default=30.0, help="seconds of load before the screenshot")
     args = ap.parse_args(argv)
 
     stop = threading.Event()

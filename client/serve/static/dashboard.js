@@ -16,7 +16,7 @@
   const STATE = ["free", "used", "cached"];
   // Block-table entries drawn per sequence at most (the rest as "+N").
   const MAX_ROW_BLOCKS = 96;
-  // Seconds of history the charts span (client/serve/rates.py: SPAN).
+  // Seconds of history the charts span at most (client/serve/rates.py: SPAN).
   const SPAN = 300;
 
   let source = null;    // the EventSource, while connected
@@ -216,14 +216,17 @@
     };
     const all = series.flat();
     const max = fixedMax ?? Math.max(1, ...all.map((p) => p[1]));
-    const parts = [text(0, 8, `${num(max)}${unit}`), text(0, H - 1, "5 min ago"), text(W, H - 1, "now", "end")];
+    // The x axis spans the history there is: from a minute up to SPAN seconds.
+    const span = Math.min(SPAN, Math.max(60, ...all.map((p) => now - p[0])));
+    const ago = span >= SPAN ? `${SPAN / 60} min ago` : `${Math.round(span)} s ago`;
+    const parts = [text(0, 8, `${num(max)}${unit}`), text(0, H - 1, ago), text(W, H - 1, "now", "end")];
     if (!all.length) parts.push(text(W / 2, H / 2, "a point every 5 s while watched", "middle"));
     series.forEach((s, i) => {
       if (!s.length) return;
       const line = document.createElementNS(ns, "polyline");
       line.setAttribute("class", `s${i}`);
       line.setAttribute("points", s.map(([t, v]) =>
-        `${(W * Math.max(0, 1 - (now - t) / SPAN)).toFixed(1)},${(H - bottom - (H - top - bottom) * Math.min(1, v / max)).toFixed(1)}`).join(" "));
+        `${(W * Math.max(0, 1 - (now - t) / span)).toFixed(1)},${(H - bottom - (H - top - bottom) * Math.min(1, v / max)).toFixed(1)}`).join(" "));
       parts.push(line);
     });
     svg.replaceChildren(...parts);
