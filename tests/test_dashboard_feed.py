@@ -72,6 +72,10 @@ def test_block_map_states_refcounts_and_runs():
     assert unruns(sent["state_runs"]) == pm.state.tolist() and unruns(sent["refcount_runs"]) == pm.refcount.tolist()
     host = pool_map(4, seqs, cached={0}, medium=1)
     assert host.state.tolist() == [CACHED, USED, USED, FREE]
+    # A table across both tiers (a swap-in under way): each entry goes to its own tier's map.
+    mixed = [Info([6, 3], [1, 2], [0, 1])]
+    assert pool_map(10, mixed, cached=()).refcount.tolist() == [0] * 6 + [1] + [0] * 3
+    assert pool_map(4, mixed, cached=(), medium=1).refcount.tolist() == [0, 0, 0, 2]
     assert runs(np.zeros(0, dtype=np.uint8)) == []
 
 

@@ -77,12 +77,12 @@ def pool_map(total: int, sequences: Iterable, cached: Iterable[int], medium: int
     refs: list[int] = []
     for s in sequences:
         media = s.media
-        if not media or (min(media) == max(media) == medium):  # the whole table on this tier: no per-entry loop
-            if not media and medium != MEDIUM_DEVICE:
-                continue
+        # The tier of the whole table (no media: the device), or None when it spans both.
+        tier = MEDIUM_DEVICE if not media else media[0] if min(media) == max(media) else None
+        if tier == medium:  # no per-entry loop
             blocks.extend(s.block_ids)
             refs.extend(s.ref_counts)
-        else:
+        elif tier is None:
             for b, rc, m in zip(s.block_ids, s.ref_counts, media):
                 if m == medium:
                     blocks.append(b)
