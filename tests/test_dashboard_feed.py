@@ -17,7 +17,7 @@ import pytest
 from conftest import DASHBOARD_ADMIN_KEY, streamed_request
 from rich.console import Console
 
-from client.serve.dashboard_auth import COOKIE, Sessions, login_key, same_key
+from client.serve.dashboard_auth import COOKIE, LoginThrottle, Sessions, login_key, same_key
 from client.serve.pool_map import CACHED, FREE, USED, encode, pool_map, runs, unruns
 from client.services import MemoryClient, read_admin_token
 
@@ -105,6 +105,25 @@ def test_sessions_and_login_bodies():
     assert login_key(b"key=a&key=b", "application/x-www-form-urlencoded") is None
     assert login_key(b'["k"]', "application/json") is None and login_key(b"key=k", "text/plain") is None
     assert same_key("k", "k") and not same_key("k", "kk") and not same_key(None, "k")
+    assert login_key(b"[" * 3000, "application/json") is None  # nested too deeply: refused, not raised
+    assert login_key(b'{"key": "  k "}', "application/json") == "k" and login_key(b"key=+", "") is None
+
+
+def test_failed_logins_are_throttled_per_address():
+    now = [0.0]
+    throttle = LoginThrottle(max_failures=3, window=60, max_clients=2, clock=lambda: now[0])
+    for t in (0, 10, 20):
+        now[0] = t
+        assert throttle.retry_after("a") == 0
+        throttle.failed("a")
+    assert throttle.retry_after("a") == 40 and throttle.retry_after("b") == 0  # until the first failure is 60 s old
+    now[0] = 60.5
+    assert throttle.retry_after("a") == 0  # one failure left the window
+    throttle.failed("a")
+    assert throttle.retry_after("a") == 9.5
+    throttle.failed("b")
+    throttle.failed("c")  # a third address: the one seen least recently ("a") is dropped
+    assert throttle.retry_after("a") == 0
 
 
 # ---------------------------------------------------------------- on a real server
@@ -114,11 +133,12 @@ def test_the_feed_needs_the_operator(url):
             r = httpx.get(f"{url}/dashboard/{path}", **kw)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, kw)
     with httpx.Client(base_url=url) as browser:
-        for body in ({"json": {"key": "wrong"}}, {"data": {"key": ADMIN + "x"}}, {"json": {}}):
+        for body in ({"json": {"key": "wrong"}}, {"data": {"key": ADMIN + "x"}}, {"json": {}},
+                     {"content": b"[" * 2000, "headers": {"Content-Type": "application/json"}}):  # nested too deeply
             r = browser.post("/dashboard/login", **body)
             assert r.status_code == 401 and "set-cookie" not in r.headers and not browser.cookies
         assert browser.get("/dashboard/snapshot").status_code == 401
-        r = browser.post("/dashboard/login", json={"key": ADMIN})
+        r = browser.post("/dashboard/login", json={"key": f" {ADMIN}  "})  # trimmed, as the Bearer header's key
         assert r.status_code == 200 and r.json()["ok"]
         cookie = r.headers["set-cookie"]
         assert cookie.startswith(f"{COOKIE}=") and "HttpOnly" in cookie and "SameSite=strict" in cookie.replace(
@@ -133,11 +153,18 @@ def test_the_feed_needs_the_operator(url):
             assert next(lines).startswith("id: ")
             assert next(lines) == "event: snapshot"
             assert next(lines).startswith('data: {"type":"snapshot","version":1,')
-        r = browser.post("/dashboard/logout")
-        assert r.status_code == 200 and f'{COOKIE}=""' in r.headers["set-cookie"]
+            r = browser.post("/dashboard/logout")
+            assert r.status_code == 200 and f'{COOKIE}=""' in r.headers["set-cookie"]
+            # The open stream ends with its session: at most the snapshots already on their way follow.
+            after = 0
+            for line in lines:
+                after += line.startswith("data: ")
+                assert after <= 2, "the event stream outlived its session"
     assert httpx.get(f"{url}/dashboard/snapshot", headers={"Cookie": f"{COOKIE}={token}"}).status_code == 401  # the session ended
     r = httpx.post(f"{url}/dashboard/login", data={"key": ADMIN}, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/dashboard" and COOKIE in r.headers["set-cookie"]
+    r = httpx.head(f"{url}/dashboard")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html") and r.content == b""
 
 
 def _tables(rows) -> dict[int, tuple[list[int], list[int]]]:

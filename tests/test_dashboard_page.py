@@ -21,7 +21,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from tiny_llama import make_tiny_llama
 
-from client.serve.dashboard_auth import COOKIE
+from client.serve.dashboard_auth import COOKIE, MAX_FAILED_LOGINS
 from client.serve.pool_map import MAX_CELLS
 from client.services import MemoryClient, read_admin_token
 from client.stack import LocalStack
@@ -243,3 +243,14 @@ def test_a_pool_above_the_threshold_draws_as_a_heat_map(browser, big_pool):
     assert counts["free"] == stats.free_blocks and counts["first"] == list(range(0, stats.total_blocks, per))
     assert counts["colored"] == len(page["cells"])
     assert script_errors(browser) == []
+
+
+def test_failed_logins_are_throttled_and_the_bearer_key_still_works(big_pool):
+    url, _ = big_pool  # its own server: the throttle counts per address, and every test comes from loopback
+    for _ in range(MAX_FAILED_LOGINS):
+        assert httpx.post(f"{url}/dashboard/login", json={"key": "guess"}).status_code == 401
+    r = httpx.post(f"{url}/dashboard/login", json={"key": DASHBOARD_ADMIN_KEY})
+    assert r.status_code == 429 and 0 < int(r.headers["retry-after"]) <= 60 and "set-cookie" not in r.headers
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    r = httpx.get(f"{url}/dashboard/snapshot", headers={"Authorization": f"Bearer {DASHBOARD_ADMIN_KEY}"}, timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "snapshot"

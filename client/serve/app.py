@@ -36,7 +36,7 @@ from client.api import Client
 from client.errors import ServiceError, Unavailable
 from client.serve.backends import Backends
 from client.serve.config import Tenants
-from client.serve.dashboard_auth import Sessions, same_key
+from client.serve.dashboard_auth import LoginThrottle, Sessions, same_key
 from client.serve.dashboard_feed import DEFAULT_INTERVAL, DashboardFeed
 from client.serve.dashboard_page import add_dashboard_page
 from client.serve.dashboard_routes import add_dashboard_routes
@@ -84,6 +84,8 @@ class Server:
     dashboard_interval: float = DEFAULT_INTERVAL
     #: Dashboard logins (client.serve.dashboard_auth).
     sessions: Sessions = field(default_factory=Sessions, init=False, repr=False)
+    #: Failed dashboard logins per client address (client.serve.dashboard_auth).
+    login_throttle: LoginThrottle = field(default_factory=LoginThrottle, init=False, repr=False)
     #: The dashboard's feed, made at the first viewer (client.serve.dashboard_feed).
     _feed: DashboardFeed | None = field(default=None, init=False, repr=False)
 

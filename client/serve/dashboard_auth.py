@@ -10,7 +10,13 @@ session and clears the cookie. Sessions live in the server's memory, so a restar
 out; at most :data:`MAX_SESSIONS` live at once (the oldest goes first).
 
 Programs (``pagedkv top``, curl) send ``Authorization: Bearer <admin key>`` instead. Keys are
-compared in constant time (HMAC-style, over their SHA-256 digests, so the length leaks nothing).
+compared in constant time (HMAC-style, over their SHA-256 digests, so the length leaks nothing),
+after trimming surrounding white space, as the Bearer header's key is.
+
+Failed logins are throttled per client address (:class:`LoginThrottle`): past
+:data:`MAX_FAILED_LOGINS` in :data:`FAILED_LOGIN_WINDOW` seconds, a login is refused with 429
+until the oldest failure leaves the window, so guessing the key over the form costs time, and the
+log gets at most that many refusals per client and window.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ SESSION_SECONDS = 12 * 3600
 MAX_SESSIONS = 64
 #: Largest login body read, bytes.
 MAX_LOGIN_BYTES = 4096
+#: Failed logins one client address may make per window, and the window, seconds.
+MAX_FAILED_LOGINS, FAILED_LOGIN_WINDOW = 10, 60.0
+#: Client addresses the throttle tracks at most (the oldest go first).
+MAX_THROTTLED_CLIENTS = 4096
 
 
 def same_key(given: str | None, expected: str | None) -> bool:
@@ -55,9 +65,51 @@ def login_key(body: bytes, content_type: str) -> str | None:
             value = values[0] if len(values) == 1 else None
         else:
             return None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: JSON nested too deeply
         return None
-    return value if isinstance(value, str) and value else None
+    value = value.strip() if isinstance(value, str) else None
+    return value or None
+
+
+class LoginThrottle:
+    """Failed logins per client address over a sliding window (module docstring).
+
+    Args:
+        max_failures: failures a client may make in ``window`` seconds; the next login is refused.
+        window: seconds a failure counts.
+        max_clients: addresses tracked at most; past it the one seen least recently is dropped.
+        clock: seconds, monotonic.
+    """
+
+    def __init__(self, max_failures: int = MAX_FAILED_LOGINS, window: float = FAILED_LOGIN_WINDOW,
+                 max_clients: int = MAX_THROTTLED_CLIENTS, clock: Callable[[], float] = time.monotonic):
+        self.max_failures, self.window, self.max_clients, self._clock = max_failures, window, max_clients, clock
+        self._failures: collections.OrderedDict[str, collections.deque[float]] = collections.OrderedDict()
+
+    def retry_after(self, client: str) -> float:
+        """Seconds until ``client`` may try to log in again; 0 when it may now."""
+        times = self._recent(client)
+        if times is None or len(times) < self.max_failures:
+            return 0.0
+        return max(0.0, times[0] + self.window - self._clock())
+
+    def failed(self, client: str) -> None:
+        """Count a failed login of ``client``."""
+        times = self._recent(client)
+        if times is None:
+            times = self._failures[client] = collections.deque(maxlen=self.max_failures)
+            while len(self._failures) > self.max_clients:
+                self._failures.popitem(last=False)
+        self._failures.move_to_end(client)
+        times.append(self._clock())
+
+    def _recent(self, client: str) -> collections.deque[float] | None:
+        times = self._failures.get(client)
+        if times is not None:
+            cutoff = self._clock() - self.window
+            while times and times[0] <= cutoff:
+                times.popleft()
+        return times
 
 
 class Sessions:
@@ -102,4 +154,5 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-__all__ = ["COOKIE", "MAX_SESSIONS", "SESSION_SECONDS", "Sessions", "login_key", "same_key"]
+__all__ = ["COOKIE", "FAILED_LOGIN_WINDOW", "MAX_FAILED_LOGINS", "MAX_SESSIONS", "SESSION_SECONDS", "LoginThrottle",
+           "Sessions", "login_key", "same_key"]

@@ -43,11 +43,11 @@ def asset(name: str) -> bytes:
 def add_dashboard_page(app: FastAPI) -> None:
     """Register the page's routes on ``app``."""
 
-    @app.get("/dashboard")
+    @app.api_route("/dashboard", methods=["GET", "HEAD"])
     async def page():
         return Response(asset("dashboard.html"), media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
-    @app.get("/dashboard/static/{name}")
+    @app.api_route("/dashboard/static/{name}", methods=["GET", "HEAD"])
     async def static(name: str):
         if name not in ASSETS:
             raise APIError(404, f"no dashboard asset {name!r}", type="not_found_error")

@@ -2,12 +2,14 @@
 
     POST /dashboard/login      the admin key (form field ``key`` or JSON ``{"key": ...}``) -> the
                                session cookie (client.serve.dashboard_auth); JSON gets 200
-                               ``{"ok": true, "expires_in": s}``, a form a 303 to /dashboard
+                               ``{"ok": true, "expires_in": s}``, a form a 303 to /dashboard; a wrong
+                               key 401; 429 (with Retry-After) after too many failures from one address
     POST /dashboard/logout     ends the session, clears the cookie (200 whatever the cookie)
     GET  /dashboard/events     server-sent events: ``event: snapshot`` (or ``event: error`` when the
                                memory service did not answer), ``id:`` the snapshot number, ``data:``
                                one JSON snapshot (client.serve.dashboard_snapshot); one feed shared
-                               by every viewer (client.serve.dashboard_feed)
+                               by every viewer (client.serve.dashboard_feed). A stream opened with a
+                               session ends when the session does (logout, expiry, eviction)
     GET  /dashboard/snapshot   the next snapshot as one JSON document (the page's first paint, scripts)
 
 Each but login and logout needs the session cookie or ``Authorization: Bearer <admin key>``:
@@ -17,10 +19,12 @@ Each but login and logout needs the session cookie or ``Authorization: Bearer <a
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from client.serve.dashboard_auth import COOKIE, MAX_LOGIN_BYTES, SESSION_SECONDS, login_key, same_key
 from client.serve.protocol import APIError
@@ -48,10 +52,13 @@ def add_dashboard_routes(app: FastAPI, server: Server) -> None:
                            type="permission_error")
         return server.tenants.admin_key
 
-    def require_viewer(request: Request) -> None:
+    def require_viewer(request: Request) -> str | None:
+        """Refuse (401/403) a caller who is not the operator; returns the session token it came
+        with, or None when it sent the admin key itself."""
         key = admin_key()
-        if server.sessions.valid(request.cookies.get(COOKIE)):
-            return
+        token = request.cookies.get(COOKIE)
+        if server.sessions.valid(token):
+            return token
         headers = request.headers.getlist("authorization")
         if not headers:
             raise _refused("log in first: POST /dashboard/login with the admin API key, or send "
@@ -60,6 +67,7 @@ def add_dashboard_routes(app: FastAPI, server: Server) -> None:
         bearer = header[7:].strip() if header[:7].lower() == "bearer " else None
         if not same_key(bearer, key):
             raise _refused("the dashboard needs the admin API key")
+        return None
 
     def cookie_flags(request: Request) -> dict:
         return {"path": "/dashboard", "httponly": True, "samesite": "strict", "secure": request.url.scheme == "https"}
@@ -67,17 +75,27 @@ def add_dashboard_routes(app: FastAPI, server: Server) -> None:
     @app.post("/dashboard/login")
     async def login(request: Request):
         key = admin_key()
+        client = request.client.host if request.client else ""
+        wait = server.login_throttle.retry_after(client)
+        if wait > 0:
+            return JSONResponse(APIError(429, f"too many failed logins from this address: try again in "
+                                         f"{math.ceil(wait)} s", type="rate_limit_error").body(),
+                                status_code=429, headers={"Retry-After": str(math.ceil(wait))})
         content_type = request.headers.get("content-type", "")
         body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_LOGIN_BYTES:
-                raise _refused("wrong or missing admin API key")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_LOGIN_BYTES:
+                    break
+        except ClientDisconnect:  # it hung up mid-body: nobody to answer
+            return Response(status_code=400)
         if not same_key(login_key(body, content_type), key):
-            log.warning("dashboard_login_refused", client=request.client.host if request.client else "")
+            server.login_throttle.failed(client)
+            log.warning("dashboard_login_refused", client=client)
             raise _refused("wrong or missing admin API key")
         token = server.sessions.create()
-        log.info("dashboard_login", client=request.client.host if request.client else "")
+        log.info("dashboard_login", client=client)
         if content_type.split(";", 1)[0].strip().lower() == "application/json":
             response = JSONResponse({"ok": True, "expires_in": SESSION_SECONDS})
         else:
@@ -94,7 +112,7 @@ def add_dashboard_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/dashboard/events")
     async def events(request: Request):
-        require_viewer(request)
+        session = require_viewer(request)
         feed = server.dashboard_feed()
         q = feed.subscribe()
 
@@ -105,6 +123,8 @@ def add_dashboard_routes(app: FastAPI, server: Server) -> None:
                     item = await q.get()
                     if item is None:  # the server stops
                         return
+                    if session is not None and not server.sessions.valid(session):
+                        return  # logged out, expired or evicted: the browser's reconnect gets 401
                     kind, seq, data = item
                     yield f"id: {seq}\nevent: {kind}\ndata: {data}\n\n"
             finally:
