@@ -118,7 +118,7 @@ def dashboard_server(tmp_path_factory):
     """The dashboard's server, shared by its feed's and its page's tests: a small pool (96 blocks of
     16 tokens), one worker, and ``pagedkv serve`` over them with ``--admin-api-key``
     :data:`DASHBOARD_ADMIN_KEY`, the memory service's admin token, and a snapshot every 0.2 s.
-    Yields ``(stack, url)``. Its own stack, so the KV events replay from event 1."""
+    Yields ``(stack, url, serve process)``. Its own stack, so the KV events replay from event 1."""
     run = tmp_path_factory.mktemp("dashboard")
     with local_stack(run, ["--num-blocks", "96", "--block-size", "16", "--lease-ttl", "30"], num_workers=1,
                      name="dash") as s:
@@ -126,7 +126,7 @@ def dashboard_server(tmp_path_factory):
                                "--admin-api-key", DASHBOARD_ADMIN_KEY, "--memory-admin-token-file",
                                s.memory.info["admin_token_file"], "--dashboard-interval", "0.2"], run, "serve")
         try:
-            yield s, f"http://{svc.address}"
+            yield s, f"http://{svc.address}", svc
         finally:
             svc.stop()
 

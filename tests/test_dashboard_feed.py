@@ -8,6 +8,7 @@ read with the admin token), never with a time.
 from __future__ import annotations
 
 import io
+import socket
 import threading
 import time
 
@@ -44,6 +45,22 @@ def admin(backends):
 @pytest.fixture(scope="module")
 def url(dashboard_server):
     return dashboard_server[1]
+
+
+def test_a_caller_hanging_up_mid_body_is_no_server_error(dashboard_server):
+    _, url, serve = dashboard_server
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    for path in ("/dashboard/login", "/v1/completions"):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: 100\r\n\r\n{{\"key".encode())  # 5 of the 100 bytes promised
+            time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while serve.log().count("client_disconnected") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = serve.log()
+    assert log.count("client_disconnected") == 2 and "request_failed" not in log and "Traceback" not in log
+    assert httpx.get(f"{url}/health").status_code == 200
 
 
 def snapshot(url: str, **kw) -> dict:

@@ -62,7 +62,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def admin(dashboard_server):
-    stack, _ = dashboard_server
+    stack = dashboard_server[0]
     m = MemoryClient(stack.memory.address, admin_token=read_admin_token(stack.memory.info["admin_token_file"]))
     yield m
     m.close()
@@ -95,7 +95,7 @@ def on_board(browser, url: str) -> dict:
 
 
 def test_the_page_asks_for_the_key_and_keeps_its_cookie_from_scripts(browser, dashboard_server):
-    _, url = dashboard_server
+    url = dashboard_server[1]
     browser.delete_all_cookies()
     log_in(browser, url, "not-the-key")
     page = wait_for(browser, lambda p: p["login_error"] and p, message="the refusal")
@@ -112,7 +112,7 @@ def test_the_page_asks_for_the_key_and_keeps_its_cookie_from_scripts(browser, da
 
 
 def test_three_samples_share_prompt_blocks_on_the_page(browser, dashboard_server, admin):
-    stack, url = dashboard_server
+    stack, url, _ = dashboard_server
     on_board(browser, url)
     total = admin.stats().total_blocks
     assert len(wait_for(browser, lambda p: p["board"] and p["cells"])) == total == 96  # one cell per block
@@ -177,7 +177,7 @@ def test_three_samples_share_prompt_blocks_on_the_page(browser, dashboard_server
 
 
 def test_another_lease_is_drawn_as_lease_rows(browser, dashboard_server, admin):
-    stack, url = dashboard_server
+    stack, url, _ = dashboard_server
     on_board(browser, url)
     other = MemoryClient(stack.memory.address)
     lease = other.create_lease(ttl=60).lease_id

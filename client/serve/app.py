@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from client.api import Client
 from client.errors import ServiceError, Unavailable
@@ -180,6 +181,12 @@ def create_app(server: Server) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _hung_up(request: Request, e: ClientDisconnect):
+        # The caller left mid-body: nobody reads the answer, and it is no server error.
+        log.info("client_disconnected", path=request.url.path)
+        return Response(status_code=400)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
-from starlette.requests import ClientDisconnect
 
 from client.serve.dashboard_auth import COOKIE, MAX_LOGIN_BYTES, SESSION_SECONDS, login_key, same_key
 from client.serve.protocol import APIError
@@ -83,13 +82,10 @@ def add_dashboard_routes(app: FastAPI, server: Server) -> None:
                                 status_code=429, headers={"Retry-After": str(math.ceil(wait))})
         content_type = request.headers.get("content-type", "")
         body = b""
-        try:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > MAX_LOGIN_BYTES:
-                    break
-        except ClientDisconnect:  # it hung up mid-body: nobody to answer
-            return Response(status_code=400)
+        async for chunk in request.stream():  # a hang-up mid-body: client.serve.app's ClientDisconnect handler
+            body += chunk
+            if len(body) > MAX_LOGIN_BYTES:
+                break
         if not same_key(login_key(body, content_type), key):
             server.login_throttle.failed(client)
             log.warning("dashboard_login_refused", client=client)
