@@ -1,4 +1,4 @@
-"""The dashboard's HTTP routes on ``pagedkv serve`` (the page itself comes with its own change).
+"""The dashboard's data routes on ``pagedkv serve`` (the page and its assets: client.serve.dashboard_page).
 
     POST /dashboard/login      the admin key (form field ``key`` or JSON ``{"key": ...}``) -> the
                                session cookie (client.serve.dashboard_auth); JSON gets 200
