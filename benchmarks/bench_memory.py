@@ -5,7 +5,7 @@ configuration, with no model: a request allocates its prompt at admission, then 
 running request appends one token (one batched AppendSlots for all of them), and it is freed when
 its output length is reached. All policies get the same KV budget in tokens:
 
-- ``paged-B``: pagedkv blocks of B tokens (B = 1, 8, 16, 32), allocated on demand; when an
+- ``paged-B``: pagedkv blocks of B tokens (B = 1, 8, 16, 24, 32, 64), allocated on demand; when an
   append finds no block, the most recently admitted request is preempted (recompute: freed,
   requeued at the front with its length so far);
 - ``orca-max``: a contiguous reservation of the max sequence length (2048) at admission;
@@ -63,7 +63,8 @@ from client.errors import OutOfBlocks
 from client.reservation import OrcaMax, OrcaOracle, OrcaPow2, Paged, ReservationPolicy
 from client.services import MemoryClient
 
-POLICIES = [("paged-1", Paged(), 1), ("paged-8", Paged(), 8), ("paged-16", Paged(), 16), ("paged-32", Paged(), 32),
+POLICIES = [("paged-1", Paged(), 1), ("paged-8", Paged(), 8), ("paged-16", Paged(), 16), ("paged-24", Paged(), 24),
+            ("paged-32", Paged(), 32), ("paged-64", Paged(), 64),
             ("orca-max", OrcaMax(2048), 1), ("orca-pow2", OrcaPow2(), 1), ("orca-oracle", OrcaOracle(), 1)]
 
 

@@ -47,6 +47,7 @@ class Timers:
         self.step_wall = 0.0
         self.worker_step = 0.0
         self.worker_model = 0.0
+        self.step_bytes = 0  # serialized StepRequest bytes sent to the worker
 
     def reset(self):
         self.__init__()
@@ -70,6 +71,7 @@ def instrument(engine, timers: Timers) -> None:
     step = worker.step
 
     def timed_step(request):
+        timers.step_bytes += request.ByteSize()
         t = time.perf_counter()
         resp = step(request)
         timers.step_wall += time.perf_counter() - t
@@ -80,7 +82,10 @@ def instrument(engine, timers: Timers) -> None:
     worker.step = timed_step
 
 
-def measure(stack: Stack, tok, ids: list[int], batch: int, steps: int, prompt_len: int) -> dict:
+def measure(stack: Stack, tok, ids: list[int], batch: int, steps: int, prompt_len: int, extra_tokens: int = 4) -> dict:
+    """Decode ``batch`` requests of ``prompt_len`` tokens; the breakdown of up to ``steps`` steps that
+    decode the whole batch. Each request generates ``steps + extra_tokens`` tokens: ``extra_tokens``
+    must cover the steps it decodes while later requests still prefill."""
     engine = stack.engine(SchedulerConfig(max_num_seqs=max(64, batch), max_num_batched_tokens=1024), tok)
     timers = Timers()
     instrument(engine, timers)
@@ -88,7 +93,7 @@ def measure(stack: Stack, tok, ids: list[int], batch: int, steps: int, prompt_le
         for i in range(batch):
             start = (i * 37) % (len(ids) - prompt_len)
             p = ids[start:start + prompt_len]
-            engine.add(Request(p, p, SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)))
+            engine.add(Request(p, p, SamplingParams(max_tokens=steps + extra_tokens, temperature=0, ignore_eos=True)))
         rows = []
         while engine.has_work():
             timers.reset()
@@ -100,12 +105,12 @@ def measure(stack: Stack, tok, ids: list[int], batch: int, steps: int, prompt_le
                          "worker_other": timers.worker_step - timers.worker_model,
                          "step_rpc": timers.step_wall - timers.worker_step, "memory": timers.memory,
                          "client": t.step_seconds - timers.step_wall - timers.memory,
-                         "memory_calls": sum(timers.memory_calls.values())})
+                         "memory_calls": sum(timers.memory_calls.values()), "step_bytes": timers.step_bytes})
             if len(rows) >= steps:
                 break
     finally:
         engine.close()
-    out = {k: median([r[k] for r in rows]) for k in ("step", *PARTS, "memory_calls")}
+    out = {k: median([r[k] for r in rows]) for k in ("step", *PARTS, "memory_calls", "step_bytes")}
     out["overhead_share"] = 1 - out["model"] / out["step"]
     out["overhead_share_per_step_median"] = median([1 - r["model"] / r["step"] for r in rows])
     out["steps_measured"] = len(rows)
