@@ -98,7 +98,7 @@ class FeedReader:
     """Reads /dashboard/events while on, as a page would; records the feed's own tick cost."""
 
     def __init__(self, url: str):
-        self.url, self.snapshots = url, 0
+        self.url = url
         self.tick_ms: list[float] = []  # the feed's wall and CPU time per tick, as it reports them
         self.tick_cpu_ms: list[float] = []
         self._stop: threading.Event | None = None
@@ -122,7 +122,6 @@ class FeedReader:
                 if stop.is_set():
                     return  # leaving closes the stream: the feed rests
                 if line.startswith("data:"):
-                    self.snapshots += 1
                     feed = json.loads(line[5:]).get("feed") or {}
                     if feed.get("last_tick_ms"):
                         self.tick_ms.append(feed["last_tick_ms"])
@@ -335,7 +334,8 @@ def main(argv=None) -> int:
            "mean ± sem"], rows)
     cpu_rows = []
     for w in watchers:
-        extra = {k: [x for r in results[w] for x in cpu_paired(r["segments"])[k]] for k in ROLES}
+        per_run = [cpu_paired(r["segments"]) for r in results[w]]
+        extra = {k: [x for p in per_run for x in p[k]] for k in ROLES}
         summary[w]["extra_cores"] = {k: mean_sem(v)[0] for k, v in extra.items()}
         cpu_rows.append([w] + [f"{fmt(mean_sem(extra[k])[0], '+.3f')} ± {fmt(mean_sem(extra[k])[1], '.3f')}"
                                for k in ROLES])
