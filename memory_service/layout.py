@@ -18,7 +18,7 @@ from pagedkv.model_config import read_hf_config
 #: Dimension names of the pool tensor, outermost first.
 DIM_NAMES = ("num_blocks", "num_layers", "kv", "block_size", "num_kv_heads", "head_dim")
 #: Bytes per element of each supported KV dtype.
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
 #: SmolLM2-135M-Instruct's attention layout (DESIGN.md, "The real model").
 SMOLLM2_LAYOUT = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
 
@@ -35,7 +35,7 @@ class PoolLayout:
     head_dim: int
     #: Tokens per block.
     block_size: int
-    #: "float32", "float16" or "bfloat16".
+    #: "float32", "float16", "bfloat16" or "fp8_e4m3" (static per-head scales: :mod:`pagedkv.kv_scales`).
     dtype: str
     #: Blocks in the pool.
     num_blocks: int

@@ -38,6 +38,7 @@ from memory_service.transfers import NodeTransfers
 from memory_service.worker_socket import WorkerSocketServer
 from pagedkv import tls
 from pagedkv.credentials import default_admin_token_file
+from pagedkv.kv_scales import FP8_DTYPE, FP8_FLAGS, load_scales_file
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.model_source import ResolvedModel, resolve_model
@@ -48,6 +49,8 @@ log = get_logger("memory_service")
 
 #: CPU pool size when neither --num-blocks nor --kv-cache-memory is given.
 DEFAULT_CPU_KV_MEMORY = "1GiB"
+#: ``--kv-cache-dtype`` values besides auto.
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", *FP8_FLAGS)
 #: GPU pool size when neither is given.
 DEFAULT_CUDA_KV_MEMORY = "4GiB"
 
@@ -89,7 +92,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "unless HF_HUB_OFFLINE=1)")
     p.add_argument("--revision", default=os.environ.get("PAGEDKV_REVISION") or None,
                    help="branch, tag or commit of a repo id (default main)")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="KV dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--kv-cache-dtype", "--dtype", dest="dtype", default=os.environ.get("PAGEDKV_KV_CACHE_DTYPE"),
+                   choices=["auto", *KV_CACHE_DTYPES],
+                   help="the pool's element type (default auto: float32 on cpu, bfloat16 on cuda); fp8 (= fp8_e4m3) "
+                        "stores KV in one byte with static scales per (layer, KV head), from a worker's calibration "
+                        "pass or --kv-scales-file: 4x the tokens of float32 in the same memory")
+    p.add_argument("--kv-scales-file", default=os.environ.get("PAGEDKV_KV_SCALES_FILE"),
+                   help="an fp8 pool's scales, JSON {\"k_scale\": [[...]], \"v_scale\": [[...]]} of [num_layers]"
+                        "[num_kv_heads] (default: the first worker calibrates them)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds without keep-alive (default 10)")
     p.add_argument("--max-kv-events", type=int, default=10_000,
                    help="KV events kept for StreamKvEvents replay; a subscriber further behind is told what it lost (default 10000)")
@@ -133,7 +143,12 @@ def create_pool(args: argparse.Namespace, model: ResolvedModel | None = None) ->
     is_cuda = device.startswith("cuda")
     if not is_cuda and device != "cpu":
         raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
-    dtype = args.dtype or ("bfloat16" if is_cuda else "float32")
+    dtype = args.dtype if args.dtype not in (None, "auto") else ("bfloat16" if is_cuda else "float32")
+    if dtype not in KV_CACHE_DTYPES:  # from PAGEDKV_KV_CACHE_DTYPE
+        raise ValueError(f"--kv-cache-dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}, got {dtype!r}")
+    dtype = FP8_DTYPE if dtype in FP8_FLAGS else dtype
+    if args.kv_scales_file and dtype != FP8_DTYPE:
+        raise ValueError(f"--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds {dtype}")
     memory = None
     if args.num_blocks is None:
         memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if is_cuda else DEFAULT_CPU_KV_MEMORY))
@@ -144,10 +159,15 @@ def create_pool(args: argparse.Namespace, model: ResolvedModel | None = None) ->
     if host_bytes and not host_blocks:
         raise ValueError(f"--host-cache-memory {host_bytes} bytes holds no block of {layout.block_nbytes} bytes; "
                          "give at least one block's size, or 0 for no host tier")
+    scales = load_scales_file(args.kv_scales_file, layout.num_layers, layout.num_kv_heads) if args.kv_scales_file else None
     if is_cuda:
         index = int(device.split(":", 1)[1]) if ":" in device else 0
-        return CudaPool(layout, device_index=index, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
-    return CpuPool(layout, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
+        pool = CudaPool(layout, device_index=index, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
+    else:
+        pool = CpuPool(layout, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
+    if scales is not None:
+        pool.set_kv_scales(scales)
+    return pool
 
 
 async def serve(args: argparse.Namespace) -> None:

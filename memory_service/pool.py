@@ -44,6 +44,8 @@ import numpy as np
 
 from memory_service.layout import DIM_NAMES, PoolLayout
 from pagedkv.cuda_ipc import cuda_uuid_string
+from pagedkv.errors import FailedPreconditionError, InvalidArgumentError
+from pagedkv.kv_scales import FP8_DTYPE, check_scales
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.pool_socket import PLANE_KEY_BYTES
@@ -139,6 +141,8 @@ class Pool:
         self.model = model
         #: Signs grants and receipts of this generation (32 bytes); workers get it over the socket.
         self.plane_key = os.urandom(PLANE_KEY_BYTES)
+        #: An fp8 pool's static KV scales once set (:meth:`set_kv_scales`), kept for the generation.
+        self.kv_scales: pb.KvScales | None = None
         #: Blocks in the host tier (0: none) and its size in bytes.
         self.host_num_blocks = host_num_blocks
         self.host_nbytes = host_num_blocks * layout.block_nbytes
@@ -189,7 +193,33 @@ class Pool:
             worker_socket=self.worker_socket,
             host_num_blocks=self.host_num_blocks,
             host_nbytes=self.host_nbytes,
+            kv_scales=self.kv_scales,
         )
+
+    def set_kv_scales(self, scales: pb.KvScales) -> tuple[pb.KvScales, bool]:
+        """Keep ``scales`` as this fp8 pool's KV scales unless some are kept already (first wins:
+        KV written with them must keep reading with them). Returns the kept scales and whether
+        they are ``scales``.
+
+        Raises:
+            FailedPreconditionError: the pool is not fp8.
+            InvalidArgumentError: scales of the wrong count, or not finite and > 0.
+        """
+        lay = self.layout
+        if lay.dtype != FP8_DTYPE:
+            raise FailedPreconditionError(f"this pool holds {lay.dtype} KV, which takes no scales; only an "
+                                          f"{FP8_DTYPE} pool (--kv-cache-dtype fp8) does")
+        try:
+            check_scales(scales, lay.num_layers, lay.num_kv_heads)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from None
+        if self.kv_scales is not None:
+            return self.kv_scales, False
+        self.kv_scales = pb.KvScales()
+        self.kv_scales.CopyFrom(scales)
+        log.info("kv_scales_set", source=scales.source, generation=self.generation,
+                 k_scale_max=max(scales.k_scale), v_scale_max=max(scales.v_scale))
+        return self.kv_scales, True
 
     def worker_descriptor(self) -> pb.PoolDescriptor:
         """The descriptor with the handle fields: only for the worker socket, never an RPC."""

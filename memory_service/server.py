@@ -11,6 +11,7 @@ Each handler's first line checks the caller's right to make the call
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 
 from memory_service.authz import ROUTER, SCHEDULER, WORKER, Authorizer
@@ -24,7 +25,8 @@ from memory_service.requests import Allocation, Append, BlockCopy, OutOfBlocks, 
 from memory_service.sequence import Sequence, SequenceInfo
 from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
-from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PermissionDeniedError
+from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, OutOfBlocksError, PermissionDeniedError
+from pagedkv.kv_scales import sign_scales
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
@@ -137,6 +139,18 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         self.transfers.publish(request.pool_generation, request.source)
         return pb.PublishTransferSourceResponse()
 
+    async def SetKvScales(self, request, context):
+        require_role(context, {WORKER}, "SetKvScales")
+        if request.pool_generation != self.pool.generation:
+            raise FailedPreconditionError(f"SetKvScales: pool generation {request.pool_generation} is not this pool's "
+                                          f"({self.pool.generation}); map the pool again")
+        if not hmac.compare_digest(request.signature, sign_scales(self.pool.plane_key, request.pool_generation,
+                                                                  request.scales)):
+            raise PermissionDeniedError("SetKvScales: the signature is not made with this pool generation's plane "
+                                        "key; only a worker that maps the pool may set its scales")
+        kept, accepted = self.pool.set_kv_scales(request.scales)
+        return pb.SetKvScalesResponse(scales=kept, accepted=accepted)
+
     async def ExportPrefix(self, request, context):
         lease = self.authz.lease(context, request.lease_id)
         self.transfers.require("ExportPrefix")
@@ -244,7 +258,10 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     def _stats(self) -> pb.GetStatsResponse:
         s = self.manager.stats()
-        return pb.GetStatsResponse(**{f: getattr(s, f) for f in s.__slots__}, generation=self.pool.generation)
+        lay = self.pool.layout
+        return pb.GetStatsResponse(**{f: getattr(s, f) for f in s.__slots__}, generation=self.pool.generation,
+                                   kv_cache_dtype=lay.dtype, kv_bytes_per_token=lay.block_nbytes // lay.block_size,
+                                   token_capacity=lay.num_blocks * lay.block_size, pool_bytes=lay.nbytes)
 
     async def CheckInvariants(self, request, context):
         """Assert the block manager's invariants now (admin); a broken one is reported, not raised."""

@@ -33,6 +33,7 @@ from pagedkv.errors import (
     PermissionDeniedError,
 )
 from pagedkv.grant.v1 import grant_pb2
+from pagedkv.kv_scales import FP8_DTYPE
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.transfer import layouts_match, sign_ticket, source_digest, ticket_signed
 
@@ -141,6 +142,9 @@ class NodeTransfers:
                    f"{d.layout.block_size} x {d.layout.num_layers} x {d.layout.num_kv_heads} x {d.layout.head_dim}")
         elif t.model != d.model:
             why = f"it holds KV of model {t.model!r}, this node of {d.model!r}"
+        elif d.layout.dtype == FP8_DTYPE:
+            why = ("fp8 KV reads right only with the scales it was written with, and tickets do not carry a "
+                   "node's scales: fp8 pools take no part in node transfers")
         elif t.node_name == self.node_name:
             why = "it is this node's own (its blocks are here already)"
         elif t.expires_at < self.wall_clock():

@@ -45,7 +45,7 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolDescriptor(_message.Message):
-    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid", "worker_socket", "host_num_blocks", "host_nbytes", "node_name", "transfer_sources")
+    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid", "worker_socket", "host_num_blocks", "host_nbytes", "node_name", "transfer_sources", "kv_scales")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class PoolDescriptor(_message.Message):
     HOST_NBYTES_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     generation: int
     backend: PoolBackend
@@ -86,7 +87,18 @@ class PoolDescriptor(_message.Message):
     host_nbytes: int
     node_name: str
     transfer_sources: _containers.RepeatedCompositeFieldContainer[_grant_pb2.TransferSource]
-    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ..., worker_socket: _Optional[str] = ..., host_num_blocks: _Optional[int] = ..., host_nbytes: _Optional[int] = ..., node_name: _Optional[str] = ..., transfer_sources: _Optional[_Iterable[_Union[_grant_pb2.TransferSource, _Mapping]]] = ...) -> None: ...
+    kv_scales: KvScales
+    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ..., worker_socket: _Optional[str] = ..., host_num_blocks: _Optional[int] = ..., host_nbytes: _Optional[int] = ..., node_name: _Optional[str] = ..., transfer_sources: _Optional[_Iterable[_Union[_grant_pb2.TransferSource, _Mapping]]] = ..., kv_scales: _Optional[_Union[KvScales, _Mapping]] = ...) -> None: ...
+
+class KvScales(_message.Message):
+    __slots__ = ("k_scale", "v_scale", "source")
+    K_SCALE_FIELD_NUMBER: _ClassVar[int]
+    V_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    k_scale: _containers.RepeatedScalarFieldContainer[float]
+    v_scale: _containers.RepeatedScalarFieldContainer[float]
+    source: str
+    def __init__(self, k_scale: _Optional[_Iterable[float]] = ..., v_scale: _Optional[_Iterable[float]] = ..., source: _Optional[str] = ...) -> None: ...
 
 class CreateLeaseRequest(_message.Message):
     __slots__ = ("ttl_seconds", "owner")
@@ -219,6 +231,24 @@ class PublishTransferSourceRequest(_message.Message):
 class PublishTransferSourceResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SetKvScalesRequest(_message.Message):
+    __slots__ = ("pool_generation", "scales", "signature")
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    pool_generation: int
+    scales: KvScales
+    signature: bytes
+    def __init__(self, pool_generation: _Optional[int] = ..., scales: _Optional[_Union[KvScales, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SetKvScalesResponse(_message.Message):
+    __slots__ = ("scales", "accepted")
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    scales: KvScales
+    accepted: bool
+    def __init__(self, scales: _Optional[_Union[KvScales, _Mapping]] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class ExportPrefixRequest(_message.Message):
     __slots__ = ("lease_id", "token_ids", "model_id", "cache_salt")
@@ -401,7 +431,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching", "host_total_blocks", "host_free_blocks", "host_cached_blocks", "host_used_blocks", "offloads", "reloads", "host_cache_hits", "swap_outs", "swap_ins", "swapped_sequences", "offloads_dropped", "host_cache_evictions")
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching", "host_total_blocks", "host_free_blocks", "host_cached_blocks", "host_used_blocks", "offloads", "reloads", "host_cache_hits", "swap_outs", "swap_ins", "swapped_sequences", "offloads_dropped", "host_cache_evictions", "kv_cache_dtype", "kv_bytes_per_token", "token_capacity", "pool_bytes")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -432,6 +462,10 @@ class GetStatsResponse(_message.Message):
     SWAPPED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     OFFLOADS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     cached_blocks: int
@@ -462,7 +496,11 @@ class GetStatsResponse(_message.Message):
     swapped_sequences: int
     offloads_dropped: int
     host_cache_evictions: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    token_capacity: int
+    pool_bytes: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., token_capacity: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class ComputedTokens(_message.Message):
     __slots__ = ("seq_id", "num_computed_tokens")

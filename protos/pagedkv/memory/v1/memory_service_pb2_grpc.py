@@ -135,6 +135,11 @@ class MemoryServiceStub:
                 request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixResponse.FromString,
                 _registered_method=True)
+        self.SetKvScales = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/SetKvScales',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -301,6 +306,19 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetKvScales(self, request, context):
+        """An fp8 pool's static KV scales, per (layer, KV head), from a worker's
+        calibration pass (the worker role under TLS). The first set of a pool
+        generation is kept for its life, since KV written with one scale cannot be
+        read with another: a later call gets the kept scales back, and the worker
+        uses those. FAILED_PRECONDITION for a pool that is not fp8 or another
+        generation; INVALID_ARGUMENT for scales of the wrong count or not finite
+        and > 0; PERMISSION_DENIED for a signature not made with the plane key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -403,6 +421,11 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.ExportPrefix,
                     request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixRequest.FromString,
                     response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixResponse.SerializeToString,
+            ),
+            'SetKvScales': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetKvScales,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -946,6 +969,33 @@ class MemoryService:
             '/pagedkv.memory.v1.MemoryService/ExportPrefix',
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixRequest.SerializeToString,
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ExportPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetKvScales(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/SetKvScales',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesResponse.FromString,
             options,
             channel_credentials,
             insecure,
