@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
+from kernels.fp8 import is_fp8, quantize_fp8
 
 # Query tokens of one sequence handled together (prefill).
 Q_TILE = 128
@@ -48,10 +49,15 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches only
 ) -> None:
     block_size = key_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
     blocks, offsets = slots // block_size, slots % block_size
+    if is_fp8(key_cache):  # quantized rows, written as bytes (torch has no fp8 index_copy_)
+        key, value = quantize_fp8(key, k_scale).view(torch.uint8), quantize_fp8(value, v_scale).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     views = row_view(key_cache), row_view(value_cache)
     if views[0] is not None and views[1] is not None and views[0][1] == views[1][1]:
         # One row copy per token into the flat row views (faster than a 2-index put).
@@ -68,6 +74,8 @@ def copy_blocks(
     pool: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
     block_pairs: torch.Tensor,  # [num_pairs, 2] int64 (src, dst)
 ) -> None:
+    if is_fp8(pool):  # bytes: torch has no fp8 index_copy_
+        pool = pool.view(torch.uint8)
     pairs = block_pairs.to(torch.int64)
     # Read every source before writing any destination.
     pool.index_copy_(0, pairs[:, 1], pool.index_select(0, pairs[:, 0]))
