@@ -20,14 +20,20 @@ Cache views are one layer of the block-major pool
 
 from kernels.attention import paged_attention
 from kernels.cache_ops import copy_blocks, reshape_and_cache
+from kernels.fp8 import FP8_DTYPE, FP8_MAX, check_kv_scales, dequantize_fp8, quantize_fp8
 from kernels.plan import AttentionPlan, plan_attention
 from kernels.tier_copy import copy_blocks_between
 
 __all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
     "AttentionPlan",
+    "check_kv_scales",
     "copy_blocks",
     "copy_blocks_between",
+    "dequantize_fp8",
     "paged_attention",
     "plan_attention",
+    "quantize_fp8",
     "reshape_and_cache",
 ]

@@ -12,8 +12,11 @@ import torch
 
 BACKENDS = ("triton", "torch")
 
-# Key/value cache dtypes the ops accept (fp32 on CPU, bf16/fp16 on CUDA).
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Key/value cache dtypes the ops accept (fp32 or bf16 on CPU, bf16/fp16 on CUDA; fp8 e4m3 with
+# per-KV-head scales anywhere: `kernels.fp8`).
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+# Dtypes of queries and of new key/value rows (never fp8: they are quantized on write).
+QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def choose_backend(backend: str | None, *tensors: torch.Tensor) -> str:

@@ -14,6 +14,9 @@ every layer, takes no metadata and dispatches (FlashInfer's `run()`):
 - "torch": `kernels.torch_impl.planned_attention` (native CPU decode kernel for decode rows,
   padded batched SDPA for the rest), or its chunked general path when the cache has no flat row
   view or a group is too large.
+
+Every kernel also reads fp8 (e4m3) caches with the layer's per-KV-head scales (`kernels.fp8`,
+after vLLM's fp8 KV cache), dequantizing the rows it reads.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from kernels import torch_impl
-from kernels._common import CACHE_DTYPES
+from kernels._common import CACHE_DTYPES, QUERY_DTYPES
+from kernels.fp8 import check_kv_scales, is_fp8
 from kernels.plan import AttentionPlan, triton_ready
 
 
@@ -31,6 +35,9 @@ def paged_attention(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     plan: AttentionPlan,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [total_q, num_q_heads, head_dim], query dtype
     """Causal attention of the plan's packed new tokens over their paged context.
 
@@ -41,12 +48,18 @@ def paged_attention(
     Args:
         query: [total_q, num_q_heads, head_dim] fp32/fp16/bf16, sequences packed in order,
             head_dim contiguous (rows may be strided, e.g. a view of a fused QKV output).
-        key_cache: [num_blocks, block_size, num_kv_heads, head_dim], any strides with head_dim
-            contiguous (e.g. `pool[:, layer, 0]` of the block-major pool); Triton needs the
-            query's dtype.
+        key_cache: [num_blocks, block_size, num_kv_heads, head_dim] fp32/fp16/bf16 or
+            float8_e4m3fn, any strides with head_dim contiguous (e.g. `pool[:, layer, 0]` of the
+            block-major pool); Triton needs the query's dtype unless the cache is fp8.
         value_cache: same shape and dtype as `key_cache` (e.g. `pool[:, layer, 1]`).
         plan: `kernels.plan_attention(...)` of this step, shared by every layer.
         scale: softmax scale, usually head_dim ** -0.5.
+        k_scale, v_scale: the layer's fp8 scales, [num_kv_heads] float32 on the cache's device
+            (positive, finite; `kernels.fp8`), required for a float8_e4m3fn cache and None for
+            any other. Keys and values are then `cache * scale` of their KV head (vLLM's fp8 KV
+            cache, `--kv-cache-dtype fp8`), dequantized inside every kernel from the rows it
+            reads (never a full-precision copy of the cache): e4m3 widens exactly, the scales
+            multiply the scores and the output in fp32.
 
     Returns:
         [total_q, num_q_heads, head_dim] in the query's dtype; softmax accumulated in fp32.
@@ -55,9 +68,11 @@ def paged_attention(
     Raises:
         ValueError: shapes or dtypes that do not match each other or the plan (query rows vs
             the plan's tokens, cache block size vs the plan's, num_q_heads not a multiple of
-            num_kv_heads, query and cache dtypes differing on Triton), or a Triton plan run on
-            CPU tensors without `TRITON_INTERPRET=1`. The native CPU kernel raises ValueError
-            for a block id outside the cache.
+            num_kv_heads, an fp8 query, query and a non-fp8 cache dtype differing on Triton),
+            scales missing for an fp8 cache, given for another, or misshapen
+            (`kernels.check_kv_scales`), or a Triton plan run on CPU tensors without
+            `TRITON_INTERPRET=1`. The native CPU kernel raises ValueError for a block id outside
+            the cache.
     """
     if (
         query.dim() != 3
@@ -71,24 +86,25 @@ def paged_attention(
         or query.stride(2) != 1
         or key_cache.stride(3) != 1
         or value_cache.stride(3) != 1
-        or query.dtype not in CACHE_DTYPES
+        or query.dtype not in QUERY_DTYPES
         or key_cache.dtype != value_cache.dtype
         or key_cache.dtype not in CACHE_DTYPES
     ):
         raise ValueError(_mismatch(query, key_cache, value_cache, plan))
+    check_kv_scales(key_cache, k_scale, v_scale)
     kernel = plan.kernel
     if kernel == "torch":
-        out = torch_impl.planned_attention(query, key_cache, value_cache, plan, scale)
+        out = torch_impl.planned_attention(query, key_cache, value_cache, plan, scale, k_scale, v_scale)
         if out is None:  # no flat row view of this cache, or a huge group: chunked path
             out = torch_impl.paged_attention(
                 query, key_cache, value_cache, plan.block_tables, plan.query_start_loc,
-                plan.seq_lens, scale,
+                plan.seq_lens, scale, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         return out
-    if query.dtype != key_cache.dtype:
+    if query.dtype != key_cache.dtype and not is_fp8(key_cache):
         raise ValueError(
-            f"the triton kernels need query and cache of one dtype, got {query.dtype} "
-            f"and {key_cache.dtype}"
+            f"the triton kernels need query and cache of one dtype (or an fp8 cache), got "
+            f"{query.dtype} and {key_cache.dtype}"
         )
     if not query.is_cuda:
         triton_ready(query)
@@ -97,13 +113,13 @@ def paged_attention(
 
         return triton_decode.paged_decode_attention(
             query, key_cache, value_cache, plan.block_tables, plan.seq_lens, float(scale),
-            plan.splits_for(key_cache.shape[2]), plan.max_seq_len,
+            plan.splits_for(key_cache.shape[2]), plan.max_seq_len, k_scale, v_scale,
         )  # fmt: skip
     from kernels import triton_prefill
 
     return triton_prefill.paged_prefill_attention(
         query, key_cache, value_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens,
-        float(scale),
+        float(scale), k_scale, v_scale,
     )  # fmt: skip
 
 
@@ -113,7 +129,7 @@ def _mismatch(query, key_cache, value_cache, plan: AttentionPlan) -> str:
     return (
         f"paged_attention: query {q}, key_cache {k}, value_cache {v} do not fit the plan "
         f"({plan.total_q} query tokens, block size {plan.block_size}); expected query "
-        "[total_q, num_q_heads, head_dim] and caches [num_blocks, block_size, num_kv_heads, "
-        f"head_dim] of one shape and dtype in {CACHE_DTYPES}, num_q_heads a multiple of "
-        "num_kv_heads, head_dim contiguous"
+        f"[total_q, num_q_heads, head_dim] in {QUERY_DTYPES} and caches [num_blocks, block_size, "
+        f"num_kv_heads, head_dim] of one shape and dtype in {CACHE_DTYPES}, num_q_heads a "
+        "multiple of num_kv_heads, head_dim contiguous"
     )

@@ -2,7 +2,9 @@
 
 The slot of token position p of a sequence is `block_table[p // block_size] * block_size +
 p % block_size` (vLLM paper §4.1); copy-on-write pairs come from the block manager as data
-(vLLM paper §4.4, "copy-on-write at the block granularity").
+(vLLM paper §4.4, "copy-on-write at the block granularity"). An fp8 (e4m3) cache stores each
+new row quantized with its layer's per-KV-head scales (`kernels.fp8`, after vLLM's fp8 KV
+cache); block copies move its bytes.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_native, torch_impl
-from kernels._common import check_cache, check_int_vector, choose_backend
+from kernels._common import QUERY_DTYPES, check_cache, check_int_vector, choose_backend
+from kernels.fp8 import check_kv_scales, is_fp8
 
 
 def reshape_and_cache(
@@ -20,26 +23,36 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
     """Write each token's key and value into its cache slot, in place.
 
     Args:
-        key: [num_tokens, num_kv_heads, head_dim], any float dtype (cast to the cache dtype);
-            head_dim contiguous.
+        key: [num_tokens, num_kv_heads, head_dim] fp32/fp16/bf16 (cast to the cache dtype, or
+            quantized for an fp8 cache); head_dim contiguous.
         value: [num_tokens, num_kv_heads, head_dim], like `key`.
-        key_cache: [num_blocks, block_size, num_kv_heads, head_dim] fp32/fp16/bf16, any strides
-            with head_dim contiguous (e.g. `pool[:, layer, 0]` of the block-major pool).
+        key_cache: [num_blocks, block_size, num_kv_heads, head_dim] fp32/fp16/bf16 or
+            float8_e4m3fn, any strides with head_dim contiguous (e.g. `pool[:, layer, 0]` of
+            the block-major pool).
         value_cache: same shape and dtype as `key_cache` (e.g. `pool[:, layer, 1]`).
         slot_mapping: [num_tokens] int64; slot = block_id * block_size + offset (tokens).
             Slots must be distinct and in range; there is no padding sentinel.
+        k_scale, v_scale: the layer's fp8 scales, [num_kv_heads] float32 on the cache's device
+            (positive, finite), required for a float8_e4m3fn cache and None for any other: the
+            slots then hold `kernels.quantize_fp8(key, k_scale)` / `(value, v_scale)`, bit for
+            bit on every backend (vLLM's static fp8 KV-cache quantization, saturating at ±448).
         backend: None (Triton for CUDA tensors, torch otherwise), "triton" or "torch".
 
-    On CPU with fp32 tensors the write is one native call (`kernels.cpu_native`) when built.
+    On CPU with fp32 or bf16 tensors of one dtype the write is one native call
+    (`kernels.cpu_native`) when built; an fp8 write on CPU is the torch path (quantize, then
+    copy the bytes).
 
     Raises:
-        ValueError: shapes, dtypes or devices disagree; on the torch path also a slot out of
-            range (then nothing is written).
+        ValueError: shapes, dtypes or devices disagree; fp8 rows given as key/value; scales
+            missing for an fp8 cache, given for another, or misshapen (`kernels.check_kv_scales`);
+            on the torch path also a slot out of range. Nothing is written then.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
     want = (key.shape[0], num_kv_heads, head_dim)
@@ -48,11 +61,19 @@ def reshape_and_cache(
             f"key and value must be [num_tokens, {num_kv_heads}, {head_dim}], "
             f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
+    if key.dtype not in QUERY_DTYPES or value.dtype not in QUERY_DTYPES:
+        raise ValueError(
+            f"key and value rows must have a dtype in {QUERY_DTYPES} (an fp8 cache quantizes them "
+            f"itself), got {key.dtype} and {value.dtype}"
+        )
+    check_kv_scales(key_cache, k_scale, v_scale)
     check_int_vector("slot_mapping", slot_mapping, key.shape[0], (torch.int64,))
     backend = choose_backend(backend, key, value, key_cache, value_cache, slot_mapping)
+    fp8 = is_fp8(key_cache)
     if backend == "torch":
         if (
-            slot_mapping.is_contiguous()
+            not fp8
+            and slot_mapping.is_contiguous()
             and cpu_native.supports(key, key_cache, value_cache)
             and cpu_native.supports(value, key_cache, value_cache)
             and cpu_native.available()
@@ -66,14 +87,14 @@ def reshape_and_cache(
                 f"slot_mapping values must lie in [0, {num_blocks * block_size}) "
                 f"({num_blocks} blocks x {block_size} tokens)"
             )
-        torch_impl.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        torch_impl.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key/value head_dim axis must be contiguous for the triton backend")
     from kernels import triton_cache_ops
 
     triton_cache_ops.reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping.contiguous()
+        key, value, key_cache, value_cache, slot_mapping.contiguous(), k_scale, v_scale
     )
 
 
@@ -87,7 +108,8 @@ def copy_blocks(
 
     Args:
         pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], the whole
-            block-major pool; the Triton backend needs each block contiguous (`pool[0]`).
+            block-major pool, any dtype (an fp8 pool is copied as bytes); the Triton backend
+            needs each block contiguous (`pool[0]`).
         block_pairs: [num_pairs, 2] int64 rows (src block, dst block). A dst must not also be
             a src or repeat (the copies then run in any order).
         backend: None (Triton for CUDA tensors, torch otherwise), "triton" or "torch".
@@ -126,4 +148,6 @@ def copy_blocks(
         )
     from kernels import triton_cache_ops
 
+    if is_fp8(pool):  # bytes: a uint8 pointer needs no fp8 support of the GPU
+        pool = pool.view(torch.uint8)
     triton_cache_ops.copy_blocks(pool, block_pairs.contiguous())

@@ -1,5 +1,5 @@
-"""Native CPU kernels (fp32 and bf16): paged decode attention and the KV cache write, in a small C
-file built on first use with the host's compiler (into one library with the fused elementwise
+"""Native CPU kernels (fp32 and bf16, and fp8 caches): paged decode attention and the KV cache
+write, in a small C file built on first use with the host's compiler (into one library with the fused elementwise
 ops of `kernels.cpu_fused`, csrc/fused_cpu.c).
 
 The torch path's decode gathers every sequence's context rows out of the pool into a dense
@@ -11,12 +11,16 @@ the one loaded (small batches on one). `reshape_and_cache` writes a step's new r
 per layer instead of a handful of torch ops.
 
 The build is `cc -O3 -fopenmp` plus `-mavx512f -mavx512bw -mavx512vl -mavx512dq` (16-wide
-vectors) where /proc/cpuinfo lists them and `-mavx2 -mfma` where it lists those, cached under
+vectors) where /proc/cpuinfo lists them and `-mavx2 -mfma` (and `-mf16c`) where it lists those, cached under
 `$PAGEDKV_HOME/kernels/` by a hash of the source, flags and compiler, and loaded with ctypes.
 Without a C compiler, when the build fails, or with `PAGEDKV_NATIVE_CPU=0`, the torch path runs
 instead (`available()` is False); nothing else changes. fp32 and bf16 are native, one dtype per
 call (query, caches, new rows and output alike); bf16 is computed in fp32 (widening is exact,
-results round to nearest even), as vLLM's CPU attention does.
+results round to nearest even), as vLLM's CPU attention does. The decode kernel also reads fp8
+(float8_e4m3fn) caches with an fp32 or bf16 query: each byte is widened exactly (through fp16's
+conversion instruction, F16C / AVX-512F, or integer arithmetic without it) and the layer's
+per-KV-head scales (`kernels.fp8`) multiply the head's scaled query and its output; the fp8
+cache write is the torch path's (`kernels.reshape_and_cache`).
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ def cpu_flags() -> frozenset[str]:
 def _arch_flags() -> list[str]:
     flags = cpu_flags()
     out = ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
+    if out and "f16c" in flags:
+        out.append("-mf16c")  # fp16 -> fp32 conversions: the fp8 cache reads of 8-wide builds
     avx512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
     if out and all(f in flags for f in avx512):
         out += [f"-m{f}" for f in avx512]
@@ -185,16 +191,20 @@ def use_native(enabled: bool):
         _forced = before
 
 
-# dtype -> the kernels' dtype code (bf16 tensors are passed as their 16-bit patterns).
+# dtype -> the kernels' dtype code (bf16 tensors are passed as their 16-bit patterns, fp8 as bytes).
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_FP8_CODE = 2
 
 
 def supports(rows: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether these tensors can go to the native kernels: CPU, one dtype (fp32 or bf16) for all
-    three; `rows` (queries, or new keys / values) [n, heads, head_dim] with each row's heads dense
-    (rows may be strided); both caches with the same strides and head_dim contiguous."""
+    three, or fp32 / bf16 rows over fp8 (float8_e4m3fn) caches (decode attention only: the cache
+    write takes one dtype); `rows` (queries, or new keys / values) [n, heads, head_dim] with each
+    row's heads dense (rows may be strided); both caches with the same strides and head_dim
+    contiguous."""
     dtype = rows.dtype
-    if dtype not in _DTYPE_CODE or dtype != key_cache.dtype or dtype != value_cache.dtype or not rows.is_cpu:
+    cache = key_cache.dtype if key_cache.dtype == torch.float8_e4m3fn else dtype
+    if dtype not in _DTYPE_CODE or cache != key_cache.dtype or cache != value_cache.dtype or not rows.is_cpu:
         return False
     (_, heads, dim), rs, ks = rows.shape, rows.stride(), key_cache.stride()
     return (
@@ -213,7 +223,7 @@ def _not_available() -> RuntimeError:
 
 def paged_decode(
     query: torch.Tensor,  # [rows, num_q_heads, head_dim] fp32 or bf16
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query's dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query's dtype or fp8
     value_cache: torch.Tensor,  # same shape, dtype and strides as key_cache
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 contiguous
     seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, cached + new tokens (>= 1)
@@ -221,19 +231,23 @@ def paged_decode(
     q_index: torch.Tensor,  # [n] int64 contiguous, query row of each decode row
     scale: float,
     out: torch.Tensor,  # [rows, num_q_heads, head_dim] query's dtype (row stride free), rows q_index written
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
 ) -> None:
     """Decode attention of rows `q_index` (sequence `seq_index`) over the paged cache, into `out`.
 
-    fp32 or bf16, one dtype for query, caches and out; scores, softmax and sums in fp32, a bf16
-    output rounded to nearest even. Callers check shapes and lengths first
-    (`kernels.plan_attention` does): seq_lens within the block tables, supports() true for the
-    query, out laid out as the query. The kernel itself checks every block it reads is inside
-    the cache, before it writes anything.
+    fp32 or bf16, one dtype for query, caches and out, or fp8 (float8_e4m3fn) caches read as
+    `byte * k_scale[kv_head]` / `byte * v_scale[kv_head]` (`kernels.fp8`) with an fp32 or bf16
+    query and out; scores, softmax and sums in fp32, a bf16 output rounded to nearest even.
+    Callers check shapes and lengths first (`kernels.plan_attention` does): seq_lens within the
+    block tables, supports() true for the query, out laid out as the query. The kernel itself
+    checks every block it reads is inside the cache, before it writes anything.
 
     Raises:
         RuntimeError: the native kernels are not available.
-        ValueError: tensors of the wrong dtype or layout; a block table names a block outside
-            [0, num_blocks); a seq_len needs more blocks than its table row holds.
+        ValueError: tensors of the wrong dtype or layout; fp8 caches without [num_kv_heads] fp32
+            contiguous CPU scales, or scales for other caches; a block table names a block
+            outside [0, num_blocks); a seq_len needs more blocks than its table row holds.
         MemoryError: a thread could not allocate its score buffer.
     """
     lib = _lib or _load()
@@ -241,6 +255,15 @@ def paged_decode(
         raise _not_available()
     if out.shape != query.shape or out.dtype != query.dtype or not supports(out, key_cache, value_cache):
         raise ValueError("out must be shaped and typed as the query (fp32 or bf16, as the caches), heads dense")
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    scales = (k_scale, v_scale)
+    if fp8 and not all(
+        s is not None and s.dtype == torch.float32 and s.is_cpu and s.is_contiguous()
+        and s.shape == (key_cache.shape[2],) for s in scales
+    ):  # fmt: skip
+        raise ValueError("fp8 caches need k_scale and v_scale: [num_kv_heads] float32, contiguous, on cpu")
+    if not fp8 and any(s is not None for s in scales):
+        raise ValueError("k_scale and v_scale are for fp8 caches only")
     if not (
         block_tables.dtype == seq_lens.dtype == torch.int32
         and seq_index.dtype == q_index.dtype == torch.int64
@@ -262,7 +285,8 @@ def paged_decode(
             block_tables.data_ptr(), seq_lens.data_ptr(), seq_index.data_ptr(), q_index.data_ptr(),
             seq_index.shape[0], query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0),
             query.stride(0), out.stride(0), num_blocks, *key_cache.stride()[:3], *value_cache.stride()[:3],
-            torch.get_num_threads(), _DTYPE_CODE[query.dtype],
+            torch.get_num_threads(), _DTYPE_CODE[query.dtype], _FP8_CODE if fp8 else _DTYPE_CODE[query.dtype],
+            k_scale.data_ptr() if fp8 else 0, v_scale.data_ptr() if fp8 else 0,
         ),
     )  # fmt: skip
     rc = lib.paged_decode_packed(args.buffer_info()[0], scale)
@@ -272,6 +296,8 @@ def paged_decode(
         raise ValueError(f"a block table names a block outside the cache [0, {num_blocks})")
     if rc == 3:
         raise ValueError(f"a seq_len needs more blocks than a block table row holds ({block_tables.shape[1]})")
+    if rc == 4:
+        raise ValueError(f"no native kernel for a {query.dtype} query over {key_cache.dtype} caches")
     raise MemoryError("the CPU decode kernel could not allocate its score buffers")
 
 
@@ -293,8 +319,16 @@ def reshape_and_cache(
     lib = _lib or _load()
     if lib is None:
         raise _not_available()
-    if not supports(value, key_cache, value_cache) or key.dtype != value.dtype or not slot_mapping.is_contiguous():
-        raise ValueError("value rows must have the key's dtype (fp32 or bf16) and dense heads; slot_mapping contiguous")
+    if (
+        not supports(value, key_cache, value_cache)
+        or key.dtype != value.dtype
+        or key.dtype != key_cache.dtype
+        or not slot_mapping.is_contiguous()
+    ):
+        raise ValueError(
+            "key, value and the caches must have one dtype (fp32 or bf16; an fp8 cache is written by "
+            "kernels.reshape_and_cache), value heads dense; slot_mapping contiguous"
+        )
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     kc, vc = key_cache.stride(), value_cache.stride()
     args = array.array(

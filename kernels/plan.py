@@ -70,7 +70,7 @@ class AttentionPlan:
     - kernel "triton_decode" iff backend "triton" and every sequence has one new token
       (`decode_only`); then `num_splits` (if set) >= 1 and `max_seq_len` = max(seq_lens).
     - groups/decode/max_group_tokens are set only for kernel "torch".
-    - sliding_window, k_scale and v_scale are None (not implemented yet, see `plan_attention`).
+    - sliding_window is None (not implemented yet, see `plan_attention`).
     """
 
     backend: str  # "torch" or "triton"
@@ -91,10 +91,8 @@ class AttentionPlan:
     max_group_tokens: int = 0  # torch: largest n * ctx_pad of `groups` (workspace rows)
     # torch with the native CPU decode kernel: the one-new-token sequences; else None.
     decode: DecodeRows | None = None
-    # Room for later features; None only for now (a set value is refused by plan_attention).
+    # Room for a later feature; None only for now (a set value is refused by plan_attention).
     sliding_window: int | None = None  # tokens a query sees back from itself (incl. itself)
-    k_scale: torch.Tensor | None = None  # [num_layers, num_kv_heads] fp32 fp8 key scales
-    v_scale: torch.Tensor | None = None  # [num_layers, num_kv_heads] fp32 fp8 value scales
     # Gather buffers reused by every layer, keyed by (dtype, num_kv_heads, head_dim) (torch).
     workspace: dict = field(default_factory=dict)
 
@@ -116,8 +114,6 @@ def plan_attention(
     num_kv_heads: int | None = None,
     num_splits: int | None = None,
     sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> AttentionPlan:
     """Check one step's attention metadata and pick its kernel (host work, once per step).
@@ -136,9 +132,8 @@ def plan_attention(
             (else at the first `paged_attention` call, from the cache's shape).
         num_splits: force this many split-KV ranges (>= 1) on the Triton decode kernel (tests,
             benchmarks); only for a plan whose kernel is "triton_decode".
-        sliding_window: not implemented yet; must be None.
-        k_scale, v_scale: per-(layer, KV head) fp8 scales, [num_layers, num_kv_heads] float32;
-            not implemented yet: must be None.
+        sliding_window: not implemented yet; must be None. (fp8 KV scales are no plan
+            metadata: static per layer, they go to each op; see `kernels.fp8`.)
         backend: None (Triton for CUDA tensors, torch otherwise), "triton" or "torch"; planning
             for "triton" needs no GPU and launches nothing. "torch" with CUDA metadata (a
             reference path there, not production) copies the block table to the host.
@@ -152,8 +147,8 @@ def plan_attention(
             not starting at 0 or decreasing, new tokens > seq_len, a seq_len past the block
             table, an int64 block id to be read that does not fit in int32 (or int64 block
             tables off the CPU), num_splits < 1 or given for another kernel, a malformed
-            sliding_window / k_scale / v_scale.
-        NotImplementedError: a sliding_window, k_scale or v_scale that is set.
+            sliding_window.
+        NotImplementedError: a sliding_window that is set.
     """
     if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -170,7 +165,7 @@ def plan_attention(
         raise ValueError(f"num_kv_heads must be >= 1 or None, got {num_kv_heads}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
-    _check_unimplemented(sliding_window, k_scale, v_scale)
+    _check_unimplemented(sliding_window)
     devices = {t.device for t in (block_tables, query_start_loc, seq_lens)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -262,16 +257,9 @@ def _check_int32_ids(block_tables: torch.Tensor, lens: torch.Tensor, block_size:
         raise ValueError("block ids must fit in int32")
 
 
-def _check_unimplemented(sliding_window, k_scale, v_scale) -> None:
-    """The plan's room for sliding-window attention and fp8 KV scales: checked, then refused."""
+def _check_unimplemented(sliding_window) -> None:
+    """The plan's room for sliding-window attention: checked, then refused."""
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
         raise NotImplementedError("sliding-window attention is not implemented yet; pass sliding_window=None")
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is None:
-            continue
-        if not isinstance(s, torch.Tensor) or s.dim() != 2 or s.dtype != torch.float32:
-            got = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
-            raise ValueError(f"{name} must be None or [num_layers, num_kv_heads] float32, got {got}")
-        raise NotImplementedError(f"fp8 KV caches ({name}) are not implemented yet; pass {name}=None")

@@ -23,6 +23,13 @@ flat row view of the pool into a reused workspace and runs one padded batched
 built (`kernels.cpu_native`), which reads their blocks in place instead. `paged_attention`
 (below) is the general path, used when a caller forces context chunks or the cache layout has no
 flat row view.
+
+fp8 (e4m3) caches (`kernels.fp8`): both paths gather the fp8 bytes of the rows they read (the
+same gather as for any cache, never a copy of the whole cache), widen them exactly to the
+compute dtype, and apply the per-KV-head scales where they cost least and change nothing: k_scale
+multiplies the query heads reading that KV head (scores are linear in the key), v_scale their
+output (linear in the values). That is attention over `fp8 * scale`, as vLLM's fp8 KV cache
+reads it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
+from kernels.fp8 import FP8_DTYPE, is_fp8, quantize_fp8
 
 # Query tokens of one sequence handled together (prefill).
 Q_TILE = 128
@@ -48,10 +56,15 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches only
 ) -> None:
     block_size = key_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
     blocks, offsets = slots // block_size, slots % block_size
+    if is_fp8(key_cache):  # quantized rows, written as bytes (torch has no fp8 index_copy_)
+        key, value = quantize_fp8(key, k_scale).view(torch.uint8), quantize_fp8(value, v_scale).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     views = row_view(key_cache), row_view(value_cache)
     if views[0] is not None and views[1] is not None and views[0][1] == views[1][1]:
         # One row copy per token into the flat row views (faster than a 2-index put).
@@ -68,6 +81,8 @@ def copy_blocks(
     pool: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
     block_pairs: torch.Tensor,  # [num_pairs, 2] int64 (src, dst)
 ) -> None:
+    if is_fp8(pool):  # bytes: torch has no fp8 index_copy_
+        pool = pool.view(torch.uint8)
     pairs = block_pairs.to(torch.int64)
     # Read every source before writing any destination.
     pool.index_copy_(0, pairs[:, 1], pool.index_select(0, pairs[:, 0]))
@@ -106,6 +121,8 @@ def planned_attention(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     plan,  # kernels.plan.AttentionPlan built for this batch on the torch backend
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches only
 ) -> torch.Tensor | None:  # [total_q, num_q_heads, head_dim], query dtype; None: not planable
     """Causal (bottom-right aligned) paged attention of a planned batch: no host work, no sync.
 
@@ -113,18 +130,24 @@ def planned_attention(
     place (`kernels.cpu_native`); when these tensors do not suit it, those rows are gathered like
     the rest. Per gather group of the plan: gather its context rows (clamped to each sequence's
     length, so only written slots are read) into the plan's workspace, then one padded batched
-    SDPA (in `sdpa_dtype`: bf16 for bf16 tensors, else fp32) with the plan's visibility mask, or
-    none for whole prompts of one length (GQA by `enable_gqa`). Returns None when a group is to
-    be gathered but the cache has no flat row view, or the largest group would exceed
-    `PLANNED_MAX_GATHER_ELEMS`; the caller then uses `paged_attention`.
+    SDPA (in `sdpa_dtype`: bf16 for a bf16 query over bf16 or fp8 caches, else fp32) with the
+    plan's visibility mask, or none for whole prompts of one length (GQA by `enable_gqa`); fp8
+    rows are gathered as bytes and widened, their scales applied to the query and the output
+    (module docstring). Returns None when a group is to be gathered but the cache has no flat row
+    view, or the largest group would exceed `PLANNED_MAX_GATHER_ELEMS`; the caller then uses
+    `paged_attention`.
     """
     _, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     groups, decode = plan.groups, plan.decode
     if decode is not None and not cpu_native.supports(query, key_cache, value_cache):
         groups, decode = groups + decode.gather_groups(), None
+    fp8 = is_fp8(key_cache)
     if groups:
-        kv = row_view(key_cache), row_view(value_cache)
+        if fp8:  # gathered as bytes, widened per group
+            kv = row_view(key_cache.view(torch.uint8)), row_view(value_cache.view(torch.uint8))
+        else:
+            kv = row_view(key_cache), row_view(value_cache)
         if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1]:
             return None
         max_tokens = max(g.num_seqs * g.ctx_pad for g in groups)
@@ -135,19 +158,24 @@ def planned_attention(
     if decode is not None:
         cpu_native.paged_decode(
             query, key_cache, value_cache, plan.block_tables, plan.seq_lens, decode.seq_index,
-            decode.q_index, scale, out,
+            decode.q_index, scale, out, k_scale, v_scale,
         )  # fmt: skip
     if not groups:
         return out
-    key = (key_cache.dtype, num_kv_heads, head_dim)
+    rows_dtype = k_rows.dtype
+    key = (rows_dtype, num_kv_heads, head_dim)
     ws = plan.workspace.get(key)
     if ws is None or ws[0].shape[0] < max_tokens:
         shape = (max_tokens, num_kv_heads, head_dim)
         ws = plan.workspace[key] = tuple(
-            torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device) for _ in range(2)
+            torch.empty(shape, dtype=rows_dtype, device=key_cache.device) for _ in range(2)
         )
     gqa = num_q_heads != num_kv_heads
     compute = sdpa_dtype(query.dtype, key_cache.dtype)
+    if fp8:  # [Hq, 1] scales of the KV head each query head reads
+        group = num_q_heads // num_kv_heads
+        q_mul = k_scale.repeat_interleave(group)[:, None]
+        o_mul = v_scale.repeat_interleave(group)[:, None]
     for g in groups:
         n, qp, lp = g.num_seqs, g.q_pad, g.ctx_pad
         rows = g.rows(per_block)  # [n * L]
@@ -158,6 +186,9 @@ def planned_attention(
             q = query[g.q_start : g.q_start + n * qp].view(n, qp, num_q_heads, head_dim)
         else:
             q = query.index_select(0, g.q_rows).view(n, qp, num_q_heads, head_dim)
+        if fp8:  # exact widening; k_scale on the query (fp32 product, one rounding to compute)
+            k, v = k.view(FP8_DTYPE), v.view(FP8_DTYPE)
+            q = q.to(torch.float32) * q_mul
         if k.dtype != compute:
             k, v = k.to(compute), v.to(compute)
         if q.dtype != compute:
@@ -167,6 +198,8 @@ def planned_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=g.attn_mask(compute), is_causal=g.is_causal, scale=scale, enable_gqa=gqa,
         ).transpose(1, 2)  # fmt: skip
+        if fp8:
+            o = o.to(torch.float32) * o_mul
         if g.q_start is not None:
             out[g.q_start : g.q_start + n * qp].view(n, qp, num_q_heads, head_dim).copy_(o)
             continue
@@ -178,7 +211,8 @@ def planned_attention(
 
 
 def sdpa_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the planned path runs SDPA in: bf16 when query and cache are bf16, else fp32.
+    """The dtype the planned path runs SDPA in: bf16 for a bf16 query over bf16 or fp8 (e4m3,
+    which bf16 holds exactly) caches, else fp32.
 
     torch's CPU flash attention takes bf16 inputs with fp32 accumulation and softmax (AMX /
     AVX512-BF16 GEMMs); only the probabilities are rounded to bf16 before they weight the
@@ -186,7 +220,7 @@ def sdpa_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtyp
     time for an error of the same order as the output's own bf16 rounding. fp16 has no such
     fast path on the CPU: it runs in fp32.
     """
-    if query_dtype == torch.bfloat16 and cache_dtype == torch.bfloat16:
+    if query_dtype == torch.bfloat16 and cache_dtype in (torch.bfloat16, FP8_DTYPE):
         return torch.bfloat16
     return torch.float32
 
@@ -200,10 +234,14 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, cached + new tokens
     scale: float,
     kv_chunk: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches only
 ) -> torch.Tensor:  # [total_q, num_q_heads, head_dim], query dtype
     """Causal (bottom-right aligned) attention of packed new tokens over a paged cache.
 
-    `kv_chunk` forces the context chunk length (positions), to exercise the split/merge path.
+    `kv_chunk` forces the context chunk length (positions), to exercise the split/merge path. An
+    fp8 cache's chunks are gathered as bytes and widened; k_scale scales the query, v_scale the
+    result, per KV head (module docstring).
     """
     total_q, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -254,7 +292,7 @@ def paged_attention(
         tables = block_tables[seq_ids[sel].to(block_tables.device)]  # [T, max_blocks]
         _attend_group(
             query, key_cache, value_cache, tables, out,
-            t_q0[sel], t_qn[sel], t_pos0[sel], t_ctx[sel], qn, group_ctx, chunk, scale,
+            t_q0[sel], t_qn[sel], t_pos0[sel], t_ctx[sel], qn, group_ctx, chunk, scale, k_scale, v_scale,
         )  # fmt: skip
         start = stop
     return out
@@ -274,6 +312,8 @@ def _attend_group(
     max_ctx: int,
     chunk: int,
     scale: float,
+    k_scale: torch.Tensor | None,  # [Hk] fp32: fp8 caches only
+    v_scale: torch.Tensor | None,  # [Hk] fp32: fp8 caches only
 ) -> None:
     num_tiles = q0.shape[0]
     _, num_q_heads, head_dim = query.shape
@@ -291,6 +331,10 @@ def _attend_group(
     q = query[rows].float().mul_(scale)  # [T, Q, Hq, D]
     q = q.view(num_tiles, qmax, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
     q = q.reshape(num_kv_heads, num_tiles, rows_per_tile, head_dim)
+    fp8 = is_fp8(key_cache)
+    if fp8:  # per-KV-head scales: k_scale on the query rows of the head; bytes gathered below
+        q.mul_(k_scale.view(num_kv_heads, 1, 1, 1))
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
 
     last_block = ((ctx + block_size - 1) // block_size - 1)[:, None]  # [T, 1]
     chunk_blocks = max(1, chunk // block_size)
@@ -310,6 +354,8 @@ def _attend_group(
         # Whole blocks at once (each is contiguous in the block-major pool): [T, L, Hk, D].
         k = key_cache.index_select(0, blocks).view(num_tiles, span, num_kv_heads, head_dim)
         v = value_cache.index_select(0, blocks).view(num_tiles, span, num_kv_heads, head_dim)
+        if fp8:
+            k, v = k.view(FP8_DTYPE), v.view(FP8_DTYPE)
         if k.dtype != torch.float32:
             k, v = k.float(), v.float()
         kpos = b0 * block_size + torch.arange(span, device=dev)  # [L] positions
@@ -336,6 +382,8 @@ def _attend_group(
             acc[h].baddbmm_(p[h], v[:, :, h])
         m = m_new
     res = acc / torch.where(l_sum == 0, 1.0, l_sum)  # [Hk, T, Q*G, D]
+    if fp8:
+        res.mul_(v_scale.view(num_kv_heads, 1, 1, 1))
     res = res.view(num_kv_heads, num_tiles, qmax, group, head_dim).permute(1, 2, 0, 3, 4)
     res = res.reshape(num_tiles, qmax, num_q_heads, head_dim)
     out[rows[q_valid]] = res[q_valid].to(out.dtype)

@@ -2,6 +2,11 @@
 
 Imported lazily by `kernels.cache_ops` (this module imports triton). All address arithmetic is
 int64: a pool of a few GiB has element offsets past 2**31.
+
+An fp8 (e4m3) cache is written through its uint8 view with the bits computed in the kernel
+(`fp8_e4m3_bits`): integer arithmetic that reproduces torch's float -> float8_e4m3fn conversion
+exactly, so that every backend stores `kernels.quantize_fp8`'s bytes (Triton's interpreter
+rounds fp8 casts differently from the GPU's `cvt.rn.satfinite`; bits do not depend on either).
 """
 
 from __future__ import annotations
@@ -12,12 +17,34 @@ import triton.language as tl
 
 
 @triton.jit
+def fp8_e4m3_bits(y):
+    """float8_e4m3fn bit patterns (int32, 0..255) of fp32 `y`, saturating: |y| > 448 (and inf)
+    gives ±448 (0x7E), NaN 0x7F with y's sign bit, else round to nearest even (subnormals
+    included). The same steps as torch's `fp8e4m3fn_from_fp32_value` after a clamp to ±448."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80  # arithmetic shift: bit 7 is y's sign
+    a = bits & 0x7FFFFFFF  # |y| as bits
+    # Normal e4m3 (|y| >= 2**-6): rebias the exponent (127 -> 7), round the mantissa to 3 bits,
+    # ties to even; a carry into the exponent is the correct next value.
+    normal = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20
+    # Subnormal e4m3 (|y| < 2**-6, step 2**-9): adding 2**14 rounds |y| to that step (fp32 RNE)
+    # and leaves the count of steps in the low mantissa bits.
+    sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    mag = tl.where(a < (121 << 23), sub, normal)
+    mag = tl.where(a > 0x43E00000, 0x7E, mag)  # beyond 448 (fp32 bits 0x43E00000): saturate
+    mag = tl.where(a > 0x7F800000, 0x7F, mag)  # NaN
+    return mag | sign
+
+
+@triton.jit
 def kernel_reshape_and_cache(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (uint8 view when FP8)
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (uint8 view when FP8)
     slot_mapping_ptr,  # [num_tokens] int64
+    k_scale_ptr,  # [num_kv_heads] fp32 (FP8; else any pointer, unread)
+    v_scale_ptr,  # [num_kv_heads] fp32 (FP8; else any pointer, unread)
     stride_k_tok, stride_k_head,  # key strides (head_dim stride is 1)
     stride_v_tok, stride_v_head,  # value strides (head_dim stride is 1)
     stride_kc_blk, stride_kc_off, stride_kc_head,  # key_cache strides
@@ -27,6 +54,7 @@ def kernel_reshape_and_cache(
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,  # next power of two >= NUM_KV_HEADS
     DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
+    FP8: tl.constexpr,  # the caches are e4m3 bytes: store quantize_fp8(row, scale)
 ):  # fmt: skip
     # One program per token: copy its [num_kv_heads, head_dim] key and value into its slot.
     tok = tl.program_id(0).to(tl.int64)
@@ -40,6 +68,12 @@ def kernel_reshape_and_cache(
     v = tl.load(value_ptr + tok * stride_v_tok + h * stride_v_head + d, mask=mask)
     kc = key_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + h * stride_kc_head + d
     vc = value_cache_ptr + blk * stride_vc_blk + off * stride_vc_off + h * stride_vc_head + d
+    if FP8:
+        k_scale = tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)  # [HEADS_PAD, 1]
+        v_scale = tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
+        # IEEE division, as torch's `x.float() / scale` (a plain `/` may be approximate)
+        k = fp8_e4m3_bits(tl.math.div_rn(k.to(tl.float32), k_scale)).to(tl.uint8)
+        v = fp8_e4m3_bits(tl.math.div_rn(v.to(tl.float32), v_scale)).to(tl.uint8)
     tl.store(kc, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -50,9 +84,11 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
     slot_mapping: torch.Tensor,  # [num_tokens] int64 contiguous, block * block_size + offset
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
 ) -> None:
     """Launch `kernel_reshape_and_cache`, one program per token; the arguments were checked by
-    `kernels.reshape_and_cache`."""
+    `kernels.reshape_and_cache`. An fp8 cache is written through its uint8 view."""
     num_tokens, num_kv_heads, head_dim = key.shape
     block_size = key_cache.shape[1]
     assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"
@@ -60,8 +96,14 @@ def reshape_and_cache(
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
     if num_tokens == 0:
         return
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        assert k_scale is not None and v_scale is not None and k_scale.is_contiguous() and v_scale.is_contiguous()
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    else:
+        k_scale = v_scale = slot_mapping  # unread
     kernel_reshape_and_cache[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1),
         value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -71,6 +113,7 @@ def reshape_and_cache(
         BLOCK_SIZE=block_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
+        FP8=fp8,
     )  # fmt: skip
 
 

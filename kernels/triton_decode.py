@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import attend_context, attention_strides
+from kernels.triton_paged import attend_context, attention_strides, fp8_scales
 
 # Context positions processed per loop iteration.
 TILE = 32
@@ -33,6 +33,8 @@ def kernel_paged_decode(
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
+    k_scale_ptr,  # [num_kv_heads] fp32 (FP8; else any pointer, unread)
+    v_scale_ptr,  # [num_kv_heads] fp32 (FP8; else any pointer, unread)
     scale,  # softmax scale (fp32)
     tokens_per_split,  # context positions per split (multiple of TILE)
     stride_q_seq, stride_q_head,  # query strides
@@ -47,6 +49,7 @@ def kernel_paged_decode(
     TILE: tl.constexpr,  # context positions per iteration
     NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
+    FP8: tl.constexpr,  # e4m3 caches with per-KV-head scales
 ):  # fmt: skip
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -68,9 +71,10 @@ def kernel_paged_decode(
     end = tl.minimum(start + tokens_per_split, seq_len)
     bt_row = block_tables_ptr + seq * stride_bt_seq
     m_i, l_i, acc = attend_context(
-        q, q_pos, start, end, scale, key_cache_ptr, value_cache_ptr, bt_row, kv_head, d, d_mask,
+        q, q_pos, start, end, scale, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+        bt_row, kv_head, d, d_mask,
         stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
-        G_PAD, DIM_PAD, BLOCK_SIZE, TILE, IEEE,
+        G_PAD, DIM_PAD, BLOCK_SIZE, TILE, IEEE, FP8,
     )  # [G_PAD], [G_PAD], [G_PAD, DIM_PAD]  # fmt: skip
 
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -123,13 +127,15 @@ def kernel_reduce_splits(
 
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim], head_dim contiguous
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype or fp8
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], as key_cache
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, rows contiguous
     seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, tokens in cache including the new one
     scale: float,  # softmax scale
     num_splits: int,  # split-KV ranges per sequence (>= 1); > 1 adds the reduce kernel
     max_seq_len: int,  # max(seq_lens): sizes the splits without a device-to-host sync
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim], query dtype
     """Launch `kernel_paged_decode` (and `kernel_reduce_splits` when split); the metadata was
     checked by `kernels.plan_attention`, the tensors by `kernels.paged_attention`."""
@@ -138,6 +144,7 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(query)
     strides = attention_strides(query, out, key_cache, value_cache, block_tables, seq_lens)
+    k_scale, v_scale, fp8 = fp8_scales(key_cache, k_scale, v_scale, seq_lens)
     if num_seqs == 0:
         return out
     tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), TILE) * TILE
@@ -152,7 +159,7 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused
     kernel_paged_decode[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        scale, tokens_per_split, *strides,
+        k_scale, v_scale, scale, tokens_per_split, *strides,
         GROUP=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -161,6 +168,7 @@ def paged_decode_attention(
         TILE=TILE,
         NUM_SPLITS=num_splits,
         IEEE=query.dtype == torch.float32,
+        FP8=fp8,
     )  # fmt: skip
     if num_splits > 1:
         kernel_reduce_splits[(num_seqs, num_q_heads)](

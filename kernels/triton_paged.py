@@ -1,6 +1,12 @@
 """Helpers shared by the Triton attention kernels: K/V through a block table, online softmax, and
 the host-side layout checks and strides of a launch.
 
+fp8 (e4m3) caches (`kernels.fp8`): each tile is loaded as fp8 and widened to the query's dtype
+before `tl.dot` (exact: e4m3 fits in fp16, bf16 and fp32, so tensor cores see the cache's
+values unrounded); the KV head's k scale multiplies the scores (folded into the softmax scale)
+and its v scale the output, in fp32: attention over `fp8 * scale`, vLLM's fp8 KV cache. Loading
+float8e4nv needs a GPU of compute capability >= 8.9 (Ada, Hopper) or the interpreter.
+
 Imported by `kernels.triton_decode` and `kernels.triton_prefill` (this module imports triton).
 """
 
@@ -33,6 +39,22 @@ def attention_strides(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
     )  # fmt: skip
+
+
+def fp8_scales(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale: torch.Tensor | None,  # [num_kv_heads] fp32 (fp8 caches)
+    v_scale: torch.Tensor | None,  # [num_kv_heads] fp32 (fp8 caches)
+    dummy: torch.Tensor,  # any tensor on the device: the unread scale pointers of other caches
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(k_scale, v_scale, FP8) arguments of an attention launch. Asserts an fp8 cache's scales
+    are [num_kv_heads] fp32 contiguous (checked by `kernels.check_kv_scales` before)."""
+    if key_cache.dtype != torch.float8_e4m3fn:
+        return dummy, dummy, False
+    for s in (k_scale, v_scale):
+        assert s is not None and s.dtype == torch.float32 and s.is_contiguous()
+        assert s.shape == (key_cache.shape[2],)
+    return k_scale, v_scale, True
 
 
 @triton.jit
@@ -77,6 +99,7 @@ def attend_context(
     end,  # one past the last context position to attend
     scale,  # softmax scale (fp32)
     key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] each
+    k_scale_ptr, v_scale_ptr,  # [num_kv_heads] fp32 each (FP8; else unread)
     bt_row,  # pointer to this sequence's block-table row (int32)
     kv_head,
     d, d_mask,  # [DIM_PAD] head-dim offsets, and which are < head_dim
@@ -87,12 +110,14 @@ def attend_context(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     TILE: tl.constexpr,  # context positions per iteration
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
+    FP8: tl.constexpr,  # e4m3 caches: widen tiles to q's dtype, apply the KV head's scales
 ):  # fmt: skip
     """Causal online softmax (flash attention, fp32, base 2) of `q` over positions [start, end).
 
     Returns (m, l, acc): the running max of the scaled scores in log2 units [ROWS] (-inf for a
     row that saw nothing), the sum of exp2(score - m) [ROWS] (0 likewise) and the unnormalized
-    output [ROWS, DIM_PAD] fp32; the row's attention output is acc / l.
+    output [ROWS, DIM_PAD] fp32 (times the v scale for FP8); the row's attention output is
+    acc / l.
     """
     if IEEE:
         q = q.to(tl.float32)
@@ -100,6 +125,8 @@ def attend_context(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
     qk_scale = scale * 1.4426950408889634  # log2(e): use exp2
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)  # scores are linear in the key
     for t0 in range(start, end, TILE):
         pos = t0 + tl.arange(0, TILE)  # [TILE] context positions
         p_mask = pos < end
@@ -108,6 +135,9 @@ def attend_context(
             stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
             BLOCK_SIZE,
         )  # [TILE, DIM_PAD] each  # fmt: skip
+        if FP8:  # exact widening of the e4m3 values
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [ROWS, TILE]
         else:
@@ -124,4 +154,6 @@ def attend_context(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)  # the output is linear in the values
     return m_i, l_i, acc

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import attend_context, attention_strides
+from kernels.triton_paged import attend_context, attention_strides, fp8_scales
 
 # Context positions processed per loop iteration, and rows per program.
 TILE = 32
@@ -51,6 +51,8 @@ def kernel_paged_prefill(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32, cumulative
     seq_lens_ptr,  # [num_seqs] int32, cached + new tokens
+    k_scale_ptr,  # [num_kv_heads] fp32 (FP8; else any pointer, unread)
+    v_scale_ptr,  # [num_kv_heads] fp32 (FP8; else any pointer, unread)
     num_seqs,
     scale,  # softmax scale (fp32)
     stride_q_tok, stride_q_head,  # query strides
@@ -65,6 +67,7 @@ def kernel_paged_prefill(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     TILE: tl.constexpr,  # context positions per iteration
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
+    FP8: tl.constexpr,  # e4m3 caches with per-KV-head scales
 ):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -93,9 +96,10 @@ def kernel_paged_prefill(
     ctx_end = seq_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     m_i, l_i, acc = attend_context(
-        q, q_pos, 0, ctx_end, scale, key_cache_ptr, value_cache_ptr, bt_row, kv_head, d, d_mask,
+        q, q_pos, 0, ctx_end, scale, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+        bt_row, kv_head, d, d_mask,
         stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
-        BLOCK_M, DIM_PAD, BLOCK_SIZE, TILE, IEEE,
+        BLOCK_M, DIM_PAD, BLOCK_SIZE, TILE, IEEE, FP8,
     )  # [BLOCK_M], [BLOCK_M], [BLOCK_M, DIM_PAD]  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -105,12 +109,14 @@ def kernel_paged_prefill(
 
 def paged_prefill_attention(
     query: torch.Tensor,  # [total_q, num_q_heads, head_dim], head_dim contiguous
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype or fp8
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], as key_cache
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, rows contiguous
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32 contiguous, cumulative new tokens
     seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, cached + new tokens
     scale: float,  # softmax scale
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
 ) -> torch.Tensor:  # [total_q, num_q_heads, head_dim], query dtype
     """Launch `kernel_paged_prefill`; the metadata was checked by `kernels.plan_attention`, the
     tensors by `kernels.paged_attention`."""
@@ -121,6 +127,7 @@ def paged_prefill_attention(
     assert query_start_loc.is_contiguous() and query_start_loc.dtype == torch.int32
     out = torch.empty_like(query)
     strides = attention_strides(query, out, key_cache, value_cache, block_tables, seq_lens)
+    k_scale, v_scale, fp8 = fp8_scales(key_cache, k_scale, v_scale, seq_lens)
     if total_q == 0 or num_seqs == 0:
         return out
     block_m = max(BLOCK_M, triton.next_power_of_2(group))
@@ -128,7 +135,7 @@ def paged_prefill_attention(
     grid = (total_q // block_q + num_seqs, num_kv_heads)
     kernel_paged_prefill[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        num_seqs, scale, *strides,
+        k_scale, v_scale, num_seqs, scale, *strides,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
@@ -137,5 +144,6 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         TILE=TILE,
         IEEE=query.dtype == torch.float32,
+        FP8=fp8,
     )  # fmt: skip
     return out

@@ -81,6 +81,115 @@ def make_case(
     )
 
 
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x` [..., H, D] stored as float8_e4m3fn with per-head `scale` [H]: x / scale in fp32,
+    saturated to ±448, rounded to nearest even (vLLM's static fp8 KV quantization; written here
+    from that definition, not taken from `kernels`)."""
+    return (x.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def from_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp64 values of e4m3 `x` [..., H, D] with per-head `scale` [H]: x * scale (the product in
+    fp32, as the kernels' fp8 contract defines it, then widened)."""
+    return (x.float() * scale[:, None]).double()
+
+
+@dataclasses.dataclass
+class Fp8Case:
+    """A paged batch whose caches are fp8 (e4m3) with per-(layer, KV head) scales, beside the
+    unquantized values they were made from (`make_fp8_case`)."""
+
+    pool: torch.Tensor  # [num_blocks, num_layers, 2, block_size, Hk, D] float8_e4m3fn
+    exact: torch.Tensor  # the same shape, fp32: the values before quantization (NaN unused)
+    scales: torch.Tensor  # [num_layers, 2, Hk] fp32: k (0) and v (1) scales per layer
+    layer: int
+    query: torch.Tensor  # [total_q, Hq, D]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    scale: float
+
+    @property
+    def key_cache(self) -> torch.Tensor:  # [num_blocks, block_size, Hk, D] fp8
+        return self.pool[:, self.layer, 0]
+
+    @property
+    def value_cache(self) -> torch.Tensor:
+        return self.pool[:, self.layer, 1]
+
+    @property
+    def k_scale(self) -> torch.Tensor:  # [Hk] fp32 contiguous
+        return self.scales[self.layer, 0].contiguous()
+
+    @property
+    def v_scale(self) -> torch.Tensor:
+        return self.scales[self.layer, 1].contiguous()
+
+    def reference(self, dequantized: bool = True) -> torch.Tensor:
+        """fp64 dense attention over the cache's values (`fp8 * scale`), or with
+        `dequantized=False` over the unquantized values it was made from."""
+        if dequantized:
+            k, v = from_e4m3(self.key_cache, self.k_scale), from_e4m3(self.value_cache, self.v_scale)
+        else:
+            k, v = self.exact[:, self.layer, 0], self.exact[:, self.layer, 1]
+        return ref_attention(self.query, k, v, self.block_tables, self.query_start_loc, self.seq_lens, self.scale)
+
+    def head_magnitude(self) -> torch.Tensor:
+        """[Hq] fp64: the largest |value| of the KV head each query head reads (its outputs'
+        scale, by which errors are measured)."""
+        v = self.exact[:, self.layer, 1].double().abs().nan_to_num(0.0)  # [NB, B, Hk, D]
+        per_kv = v.amax(dim=(0, 1, 3))  # [Hk]
+        return per_kv.repeat_interleave(self.query.shape[1] // per_kv.shape[0])
+
+
+# Magnitudes of the KV heads' keys and values in `make_fp8_case` (cycled over the heads): scales
+# four to five orders of magnitude apart, a head whose keys are small reading large values and
+# the reverse. Queries are divided by their KV head's key magnitude, so every head's scores
+# stay O(1).
+FP8_KEY_MAGNITUDES = (0.02, 50.0, 1.0)
+FP8_VALUE_MAGNITUDES = (300.0, 0.004, 1.0)
+
+
+def make_fp8_case(
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    query_dtype: torch.dtype,
+    seed: int = 0,
+    binades: float = 8.0,
+) -> Fp8Case:
+    """`make_case`'s batch (scattered blocks, NaN in every unused slot) with fp8 caches: values
+    randn x 2^-uniform(0, binades) x their head's magnitude (so the codes span many binades,
+    subnormals included), quantized with per-(layer, KV head) scales max|x| / 448 (the largest
+    value maps to 448); unused slots hold NaN (0x7F)."""
+    case = make_case(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, torch.float32, seed)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    exact = case.pool * torch.exp2(-binades * torch.rand(case.pool.shape, generator=gen))
+    mk = torch.tensor([FP8_KEY_MAGNITUDES[h % 3] for h in range(num_kv_heads)])
+    mv = torch.tensor([FP8_VALUE_MAGNITUDES[h % 3] for h in range(num_kv_heads)])
+    exact[:, :, 0] *= mk[:, None]
+    exact[:, :, 1] *= mv[:, None]
+    amax = exact.abs().nan_to_num(0.0).amax(dim=(0, 3, 5))  # [num_layers, 2, Hk]
+    scales = (amax / E4M3_MAX).clamp(min=1e-30).float()
+    pool = torch.empty(exact.shape, dtype=torch.float8_e4m3fn)
+    for layer in range(exact.shape[1]):
+        for kv in range(2):
+            pool[:, layer, kv] = e4m3(exact[:, layer, kv], scales[layer, kv])
+    group = num_q_heads // num_kv_heads
+    query = case.query / mk.repeat_interleave(group)[:, None]
+    return Fp8Case(
+        pool=pool, exact=exact, scales=scales, layer=case.layer, query=query.to(query_dtype),
+        block_tables=case.block_tables, seq_lens=case.seq_lens, query_start_loc=case.query_start_loc,
+        scale=case.scale,
+    )  # fmt: skip
+
+
 def gather_dense(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
     """[n, num_kv_heads, head_dim] fp64: positions 0..n-1 read block by block via the table."""
     block_size = cache.shape[1]

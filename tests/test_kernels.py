@@ -239,19 +239,18 @@ def test_plan_reads_only_host_lengths():
         kernels.plan_attention(meta[0].long(), *meta[1:], 16, host_query_start_loc=[0, 1, 2], host_seq_lens=[5, 40])
 
 
-def test_plan_room_for_window_and_fp8_scales():
+def test_plan_room_for_sliding_window():
     # Accepted as None only; a set value is refused clearly, a malformed one is a ValueError.
+    # (fp8 KV scales are no plan metadata: they go to each op, tests/test_kernels_fp8.py.)
     meta = metadata([1, 3], [5, 40], 16)
-    plan = kernels.plan_attention(*meta, 16, sliding_window=None, k_scale=None, v_scale=None)
-    assert plan.sliding_window is None and plan.k_scale is None and plan.v_scale is None
+    plan = kernels.plan_attention(*meta, 16, sliding_window=None)
+    assert plan.sliding_window is None
     with pytest.raises(NotImplementedError, match="sliding-window"):
         kernels.plan_attention(*meta, 16, sliding_window=128)
     with pytest.raises(ValueError, match="sliding_window must be"):
         kernels.plan_attention(*meta, 16, sliding_window=0)
-    with pytest.raises(NotImplementedError, match="fp8"):
-        kernels.plan_attention(*meta, 16, k_scale=torch.ones(2, 4))
-    with pytest.raises(ValueError, match="v_scale must be"):
-        kernels.plan_attention(*meta, 16, v_scale=torch.ones(2, 4, dtype=torch.float16))
+    with pytest.raises(TypeError, match="k_scale"):
+        kernels.plan_attention(*meta, 16, k_scale=torch.ones(4))
 
 
 def test_plan_groups_pad_and_mask():
