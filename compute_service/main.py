@@ -11,7 +11,8 @@ service, read its pool descriptor (the layout
 and the path of its worker socket), load the model, receive the pool's handle,
 epoch table and plane key on that socket (``--memory-socket`` overrides the
 path, for a container that mounts it elsewhere), map the pool and check that
-its layout fits the model (a mismatch is a start-up error naming both), then
+its layout fits the model (a mismatch is a start-up error naming both); over an fp8 pool without scales yet, calibrate them
+(:mod:`compute_service.kv_calibration`) and set them on the memory service; then
 serve. A background task watches the memory service's health: on NOT_SERVING
 (shutdown) or a new pool generation it drops the mapping, fails steps with
 FAILED_PRECONDITION until a pool is mapped again, and re-maps the new pool
@@ -31,6 +32,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kernels
+from compute_service.kv_calibration import fit_kv_scales
 from compute_service.load_progress import load_progress
 from compute_service.model import LlamaForPagedLM
 from compute_service.pool_map import TORCH_DTYPES, MappedPool, map_pool
@@ -39,6 +41,7 @@ from compute_service.weights import ModelConfig, check_model_source, load_model_
 from compute_service.worker import Worker
 from pagedkv import tls
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
+from pagedkv.kv_scales import FP8_DTYPE
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
@@ -46,6 +49,9 @@ from pagedkv.model_source import resolve_model
 from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
 
 log = get_logger("compute_service")
+
+#: ``--dtype`` values besides auto: what the model runs in (an fp8 pool's model runs in one of these).
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -61,6 +67,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "HF_HUB_OFFLINE=1)")
     p.add_argument("--revision", default=os.environ.get("PAGEDKV_REVISION") or None,
                    help="branch, tag or commit of a repo id (default main)")
+    p.add_argument("--dtype", default=os.environ.get("PAGEDKV_DTYPE", "auto"), choices=["auto", *MODEL_DTYPES],
+                   help="weight and activation dtype (default auto: the pool's dtype; over an fp8 pool float32 on "
+                        "cpu, bfloat16 on cuda)")
     p.add_argument("--memory-socket", default=os.environ.get("PAGEDKV_MEMORY_SOCKET"),
                    help="the memory service's worker socket here (default: the path its pool descriptor names)")
     p.add_argument("--memory-timeout", type=float, default=60.0, help="seconds to wait for the memory service at start (default 60)")
@@ -71,6 +80,25 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "network only: docs/security.md)")
     tls.add_arguments(p)  # also this worker's credentials towards the memory service
     return p
+
+
+def model_dtype(flag: str, desc: mpb.PoolDescriptor) -> torch.dtype:
+    """The model's dtype: ``--dtype`` (``flag``), or with ``auto`` the pool's (an fp8 pool: float32
+    on a cpu pool, bfloat16 on a cuda one). Over a pool that is not fp8 the model runs in the
+    pool's dtype, as the kernels read and write it.
+
+    Raises:
+        ValueError: a dtype that is not one of MODEL_DTYPES, or another than a non-fp8 pool's.
+    """
+    pool = desc.layout.dtype
+    if flag == "auto":
+        flag = pool if pool != FP8_DTYPE else ("bfloat16" if desc.backend == mpb.POOL_BACKEND_CUDA else "float32")
+    if flag not in MODEL_DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {', '.join(MODEL_DTYPES)}, got {flag!r}")
+    if pool != FP8_DTYPE and flag != pool:
+        raise ValueError(f"--dtype {flag} over a {pool} pool: the model runs in the pool's dtype (only an fp8 pool "
+                         f"takes another); start the memory service with --kv-cache-dtype {flag}, or drop --dtype")
+    return TORCH_DTYPES[flag]
 
 
 def check_layout(desc: mpb.PoolDescriptor, config: ModelConfig) -> None:
@@ -132,8 +160,8 @@ async def watch_memory_service(address: str, worker: Worker, health, compute: Ex
                     break
                 desc = (await memory.GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=5)).pool
                 if worker.pool is None or desc.generation != worker.pool.generation:
-                    await swap_pool(worker, compute, _remap, worker, desc, socket_path,
-                                    (address, files) if node_transfers else None)
+                    await swap_pool(worker, compute, _remap, worker, desc, socket_path, (address, files),
+                                    node_transfers)
                     await health.set("", health_pb2.HealthCheckResponse.SERVING)
                     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         except grpc.aio.AioRpcError as e:
@@ -184,21 +212,37 @@ def publish_transfer_agent(worker: Worker, address: str, files: tls.TlsFiles | N
     log.info("transfer_agent_published", agent=s.agent_name, num_blocks=s.num_blocks, block_bytes=s.block_bytes)
 
 
-def _remap(worker: Worker, desc: mpb.PoolDescriptor, socket_path: str | None, transfers: tuple | None = None) -> None:
+def _remap(worker: Worker, desc: mpb.PoolDescriptor, socket_path: str | None, memory: tuple[str, tls.TlsFiles | None],
+           node_transfers: bool = False) -> None:
     check_layout(desc, worker.config)
-    worker.set_pool(map_pool(desc, socket_path))
-    if transfers is not None:
-        publish_transfer_agent(worker, *transfers)
+    worker.set_pool(_map_with_scales(desc, socket_path, worker.model, worker.model_source, memory))
+    if node_transfers:
+        publish_transfer_agent(worker, *memory)
     log.info("pool_mapped", generation=desc.generation, backend=mpb.PoolBackend.Name(desc.backend),
              num_blocks=desc.layout.num_blocks)
 
 
-def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str) -> tuple[Worker, str]:
+def _map_with_scales(desc: mpb.PoolDescriptor, socket_path: str | None, model: LlamaForPagedLM, model_source: str,
+                     memory: tuple[str, tls.TlsFiles | None], pool: MappedPool | None = None) -> MappedPool:
+    """Map the pool (unless given ``pool``) and give it its fp8 scales (`fit_kv_scales`: the descriptor's, or
+    calibrated and set); a pool whose scales fail is closed again, never served."""
+    pool = pool or map_pool(desc, socket_path)
+    try:
+        fit_kv_scales(pool, model, model_source, *memory)
+    except BaseException:
+        pool.close()
+        raise
+    return pool
+
+
+def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str,
+          files: tls.TlsFiles | None = None) -> tuple[Worker, str]:
     """Load the model, map the pool and check that they fit; returns the worker and its device.
 
     The config is read and checked against the pool before any weight; the weights then stream
     from the checkpoint tensor by tensor into the model (`compute_service.checkpoint`), with a
-    progress bar (`compute_service.load_progress`).
+    progress bar (`compute_service.load_progress`). An fp8 pool then gets its scales
+    (`compute_service.kv_calibration`).
     """
     t = time.perf_counter()
     config, weights = load_model_source(args.model)
@@ -208,18 +252,24 @@ def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str) -> tu
         log.warning("generation_config_ignored_keys", keys=list(config.ignored_generation_keys),
                     message="generation_config.json keys not honoured: " + ", ".join(config.ignored_generation_keys))
     check_layout(desc, config)
+    dtype = model_dtype(args.dtype, desc)
     pool: MappedPool = map_pool(desc, args.memory_socket)
     model_device = str(pool.tensor.device) if desc.backend == mpb.POOL_BACKEND_CUDA else device
-    with load_progress(weights, config.name):
-        model = LlamaForPagedLM(config, weights, device=model_device, dtype=TORCH_DTYPES[desc.layout.dtype])
-    weights.close()
-    del weights
+    try:
+        with load_progress(weights, config.name):
+            model = LlamaForPagedLM(config, weights, device=model_device, dtype=dtype)
+        weights.close()
+        del weights
+    except BaseException:
+        pool.close()
+        raise
+    pool = _map_with_scales(desc, args.memory_socket, model, args.model, (args.memory, files), pool)
     native = model_device == "cpu" and kernels.cpu_native.available()
     log.info("model_loaded", model=config.name, architecture=config.architecture,
              seconds=round(time.perf_counter() - t, 2), weight_bytes=model.nbytes(), device=model_device,
              threads=torch.get_num_threads(),
              cpu_kernels="native" if native else f"torch ({kernels.cpu_native.unavailable_reason})")
-    return Worker(model, config, pool), model_device
+    return Worker(model, config, pool, args.model), model_device
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -235,7 +285,8 @@ async def serve(args: argparse.Namespace) -> None:
     # second team, and with more threads than cores each parallel region goes through futex sleeps.
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
     load_args = argparse.Namespace(**{**vars(args), "model": model.load_source})
-    worker, model_device = await asyncio.get_running_loop().run_in_executor(compute, _load, load_args, desc, device)
+    worker, model_device = await asyncio.get_running_loop().run_in_executor(compute, _load, load_args, desc, device,
+                                                                            files)
     if args.node_transfers:
         await asyncio.get_running_loop().run_in_executor(compute, publish_transfer_agent, worker, args.memory, files)
     pool = worker.pool

@@ -21,6 +21,7 @@ outside (`compute_service.timing`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,9 @@ from compute_service.weight_loader import WeightLoader
 from compute_service.weights import REQUIRED_BIASES, ModelConfig, Weights
 from kernels import fused_ops
 from kernels.fused_ops import signed_sin
+
+#: One layer's fp8 KV scales: (k_scale, v_scale), each [num_kv_heads] float32 on the model's device.
+LayerScales = tuple[torch.Tensor, torch.Tensor]
 
 
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,6 +89,8 @@ class StepMeta:
     sin: torch.Tensor  # [T, 1, head_dim], first half negated (`kernels.fused_ops.apply_rope`)
     slot_mapping: torch.Tensor  # [T] int64, pool slot of each new token
     plan: kernels.AttentionPlan  # the step's attention metadata and kernel, shared by all layers
+    # An fp8 pool's static scales: layer i's (k_scale [Hkv], v_scale [Hkv]) float32; else None.
+    kv_scales: Sequence[LayerScales] | None = None
 
 
 class PagedAttention(nn.Module):
@@ -94,9 +100,9 @@ class PagedAttention(nn.Module):
     §4.1). A module of its own so that `compute_service.timing` can hook it.
     """
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, layer: int) -> None:
         super().__init__()
-        self.scale = scale
+        self.scale, self.layer = scale, layer
 
     def forward(
         self,
@@ -108,20 +114,24 @@ class PagedAttention(nn.Module):
         meta: StepMeta,
     ) -> torch.Tensor:
         # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; key_cache, value_cache: [num_blocks, block_size, Hkv, Dh]
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        return kernels.paged_attention(q, key_cache, value_cache, meta.plan, self.scale)  # [T, Hq, Dh]
+        if meta.kv_scales is None:
+            kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            return kernels.paged_attention(q, key_cache, value_cache, meta.plan, self.scale)  # [T, Hq, Dh]
+        ks, vs = meta.kv_scales[self.layer]  # fp8: quantized on write, dequantized inside the kernel
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale=ks, v_scale=vs)
+        return kernels.paged_attention(q, key_cache, value_cache, meta.plan, self.scale, k_scale=ks, v_scale=vs)
 
 
 class Attention(nn.Module):
     """GQA self-attention over the paged cache; Q/K/V fused into one projection (with the q/k/v
     biases of Qwen2 / Llama's `attention_bias`, concatenated alike)."""
 
-    def __init__(self, c: ModelConfig, wqkv: Linear, wo: Linear) -> None:
+    def __init__(self, c: ModelConfig, wqkv: Linear, wo: Linear, layer: int) -> None:
         # wqkv: D -> (Hq + 2 Hkv) * Dh, rows wq | wk | wv (bias bq | bk | bv); wo: Hq * Dh -> D
         super().__init__()
         self.wqkv, self.wo = wqkv, wo
         self.hq, self.hkv, self.dh = c.num_q_heads, c.num_kv_heads, c.head_dim
-        self.paged = PagedAttention(c.head_dim**-0.5)
+        self.paged = PagedAttention(c.head_dim**-0.5, layer)
 
     def forward(
         self, x: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: StepMeta
@@ -164,6 +174,7 @@ class DecoderLayer(nn.Module):
             c,
             load.linear([p + "wq", p + "wk", p + "wv"], [p + "bq", p + "bk", p + "bv"]),
             load.linear([p + "wo"], [p + "bo"]),
+            i,
         )
         self.mlp_norm = RMSNorm(load([p + "mlp_norm"]), c.rms_norm_eps)
         self.mlp = MLP(
@@ -251,6 +262,7 @@ class LlamaForPagedLM(nn.Module):
         slot_mapping: torch.Tensor,  # [T] int64, block * block_size + offset of each new token
         plan: kernels.AttentionPlan,  # this step's attention plan (block tables, lengths, kernel)
         logits_indices: torch.Tensor,  # [S'] int64, packed rows whose logits to return
+        kv_scales: Sequence[LayerScales] | None = None,  # fp8 pool: per layer (k_scale [Hkv], v_scale [Hkv])
     ) -> torch.Tensor:  # [S', vocab] float32
         """One model step: writes the new tokens' K/V into the pool, returns chosen logits.
 
@@ -259,8 +271,11 @@ class LlamaForPagedLM(nn.Module):
         `compute_service.step_inputs.StepInputs.attention_plan`), built once on the host. New
         token j of a sequence with n new tokens sits at position seq_len - n + j and sees
         positions [0, seq_len - n + j] (causal, bottom-right aligned). Every tensor must be on
-        the model's device; the pool may be any dtype the kernels accept. Raises ValueError when
-        the pool's layout does not match the model, or the plan the pool's block size.
+        the model's device; the pool may be any dtype the kernels accept. An fp8 (float8_e4m3fn)
+        pool needs `kv_scales`, one (k_scale, v_scale) pair of [num_kv_heads] float32 tensors per
+        layer (`compute_service.kv_calibration`): keys and values are stored divided by them and
+        read multiplied by them (`kernels.fp8`). Raises ValueError when the pool's layout does not
+        match the model, the plan the pool's block size, or the scales the pool's dtype.
         """
         # input_ids, positions, slot_mapping: [T]; kv_pool: [N, L, 2, B, Hkv, Dh] -> [S', vocab]
         c = self.config
@@ -276,6 +291,12 @@ class LlamaForPagedLM(nn.Module):
             )
         if plan.block_size != kv_pool.shape[3]:
             raise ValueError(f"the attention plan is for block size {plan.block_size}, the pool's is {kv_pool.shape[3]}")
+        if (kv_pool.dtype == kernels.FP8_DTYPE) != (kv_scales is not None) or (
+            kv_scales is not None and len(kv_scales) != c.num_layers
+        ):
+            raise ValueError(f"a {kv_pool.dtype} pool takes " + (
+                f"kv_scales: one (k_scale, v_scale) pair per layer ({c.num_layers})"
+                if kv_pool.dtype == kernels.FP8_DTYPE else "no kv_scales"))
         # positions: [T] -> cos, sin: [T, 1, Dh]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         freqs = torch.cat((freqs, freqs), dim=-1)
@@ -284,6 +305,7 @@ class LlamaForPagedLM(nn.Module):
             signed_sin(freqs.sin()[:, None]).to(self.dtype),
             slot_mapping,
             plan,
+            kv_scales,
         )
         x, residual = F.embedding(input_ids, self.embed), None  # [T, D]; the stream starts at layer 0
         for i, layer in enumerate(self.layers):

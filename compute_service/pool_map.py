@@ -35,7 +35,8 @@ from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.pool_socket import PoolHandle, receive_handle
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "fp8_e4m3": torch.float8_e4m3fn}
 
 log = get_logger("pool_map")
 
@@ -58,6 +59,10 @@ class MappedPool:
     #: pool's dtype, a CPU tensor over shared host memory (page-locked on a cuda pool); None
     #: without a host tier.
     host_tensor: torch.Tensor | None = None
+    #: An fp8 pool's static scales as the model takes them (per layer: k_scale, v_scale, each
+    #: [num_kv_heads] float32 on the pool's device; `compute_service.kv_calibration.fit_kv_scales`);
+    #: None for other dtypes, and until set.
+    kv_scales: list | None = None
     #: Epochs of the host tier's blocks, int64 [host_num_blocks] (a view of ``all_epochs``), read-only;
     #: None without a host tier.
     host_epochs: np.ndarray | None = None

@@ -81,12 +81,12 @@ class StepInputs:
             num_kv_heads=kv_pool.shape[4],
         )  # fmt: skip
 
-    def model_args(self, kv_pool: torch.Tensor) -> tuple:
+    def model_args(self, kv_pool: torch.Tensor, kv_scales=None) -> tuple:
         """Positional arguments of `LlamaForPagedLM.forward` over `kv_pool` (plans the step's
-        attention: `attention_plan`)."""
+        attention: `attention_plan`), with an fp8 pool's per-layer `kv_scales`."""
         return (
             self.token_ids, self.positions, kv_pool, self.slot_mapping, self.attention_plan(kv_pool),
-            self.logits_indices,
+            self.logits_indices, kv_scales,
         )  # fmt: skip
 
 

@@ -51,8 +51,10 @@ class Worker:
         pool: the mapped pool, or None until one is mapped.
     """
 
-    def __init__(self, model: LlamaForPagedLM, config: ModelConfig, pool: MappedPool | None):
+    def __init__(self, model: LlamaForPagedLM, config: ModelConfig, pool: MappedPool | None, model_source: str = ""):
         self.model = model
+        #: Where the model came from ("smollm2", a directory, a .gguf): its tokenizer calibrates fp8 scales.
+        self.model_source = model_source
         self.config = config
         self.device = model.device
         self._lock = threading.Lock()
@@ -109,7 +111,7 @@ class Worker:
             if plan.has_tier_copies or plan.copy_on_write or plan.transfers:
                 do_copies(pool, plan, self.transfer_agent)
             t1 = time.perf_counter()
-            logits = self.model(*inputs.model_args(pool.tensor))
+            logits = self.model(*inputs.model_args(pool.tensor, pool.kv_scales))
             t2 = time.perf_counter()
             if self.pool_lost.is_set():
                 raise FailedPreconditionError("the memory service went away during this step; its results are void",

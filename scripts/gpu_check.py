@@ -19,7 +19,8 @@
    layout written as a Hugging Face directory. Its greedy tokens (fp32 pool and model, so the comparison is exact) must equal
    those of a second stack on the CPU torch path (cpu pool) on the same machine; parallel
    sampling (fork + copy-on-write on the GPU pool) must repeat the greedy answer; nothing may
-   leak; the production bf16 stack must generate; `pagedkv serve` attached to the GPU stack must
+   leak; the production bf16 stack must generate, and so must an fp8 pool (bf16 model; the worker
+   calibrates the scales on the GPU and sets them); `pagedkv serve` attached to the GPU stack must
    answer a greedy chat completion over HTTP with the same tokens; and a worker must drop its
    mapping when the memory service stops first.
 5. throughput: `benchmarks/bench_throughput.py --device cuda` on the random model (pagedkv vs
@@ -474,8 +475,38 @@ def check_stack(device: str, model: Path, env: dict[str, str], work: Path) -> No
         finally:
             if stack is not None:
                 stack.stop()
+        check_fp8_stack(model, env, work, ref)
 
     check_producer_exit(device, model, env, work)
+
+
+def check_fp8_stack(model: Path, env: dict[str, str], work: Path, ref: list[list[int]]) -> None:
+    """An fp8 pool on the GPU (bf16 model): the worker calibrates its scales on CUDA, sets them on
+    the memory service, and generates through the compiled Triton kernels' fp8 paths."""
+    import grpc
+
+    from pagedkv.memory.v1 import memory_service_pb2 as mpb
+    from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+
+    stack = None
+    try:
+        stack = start_stack("fp8", "cuda", model, env, work, dtype="fp8")
+        with grpc.insecure_channel(stack.memory_address) as ch:
+            desc = mpb_grpc.MemoryServiceStub(ch).GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=10).pool
+        scales = list(desc.kv_scales.k_scale) + list(desc.kv_scales.v_scale)
+        report("fp8 pool: the worker calibrated its scales on the GPU",
+               desc.layout.dtype == "fp8_e4m3" and bool(scales) and all(s > 0 for s in scales),
+               f"source {desc.kv_scales.source!r}, {len(scales)} scales, max {max(scales, default=0):.4g}")
+        fp8, _, _, secs, _ = generate(stack)
+        agree = sum(len(a) if (d := first_difference(a, b)) is None else d for a, b in zip(fp8, ref))
+        report("fp8 stack (bf16 model, fp8 KV) generates", all(len(t) == MAX_TOKENS for t in fp8),
+               f"{secs:.1f} s; {agree}/{sum(map(len, ref))} leading tokens agree with fp32 (informational)")
+        report("fp8 stack: nothing leaked", used_blocks(stack) == 0, f"used_blocks={used_blocks(stack)}")
+    except Exception as e:  # noqa: BLE001 - a failed stack is a failed check, with its log
+        report("fp8 stack (bf16 model, fp8 KV) generates", False, f"{type(e).__name__}: {str(e)[-1500:]}")
+    finally:
+        if stack is not None:
+            stack.stop()
 
 
 def check_pool_handle(stack: LocalStack, device: str) -> None:

@@ -159,3 +159,40 @@ def test_kv_scales_file_sets_the_pool_at_start(tmp_path):
         pool.close()
     with pytest.raises(ValueError, match="--kv-scales-file is for an fp8 pool"):
         create_pool(_pool_args("--kv-scales-file", str(path)))
+
+
+@pytest.mark.parametrize(("argv", "pool", "model"), [
+    (["--kv-cache-dtype", "fp8"], FP8_DTYPE, None),
+    (["--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16"], FP8_DTYPE, "bfloat16"),
+    (["--dtype", "bfloat16"], "bfloat16", "bfloat16"),
+    ([], None, None),
+])
+def test_serve_takes_an_fp8_pool_beside_any_model_dtype(argv, pool, model):
+    from client.serve.config import parse_args
+
+    args = parse_args(argv)
+    assert (args.pool_dtype, args.model_dtype) == (pool, model)
+
+
+def test_serve_refuses_a_model_dtype_other_than_a_full_precision_pool(capsys):
+    from client.serve.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "bfloat16", "--kv-cache-dtype", "float32"])
+    assert "fp8 pools aside" in capsys.readouterr().err
+
+
+def test_a_worker_runs_its_model_in_the_pool_dtype_unless_the_pool_is_fp8():
+    import torch
+
+    from compute_service.main import model_dtype
+
+    def desc(dtype, backend=pb.POOL_BACKEND_CPU):
+        return pb.PoolDescriptor(layout=pb.PoolLayout(dtype=dtype), backend=backend)
+
+    assert model_dtype("auto", desc(FP8_DTYPE)) == torch.float32
+    assert model_dtype("auto", desc(FP8_DTYPE, pb.POOL_BACKEND_CUDA)) == torch.bfloat16
+    assert model_dtype("bfloat16", desc(FP8_DTYPE)) == torch.bfloat16
+    assert model_dtype("auto", desc("bfloat16")) == torch.bfloat16
+    with pytest.raises(ValueError, match="runs in the pool's dtype"):
+        model_dtype("bfloat16", desc("float32"))

@@ -114,10 +114,12 @@ def _embedded(args: argparse.Namespace) -> Backends:
     if args.host_cache_memory:
         memory_args += ["--host-cache-memory", args.host_cache_memory]
     if args.pool_dtype:
-        memory_args += ["--dtype", args.pool_dtype]
+        memory_args += ["--kv-cache-dtype", args.pool_dtype]
+    worker_args = ["--dtype", args.model_dtype] if args.model_dtype else []
     if not args.prefix_caching:
         memory_args.append("--no-prefix-caching")
-    stack = LocalStack(memory_args, device=args.device or default_device(), model=args.model or "smollm2",
+    stack = LocalStack(memory_args, worker_args=worker_args, device=args.device or default_device(),
+                       model=args.model or "smollm2",
                        revision=args.revision, host="127.0.0.1", name="serve", tls=args.tls).start()
     return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, tls=args.tls,
                     admin_token_file=stack.memory.info.get("admin_token_file"))

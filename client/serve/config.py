@@ -17,10 +17,11 @@ from pathlib import Path
 from client.cluster import parse_node
 from client.serve.dashboard_auth import same_key
 from pagedkv import tls as plane_tls
+from pagedkv.kv_scales import FP8_DTYPE, FP8_FLAGS
 
 #: Model dtypes (``--dtype``) and pool dtypes (``--kv-cache-dtype``) this build runs.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = (*DTYPES, "fp8")
+KV_CACHE_DTYPES = (*DTYPES, *FP8_FLAGS)
 
 
 def _env(name: str, default=None):
@@ -102,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", default=_env("DTYPE"), choices=DTYPES,
                        help="model weights and activations (default auto: float32 on cpu, bfloat16 on cuda)")
     model.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE"), choices=KV_CACHE_DTYPES,
-                       help="the pool's dtype (default auto: the model's)")
+                       help="the pool's dtype (default auto: the model's); fp8 stores keys and values in one byte "
+                            "(e4m3) with static scales per (layer, KV head) that the first worker calibrates: "
+                            "4x the tokens of float32, 2x of bfloat16, in the same memory")
     model.add_argument("--block-size", type=int, default=_env_int("BLOCK_SIZE", None), help="tokens per block (default 16)")
     model.add_argument("--kv-cache-memory", default=_env("KV_CACHE_MEMORY"), help="pool size, e.g. 1GiB")
     model.add_argument("--host-cache-memory", default=_env("HOST_CACHE_MEMORY"),
@@ -247,14 +250,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--block-size must be >= 1")
     if not 0 <= args.port <= 65535:
         p.error("--port must lie in 0-65535")
-    if args.kv_cache_dtype == "fp8":
-        p.error("--kv-cache-dtype fp8 is not built yet; use auto, float32, bfloat16 or float16")
+    if args.dtype not in (None, *DTYPES):  # from PAGEDKV_DTYPE
+        p.error(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):  # from PAGEDKV_KV_CACHE_DTYPE
+        p.error(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
     model_dtype = None if args.dtype in (None, "auto") else args.dtype
     kv_dtype = None if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
-    if model_dtype and kv_dtype and model_dtype != kv_dtype:
-        p.error(f"--dtype {model_dtype} with --kv-cache-dtype {kv_dtype}: workers run the model in the pool's dtype, "
-                "so the two must match")
+    if kv_dtype in FP8_FLAGS:
+        kv_dtype = FP8_DTYPE  # the model runs in --dtype; keys and values are stored in fp8 with static scales
+    elif model_dtype and kv_dtype and model_dtype != kv_dtype:
+        p.error(f"--dtype {model_dtype} with --kv-cache-dtype {kv_dtype}: workers run the model in the pool's dtype "
+                "(fp8 pools aside), so the two must match")
     args.pool_dtype = kv_dtype or model_dtype
+    args.model_dtype = model_dtype
     args.workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else []
     if args.node is None:
         args.node = [n.strip() for n in (_env("NODE") or "").split(";") if n.strip()]
