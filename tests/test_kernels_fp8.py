@@ -23,7 +23,7 @@ import math
 
 import pytest
 import torch
-from kernel_reference import E4M3_MAX, e4m3, from_e4m3, make_case, make_fp8_case, tolerance
+from kernel_reference import E4M3_MAX, e4m3, make_case, make_fp8_case, make_fp8_code_case, tolerance
 
 import kernels
 from kernels import cpu_native, torch_impl
@@ -110,32 +110,14 @@ def test_attention_over_fp8_cache(heads, head_dim, block_size, query_dtype, path
     assert err <= UNQUANTIZED_BOUND, f"{what}: {err:.3g} of the head's magnitude off the unquantized reference"
 
 
-def code_case(head_dim: int, query_dtype: torch.dtype):
-    """Contexts of one token whose value rows hold every e4m3 byte (0..255, NaN codes included),
-    keys of 0: each output is that one value times v_scale."""
-    heads = 2
-    per_seq = heads * head_dim
-    num_seqs = -(-256 // per_seq)
-    case = make_fp8_case([1] * num_seqs, [1] * num_seqs, 2 * heads, heads, head_dim, 4, query_dtype, seed=head_dim)
-    codes = torch.arange(num_seqs * per_seq) % 256
-    for s in range(num_seqs):
-        blk = int(case.block_tables[s, 0])
-        row = codes[s * per_seq : (s + 1) * per_seq].to(torch.uint8).view(heads, head_dim)
-        case.value_cache[blk, 0].view(torch.uint8).copy_(row)
-        case.key_cache[blk, 0].view(torch.uint8).zero_()
-    return case
-
-
 @pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_every_e4m3_code_reads_exactly(head_dim, query_dtype, path):
     # One position: softmax weight exactly 1, so out = e4m3 value x v_scale, rounded once (fp32
     # product, then the query's dtype): every byte decodes exactly, NaN as NaN, on every path.
-    case = code_case(head_dim, query_dtype)
+    case = make_fp8_code_case(head_dim, query_dtype)
     out = attend(case)
-    rows = case.block_tables[:, 0].long()
-    want = from_e4m3(case.value_cache[rows, 0], case.v_scale).float()  # [num_seqs, Hk, D]
-    want = want.repeat_interleave(2, dim=1).to(query_dtype)  # the query heads of each KV head
+    want = case.code_outputs()
     assert torch.equal(out.isnan(), want.isnan()), f"{path}: NaN codes not read as NaN"
     assert torch.equal(out.nan_to_num(), want.nan_to_num()), f"{path}: an e4m3 code decoded inexactly"
 
