@@ -27,7 +27,7 @@ from kernel_reference import E4M3_MAX, e4m3, make_case, make_fp8_case, make_fp8_
 
 import kernels
 from kernels import cpu_native, torch_impl
-from kernels.fp8 import FP8_DTYPE
+from kernels.fp8 import FP8_DTYPE, WIDENED_UNIT, widen_to_fp16
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -177,6 +177,11 @@ def test_quantize_fp8_rounds_to_nearest_even_and_saturates():
     finite = (codes.view(torch.uint8) & 0x7F) != 0x7F
     assert torch.equal(back.view(torch.uint8)[finite], codes.view(torch.uint8)[finite])
     assert kernels.dequantize_fp8(codes, scale, torch.bfloat16).dtype == torch.bfloat16
+    # The torch paths' fast widening: every byte exactly, times 2^-8, NaN and signs kept.
+    wide = widen_to_fp16(codes.view(torch.uint8)).float() / WIDENED_UNIT
+    exact = codes.float()
+    assert torch.equal(wide.isnan(), exact.isnan()) and torch.equal(wide.nan_to_num(), exact.nan_to_num())
+    assert torch.equal(wide.signbit(), exact.signbit())
     assert kernels.FP8_MAX == torch.finfo(kernels.FP8_DTYPE).max == E4M3_MAX
 
 
