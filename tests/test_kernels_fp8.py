@@ -39,7 +39,7 @@ FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 # Against the reference over the unquantized values, over the head's magnitude: e4m3 keeps 3
 # mantissa bits, so each stored value is off by at most 2^-4 of itself (half an ulp), and a
 # softmax-weighted mean of values by at most 2^-4 of the head's largest; a one-token context
-# (its output is its one value) reaches that. The keys' rounding moves the weights by much less
+# (its output is its one value) can come close. The keys' rounding moves the weights by much less
 # with scores of O(1), as make_fp8_case's are (measured <= 3.5e-2 over this file's grid for the
 # exact fp64 attention over the fp8 cache itself, <= 3.7e-2 for the kernels with bf16 queries).
 UNQUANTIZED_BOUND = 2.0**-4
