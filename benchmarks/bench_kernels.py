@@ -8,8 +8,10 @@ whole step), `kernel` the kernel the plan picked. Decode rows also time dense
 `paged_over_dense`). Medians after a warm-up.
 
 CPU: SmolLM2-135M's layer (9 q heads, 3 KV heads, head_dim 64, 30 layers), fp32 (and bf16 with
-`--dtype bfloat16|both`), decode batch 1/16/64 x context 128/1k/4k, and mixed batches (decode
-tokens plus one 256-token prefill chunk).
+`--dtype bfloat16|both`, an fp32 query over an fp8 e4m3 cache with per-KV-head scales with
+`--dtype fp8`, all three with `--dtype all`), decode batch 1/16/64 x context 128/1k/4k, and mixed
+batches (decode tokens plus one 256-token prefill chunk). An fp8 row's dense SDPA reads a
+dequantized fp32 copy.
 
 CUDA: a Llama-3-8B-like layer (32 q heads, 8 KV heads, head_dim 128, 32 layers, bf16), decode at
 batch 64 x context 4096 with block size 16 (32 and 64 beside it): achieved bandwidth (K and V
@@ -53,6 +55,8 @@ class Batch:
     host_query_start_loc: torch.Tensor  # the same on the CPU
     host_seq_lens: torch.Tensor
     kv_bytes: int  # K and V bytes the step's attention must read (each context position once)
+    k_scale: torch.Tensor | None = None  # [Hkv] fp32: fp8 caches only
+    v_scale: torch.Tensor | None = None
 
     def plan(self, **kw) -> kernels.AttentionPlan:
         """The model's once-per-step call."""
@@ -67,18 +71,30 @@ class Batch:
         lengths)."""
         ctx = int(self.host_seq_lens[0])
         idx = self.block_tables[:seqs].long()
-        k = self.key_cache[idx].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
-        v = self.value_cache[idx].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
-        return k, v
+        k = self.key_cache[idx].flatten(1, 2)[:, :ctx]  # [seqs, ctx, Hkv, D]
+        v = self.value_cache[idx].flatten(1, 2)[:, :ctx]
+        if self.k_scale is not None:  # fp8: dense SDPA reads the values in the query's dtype
+            k = kernels.dequantize_fp8(k, self.k_scale, self.query.dtype)
+            v = kernels.dequantize_fp8(v, self.v_scale, self.query.dtype)
+        return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
 
-def make_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device) -> Batch:
-    """Random K/V in shuffled blocks; the pool is viewed as layer 1 of two (strided views)."""
+def make_batch(
+    q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, cache_dtype=None
+) -> Batch:
+    """Random K/V in shuffled blocks; the pool is viewed as layer 1 of two (strided views). The
+    cache has the query's `dtype` unless `cache_dtype` is float8_e4m3fn (per-KV-head scales)."""
     gen = torch.Generator(device=device).manual_seed(0)
     blocks = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks)
     pool = torch.randn(num_blocks, 1, 2, block_size, num_kv_heads, head_dim, generator=gen, device=device)
-    pool = pool.to(dtype).expand(num_blocks, 2, 2, block_size, num_kv_heads, head_dim)
+    scales = {}
+    if cache_dtype == kernels.FP8_DTYPE:
+        # per KV head: the largest |value| maps to 448
+        scale = (pool.abs().amax(dim=(0, 1, 2, 3, 5)) / kernels.FP8_MAX).float()
+        scales = {"k_scale": scale, "v_scale": scale.clone()}
+        pool = kernels.quantize_fp8(pool, scale)
+    pool = pool.to(cache_dtype or dtype).expand(num_blocks, 2, 2, block_size, num_kv_heads, head_dim)
     perm = torch.randperm(num_blocks, generator=gen, device=device)
     tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
     start = 0
@@ -91,7 +107,7 @@ def make_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size
     kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * pool.element_size()
     return Batch(
         query, pool[:, 1, 0], pool[:, 1, 1], tables, host_qsl.to(device), host_lens.to(device),
-        host_qsl, host_lens, kv_bytes,
+        host_qsl, host_lens, kv_bytes, **scales,
     )  # fmt: skip
 
 
@@ -132,7 +148,8 @@ def measure(batch: Batch, layers: int, reps: int, cuda: bool, decode: bool) -> d
     """Time the model's calls on `batch` (and dense SDPA for a decode batch); one row."""
     scale = batch.query.shape[2] ** -0.5
     plan = batch.plan()
-    attend = lambda: kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache, plan, scale)
+    kv_scales = {"k_scale": batch.k_scale, "v_scale": batch.v_scale}
+    attend = lambda: kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache, plan, scale, **kv_scales)
     timer = time_cuda if cuda else time_host
     t_plan, t_paged = time_host(batch.plan, reps), timer(attend, reps)
     row = {
@@ -163,12 +180,23 @@ def prefill_kernel_seconds(batch: Batch) -> float:
     return time_cuda(lambda: triton_prefill.paged_prefill_attention(*args, scale))
 
 
-def bench_cpu(quick: bool, dtypes: list[torch.dtype]) -> list[dict]:
+# --dtype choice -> (query dtype, cache dtype or None for the query's) per CPU table.
+CPU_DTYPES = {
+    "float32": [(torch.float32, None)],
+    "bfloat16": [(torch.bfloat16, None)],
+    "fp8": [(torch.float32, torch.float8_e4m3fn)],
+    "both": [(torch.float32, None), (torch.bfloat16, None)],
+    "all": [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float8_e4m3fn)],
+}
+
+
+def bench_cpu(quick: bool, dtypes: list[tuple[torch.dtype, torch.dtype | None]]) -> list[dict]:
     rows = []
     hq, hkv, dim, layers = 9, 3, 64, 30
     batches = [1, 16] if quick else [1, 16, 64]
     contexts = [128, 1024] if quick else [128, 1024, 4096]
-    for dtype in dtypes:
+    for dtype, cache_dtype in dtypes:
+        label = str(dtype)[6:] + (" q, fp8 cache" if cache_dtype is not None else "")
         for b in batches:
             for ctx in contexts:
                 # Fewer repetitions for the big cases: their medians settle quickly.
@@ -179,9 +207,9 @@ def bench_cpu(quick: bool, dtypes: list[torch.dtype]) -> list[dict]:
                     # Mixed: b - 1 decode tokens plus one 256-token chunk after a cached prefix.
                     q_lens = [1] * (b - 1) + [256 if mixed else 1]
                     lens = [max(ctx, q) for q in q_lens]
-                    batch = make_batch(q_lens, lens, hq, hkv, dim, 16, dtype, "cpu")
+                    batch = make_batch(q_lens, lens, hq, hkv, dim, 16, dtype, "cpu", cache_dtype)
                     row = measure(batch, layers, reps, cuda=False, decode=not mixed)
-                    rows.append({"device": "cpu", "shape": f"smollm2 9/3/64 {str(dtype)[6:]}",
+                    rows.append({"device": "cpu", "shape": f"smollm2 9/3/64 {label}",
                                  "batch": "mixed" if mixed else "decode", "seqs": b, "context": ctx,
                                  "block_size": 16, **row})  # fmt: skip
     return rows
@@ -229,14 +257,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32", help="CPU dtype(s)")
+    ap.add_argument("--dtype", choices=list(CPU_DTYPES), default="float32",
+                    help="CPU dtype(s): fp8 is an fp32 query over an fp8 cache; all: float32, bfloat16, fp8")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]
-    rows = bench_cuda(args.quick) if use_cuda else bench_cpu(args.quick, dtypes)
+    rows = bench_cuda(args.quick) if use_cuda else bench_cpu(args.quick, CPU_DTYPES[args.dtype])
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}

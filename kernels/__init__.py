@@ -13,6 +13,12 @@ CPU); `paged_attention(query, key_cache, value_cache, plan, scale)` runs it.
 for CUDA tensors. `copy_blocks_between(src, dst, pairs)` moves whole blocks between the pool
 and the host tier (offloads, reloads).
 
+fp8 KV cache (`kernels.fp8`, vLLM's `--kv-cache-dtype fp8`): a float8_e4m3fn pool holds
+`quantize_fp8(x, scale)` = x / scale saturated to ±448, with static per-layer, per-KV-head
+scales ([num_kv_heads] float32) that the caller passes to each op as `k_scale=` / `v_scale=`
+(`reshape_and_cache` quantizes, `paged_attention` dequantizes inside every kernel, from the rows
+it reads; block copies move bytes). Queries and new rows stay fp32/fp16/bf16.
+
 Cache views are one layer of the block-major pool
 `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`:
 `key_cache = pool[:, layer, 0]`, `value_cache = pool[:, layer, 1]`.

@@ -74,6 +74,11 @@ def paged_attention(
             `TRITON_INTERPRET=1`. The native CPU kernel raises ValueError for a block id outside
             the cache.
     """
+    if query.dtype not in QUERY_DTYPES:
+        raise ValueError(
+            f"query must have a dtype in {QUERY_DTYPES}, got {query.dtype} (fp8 is a cache format: "
+            "the query stays in the model's dtype)"
+        )
     if (
         query.dim() != 3
         or key_cache.dim() != 4

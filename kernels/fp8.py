@@ -50,6 +50,25 @@ def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return (x.to(torch.float32) * scale[:, None]).to(dtype)
 
 
+# `widen_to_fp16` returns e4m3 values times this: 2^-8 (7, e4m3's exponent bias, less fp16's 15).
+WIDENED_UNIT = 2.0**-8
+
+
+def widen_to_fp16(x: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn values (or their uint8 bytes) as fp16 holding `value * WIDENED_UNIT`,
+    exactly, NaN kept: several times faster on the CPU than torch's own fp8 conversion.
+
+    Shifted left by 7, a byte's sign lands on fp16's sign bit and its 4-bit exponent and 3-bit
+    mantissa on fp16's low exponent and high mantissa bits: the fp16 of the same significand
+    whose exponent bias is 15 instead of 7 (subnormals included); the NaN pattern (all ones)
+    gets fp16's all-ones exponent. The native CPU kernel decodes the same way.
+    """
+    h = x.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-0x4080)  # 0xBF80
+    # The NaN pattern 0x3F80 carries into fp16's top exponent bit 0x4000; no other does.
+    h.bitwise_or_((h & 0x3F80).add_(0x80).bitwise_and_(0x4000))
+    return h.view(torch.float16)
+
+
 def is_fp8(t: torch.Tensor) -> bool:
     """Whether `t` holds fp8 (e4m3) values."""
     return t.dtype == FP8_DTYPE

@@ -137,6 +137,15 @@ class Fp8Case:
             k, v = self.exact[:, self.layer, 0], self.exact[:, self.layer, 1]
         return ref_attention(self.query, k, v, self.block_tables, self.query_start_loc, self.seq_lens, self.scale)
 
+    def code_outputs(self) -> torch.Tensor:
+        """[num_seqs, Hq, D] in the query's dtype: each sequence's attention output when its
+        context is one position (`make_fp8_code_case`): that position's value, `fp8 * v_scale`
+        rounded to fp32, then to the query's dtype (NaN codes NaN)."""
+        rows = self.block_tables[:, 0].long()
+        v = from_e4m3(self.value_cache[rows, 0], self.v_scale).float()  # [num_seqs, Hk, D]
+        group = self.query.shape[1] // v.shape[1]
+        return v.repeat_interleave(group, dim=1).to(self.query.dtype)
+
     def head_magnitude(self) -> torch.Tensor:
         """[Hq] fp64: the largest |value| of the KV head each query head reads (its outputs'
         scale, by which errors are measured)."""
@@ -188,6 +197,22 @@ def make_fp8_case(
         block_tables=case.block_tables, seq_lens=case.seq_lens, query_start_loc=case.query_start_loc,
         scale=case.scale,
     )  # fmt: skip
+
+
+def make_fp8_code_case(head_dim: int, query_dtype: torch.dtype, num_kv_heads: int = 2, group: int = 2) -> Fp8Case:
+    """Decode rows over contexts of one position whose value rows hold every e4m3 byte 0..255 in
+    turn (NaN codes 0x7F and 0xFF included), keys 0: each output is its one value times the v
+    scale exactly (softmax weight 1; `Fp8Case.code_outputs`)."""
+    per_seq = num_kv_heads * head_dim
+    num_seqs = -(-256 // per_seq)
+    case = make_fp8_case([1] * num_seqs, [1] * num_seqs, group * num_kv_heads, num_kv_heads, head_dim, 4,
+                         query_dtype, seed=head_dim)  # fmt: skip
+    codes = (torch.arange(num_seqs * per_seq) % 256).to(torch.uint8)
+    for s in range(num_seqs):
+        blk = int(case.block_tables[s, 0])
+        case.value_cache[blk, 0].view(torch.uint8).copy_(codes[s * per_seq : (s + 1) * per_seq].view(num_kv_heads, -1))
+        case.key_cache[blk, 0].view(torch.uint8).zero_()
+    return case
 
 
 def gather_dense(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:

@@ -3,16 +3,20 @@
 Decode over GQA ratios 1..32, head dims on the fast path (32, 64, 128) and off it (80), block
 sizes 1, 16, 24, 32, context lengths at and around block boundaries and past a softmax chunk,
 layer views `pool[:, layer, 0/1]` of a block-major pool with NaN in every slot outside the
-context; bf16 rounding (to nearest even, NaN kept); the cache write as an exact copy.
+context; bf16 rounding (to nearest even, NaN kept); the cache write as an exact copy. fp8
+(e4m3) caches read by fp32 and bf16 queries with per-KV-head scales, against the reference over
+the dequantized cache, with every byte decoded exactly, also by the portable decoder of hosts
+without F16C.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import pytest
 import torch
-from kernel_reference import make_case, ref_attention, tolerance
+from kernel_reference import make_case, make_fp8_case, make_fp8_code_case, ref_attention, tolerance
 
 import kernels
 from kernels import cpu_native
@@ -163,3 +167,70 @@ def test_supports_and_errors():
     with pytest.raises(ValueError, match="outside the cache"):
         cpu_native.paged_decode(case.query, kc, vc, bad, case.seq_lens, rows, rows, 1.0, out)
     assert out.isnan().all(), "an error must leave out unwritten"
+
+
+def decode_fp8(case, out=None):
+    """cpu_native.paged_decode over every sequence of an fp8 decode case; returns out."""
+    n = case.query.shape[0]
+    out = torch.full_like(case.query, math.nan) if out is None else out
+    rows = torch.arange(n, dtype=torch.int64)
+    cpu_native.paged_decode(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, rows, rows,
+        case.scale, out, case.k_scale, case.v_scale,
+    )  # fmt: skip
+    return out
+
+
+# fp32 queries over an fp8 cache against the reference over the dequantized cache, outputs over
+# their head's magnitude: e4m3 widens exactly, the scales multiply in fp32 (tests/test_kernels_fp8.py).
+FP8_FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [16, 24])
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_fp8_decode_matches_reference(heads, head_dim, block_size, dtype):
+    lens = lengths(block_size)
+    case = make_fp8_case(lens, [1] * len(lens), *heads, head_dim, block_size, dtype, seed=head_dim + block_size)
+    out = decode_fp8(case)
+    what = f"fp8 cache, {dtype} query, heads={heads} d={head_dim} bs={block_size}"
+    assert out.dtype == dtype and not out.isnan().any(), what
+    mag = case.head_magnitude()[None, :, None]
+    tol = FP8_FP32_TOL if dtype == torch.float32 else tolerance(dtype)
+    torch.testing.assert_close(out.double() / mag, case.reference() / mag, **tol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture
+def portable_fp8_decoder(monkeypatch):
+    """The library built without AVX-512 and F16C (x86 hosts that have them): fp8 bytes decoded by
+    the integer arithmetic that hosts without F16C (and other architectures) run."""
+    flags = cpu_native.cpu_flags()
+    if "f16c" not in flags or "avx2" not in flags:
+        pytest.skip("the default build already is the portable one here (no F16C)")
+    path = cpu_native.build_library((cpu_native.SOURCE,), extra_flags=("-mno-avx512f", "-mno-f16c"),
+                                    stem="paged_cpu_portable")  # fmt: skip
+    lib = ctypes.CDLL(str(path))
+    lib.paged_decode_packed.argtypes = [ctypes.c_void_p, ctypes.c_float]
+    lib.paged_decode_packed.restype = ctypes.c_int
+    monkeypatch.setattr(cpu_native, "_lib", lib)
+
+
+@pytest.mark.parametrize("decoder", ["default", "portable"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_fp8_every_code_decodes_exactly(head_dim, dtype, decoder, request):
+    # One position per context: out = e4m3 value x v_scale, rounded once; NaN codes stay NaN.
+    if decoder == "portable":
+        request.getfixturevalue("portable_fp8_decoder")
+    case = make_fp8_code_case(head_dim, dtype)
+    out = decode_fp8(case)
+    want = case.code_outputs()
+    assert torch.equal(out.isnan(), want.isnan()), f"{decoder}: NaN codes not read as NaN"
+    assert torch.equal(out.nan_to_num(), want.nan_to_num()), f"{decoder}: an e4m3 code decoded inexactly"
+    if decoder == "portable":  # and a whole decode over many binades on that build
+        lens = lengths(16)
+        case = make_fp8_case(lens, [1] * len(lens), 9, 3, head_dim, 16, dtype, seed=5)
+        mag = case.head_magnitude()[None, :, None]
+        tol = FP8_FP32_TOL if dtype == torch.float32 else tolerance(dtype)
+        torch.testing.assert_close(decode_fp8(case).double() / mag, case.reference() / mag, **tol)

@@ -4,6 +4,10 @@ The interpreter must be chosen before triton is imported, so this module sets th
 import time; if triton was already imported in this process without it, the module is skipped
 (run it alone: `pytest tests/test_kernels_interpret.py`). Launches cost ~0.1-1 s each, so the
 grid is covered pairwise (every pair of factor values appears in some case), not in full.
+
+fp8 (e4m3) caches: decode (one split and several) and prefill over the cases of
+tests/test_kernels_fp8.py (per-KV-head scales orders of magnitude apart, fp32 and fp16 queries),
+every e4m3 byte read exactly, and the cache write storing `kernels.quantize_fp8`'s bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +18,15 @@ import sys
 
 import pytest
 import torch
-from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
+from kernel_reference import (
+    e4m3,
+    make_case,
+    make_fp8_case,
+    make_fp8_code_case,
+    ref_attention,
+    run_int64_case,
+    tolerance,
+)
 
 if "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -153,3 +165,121 @@ def test_triton_refuses_mixed_dtypes():
     case.query = case.query.half()
     with pytest.raises(ValueError, match="one dtype"):
         plan_and_attend(case)
+
+
+# (heads, head_dim, block_size, query dtype, decode splits): small shapes, the interpreter is slow.
+FP8_CASES = [
+    ((6, 2), 64, 16, torch.float32, 1),
+    ((6, 2), 48, 5, torch.float16, 3),
+    ((9, 3), 48, 16, torch.float32, 4),
+    ((8, 8), 64, 5, torch.float16, 1),
+]
+# As tests/test_kernels_fp8.py: fp32 queries within FP8_FP32_TOL of the reference over the
+# dequantized cache, outputs over their head's magnitude (fp16: its tolerance), and within
+# e4m3's relative half-ulp 2^-4 of the reference over the unquantized values.
+FP8_FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+UNQUANTIZED_BOUND = 2.0**-4
+
+
+def fp8_case_id(c: tuple) -> str:
+    (hq, hkv), hd, bs, dt, splits = c
+    return f"{hq}q{hkv}kv-d{hd}-bs{bs}-{str(dt)[6:]}-splits{splits}"
+
+
+def attend_fp8(case, **kw) -> tuple[kernels.AttentionPlan, torch.Tensor]:
+    plan = kernels.plan_attention(
+        case.block_tables, case.query_start_loc, case.seq_lens, case.key_cache.shape[1], backend="triton", **kw
+    )
+    out = kernels.paged_attention(
+        case.query, case.key_cache, case.value_cache, plan, case.scale, k_scale=case.k_scale, v_scale=case.v_scale
+    )
+    return plan, out
+
+
+def check_fp8(out: torch.Tensor, case, what: str) -> None:
+    assert out.dtype == case.query.dtype and not out.isnan().any(), what
+    mag = case.head_magnitude()[None, :, None]
+    tol = FP8_FP32_TOL if out.dtype == torch.float32 else tolerance(out.dtype)
+    torch.testing.assert_close(out.double() / mag, case.reference() / mag, **tol, msg=lambda m: f"{what}: {m}")
+    err = ((out.double() - case.reference(dequantized=False)) / mag).abs().max().item()
+    assert err <= UNQUANTIZED_BOUND, f"{what}: {err:.3g} of the head's magnitude off the unquantized reference"
+
+
+@pytest.mark.parametrize("params", FP8_CASES, ids=fp8_case_id)
+def test_fp8_decode_triton(params):
+    heads, hd, bs, dtype, splits = params
+    lens = [n for n in (1, bs - 1, bs, bs + 1, 2 * bs + 3, 70) if n >= 1]
+    case = make_fp8_case(lens, [1] * len(lens), *heads, hd, bs, dtype, seed=bs + hd)
+    plan, out = attend_fp8(case, num_splits=splits)
+    assert plan.kernel == "triton_decode" and plan.num_splits == splits
+    check_fp8(out, case, f"fp8 triton decode {fp8_case_id(params)}")
+
+
+@pytest.mark.parametrize("params", FP8_CASES, ids=fp8_case_id)
+def test_fp8_prefill_triton(params):
+    heads, hd, bs, dtype, _ = params
+    # A chunk after a cached prefix, a whole prompt, decode rows, a sequence without new tokens.
+    batch = [(2 * bs + 5, bs + 2), (min(3 * bs + 1, 40), min(3 * bs + 1, 40)), (1, 1), (bs + 1, 1), (9, 0)]
+    case = make_fp8_case([s for s, _ in batch], [n for _, n in batch], *heads, hd, bs, dtype, seed=bs + hd + 1)
+    plan, out = attend_fp8(case)
+    assert plan.kernel == "triton_prefill"
+    check_fp8(out, case, f"fp8 triton prefill {fp8_case_id(params)}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_every_code_triton(dtype):
+    # One position per context: out = e4m3 value x v_scale, rounded once, on both kernels.
+    from kernels import triton_prefill
+
+    case = make_fp8_code_case(48, dtype)
+    want = case.code_outputs()
+    _, decoded = attend_fp8(case)
+    prefilled = triton_prefill.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc, case.seq_lens,
+        case.scale, case.k_scale, case.v_scale,
+    )  # fmt: skip
+    for name, out in (("decode", decoded), ("prefill", prefilled)):
+        finite = ~want.isnan()  # NaN codes: the interpreter widens 0x7F as 480, a GPU as NaN
+        assert torch.equal(out[finite], want[finite]), f"{name}: an e4m3 code decoded inexactly"
+
+
+@pytest.mark.parametrize("key_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 5])
+def test_fp8_reshape_and_cache_triton(block_size, key_dtype):
+    # The in-kernel quantization stores quantize_fp8's bytes: saturation, infinities, NaN, signed
+    # zeros, subnormals and ties to even, with per-head scales orders of magnitude apart.
+    gen = torch.Generator().manual_seed(block_size)
+    heads, dim, n = 3, 48, 6
+    k_scale, v_scale = torch.tensor([1e-3, 10.0, 0.5]), torch.tensor([40.0, 2e-4, 1.0])
+    pool = torch.full((6, 2, 2, block_size, heads, dim), math.nan, dtype=torch.float8_e4m3fn)
+    slots = torch.randperm(6 * block_size, generator=gen)[:n].to(torch.int64)
+    key = torch.randn(n, heads, dim, generator=gen) * 100
+    value = torch.randn(n, heads, dim, generator=gen) * torch.exp2(-12 * torch.rand(n, heads, dim, generator=gen))
+    edges = torch.tensor([448.0, 449.0, 464.0, 1e6, math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-30, -1e-30,
+                          2.0**-10, 3 * 2.0**-10, 2.0**-9, 1.0625, 1.1875, -2.0**-10, 2.0**-6])  # fmt: skip
+    value[0, :, : edges.numel()] = edges * v_scale[:, None]
+    key[1, :, : edges.numel()] = -edges * k_scale[:, None]
+    key, value = key.to(key_dtype), value.to(key_dtype)
+    before = pool.view(torch.uint8).clone()
+    kernels.reshape_and_cache(key, value, pool[:, 1, 0], pool[:, 1, 1], slots, k_scale=k_scale, v_scale=v_scale,
+                              backend="triton")  # fmt: skip
+    blocks, offs = slots // block_size, slots % block_size
+    for name, rows, s, kv in (("key", key, k_scale, 0), ("value", value, v_scale, 1)):
+        got = pool[blocks, 1, kv, offs].view(torch.uint8)
+        assert torch.equal(got, kernels.quantize_fp8(rows, s).view(torch.uint8)), f"{name}s are not quantize_fp8's"
+        assert torch.equal(got, e4m3(rows, s).view(torch.uint8)), f"{name}s differ from the e4m3 definition"
+    after = pool.view(torch.uint8).clone()
+    after[blocks, 1, :, offs] = before[blocks, 1, :, offs]
+    assert torch.equal(after, before), "a write landed outside its slot"
+
+
+def test_fp8_copy_blocks_triton():
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, (10, 3, 2, 5, 2, 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    before = pool.view(torch.uint8).clone()
+    kernels.copy_blocks(pool, torch.tensor([[1, 7], [4, 2], [1, 9]]), backend="triton")
+    got = pool.view(torch.uint8)
+    assert torch.equal(got[[7, 2, 9]], before[[1, 4, 1]]), "copy-on-write did not copy the bytes"
+    rest = [b for b in range(10) if b not in (7, 2, 9)]
+    assert torch.equal(got[rest], before[rest]), "a block outside dst changed"
+

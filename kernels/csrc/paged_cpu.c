@@ -1,11 +1,11 @@
 /*
- * Paged decode attention and the KV cache write on CPU, fp32 or bf16 (and an fp8 e4m3 cache read
- * by fp32 or bf16 queries): one new query token per
- * sequence attends over its sequence's keys and values, read in place through its block table
- * (PagedAttention, Kwon et al., SOSP 2023, §4.1). Nothing is gathered: each (sequence, KV head)
- * reads its blocks once for the scores and once for the weighted sum of values, with the query
- * heads of its GQA group at the same time, which is what makes it cheaper than gathering the
- * context into a dense buffer and running a dense attention on that copy.
+ * Paged decode attention and the KV cache write on CPU, fp32 or bf16 (and fp8 e4m3 caches read by
+ * fp32 or bf16 queries): one new query token per sequence attends over its sequence's keys and
+ * values, read in place through its block table (PagedAttention, Kwon et al., SOSP 2023, §4.1).
+ * Nothing is gathered: each (sequence, KV head) reads its blocks once for the scores and once for
+ * the weighted sum of values, with the query heads of its GQA group at the same time, which is
+ * what makes it cheaper than gathering the context into a dense buffer and running a dense
+ * attention on that copy.
  *
  * Layout (strides in elements, head_dim contiguous; query and out have one dtype, the caches
  * that dtype too or fp8):
@@ -16,10 +16,11 @@
  *   seq_lens       [num_seqs] int32, tokens in cache including the new one
  *   seq_index      [n] int64 sequence of each work row; q_index [n] int64 its query row
  * Arithmetic is fp32 (bf16 -> fp32 is exact: a 16-bit shift; fp32 -> bf16 rounds to nearest
- * even, NaN stays NaN; e4m3 -> fp32 is exact too, see fp8_v: the scales multiply the scaled query and
- * the output, never each element). The softmax is online (flash-decoding, Dao et al. 2023) over chunks of
- * CHUNK_TOKENS positions: a chunk's scores for all its positions, its max and sum, a rescale of
- * the running output, then the chunk's values. Query heads and their output accumulators stay in
+ * even, NaN stays NaN; e4m3 -> fp32 is exact too, see fp8_v, and an fp8 KV head's scales multiply
+ * its scaled queries and its output, not each element: vLLM's fp8 KV cache read as fp8 * scale).
+ * The softmax is online (flash-decoding, Dao et al. 2023) over chunks of CHUNK_TOKENS positions:
+ * a chunk's scores for all its positions, its max and sum, a rescale of the running output, then
+ * the chunk's values. Query heads and their output accumulators stay in
  * vector registers for the whole context when head_dim is 1, 2, 4 or 8 vectors wide (the fast
  * path, specialized per (dtypes, vectors, heads)); other head dims take a generic loop.
  * Work items (row, KV head) are handed out dynamically to the threads of an OpenMP team, which
@@ -173,7 +174,8 @@ ALWAYS_INLINE vf fp8_v(const char *p) {
 #elif defined(__F16C__)
   const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
   __m128i h = _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16((short)0xBF80));
-  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3F80)), _mm_set1_epi16(0x3F80));
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3F80)),
+                                      _mm_set1_epi16(0x3F80));
   h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
   return (vf)_mm256_cvtph_ps(h);
 #else
@@ -643,8 +645,8 @@ int paged_decode_packed(const int64_t *a, float scale) {
   return paged_decode((const void *)a[0], (const void *)a[1], (const void *)a[2], (void *)a[3],
                       (const int32_t *)a[4], (const int32_t *)a[5], (const int64_t *)a[6],
                       (const int64_t *)a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15],
-                      a[16], a[17], a[18], a[19], a[20], a[21], a[22], scale, (int)a[23], (int)a[24],
-                      (int)a[25], (const float *)a[26], (const float *)a[27]);
+                      a[16], a[17], a[18], a[19], a[20], a[21], a[22], scale, (int)a[23],
+                      (int)a[24], (int)a[25], (const float *)a[26], (const float *)a[27]);
 }
 
 /* reshape_and_cache: token t's key and value rows [num_kv_heads, head_dim] go to slot
