@@ -16,6 +16,11 @@ Block sizes 1, 8, 16, 24, 32, 64 tokens. For each:
 - ``prefix reuse``: on the same stack, a request with a 300-token prefix runs, then one with the
   same prefix and another tail: the prompt tokens the second found cached (only whole blocks are
   shared, so a block size that does not divide the prefix leaves its last partial block behind).
+- ``throughput under one KV budget``: end to end, both sides at once. ``bench_throughput.py``'s
+  trace (32 requests, ShareGPT-like lengths x 0.25, all at t = 0, greedy, ignore_eos) and its
+  budget (16 requests of the trace's mean final length, in tokens: the same memory at every block
+  size, so ``--num-blocks`` = budget // block size), pagedkv's own policy, prefix caching off:
+  output tokens/s, the mean decode batch the pool allowed, and preemptions.
 
     python benchmarks/bench_block_size.py [--quick] [--sizes 1,8,16,24,32,64]
 """
@@ -30,11 +35,13 @@ import subprocess
 import sys
 
 from bench_overhead import measure as measure_step
+from bench_throughput import run_policy
 from common import RESULTS, ROOT, Stack, fmt, machine, pyplot, save_plot, table, write_result
-from prompts import corpus_ids
+from prompts import corpus_ids, trace_prompts
 
 from client.params import SamplingParams
 from client.request import Request
+from client.reservation import Paged
 from client.tokenizer import load_tokenizer
 
 SIZES = (1, 8, 16, 24, 32, 64)
@@ -42,6 +49,9 @@ BATCH, CONTEXT, PROMPT_LEN = 32, 512, 480
 #: SmolLM2-135M's attention: q heads, KV heads, head_dim, layers.
 HQ, HKV, DIM, LAYERS = 9, 3, 64, 30
 PREFIX_LEN = 300
+#: bench_throughput.py's defaults: requests, length scale, caps, batch cap (its budget: this many
+#: requests of the trace's mean final length).
+TRACE_REQUESTS, TRACE_SCALE, TRACE_MAX, MAX_NUM_SEQS = 32, 0.25, 128, 16
 
 
 def attention_ms(block_size: int, reps: int) -> dict:
@@ -80,6 +90,24 @@ def prefix_reuse(stack: Stack, tok, ids: list[int]) -> int:
         engine.close()
 
 
+def budget_throughput(sizes, tok, requests: int) -> dict[int, dict]:
+    """Output tokens/s of pagedkv on bench_throughput's trace with one KV budget (tokens) at every block size."""
+    prompts = trace_prompts(tok, "sharegpt", requests, seed=0, scale=TRACE_SCALE, max_prompt=TRACE_MAX,
+                            max_output=TRACE_MAX)
+    budget = MAX_NUM_SEQS * round(sum(len(p) + o for p, o in prompts) / len(prompts))
+    longest = max(len(p) + o for p, o in prompts)
+    out = {}
+    for s in sizes:
+        blocks = max(budget // s, math.ceil(longest / s))
+        with Stack(["--num-blocks", str(blocks), "--block-size", str(s), "--no-prefix-caching"], f"tput{s}") as stack:
+            summary, _ = run_policy(stack, tok, prompts, Paged(), argparse.Namespace(max_num_seqs=MAX_NUM_SEQS))
+        out[s] = {k: summary[k] for k in ("output_tokens_per_s", "mean_batch", "max_batch", "preemptions", "wall_s")}
+        out[s] |= {"num_blocks": blocks, "budget_tokens": budget}
+        print(f"  block {s:>2}: {summary['output_tokens_per_s']:.0f} out tok/s, mean batch {summary['mean_batch']:.1f}, "
+              f"{summary['preemptions']} preemptions ({blocks} blocks = {blocks * s} tokens)", flush=True)
+    return out
+
+
 def memory_side() -> dict[str, dict[int, float]]:
     """Utilization per dataset and block size from bench_memory's last result ({} when none)."""
     path = RESULTS / "bench_memory.json"
@@ -116,6 +144,8 @@ def main(argv=None) -> int:
         print(f"  block {s:>2}: step {1e3 * step['step']:.1f} ms, memory {1e3 * step['memory']:.2f} ms, "
               f"Step {step['step_bytes'] / 1024:.1f} KiB, prefix reused {reused}/{PREFIX_LEN}", flush=True)
 
+    print(f"throughput under one KV budget ({TRACE_REQUESTS} requests) ...", flush=True)
+    tput = budget_throughput(sizes, tok, TRACE_REQUESTS // 2 if args.quick else TRACE_REQUESTS)
     util = memory_side()
     rows = []
     for s in sizes:
@@ -123,18 +153,21 @@ def main(argv=None) -> int:
         rows.append([s, fmt(native[s]["step_ms"]), fmt(torch_path[s]["step_ms"]), fmt(1e3 * r["step"], ".1f"),
                      fmt(1e3 * r["model"], ".1f"), fmt(1e3 * r["memory"]), fmt(r["step_bytes"] / 1024, ".1f"),
                      fmt(BATCH / r["step"], ".0f"), f"{r['prefix_reused']}/{PREFIX_LEN}",
+                     fmt(tput[s]["output_tokens_per_s"], ".0f"), fmt(tput[s]["mean_batch"], ".1f"),
+                     tput[s]["preemptions"],
                      *(fmt(100 * util[ds][s], ".1f") if s in util.get(ds, {}) else "-" for ds in ("sharegpt", "alpaca"))])
     table(f"Block size: cost per decode step at batch {BATCH} (context ~{PROMPT_LEN + steps // 2}; attention at "
           f"{CONTEXT}) and what it gives back",
           ["block", "attn native ms", "attn torch ms", "step ms", "model ms", "memory ms", "Step KiB",
-           "out tok/s", "prefix reused", "ShareGPT util %", "Alpaca util %"], rows)
+           "out tok/s", "prefix reused", "budget tok/s", "budget batch", "preempt", "ShareGPT util %",
+           "Alpaca util %"], rows)
     write_result("bench_block_size", {"machine": machine(), "batch": BATCH, "context": CONTEXT,
                                       "prompt_len": PROMPT_LEN, "prefix_len": PREFIX_LEN, "steps": steps,
                                       "attention_native": native, "attention_torch": torch_path, "runs": runs,
-                                      "utilization": util})
+                                      "budget_throughput": tput, "utilization": util})
     plt = pyplot()
     if plt:
-        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+        fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.5))
         a.plot(sizes, [native[s]["step_ms"] for s in sizes], "o-", label="attention, native CPU kernel")
         a.plot(sizes, [torch_path[s]["step_ms"] for s in sizes], "o-", label="attention, torch path")
         a.plot(sizes, [1e3 * runs[s]["memory"] for s in sizes], "o-", label="memory service per step")
@@ -154,6 +187,11 @@ def main(argv=None) -> int:
         b.set_ylabel("%")
         b.set_title("What it gives back")
         b.legend(fontsize=8)
+        c.plot(sizes, [tput[s]["output_tokens_per_s"] for s in sizes], "o-", label="output tokens/s")
+        c.plot(sizes, [10 * tput[s]["mean_batch"] for s in sizes], "s--", label="mean decode batch x 10")
+        c.set_xlabel("block size (tokens)")
+        c.set_title(f"End to end, one KV budget ({tput[sizes[0]]['budget_tokens']} tokens)")
+        c.legend(fontsize=8)
         save_plot(fig, "bench_block_size")
     return 0
 

@@ -220,7 +220,7 @@ def main() -> None:
           f"{len(prompts)} trace prompts x {args.max_tokens} greedy tokens vs the float32-KV run)",
           ["kv dtype", "perplexity", "vs fp32", "identical", f"first {FIRST}", "mean prefix", "attn err max",
            "attn err mean"], rows)
-    write_result("fp8_kv", {
+    write_result("bench_fp8_kv", {
         "machine": machine(), "args": vars(args), "capacity": cap, "perplexity": ppl, "agreement": agree,
         "attention_error_per_layer": errors, "k_scale": k_scale.tolist(), "v_scale": v_scale.tolist(),
         "windows": len(windows), "prompts": len(prompts)})
@@ -237,7 +237,7 @@ def main() -> None:
         b.set(ylabel=f"thousand tokens in {args.memory}", title="Capacity and perplexity")
         for i, n in enumerate(names):
             b.text(i, cap[n]["token_capacity"] / 1000, f"ppl {ppl[n]:.3f}", ha="center", va="bottom")
-        save_plot(fig, "fp8_kv")
+        save_plot(fig, "bench_fp8_kv")
 
 
 if __name__ == "__main__":

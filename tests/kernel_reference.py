@@ -158,6 +158,19 @@ class Fp8Case:
 # four to five orders of magnitude apart, a head whose keys are small reading large values and
 # the reverse. Queries are divided by their KV head's key magnitude, so every head's scores
 # stay O(1).
+#: Values where e4m3 rounding has edges, in units of a head's scale: saturation (448 and past it),
+#: infinities, NaN, signed zeros, subnormals and their ties, and the ties around 1.
+FP8_EDGES = (448.0, 449.0, 464.0, 1e6, math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-30, -1e-30,
+             2.0**-10, 3 * 2.0**-10, 2.0**-9, 1.0625, 1.1875, -2.0**-10, 2.0**-6)
+
+
+def place_fp8_edges(key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Put `FP8_EDGES` (times each head's scale) at the start of value row 0 and, negated, of key row 1."""
+    edges = torch.tensor(FP8_EDGES)
+    value[0, :, : edges.numel()] = edges * v_scale[:, None]
+    key[1, :, : edges.numel()] = -edges * k_scale[:, None]
+
+
 FP8_KEY_MAGNITUDES = (0.02, 50.0, 1.0)
 FP8_VALUE_MAGNITUDES = (300.0, 0.004, 1.0)
 

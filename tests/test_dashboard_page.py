@@ -173,6 +173,8 @@ def test_three_samples_share_prompt_blocks_on_the_page(browser, dashboard_server
     assert sum(c[0] == "cached" for c in page["cells"]) == stats.cached_blocks >= SHARED
     assert sum(c[0] == "free" for c in page["cells"]) == stats.free_blocks
     assert page["counters"]["total_blocks"] == "96" and page["counters"]["free_blocks"] == str(stats.free_blocks)
+    assert page["counters"]["kv_cache_dtype"] == f"{stats.kv_cache_dtype} · {stats.token_capacity:,} tokens" \
+        == "float32 · 1,536 tokens"
     assert script_errors(browser) == []
 
 

@@ -23,7 +23,15 @@ import math
 
 import pytest
 import torch
-from kernel_reference import E4M3_MAX, e4m3, make_case, make_fp8_case, make_fp8_code_case, tolerance
+from kernel_reference import (
+    E4M3_MAX,
+    e4m3,
+    make_case,
+    make_fp8_case,
+    make_fp8_code_case,
+    place_fp8_edges,
+    tolerance,
+)
 
 import kernels
 from kernels import cpu_native, torch_impl
@@ -135,10 +143,7 @@ def test_reshape_and_cache_stores_quantize_fp8_bytes(block_size, key_dtype):
     # hold the edges: saturation, infinities, NaN, signed zeros, subnormals and their ties.
     key = (torch.randn(n, heads + 2, dim, generator=gen) * 100)[:, 1 : heads + 1]
     value = torch.randn(n, heads, dim, generator=gen) * torch.exp2(-12 * torch.rand(n, heads, dim, generator=gen))
-    edges = torch.tensor([448.0, 449.0, 464.0, 1e6, math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-30, -1e-30,
-                          2.0**-10, 3 * 2.0**-10, 2.0**-9, 1.0625, 1.1875, -2.0**-10, 2.0**-6])  # fmt: skip
-    value[0, :, : edges.numel()] = edges * v_scale[:, None]
-    key[1, :, : edges.numel()] = -edges * k_scale[:, None]
+    place_fp8_edges(key, value, k_scale, v_scale)
     key, value = key.to(key_dtype), value.to(key_dtype)
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
     before = pool.view(torch.uint8).clone()

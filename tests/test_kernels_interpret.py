@@ -23,6 +23,7 @@ from kernel_reference import (
     make_case,
     make_fp8_case,
     make_fp8_code_case,
+    place_fp8_edges,
     ref_attention,
     run_int64_case,
     tolerance,
@@ -255,10 +256,7 @@ def test_fp8_reshape_and_cache_triton(block_size, key_dtype):
     slots = torch.randperm(6 * block_size, generator=gen)[:n].to(torch.int64)
     key = torch.randn(n, heads, dim, generator=gen) * 100
     value = torch.randn(n, heads, dim, generator=gen) * torch.exp2(-12 * torch.rand(n, heads, dim, generator=gen))
-    edges = torch.tensor([448.0, 449.0, 464.0, 1e6, math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-30, -1e-30,
-                          2.0**-10, 3 * 2.0**-10, 2.0**-9, 1.0625, 1.1875, -2.0**-10, 2.0**-6])  # fmt: skip
-    value[0, :, : edges.numel()] = edges * v_scale[:, None]
-    key[1, :, : edges.numel()] = -edges * k_scale[:, None]
+    place_fp8_edges(key, value, k_scale, v_scale)
     key, value = key.to(key_dtype), value.to(key_dtype)
     before = pool.view(torch.uint8).clone()
     kernels.reshape_and_cache(key, value, pool[:, 1, 0], pool[:, 1, 1], slots, k_scale=k_scale, v_scale=v_scale,

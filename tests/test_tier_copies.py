@@ -86,7 +86,7 @@ class Model:
     def __init__(self, pool):
         self.pool, self.seen = pool, None
 
-    def __call__(self, input_ids, positions, kv_pool, slots, plan, logits_indices):
+    def __call__(self, input_ids, positions, kv_pool, slots, plan, logits_indices, kv_scales=None):
         host = self.pool.host_tensor
         self.seen = (kv_pool.clone(), None if host is None else host.clone())
         logits = torch.zeros(len(logits_indices), VOCAB)
@@ -302,11 +302,11 @@ def test_mapping_refuses_a_short_host_memfd():
 class WritingModel(Model):
     """Also writes each new token's K and V (every layer): token id + 0.5 in its slot."""
 
-    def __call__(self, input_ids, positions, kv_pool, slots, plan, logits_indices):
+    def __call__(self, input_ids, positions, kv_pool, slots, plan, logits_indices, kv_scales=None):
         bs = kv_pool.shape[3]
         for tok, slot in zip(input_ids.tolist(), slots.tolist()):
             kv_pool[slot // bs, :, :, slot % bs] = tok + 0.5
-        return super().__call__(input_ids, positions, kv_pool, slots, plan, logits_indices)
+        return super().__call__(input_ids, positions, kv_pool, slots, plan, logits_indices, kv_scales)
 
 
 def test_memory_service_offload_and_reload_round_trip_through_the_worker():

@@ -96,7 +96,7 @@ class _SlowModel:
     def __init__(self, seconds: float, vocab: int):
         self.seconds, self.vocab, self.started = seconds, vocab, threading.Event()
 
-    def __call__(self, input_ids, positions, pool, slots, plan, logits_indices):
+    def __call__(self, input_ids, positions, pool, slots, plan, logits_indices, kv_scales=None):
         self.started.set()
         time.sleep(self.seconds)
         logits = torch.zeros(len(logits_indices), self.vocab)
@@ -117,7 +117,7 @@ async def test_pool_drop_voids_the_step_in_flight():
     key, epochs = b"k" * 32, np.ones(8, dtype=np.int64)
     pool = types.SimpleNamespace(descriptor=mpb.PoolDescriptor(layout=layout), generation=3,
                                  tensor=torch.zeros(8, 1, 2, 4, 1, 2),  # [blocks, layers, K/V, block_size, heads, dim]
-                                 close=lambda: None, plane_key=key, epochs=epochs)
+                                 close=lambda: None, plane_key=key, epochs=epochs, kv_scales=None)
     model = _SlowModel(1.0, vocab=32)
     worker = Worker(model, types.SimpleNamespace(vocab_size=32, sliding_window=None), pool)
     grant = sign_grant(key, grant_pb2.StepGrant(

@@ -170,6 +170,7 @@
       ["used_blocks", "used", st.used_blocks.toLocaleString("en-US")],
       ["cached_blocks", "cached", st.cached_blocks.toLocaleString("en-US")],
       ["free_blocks", "free", st.free_blocks.toLocaleString("en-US")],
+      ["kv_cache_dtype", "KV cache", `${st.kv_cache_dtype || "?"} · ${Number(st.token_capacity || 0).toLocaleString("en-US")} tokens`],
       ["kv_usage", "KV usage", pct(c.kv_usage)],
       ["prefix_cache_hit_rate", "prefix-cache hit rate", pct(c.prefix_cache_hit_rate)],
       ["num_sequences", "sequences", String(st.num_sequences)],
