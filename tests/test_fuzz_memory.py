@@ -43,6 +43,7 @@ from memory_service.leases import MAX_OWNER_CHARS
 from memory_service.paging import MAX_PAGE_SIZE, encode_page_token
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.grants import grant_signed, sign_receipt, token_digest
+from pagedkv.kv_scales import sign_scales
 from pagedkv.limits import MAX_BATCH, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
@@ -550,6 +551,21 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
         if resp is not None:
             listed = self.stub.GetPoolDescriptor(pb.GetPoolDescriptorRequest(), timeout=CALL_TIMEOUT).pool
             assert source in listed.transfer_sources and listed.node_name == "fuzz"
+        self._set_kv_scales(honest, generation, [address / 7.0, -1.0, math.nan][: blocks % 4], metadata)
+
+    def _set_kv_scales(self, honest, generation, values, salt: bytes) -> None:
+        """SetKvScales (the other call only a worker makes), from the publish rule's draws: on this float32
+        pool it is refused whatever the caller holds (the plane key, the generation), and the descriptor
+        never gains scales. Honest: this generation, every scale, signed with the plane key."""
+        n = self.t.pool.layout.num_layers * self.t.pool.layout.num_kv_heads
+        if honest:
+            values = [0.5] * n
+        scales = pb.KvScales(k_scale=values, v_scale=values, source="fuzz")
+        signature = sign_scales(self.t.key, generation, scales) if honest or salt[:1] == b"s" else salt
+        assert self.call("SetKvScales", pb.SetKvScalesRequest(pool_generation=generation, scales=scales,
+                                                               signature=signature)) is None
+        listed = self.stub.GetPoolDescriptor(pb.GetPoolDescriptorRequest(), timeout=CALL_TIMEOUT).pool
+        assert not listed.HasField("kv_scales"), listed.kv_scales
 
     @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED, tokens=TOKENS, salt=SALT)
     def export_prefix(self, honest, lease, cred, tokens, salt):

@@ -29,6 +29,7 @@ from client.launcher import alive, check_tls, default_device, read_state
 from client.services import MemoryClient, WorkerClient, admin_token_path
 from client.stack import LocalStack, serving
 from memory_service.layout import host_cache_bytes, parse_bytes
+from pagedkv.kv_scales import FP8_DTYPE
 from pagedkv.model_source import resolve_model
 from pagedkv.tls import TlsFiles, from_args
 from pagedkv.tls import channel as plane_channel
@@ -142,7 +143,9 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
         wrong.append("--no-prefix-caching (it configures embedded services; start the memory service with it)")
     if args.block_size is not None and args.block_size != layout.block_size:
         wrong.append(f"--block-size {args.block_size} (the pool's is {layout.block_size})")
-    if args.pool_dtype is not None and args.pool_dtype != layout.dtype:
+    # --dtype alone names the pool's dtype, except over an fp8 pool, whose model runs in another.
+    model_dtype_only = args.kv_cache_dtype in (None, "auto") and layout.dtype == FP8_DTYPE
+    if args.pool_dtype is not None and args.pool_dtype != layout.dtype and not model_dtype_only:
         wrong.append(f"--kv-cache-dtype/--dtype {args.pool_dtype} (the pool's is {layout.dtype})")
     if args.kv_cache_memory:
         want = parse_bytes(args.kv_cache_memory) // pool.block_nbytes if pool.block_nbytes else 0  # the pool's block
