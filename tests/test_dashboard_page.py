@@ -236,11 +236,16 @@ def test_a_pool_above_the_threshold_draws_as_a_heat_map(browser, big_pool):
     page = wait_for(browser, lambda p: p["board"] and p["encoding"] and p, message="the heat map")
     per = math.ceil(stats.total_blocks / MAX_CELLS)
     assert page["encoding"] == "cells" and len(page["cells"]) == math.ceil(stats.total_blocks / per) == 3334
-    counts = browser.execute_script("""
+    script = """
         const cells = [...document.getElementById('grid').children];
         const sum = k => cells.reduce((a, c) => a + +c.dataset[k], 0);
         return {used: sum('used'), cached: sum('cached'), free: sum('free'),
-                first: cells.map(c => +c.dataset.first), colored: cells.filter(c => c.style.background).length};""")
+                first: cells.map(c => +c.dataset.first), colored: cells.filter(c => c.style.background).length};"""
+    # The feed learns cached blocks from the memory service's event stream, which may still be a tick
+    # behind the request's end: the map settles on GetStats' counts within a few snapshots.
+    counts = WebDriverWait(browser, 30, poll_frequency=0.2).until(
+        lambda d: (c := d.execute_script(script))["cached"] == stats.cached_blocks and c,
+        "the heat map's cached blocks settling on GetStats' count")
     assert counts["used"] == 0 and counts["cached"] == stats.cached_blocks
     assert counts["free"] == stats.free_blocks and counts["first"] == list(range(0, stats.total_blocks, per))
     assert counts["colored"] == len(page["cells"])
