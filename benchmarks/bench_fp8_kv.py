@@ -37,8 +37,9 @@ from prompts import corpus_ids, trace_prompts
 import kernels
 from client.stack import LocalStack
 from client.tokenizer import load_tokenizer
-from compute_service.kv_calibration import calibrate, calibration_sequences
+from compute_service.kv_calibration import calibrate, calibration_sequences, scale_rows
 from compute_service.model import LlamaForPagedLM
+from compute_service.packed_forward import packed_forward
 from compute_service.weights import load_model_source
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
@@ -65,27 +66,9 @@ class PagedRun:
         self.next_block += n
         return list(range(self.next_block - n, self.next_block))
 
-    @torch.inference_mode()
     def forward(self, batch: list[tuple[list[int], int, list[int]]], all_rows: bool = False) -> torch.Tensor:
-        """``batch``: (block table, tokens already cached, new tokens) per sequence. Returns float32
-        logits: every new token's ([T, vocab]) when ``all_rows``, else each sequence's last ([S, vocab])."""
-        lens = [len(t) for _, _, t in batch]
-        ends = [s + n for (_, s, _), n in zip(batch, lens)]
-        width = max(len(tb) for tb, _, _ in batch)
-        tables = torch.tensor([tb + [0] * (width - len(tb)) for tb, _, _ in batch], dtype=torch.int32)
-        positions = torch.cat([torch.arange(s, e) for (_, s, _), e in zip(batch, ends)])
-        blocks = torch.cat([torch.tensor(tb)[torch.arange(s, e) // BLOCK] for (tb, s, _), e in zip(batch, ends)])
-        slots = blocks * BLOCK + positions % BLOCK
-        qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-        seq_lens = torch.tensor(ends, dtype=torch.int32)
-        plan = kernels.plan_attention(tables, qsl, seq_lens, BLOCK, num_kv_heads=self.pool.shape[4])
-        rows = torch.arange(int(qsl[-1])) if all_rows else (qsl[1:] - 1).long()
-        ids = torch.tensor([t for _, _, toks in batch for t in toks], dtype=torch.int64)
-        return self.model(ids, positions, self.pool, slots, plan, rows, self.scales)
-
-
-def layer_scales(k: torch.Tensor, v: torch.Tensor) -> list:
-    return list(zip(k.unbind(0), v.unbind(0)))
+        """``packed_forward`` over this pool: (block table, tokens cached, new tokens) per sequence."""
+        return packed_forward(self.model, self.pool, batch, self.scales, all_rows)
 
 
 def perplexity(model, dtype, scales, windows: list[list[int]]) -> float:
@@ -199,7 +182,7 @@ def main() -> None:
     model = LlamaForPagedLM(config, weights, "cpu", torch.float32)
     tok = load_tokenizer("smollm2")
     k_scale, v_scale = calibrate(model, calibration_sequences("smollm2"))
-    scales = {"float32": None, "bfloat16": None, "fp8": layer_scales(k_scale, v_scale)}
+    scales = {"float32": None, "bfloat16": None, "fp8": scale_rows(k_scale, v_scale)}
 
     ids = corpus_ids(tok)
     windows = [ids[i : i + WINDOW] for i in range(0, len(ids) - WINDOW + 1, WINDOW)]

@@ -27,8 +27,8 @@ from pathlib import Path
 import grpc
 import torch
 
-import kernels
 from compute_service.model import LayerScales, LlamaForPagedLM
+from compute_service.packed_forward import packed_forward
 from compute_service.pool_map import MappedPool
 from pagedkv import tls
 from pagedkv.kv_scales import FP8_DTYPE, FP8_MAX, check_scales, sign_scales
@@ -83,27 +83,23 @@ def calibrate(model: LlamaForPagedLM, sequences: list[list[int]]) -> tuple[torch
     sequences = [s for s in sequences if s]
     if not sequences:
         raise ValueError("calibration needs at least one token")
-    lens = [len(s) for s in sequences]
-    blocks = [-(-n // _BLOCK_SIZE) for n in lens]
-    dev = model.device
-    pool = torch.zeros(sum(blocks), c.num_layers, 2, _BLOCK_SIZE, c.num_kv_heads, c.head_dim,
-                       dtype=model.dtype, device=dev)
-    tables = torch.zeros(len(sequences), max(blocks), dtype=torch.int32)
-    first = 0
-    for i, b in enumerate(blocks):
-        tables[i, :b] = torch.arange(first, first + b, dtype=torch.int32)
-        first += b
-    slots = torch.cat([torch.arange(n) + int(tables[i, 0]) * _BLOCK_SIZE for i, n in enumerate(lens)])
-    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    plan = kernels.plan_attention(tables.to(dev), qsl.to(dev), seq_lens.to(dev), _BLOCK_SIZE,
-                                  host_query_start_loc=qsl, host_seq_lens=seq_lens, num_kv_heads=c.num_kv_heads)
-    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64, device=dev)
-    positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
-    model(ids, positions, pool, slots.to(dev), plan, (qsl[1:] - 1).to(torch.int64).to(dev))
+    batch, first = [], 0
+    for s in sequences:
+        n = -(-len(s) // _BLOCK_SIZE)
+        batch.append((list(range(first, first + n)), 0, s))
+        first += n
+    pool = torch.zeros(first, c.num_layers, 2, _BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=model.dtype,
+                       device=model.device)
+    packed_forward(model, pool, batch)
     amax = pool.abs().amax(dim=(0, 3, 5)).float().cpu()  # [L, 2, Hkv]
     scales = amax.clamp_min(torch.finfo(torch.float32).tiny) * (HEADROOM / FP8_MAX)
     return scales[:, 0].contiguous(), scales[:, 1].contiguous()
+
+
+def scale_rows(k_scale: torch.Tensor, v_scale: torch.Tensor) -> list[LayerScales]:
+    """[num_layers, num_kv_heads] key and value scales as the model takes them: per layer
+    (k_scale, v_scale), each a contiguous [num_kv_heads] row (views, no copy)."""
+    return list(zip(k_scale.contiguous().unbind(0), v_scale.contiguous().unbind(0)))
 
 
 def layer_scales(scales: mpb.KvScales, num_layers: int, num_kv_heads: int, device) -> list[LayerScales]:
@@ -115,7 +111,7 @@ def layer_scales(scales: mpb.KvScales, num_layers: int, num_kv_heads: int, devic
     check_scales(scales, num_layers, num_kv_heads, "the pool's kv_scales")
     k = torch.tensor(list(scales.k_scale), dtype=torch.float32).view(num_layers, num_kv_heads).to(device)
     v = torch.tensor(list(scales.v_scale), dtype=torch.float32).view(num_layers, num_kv_heads).to(device)
-    return list(zip(k.unbind(0), v.unbind(0)))
+    return scale_rows(k, v)
 
 
 def fit_kv_scales(pool: MappedPool, model: LlamaForPagedLM, model_source: str, memory: str,

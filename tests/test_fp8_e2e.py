@@ -11,7 +11,15 @@ import torch
 
 import kernels
 from client import Client, SamplingParams
-from compute_service.kv_calibration import FP8_MAX, HEADROOM, calibrate, calibration_sequences, layer_scales
+from compute_service.kv_calibration import (
+    FP8_MAX,
+    HEADROOM,
+    calibrate,
+    calibration_sequences,
+    layer_scales,
+    scale_rows,
+)
+from compute_service.packed_forward import packed_forward
 from pagedkv.kv_scales import FP8_DTYPE
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
@@ -43,11 +51,7 @@ def scales(ours):
 
 def _forward(model, pool, ids, kv_scales=None):
     """One prefill of ``ids`` into blocks 0.. of ``pool``; logits of every position [T, vocab]."""
-    n, bs = len(ids), pool.shape[3]
-    table = torch.arange(-(-n // bs), dtype=torch.int32)[None]
-    qsl, lens = torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
-    plan = kernels.plan_attention(table, qsl, lens, bs)
-    return model(torch.tensor(ids), torch.arange(n), pool, torch.arange(n), plan, torch.arange(n), kv_scales)
+    return packed_forward(model, pool, [(list(range(pool.shape[0])), 0, ids)], kv_scales, all_rows=True)
 
 
 def test_calibrated_scales_cover_the_calibration_text(ours, scales):
@@ -71,7 +75,7 @@ def test_fp8_pool_logits_stay_near_float32(ours, scales, hf_tokenizer):
     ids = hf_tokenizer.encode("The quick brown fox jumps over the lazy dog because it wanted to see the river.")
     shape = (4, config.num_layers, 2, 16, config.num_kv_heads, config.head_dim)
     ref = _forward(model, torch.zeros(shape), ids).log_softmax(-1)
-    got = _forward(model, torch.zeros(shape, dtype=kernels.FP8_DTYPE), ids, layer_scales_of(scales)).log_softmax(-1)
+    got = _forward(model, torch.zeros(shape, dtype=kernels.FP8_DTYPE), ids, scale_rows(*scales)).log_softmax(-1)
     # KL(float32 || fp8) per position: measured 0.039 nats mean, 0.26 max on this prompt (a
     # bfloat16 pool: 0.00013 / 0.0008); e4m3 keeps 3 mantissa bits, bfloat16 7.
     kl = (ref.exp() * (ref - got)).sum(-1)
@@ -80,12 +84,7 @@ def test_fp8_pool_logits_stay_near_float32(ours, scales, hf_tokenizer):
     with pytest.raises(ValueError, match="takes kv_scales"):
         _forward(model, torch.zeros(shape, dtype=kernels.FP8_DTYPE), ids)
     with pytest.raises(ValueError, match="takes no kv_scales"):
-        _forward(model, torch.zeros(shape), ids, layer_scales_of(scales))
-
-
-def layer_scales_of(scales):
-    k, v = scales
-    return list(zip(k.unbind(0), v.unbind(0)))
+        _forward(model, torch.zeros(shape), ids, scale_rows(*scales))
 
 
 def test_descriptor_scales_of_the_wrong_shape_are_refused(scales):
