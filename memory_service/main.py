@@ -159,7 +159,12 @@ def create_pool(args: argparse.Namespace, model: ResolvedModel | None = None) ->
     if host_bytes and not host_blocks:
         raise ValueError(f"--host-cache-memory {host_bytes} bytes holds no block of {layout.block_nbytes} bytes; "
                          "give at least one block's size, or 0 for no host tier")
-    scales = load_scales_file(args.kv_scales_file, layout.num_layers, layout.num_kv_heads) if args.kv_scales_file else None
+    scales = None
+    if args.kv_scales_file:
+        try:
+            scales = load_scales_file(args.kv_scales_file, layout.num_layers, layout.num_kv_heads)
+        except OSError as e:
+            raise ValueError(f"--kv-scales-file {args.kv_scales_file}: cannot read it: {e.strerror or e}") from None
     if is_cuda:
         index = int(device.split(":", 1)[1]) if ":" in device else 0
         pool = CudaPool(layout, device_index=index, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)

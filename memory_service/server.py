@@ -153,7 +153,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def ExportPrefix(self, request, context):
         lease = self.authz.lease(context, request.lease_id)
-        self.transfers.require("ExportPrefix")
+        self.transfers.require_export()  # before pinning anything
         seq = self.manager.export_prefix(request.lease_id, request.token_ids, CacheKey(request.model_id, request.cache_salt))
         if seq is None:
             return pb.ExportPrefixResponse()

@@ -100,13 +100,26 @@ class NodeTransfers:
                 f"{what}: this memory service takes no part in node transfers; start every memory service of the "
                 "deployment with the same --transfer-key-file", reason=TRANSFERS_OFF)
 
+    def require_export(self) -> None:
+        """Refuse ExportPrefix unless this node takes part in transfers and its blocks can be taken
+        (before anything is pinned for it).
+
+        Raises:
+            FailedPreconditionError: reason TRANSFERS_OFF, no key or an fp8 pool.
+        """
+        self.require("ExportPrefix")
+        if self.descriptor.layout.dtype == FP8_DTYPE:
+            raise FailedPreconditionError(
+                "ExportPrefix: this pool holds fp8 KV, which reads right only with the scales it was written with; "
+                "tickets do not carry a node's scales, so fp8 pools take no part in node transfers", reason=TRANSFERS_OFF)
+
     def ticket(self, seq: Sequence, ttl: float, epochs) -> pb.TransferTicket:
         """The signed ticket for ``seq``, an export's pinning sequence, valid ``ttl`` seconds (its lease's TTL).
 
         Raises:
-            FailedPreconditionError: reason TRANSFERS_OFF, no key or no worker published a source.
+            FailedPreconditionError: reason TRANSFERS_OFF, no key, an fp8 pool or no worker published a source.
         """
-        self.require("ExportPrefix")
+        self.require_export()
         if not self.sources:
             raise FailedPreconditionError(
                 "ExportPrefix: no worker of this node has published a transfer source yet (workers publish one when "

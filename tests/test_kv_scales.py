@@ -159,6 +159,8 @@ def test_kv_scales_file_sets_the_pool_at_start(tmp_path):
         pool.close()
     with pytest.raises(ValueError, match="--kv-scales-file is for an fp8 pool"):
         create_pool(_pool_args("--kv-scales-file", str(path)))
+    with pytest.raises(ValueError, match="--kv-scales-file .*missing.json: cannot read it: No such file"):
+        create_pool(_pool_args("--kv-cache-dtype", "fp8", "--kv-scales-file", str(tmp_path / "missing.json")))
 
 
 @pytest.mark.parametrize(("argv", "pool", "model"), [

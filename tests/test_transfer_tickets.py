@@ -240,3 +240,15 @@ def test_transfer_key_file_must_be_private_and_hold_32_bytes(tmp_path):
     os.chmod(p, 0o600)
     with pytest.raises(ValueError, match="32 bytes"):
         load_transfer_key(p)
+
+
+def test_an_fp8_node_exports_no_ticket_since_no_node_could_take_it():
+    a, la = manager()
+    cached_on(a, la)
+    pin = a.export_prefix(la, PROMPT, KEY)
+    fp8 = node("a", dtype="fp8_e4m3")
+    for export in (fp8.require_export, lambda: fp8.ticket(pin, 10.0, a.pool.epochs)):
+        with pytest.raises(FailedPreconditionError, match="fp8") as e:
+            export()
+        assert e.value.reason == TRANSFERS_OFF  # the scheduler computes the prompt here instead
+    node("a").require_export()  # a float32 node with a key exports
