@@ -198,3 +198,16 @@ def test_a_worker_runs_its_model_in_the_pool_dtype_unless_the_pool_is_fp8():
     assert model_dtype("auto", desc("bfloat16")) == torch.bfloat16
     with pytest.raises(ValueError, match="runs in the pool's dtype"):
         model_dtype("bfloat16", desc("float32"))
+
+
+def test_serve_hands_a_scales_file_to_its_embedded_memory_service(capsys):
+    from client.serve.backends import embedded_args
+    from client.serve.config import parse_args
+
+    args = parse_args(["--kv-cache-dtype", "fp8", "--dtype", "bfloat16", "--kv-scales-file", "/s.json"])
+    memory, worker = embedded_args(args)
+    assert memory[memory.index("--kv-cache-dtype") + 1] == FP8_DTYPE
+    assert memory[memory.index("--kv-scales-file") + 1] == "/s.json" and worker == ["--dtype", "bfloat16"]
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-scales-file", "/s.json"])
+    assert "add --kv-cache-dtype fp8" in capsys.readouterr().err

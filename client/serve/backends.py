@@ -108,7 +108,8 @@ def resolve(args: argparse.Namespace) -> Backends:
     return found
 
 
-def _embedded(args: argparse.Namespace) -> Backends:
+def embedded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The flags of the embedded memory service and of its workers, from ``pagedkv serve``'s."""
     memory_args = ["--block-size", str(args.block_size or 16)]
     if args.kv_cache_memory:
         memory_args += ["--kv-cache-memory", args.kv_cache_memory]
@@ -116,9 +117,15 @@ def _embedded(args: argparse.Namespace) -> Backends:
         memory_args += ["--host-cache-memory", args.host_cache_memory]
     if args.pool_dtype:
         memory_args += ["--kv-cache-dtype", args.pool_dtype]
-    worker_args = ["--dtype", args.model_dtype] if args.model_dtype else []
+    if args.kv_scales_file:
+        memory_args += ["--kv-scales-file", args.kv_scales_file]
     if not args.prefix_caching:
         memory_args.append("--no-prefix-caching")
+    return memory_args, ["--dtype", args.model_dtype] if args.model_dtype else []
+
+
+def _embedded(args: argparse.Namespace) -> Backends:
+    memory_args, worker_args = embedded_args(args)
     stack = LocalStack(memory_args, worker_args=worker_args, device=args.device or default_device(),
                        model=args.model or "smollm2",
                        revision=args.revision, host="127.0.0.1", name="serve", tls=args.tls).start()
@@ -141,6 +148,8 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
     wrong = []
     if not args.prefix_caching:
         wrong.append("--no-prefix-caching (it configures embedded services; start the memory service with it)")
+    if args.kv_scales_file:
+        wrong.append("--kv-scales-file (it configures embedded services; start the memory service with it)")
     if args.block_size is not None and args.block_size != layout.block_size:
         wrong.append(f"--block-size {args.block_size} (the pool's is {layout.block_size})")
     # --dtype alone names the pool's dtype, except over an fp8 pool, whose model runs in another.

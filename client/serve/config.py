@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the pool's dtype (default auto: the model's); fp8 stores keys and values in one byte "
                             "(e4m3) with static scales per (layer, KV head) that the first worker calibrates: "
                             "4x the tokens of float32, 2x of bfloat16, in the same memory")
+    model.add_argument("--kv-scales-file", default=_env("KV_SCALES_FILE"),
+                       help="with --kv-cache-dtype fp8: the pool's scales, JSON {\"k_scale\": [[...]], \"v_scale\": [[...]]} "
+                            "of [num_layers][num_kv_heads] (default: the first worker calibrates them); embedded "
+                            "services only")
     model.add_argument("--block-size", type=int, default=_env_int("BLOCK_SIZE", None), help="tokens per block (default 16)")
     model.add_argument("--kv-cache-memory", default=_env("KV_CACHE_MEMORY"), help="pool size, e.g. 1GiB")
     model.add_argument("--host-cache-memory", default=_env("HOST_CACHE_MEMORY"),
@@ -263,6 +267,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 "(fp8 pools aside), so the two must match")
     args.pool_dtype = kv_dtype or model_dtype
     args.model_dtype = model_dtype
+    if args.kv_scales_file and args.pool_dtype != FP8_DTYPE:
+        p.error("--kv-scales-file gives an fp8 pool's scales: add --kv-cache-dtype fp8")
     args.workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else []
     if args.node is None:
         args.node = [n.strip() for n in (_env("NODE") or "").split(";") if n.strip()]
