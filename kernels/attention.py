@@ -91,7 +91,6 @@ def paged_attention(
         or query.stride(2) != 1
         or key_cache.stride(3) != 1
         or value_cache.stride(3) != 1
-        or query.dtype not in QUERY_DTYPES
         or key_cache.dtype != value_cache.dtype
         or key_cache.dtype not in CACHE_DTYPES
     ):
