@@ -21,10 +21,9 @@ from __future__ import annotations
 import json
 import math
 import struct
-from array import array
 from pathlib import Path
 
-from pagedkv.grants import mac
+from pagedkv.grants import _bytes, _packed, mac
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 
 #: The pool dtype name of fp8 KV (``PoolLayout.dtype``).
@@ -55,13 +54,8 @@ def scales_message(pool_generation: int, scales: pb.KvScales) -> bytes:
     as float32 little-endian, and the source."""
     parts = [_DOMAIN, struct.pack("<Q", pool_generation)]
     for values in (scales.k_scale, scales.v_scale):
-        arr = array("f", values)
-        if struct.pack("=I", 1) != struct.pack("<I", 1):
-            arr.byteswap()
-        parts += [struct.pack("<I", len(arr)), arr.tobytes()]
-    source = scales.source.encode()
-    parts += [struct.pack("<I", len(source)), source]
-    return b"".join(parts)
+        parts += [struct.pack("<I", len(values)), _packed("f", values)]
+    return b"".join([*parts, _bytes(scales.source.encode())])
 
 
 def sign_scales(key: bytes, pool_generation: int, scales: pb.KvScales) -> bytes:
