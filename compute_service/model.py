@@ -147,7 +147,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: w_down(silu(x w_gate^T) * (x w_up^T)), gate and up fused into one projection."""
+    """SwiGLU: w_down(silu(x w_gate^T) * (x w_up^T)), gate and up fused into one projection that
+    also applies the activation (`Linear.forward(silu_mul=True)`)."""
 
     def __init__(self, w_gate_up: Linear, w_down: Linear) -> None:
         # w_gate_up: D -> 2I, rows w_gate | w_up; w_down: I -> D
@@ -156,8 +157,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
-        gate_up = self.w_gate_up(x)  # [T, 2I]: gate | up
-        return self.w_down(fused_ops.silu_mul(gate_up))  # [T, D]
+        return self.w_down(self.w_gate_up(x, silu_mul=True))  # [T, I] (silu(gate) * up) -> [T, D]
 
 
 class DecoderLayer(nn.Module):

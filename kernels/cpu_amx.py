@@ -1,15 +1,19 @@
-"""A decode step's bf16 projections on Intel AMX, reading oneDNN's prepacked weight in place.
+"""bf16 projections on Intel AMX, reading oneDNN's prepacked weight in place.
 
-`compute_service.linear.Linear` packs a bf16 weight once with oneDNN (`_reorder_linear_weight`).
-On a batch of up to MAX_ROWS rows it sends the product here instead of to oneDNN's matmul: the
-C kernel in `csrc/amx_linear.c` streams the same packed bytes with a prefetch ahead of its tile
-loads, which on a small batch (memory-bound: every weight read once per step) runs ~1.6-1.8x as
-fast as oneDNN's brgemm on this project's CPU machines (docs/benchmarks.md). No second copy of
-the weights: `weight_address` checks that oneDNN chose the blocking the kernel reads (AB16b32a2b)
-and returns the packed tensor's address, or None (then oneDNN keeps the weight).
+`compute_service.linear.Linear` packs a bf16 weight once with oneDNN (`_reorder_linear_weight`)
+and sends every product here instead of to oneDNN's matmul: the C kernel in
+`csrc/amx_linear.c` streams the same packed bytes with a prefetch ahead of its tile loads, which
+on a decode step (memory-bound: every weight read once per step) runs ~1.6-1.8x as fast as
+oneDNN's brgemm on this project's CPU machines, and on a prefill step is as fast or faster (K of
+576-1536, docs/benchmarks.md). SwiGLU's gate/up projection can end in silu(gate) * up inside the
+kernel (`silu_mul=True`), so its [M, 2I] result is never written out and read back. No second
+copy of the weights: `weight_address` checks that oneDNN chose the blocking the kernel reads
+(AB16b32a2b) and returns the packed tensor's address, or None (then oneDNN keeps the weight).
 
 Up to 32 rows the result is bit-identical to oneDNN's on the same packed weight (fp32 sums in
-the same order, one rounding to bf16); 33-64 rows agree to bf16 rounding.
+the same order, one rounding to bf16); above, the two agree to bf16 rounding. A row's result
+never depends on the other rows of the call (the same sums in the same order at any M), so a
+sequence's projections are the same whether it runs alone or in a batch.
 
 Used when the CPU lists `amx_bf16`, `amx_tile` and `avx512_bf16`, Linux grants the AMX state,
 the library builds, and `PAGEDKV_AMX_LINEAR` is not "0" (the switch benchmarks/bench_ablation.py
@@ -28,8 +32,6 @@ import torch
 from kernels import cpu_native
 
 ENV_SWITCH = "PAGEDKV_AMX_LINEAR"
-#: Most rows a call sends here; above that (prefill) the product is compute-bound and oneDNN's.
-MAX_ROWS = 64
 _SOURCE = cpu_native.SOURCE.with_name("amx_linear.c")
 _CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
 
@@ -50,7 +52,7 @@ def _load():
         try:
             if missing and os.environ.get(ENV_SWITCH, "1") != "0":
                 raise RuntimeError(f"the CPU lacks {', '.join(missing)}")
-            lib = cpu_native.open_library(ENV_SWITCH, (_SOURCE,), (), stem="amx_linear")
+            lib = cpu_native.open_library(ENV_SWITCH, (_SOURCE,), cpu_native.HEADERS, stem="amx_linear")
             if lib.amx_request() != 0:
                 raise RuntimeError("Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
         except RuntimeError as e:
@@ -93,34 +95,39 @@ def weight_address(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
     return address if torch.equal(got, packed_layout(weight.contiguous()).view(torch.int16)) else None
 
 
-def linear(x: torch.Tensor, address: int, out_features: int) -> torch.Tensor:
+def linear(x: torch.Tensor, address: int, out_features: int, silu_mul: bool = False) -> torch.Tensor:
     """x W^T on AMX for the packed weight at `address` (from `weight_address`).
 
     Args:
-        x: [M, K] bf16 on the CPU, 1 <= M <= MAX_ROWS, last axis contiguous (rows may be strided),
-            K the weight's in_features.
+        x: [M, K] bf16 on the CPU, M >= 1, last axis contiguous (rows may be strided), K the
+            weight's in_features.
         address: `weight_address(W, packed)` of W [out_features, K].
         out_features: N.
+        silu_mul: W's rows are [gate | up] (SwiGLU's fused projection, N = 2 I, I a multiple of
+            32): return silu(x W_gate^T) * (x W_up^T) [M, I] instead, gate and up rounded to bf16
+            first, then exactly `kernels.fused_ops.silu_mul` of them (the same bits as this product
+            followed by that op, without the [M, N] intermediate).
 
-    Returns [M, N] bf16 (fp32 sums, one rounding).
+    Returns [M, N] bf16 (fp32 sums, one rounding), or [M, N / 2] with `silu_mul`.
 
     Raises:
-        ValueError: x of another dtype, device, rank or layout, or M outside 1..MAX_ROWS (nothing
-            written).
+        ValueError: x of another dtype, device, rank or layout, or no rows (nothing written).
         RuntimeError: the kernel is not available, or refused the shapes.
     """
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.stride(1) != 1 or not 1 <= x.shape[0] <= MAX_ROWS:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.stride(1) != 1 or x.shape[0] < 1:
         raise ValueError(
-            f"x must be a cpu bfloat16 [M, K] tensor with 1 <= M <= {MAX_ROWS} and K contiguous, got "
+            f"x must be a cpu bfloat16 [M, K] tensor with M >= 1 and K contiguous, got "
             f"{x.dtype} {list(x.shape)} on {x.device} (strides {x.stride()})"
         )
     lib = _lib or _load()
     if lib is None:
         raise RuntimeError(f"the AMX kernel is not available: {unavailable_reason}")
     m, k = x.shape
-    out = torch.empty((m, out_features), dtype=torch.bfloat16)
-    args = array.array("q", (x.data_ptr(), address, out.data_ptr(), m, out_features, k, x.stride(0), out_features,
-                             torch.get_num_threads()))
+    n_out = out_features // 2 if silu_mul else out_features
+    out = torch.empty((m, n_out), dtype=torch.bfloat16)
+    args = array.array("q", (x.data_ptr(), address, out.data_ptr(), m, out_features, k, x.stride(0), n_out,
+                             torch.get_num_threads(), int(silu_mul)))
     if lib.amx_linear_bf16(args.buffer_info()[0]) != 0:
-        raise RuntimeError(f"the AMX kernel refused x {list(x.shape)} with {out_features} outputs")
+        raise RuntimeError(f"the AMX kernel refused x {list(x.shape)} with {out_features} outputs"
+                           + (" (silu_mul needs a multiple of 64)" if silu_mul else ""))
     return out

@@ -233,6 +233,7 @@ def paged_decode(
     out: torch.Tensor,  # [rows, num_q_heads, head_dim] query's dtype (row stride free), rows q_index written
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
     v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
+    memo: dict | None = None,  # the caller's per-step dict: checked arguments kept between layers
 ) -> None:
     """Decode attention of rows `q_index` (sequence `seq_index`) over the paged cache, into `out`.
 
@@ -242,6 +243,12 @@ def paged_decode(
     Callers check shapes and lengths first (`kernels.plan_attention` does): seq_lens within the
     block tables, supports() true for the query, out laid out as the query. The kernel itself
     checks every block it reads is inside the cache, before it writes anything.
+
+    `memo`: a dict that lives as long as the metadata tensors (the step's plan keeps one). Every
+    layer of a step passes the same metadata with tensors of the same shapes, strides and dtypes,
+    only at other addresses; with a memo, a call whose layout matches an earlier one's skips the
+    checks and the packing, and sets only the addresses (a batch-1 layer's attention is a few
+    microseconds of arithmetic, so the Python around it counted).
 
     Raises:
         RuntimeError: the native kernels are not available.
@@ -253,6 +260,22 @@ def paged_decode(
     lib = _lib or _load()
     if lib is None:
         raise _not_available()
+    key = None
+    if memo is not None:
+        key = ("paged_decode", query.dtype, query.shape, query.stride(), out.shape, out.dtype, out.stride(),
+               key_cache.dtype, key_cache.shape, key_cache.stride(), value_cache.stride(), k_scale is None,
+               v_scale is None, id(block_tables), id(seq_lens), id(seq_index), id(q_index))
+        args = memo.get(key)
+        if args is not None:
+            args[0], args[1], args[2], args[3] = query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr()
+            args[23] = torch.get_num_threads()
+            if k_scale is not None:  # fp8: another layer's scales
+                if not all(s.dtype == torch.float32 and s.is_cpu and s.is_contiguous() and s.shape == (key_cache.shape[2],)
+                           for s in (k_scale, v_scale)):
+                    raise ValueError("fp8 caches need k_scale and v_scale: [num_kv_heads] float32, contiguous, on cpu")
+                args[26], args[27] = k_scale.data_ptr(), v_scale.data_ptr()
+            _decode_rc(lib.paged_decode_packed(args.buffer_info()[0], scale), query, key_cache, block_tables)
+            return
     if out.shape != query.shape or out.dtype != query.dtype or not supports(out, key_cache, value_cache):
         raise ValueError("out must be shaped and typed as the query (fp32 or bf16, as the caches), heads dense")
     fp8 = key_cache.dtype == torch.float8_e4m3fn
@@ -289,11 +312,17 @@ def paged_decode(
             k_scale.data_ptr() if fp8 else 0, v_scale.data_ptr() if fp8 else 0,
         ),
     )  # fmt: skip
-    rc = lib.paged_decode_packed(args.buffer_info()[0], scale)
+    _decode_rc(lib.paged_decode_packed(args.buffer_info()[0], scale), query, key_cache, block_tables)
+    if memo is not None:
+        memo[key] = args
+
+
+def _decode_rc(rc: int, query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+    """Raise for the decode kernel's return code `rc` (0: nothing)."""
     if rc == 0:
         return
     if rc == 2:
-        raise ValueError(f"a block table names a block outside the cache [0, {num_blocks})")
+        raise ValueError(f"a block table names a block outside the cache [0, {key_cache.shape[0]})")
     if rc == 3:
         raise ValueError(f"a seq_len needs more blocks than a block table row holds ({block_tables.shape[1]})")
     if rc == 4:

@@ -159,7 +159,7 @@ def planned_attention(
     if decode is not None:
         cpu_native.paged_decode(
             query, key_cache, value_cache, plan.block_tables, plan.seq_lens, decode.seq_index,
-            decode.q_index, scale, out, k_scale, v_scale,
+            decode.q_index, scale, out, k_scale, v_scale, memo=plan.workspace,
         )  # fmt: skip
     if not groups:
         return out

@@ -1,7 +1,8 @@
-"""kernels.cpu_amx: a decode step's bf16 projections on AMX tiles over oneDNN's packed weight.
+"""kernels.cpu_amx: bf16 projections on AMX tiles over oneDNN's packed weight.
 
-References: oneDNN's own matmul on the same packed weight (bit-identical up to 32 rows) and an
-fp64 product of the same bf16 values (within bf16 rounding of the fp32 sums, above 32 rows).
+References: oneDNN's own matmul on the same packed weight (bit-identical up to 32 rows), an
+fp64 product of the same bf16 values (within bf16 rounding of the fp32 sums, above 32 rows), and
+`kernels.fused_ops.silu_mul` of the product for the fused SwiGLU epilogue (bit-identical).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def test_bit_identical_to_onednn_up_to_32_rows(n, k, m):
 
 
 @needs_amx
-@pytest.mark.parametrize("m", [33, 48, 63, 64])
+@pytest.mark.parametrize("m", [33, 48, 63, 64, 65, 200, 512])
 def test_close_to_fp64_above_32_rows(m):
     n, k = 960, 576
     w = _weight(n, k)
@@ -81,18 +82,56 @@ def test_strided_rows_and_threads():
 
 
 @needs_amx
-def test_linear_module_takes_the_amx_path_for_small_batches():
+def test_linear_module_takes_the_amx_path_at_every_batch():
     w = _weight(960, 576)
     layer = Linear(w, packed=True)
     assert layer.amx_address is not None
-    for m in (1, 32, 64, 65, 200):
-        x = _rows(m, 576)
+    rows = _rows(300, 576)
+    for m in (1, 32, 64, 65, 200, 300):
+        x = rows[:m]
         got = layer(x)
         want = _onednn(x, layer.packed)
-        if m <= 32 or m > cpu_amx.MAX_ROWS:
+        if m <= 32:
             assert torch.equal(got, want)
         else:
             assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2.0**-7
+        # a row's result does not depend on the other rows of the call (batch invariance)
+        assert torch.equal(got, layer(rows[:300])[:m])
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 32, 33, 64, 100, 257])
+def test_fused_silu_mul_is_the_product_then_silu_mul(m):
+    from kernels import fused_ops
+
+    n, k = 3072, 576  # SwiGLU's [gate | up] rows, as SmolLM2's
+    w = _weight(n, k)
+    layer = Linear(w, packed=True)
+    x = _rows(m, k) * 4  # gates well into silu's curve, both signs
+    got = layer(x, silu_mul=True)
+    assert got.shape == (m, n // 2) and got.dtype == torch.bfloat16
+    assert torch.equal(got, fused_ops.silu_mul(layer(x)))
+    # and against fp64 silu(g) * u of the exact products: within the bf16 roundings of g, u and the
+    # result (relative to each row's largest value: silu amplifies g's rounding where g << 0)
+    gu = x.double() @ w.double().t()
+    g, u = gu[:, : n // 2], gu[:, n // 2 :]
+    exact = g * torch.sigmoid(g) * u
+    row_max = exact.abs().amax(dim=1, keepdim=True)
+    assert torch.all((got.double() - exact).abs() <= exact.abs() * 2.0**-7 + row_max * 2.0**-8)
+
+
+@needs_amx
+def test_fused_silu_mul_falls_back_with_a_bias_or_odd_blocks():
+    from kernels import fused_ops
+
+    x = _rows(5, 64)
+    for n, bias in ((96, None), (128, torch.randn(128).to(torch.bfloat16))):  # 96: halves not whole blocks
+        layer = Linear(_weight(n, 64), packed=True, bias=bias)
+        assert layer.amx_address is not None
+        assert torch.equal(layer(x, silu_mul=True), fused_ops.silu_mul(layer(x)))
+    layer = Linear(_weight(96, 64), packed=True)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        cpu_amx.linear(x, layer.amx_address, 96, silu_mul=True)
 
 
 @needs_amx
@@ -108,14 +147,13 @@ def test_weights_the_kernel_cannot_read_stay_with_onednn():
 
 
 @needs_amx
-@pytest.mark.parametrize("bad", ["empty", "too many", "fp32", "column stride", "3-d"])
+@pytest.mark.parametrize("bad", ["empty", "fp32", "column stride", "3-d"])
 def test_bad_rows_raise_before_anything_runs(bad):
     w = _weight(64, 64)
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
     address = cpu_amx.weight_address(w, packed)
     x = {
         "empty": _rows(0, 64),
-        "too many": _rows(cpu_amx.MAX_ROWS + 1, 64),
         "fp32": _rows(4, 64).float(),
         "column stride": _rows(4, 128)[:, ::2],
         "3-d": _rows(4, 64).view(2, 2, 64),

@@ -12,6 +12,7 @@ without F16C.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 
 import pytest
@@ -81,11 +82,39 @@ def test_model_path_runs_native_in_bf16(dtype, monkeypatch):
     assert plan.decode is not None
     calls = []
     real = cpu_native.paged_decode
-    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = kernels.paged_attention(case.query, case.key_cache, case.value_cache, plan, case.scale)
     assert calls == [1], "the planned decode did not go to the native kernel"
     assert not plan.decode._groups, "the decode rows were gathered"
     check(out, case, dtype, f"planned {dtype}")
+
+
+def test_memo_serves_every_layer_and_only_its_own_layout():
+    # The model's layers share a step's metadata; with the plan's memo, a call whose layout matches
+    # an earlier one sets only the addresses. Each layer (its own caches, query and out) must still
+    # give its own attention, and a call of another layout must not take a kept entry.
+    base = make_case([40, 300, 8], [1, 1, 1], 9, 3, 64, 16, torch.bfloat16, seed=5, num_layers=3)
+    gen = torch.Generator().manual_seed(6)
+    layers = [dataclasses.replace(base, layer=i, query=torch.randn(3, 9, 64, generator=gen).to(torch.bfloat16))
+              for i in range(3)]
+    memo: dict = {}
+    index = torch.arange(3, dtype=torch.int64)
+    outs = []
+    for case in layers * 2:
+        out = torch.full_like(case.query, math.nan)
+        cpu_native.paged_decode(case.query, case.key_cache, case.value_cache, base.block_tables, base.seq_lens,
+                                index, index, case.scale, out, memo=memo)
+        check(out, case, torch.bfloat16, f"memoized layer {case.layer}")
+        outs.append(out)
+    assert len(memo) == 1
+    assert not torch.equal(outs[0], outs[1])  # the layers differ, so a stale address would show
+    wide = torch.randn(3, 12, 64, generator=gen).to(torch.bfloat16)  # a strided query: another layout
+    wide[:, :9] = layers[1].query
+    out = torch.full_like(layers[1].query, math.nan)
+    cpu_native.paged_decode(wide[:, :9], layers[1].key_cache, layers[1].value_cache, base.block_tables,
+                            base.seq_lens, index, index, base.scale, out, memo=memo)
+    assert torch.equal(out, outs[1])
+    assert len(memo) == 2
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -315,7 +315,7 @@ def test_native_decode_bf16(native_only, monkeypatch, block_size):
         pytest.skip("the native CPU decode kernel has no bf16 yet (cpu_native.supports)")
     calls = []
     real = cpu_native.paged_decode
-    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     plan = plan_case(case)
     check(attend(case, plan), reference(case), torch.bfloat16, f"native bf16 decode bs={block_size}")
     assert calls and plan.groups == [], "bf16 decode rows did not reach the native kernel"

@@ -92,7 +92,7 @@ def spy_native(monkeypatch) -> list[torch.dtype]:
     """Cache dtypes of the native decode kernel's calls, as they happen."""
     calls = []
     real = cpu_native.paged_decode
-    monkeypatch.setattr(cpu_native, "paged_decode", lambda q, k, *a: calls.append(k.dtype) or real(q, k, *a))
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda q, k, *a, **kw: calls.append(k.dtype) or real(q, k, *a, **kw))
     return calls
 
 

@@ -30,6 +30,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd_cpu.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -62,11 +64,57 @@ AMX_TARGET static void configure(int r0, int r1) {
   _tile_loadconfig(&c);
 }
 
-/* Output blocks [nb0, nb1) of out = x W^T, every row of x. */
+/* acc [32][32] fp32 = rows [0, r0 + r1) of x (at xa, rows xs elements apart) times the packed
+ * block column wb of the weight (outputs of one 32-wide block, all K): C00 C01 for rows 0-15, C10
+ * C11 for rows 16-31 (r1 = 0: none). With `prefetch`, asks for the weight PF_BYTES ahead of its
+ * tile loads (the first row chunk of a block; later chunks find it in cache). */
+AMX_TARGET static inline void block_product(const char *xa, const char *wb, int64_t kblocks, int64_t xs,
+                                            int r1, int prefetch, float *acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (r1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < kblocks; kb++) {
+    const char *blk = wb + kb * BLOCK_BYTES;
+    if (prefetch)
+      for (int l = 0; l < BLOCK_BYTES; l += 64) _mm_prefetch(blk + PF_BYTES + l, _MM_HINT_T0);
+    _tile_loadd(6, blk, 128);
+    _tile_loadd(7, blk + 64, 128);
+    _tile_loadd(4, xa + kb * 64, xs * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (r1) {
+      _tile_loadd(5, xa + 16 * xs * 2 + kb * 64, xs * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, 128);
+  _tile_stored(1, acc + 16, 128);
+  if (r1) {
+    _tile_stored(2, acc + 16 * 32, 128);
+    _tile_stored(3, acc + 16 * 32 + 16, 128);
+  }
+}
+
+/* 16 fp32 rounded to bf16 (nearest even, as oneDNN rounds its result) and widened back, exactly. */
+AMX_TARGET static inline vf bf16_rounded(const float *p) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p));
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+}
+
+/* Output blocks [nb0, nb1) of every row of x: out = x W^T (silu = 0), or, for a weight whose
+ * rows are [gate | up] (N = 2 I, out [M, I]), out = silu(x W_gate^T) * (x W_up^T) (silu = 1;
+ * blocks of the gate half, each with block nb + I/32 of the up half). The fused epilogue rounds
+ * gate and up to bf16 first, then computes exactly as fused_cpu.c's silu_mul over them: the
+ * same bits as this product followed by that op. */
 AMX_TARGET static void amx_blocks(const uint16_t *x, const char *w, uint16_t *out, int64_t M, int64_t K,
-                                  int64_t xs, int64_t os, int64_t nb0, int64_t nb1) {
+                                  int64_t xs, int64_t os, int64_t nb0, int64_t nb1, int silu, int64_t up_blocks) {
   const int64_t kblocks = K / 32;
   float acc[32 * 32] __attribute__((aligned(64)));
+  float up[32 * 32] __attribute__((aligned(64)));
   int cur0 = -1, cur1 = -1;
   for (int64_t nb = nb0; nb < nb1; nb++) {
     const char *wb = w + nb * kblocks * BLOCK_BYTES;
@@ -79,37 +127,19 @@ AMX_TARGET static void amx_blocks(const uint16_t *x, const char *w, uint16_t *ou
         cur0 = r0, cur1 = r1;
       }
       const char *xa = (const char *)(x + m0 * xs);
-      _tile_zero(0);
-      _tile_zero(1);
-      if (r1) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t kb = 0; kb < kblocks; kb++) {
-        const char *blk = wb + kb * BLOCK_BYTES;
-        if (m0 == 0) /* later row chunks find the block in cache */
-          for (int l = 0; l < BLOCK_BYTES; l += 64) _mm_prefetch(blk + PF_BYTES + l, _MM_HINT_T0);
-        _tile_loadd(6, blk, 128);
-        _tile_loadd(7, blk + 64, 128);
-        _tile_loadd(4, xa + kb * 64, xs * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (r1) {
-          _tile_loadd(5, xa + 16 * xs * 2 + kb * 64, xs * 2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+      block_product(xa, wb, kblocks, xs, r1, m0 == 0, acc);
+      if (!silu) {
+        for (int m = 0; m < r0 + r1; m++) { /* fp32 -> bf16, nearest even */
+          const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(acc + m * 32 + 16), _mm512_load_ps(acc + m * 32));
+          _mm512_storeu_si512((void *)(out + (m0 + m) * os + nb * 32), (__m512i)v);
         }
+        continue;
       }
-      _tile_stored(0, acc, 128);
-      _tile_stored(1, acc + 16, 128);
-      if (r1) {
-        _tile_stored(2, acc + 16 * 32, 128);
-        _tile_stored(3, acc + 16 * 32 + 16, 128);
-      }
-      for (int m = 0; m < r0 + r1; m++) { /* fp32 -> bf16, nearest even */
-        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(acc + m * 32 + 16), _mm512_load_ps(acc + m * 32));
-        _mm512_storeu_si512((void *)(out + (m0 + m) * os + nb * 32), (__m512i)v);
-      }
+      block_product(xa, wb + up_blocks * kblocks * BLOCK_BYTES, kblocks, xs, r1, m0 == 0, up);
+      for (int m = 0; m < r0 + r1; m++)
+        for (int c = 0; c < 32; c += 16)
+          store_v(out + (m0 + m) * os + nb * 32, c,
+                  silu_v(bf16_rounded(acc + m * 32 + c)) * bf16_rounded(up + m * 32 + c), 1);
     }
   }
   _tile_release();
@@ -119,12 +149,15 @@ AMX_TARGET static void amx_blocks(const uint16_t *x, const char *w, uint16_t *ou
 #include <omp.h>
 #endif
 
-/* amx_linear_bf16: a = [x, w (packed), out (addresses), M, N, K, x_s, o_s, num_threads].
- * Returns 0; -1 when N or K is not a multiple of 32 or M < 1 (nothing written). */
+/* amx_linear_bf16: a = [x, w (packed), out (addresses), M, N, K, x_s, o_s, num_threads, silu].
+ * silu 0: out [M, N] = x W^T; 1: out [M, N / 2] = silu(gate) * up of the [gate | up] products
+ * (N / 2 a multiple of 32). Returns 0; -1 when N or K is not a multiple of 32 (64 with silu) or
+ * M < 1 (nothing written). */
 int amx_linear_bf16(const int64_t *a) {
   const int64_t M = a[3], N = a[4], K = a[5];
-  if (M < 1 || N % 32 || K % 32 || N < 32 || K < 32) return -1;
-  const int64_t nblocks = N / 32;
+  const int silu = a[9] != 0;
+  if (M < 1 || N % (silu ? 64 : 32) || K % 32 || N < 32 || K < 32) return -1;
+  const int64_t nblocks = N / (silu ? 64 : 32);
   int nt = (int)(a[8] < 1 ? 1 : a[8]);
   if (nt > nblocks) nt = (int)nblocks;
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -135,7 +168,7 @@ int amx_linear_bf16(const int64_t *a) {
     const int t = 0, n = 1;
 #endif
     amx_blocks((const uint16_t *)a[0], (const char *)a[1], (uint16_t *)a[2], M, K, a[6], a[7],
-               nblocks * t / n, nblocks * (t + 1) / n);
+               nblocks * t / n, nblocks * (t + 1) / n, silu, nblocks);
   }
   return 0;
 }

@@ -30,14 +30,7 @@
 
 #define PARALLEL_WORK 65536 /* elements of a call from which rows go to several threads */
 
-/* silu(g) = g * sigmoid(g) with e = e^-|g| <= 1 (no overflow): sigmoid = 1 / (1 + e) for g >= 0,
- * e / (1 + e) below. NaN in, NaN out. */
-ALWAYS_INLINE vf silu_v(vf g) {
-  const vf e = exp_v((vf)((vu)g | 0x80000000u)); /* -|g| */
-  const vf num = select_v(g >= 0.0f, splat(1.0f), e);
-  return g * (num / (1.0f + e));
-}
-
+/* silu_v (simd_cpu.h) on one element. */
 ALWAYS_INLINE float silu_s(float g) {
   const float e = expf(-fabsf(g));
   return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));

@@ -2,7 +2,7 @@
  * Vector helpers shared by the native CPU kernels (paged_cpu.c, fused_cpu.c): GCC/Clang vector
  * extensions W floats wide (16 where the build has AVX-512, -mavx512f; else 8: AVX2, or split by
  * the compiler into what the target has), loads and stores of fp32 or bf16 (bf16 widened exactly,
- * narrowed with round to nearest even, NaN kept NaN), a lane sum and e^x.
+ * narrowed with round to nearest even, NaN kept NaN), a lane sum, e^x and SiLU.
  */
 #ifndef PAGEDKV_SIMD_CPU_H
 #define PAGEDKV_SIMD_CPU_H
@@ -120,6 +120,14 @@ ALWAYS_INLINE vf exp_v(vf x) {
   y = y * (r * r) + r + 1.0f;
   y = y * (vf)((n + 127) << 23);
   return select_v(under, splat(0.0f), y);
+}
+
+/* silu(g) = g * sigmoid(g) with e = e^-|g| <= 1 (no overflow): sigmoid = 1 / (1 + e) for g >= 0,
+ * e / (1 + e) below. NaN in, NaN out. */
+ALWAYS_INLINE vf silu_v(vf g) {
+  const vf e = exp_v((vf)((vu)g | 0x80000000u)); /* -|g| */
+  const vf num = select_v(g >= 0.0f, splat(1.0f), e);
+  return g * (num / (1.0f + e));
 }
 
 #endif /* PAGEDKV_SIMD_CPU_H */
