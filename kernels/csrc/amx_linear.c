@@ -1,6 +1,6 @@
 /*
- * y = x W^T for a few rows of x (a decode step's batch), bf16, on Intel AMX tiles, reading the
- * weight in oneDNN's prepacked layout in place.
+ * y = x W^T for the rows of x, bf16, on Intel AMX tiles, reading the weight in oneDNN's
+ * prepacked layout in place; optionally SwiGLU's silu(gate) * up of a [gate | up] weight.
  *
  * Why: a decode step's projections read every weight once and multiply it by a few rows, so they
  * are bound by how fast the weights stream in from memory. oneDNN's AMX matmul (brgemm) loads each
@@ -8,8 +8,10 @@
  * and the multiplies wait on the loads (measured on a 2-core Sapphire-Rapids-class VM: ~8 GB/s at
  * 32 rows, against ~14 GB/s a plain stream reaches). This kernel walks the same packed weight in
  * the order it lies in memory and prefetches PF_BYTES ahead of its tile loads, so the loads hit
- * cache (~15-20 GB/s at 1-32 rows). Above 64 rows (prefill) the step is compute-bound and oneDNN
- * is as fast: `kernels.cpu_amx` sends only up to MAX_ROWS rows here.
+ * cache (~15-20 GB/s at 1-32 rows). On a prefill step (hundreds of rows, compute-bound) it is as
+ * fast as oneDNN on the model's square and down projections' shapes or faster (K = 576, 1536;
+ * docs/benchmarks.md), and with the SwiGLU epilogue the [M, 2I] gate/up result is never written
+ * out and read back by a separate pass.
  *
  * Layout: x [M, K] bf16, rows x_s apart, K contiguous; out [M, N] bf16, rows o_s apart. The
  * weight W [N, K] is in oneDNN's AB16b32a2b blocking, the layout torch.ops.mkldnn's
@@ -20,7 +22,8 @@
  *
  * Arithmetic: bf16 products summed in fp32 inside the tiles, K in order of 32-wide blocks, one
  * rounding to bf16 (nearest even) at the end; up to 32 rows this is bit-identical to oneDNN's
- * result on the same packed weight (asserted in tests/test_amx_linear.py).
+ * result on the same packed weight (asserted in tests/test_amx_linear.py), and a row's result
+ * never depends on the other rows of the call.
  *
  * Tiles: C00 C01 C10 C11 (rows 0-15 / 16-31 of a 32-row chunk x outputs 0-15 / 16-31 of a
  * block), A0 A1 (the two row halves), B0 B1 (the two output halves). Output blocks are split
