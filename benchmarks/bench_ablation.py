@@ -3,7 +3,8 @@
 A *variant* is a checkout of this repository (a commit; default the working tree), a dtype (pool
 and model) and environment switches (``PAGEDKV_PACKED_LINEAR=0``: projections through
 ``F.linear``; ``PAGEDKV_NATIVE_CPU=0``: attention and cache writes on the torch path;
-``PAGEDKV_AMX_LINEAR=0``: decode projections through oneDNN's matmul, not kernels.cpu_amx). Each variant
+``PAGEDKV_AMX_LINEAR=0``: projections through oneDNN's matmul, not kernels.cpu_amx;
+``PAGEDKV_FUSED_DECODE=0``: decode steps op by op, not kernels.cpu_layers). Each variant
 runs in a process of its own, started from its checkout (``git worktree add --detach`` into a
 temporary folder for a commit), which loads SmolLM2-135M-Instruct, maps nothing (a private pool
 tensor in the variant's dtype) and, per case, builds the step the worker would build
@@ -43,7 +44,8 @@ DEFAULT_VARIANTS = [
     "bf16, F.linear, torch attention=.:bfloat16:PAGEDKV_PACKED_LINEAR=0,PAGEDKV_NATIVE_CPU=0",
     "bf16, packed, torch attention=.:bfloat16:PAGEDKV_NATIVE_CPU=0",
     "bf16, packed, native, oneDNN decode matmul=.:bfloat16:PAGEDKV_AMX_LINEAR=0",
-    "bf16, packed, native, AMX decode projections=.:bfloat16",
+    "bf16, packed, native, AMX decode projections=.:bfloat16:PAGEDKV_FUSED_DECODE=0",
+    "bf16, AMX projections, fused decode layers=.:bfloat16",
 ]
 
 
@@ -51,6 +53,8 @@ DEFAULT_VARIANTS = [
 #: synchronously on the CPU, so a module's wall time is its cost); the rest is "other" (RoPE,
 #: residual adds, SwiGLU's activation, embedding, sampling).
 BREAKDOWN = {"Linear": "projections", "PagedAttention": "attention + cache write", "RMSNorm": "norms"}
+#: A decode step whose layers ran as one native call (compute_service.fused_decode) spends them here.
+FUSED = "fused decode layers"
 
 
 def _clock(model) -> dict[str, float]:
@@ -68,6 +72,19 @@ def _clock(model) -> dict[str, float]:
         if type(module).__name__ in BREAKDOWN:
             module.register_forward_pre_hook(enter)
             module.register_forward_hook(leave)
+    fused = getattr(model, "fused_decode", None)
+    if fused is not None:  # a decode step's layers in one native call: no module hooks inside
+        spent[FUSED] = 0.0
+        run = fused.run
+
+        def timed(*args):
+            t = time.perf_counter()
+            try:
+                return run(*args)
+            finally:
+                spent[FUSED] += time.perf_counter() - t
+
+        fused.run = timed
     return spent
 
 
@@ -210,13 +227,14 @@ def main() -> int:
     header = ["variant", "commit", "dtype"] + [f"{n} {u}" for n, *_ in CASES for u in ("ms", "tok/s")]
     table("model step per variant (medians over rounds)", header, rows)
     if args.breakdown:
-        cats = list(BREAKDOWN.values()) + ["other"]
+        cats = list(BREAKDOWN.values()) + [FUSED, "other"]
         rows = []
         for v, rec in zip(variants, result["variants"]):
             for name, *_ in CASES:
                 n = len(v.times[name])
                 total = sum(v.times[name]) / n * 1e3
                 ms = {k: s / n * 1e3 for k, s in v.spent[name].items()}
+                ms.setdefault(FUSED, 0.0)
                 ms["other"] = total - sum(ms.values())
                 rec[name]["breakdown_ms"] = ms
                 rows.append([v.label, name, fmt(total, ".1f")] + [f"{fmt(ms[k], '.1f')} ({ms[k] / total:.0%})" for k in cats])

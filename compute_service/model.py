@@ -6,7 +6,8 @@ K/V are written into their slots (`kernels.reshape_and_cache`), then every new q
 causally over its sequence's paged context (`kernels.paged_attention`, PagedAttention, Kwon et
 al. SOSP 2023, §4.1). The attention plan (`kernels.plan_attention`: metadata checked on the host,
 kernel chosen) is built once per step by the caller and shared by every layer. Only the logits
-the caller asks for are computed.
+the caller asks for are computed. A decode-only bf16 step on an AMX CPU runs the same ops, in
+the same order, as one native call for all layers (`compute_service.fused_decode`).
 
 Architecture as in Hugging Face `LlamaForCausalLM` (RMSNorm, RoPE with rotate-half, GQA, SwiGLU,
 optional tied embeddings, optional projection biases), which also covers `MistralForCausalLM`
@@ -30,6 +31,7 @@ from torch import nn
 
 import kernels
 from compute_service.checkpoint import WeightSource, as_weight_source
+from compute_service.fused_decode import FusedDecode
 from compute_service.linear import Linear, packed_linear_wanted
 from compute_service.weight_loader import WeightLoader
 from compute_service.weights import REQUIRED_BIASES, ModelConfig, Weights
@@ -245,6 +247,10 @@ class LlamaForPagedLM(nn.Module):
         rope_freqs = source.fetch(["rope_freqs"], "cpu", torch.float32) if "rope_freqs" in source else None
         self.register_buffer("inv_freq", rope_inv_freq(config, rope_freqs).to(self.device), persistent=False)
         self.eval()
+        #: Decode-only bf16 steps on an AMX CPU: every layer in one native call (None: per op only).
+        self.fused_decode = FusedDecode.build(self)
+        #: Wall seconds the last forward's fused layers spent writing K/V and in attention (0 otherwise).
+        self.native_attention_seconds = 0.0
 
     def nbytes(self) -> int:
         """Bytes of every weight the model holds (packed projections at their packed size)."""
@@ -308,8 +314,12 @@ class LlamaForPagedLM(nn.Module):
             kv_scales,
         )
         x, residual = F.embedding(input_ids, self.embed), None  # [T, D]; the stream starts at layer 0
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, kv_pool[:, i, 0], kv_pool[:, i, 1], meta)
+        self.native_attention_seconds = 0.0
+        if self.fused_decode is not None and self.fused_decode.applies(x.shape[0], kv_pool, meta):
+            x, residual, self.native_attention_seconds = self.fused_decode.run(x, kv_pool, meta)  # same bits
+        else:
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, kv_pool[:, i, 0], kv_pool[:, i, 1], meta)
         x = self.norm(x[logits_indices], residual[logits_indices])  # [S', D]: last add, final norm
         return self.lm_head(x).float()  # [S', vocab]
 

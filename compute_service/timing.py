@@ -2,7 +2,8 @@
 
 Kept out of the architecture (gpt-fast's model.py times nothing): `AttentionClock` hooks the
 `PagedAttention` module of every layer and sums the wall seconds between entering and leaving
-it over one forward. The worker reports the sum as `StepResponse.attention_seconds`.
+it over one forward, plus what the fused decode layers timed inside their native call
+(`model.native_attention_seconds`). The worker reports the sum as `StepResponse.attention_seconds`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class AttentionClock:
         self.seconds = 0.0  # wall seconds, summed over layers, of the last forward
         self._entered: float | None = None  # perf_counter() when the current call began; None: untimed
         model.register_forward_pre_hook(self._reset)
+        model.register_forward_hook(self._fused)
         for module in model.modules():
             if isinstance(module, PagedAttention):
                 module.register_forward_pre_hook(self._enter)
@@ -35,6 +37,10 @@ class AttentionClock:
 
     def _reset(self, module: nn.Module, args: tuple) -> None:
         self.seconds = 0.0
+
+    def _fused(self, module: nn.Module, args: tuple, output) -> None:
+        # A step whose layers ran as one native call (compute_service.fused_decode) timed them inside.
+        self.seconds += getattr(module, "native_attention_seconds", 0.0)
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         key_cache = args[3]  # PagedAttention.forward(q, k, v, key_cache, value_cache, meta)

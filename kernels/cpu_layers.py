@@ -1,0 +1,92 @@
+"""A decode step's decoder layers in one native call (bf16, AMX projections, CPU).
+
+The per-op path (`compute_service.model`) crosses from Python into a native kernel ~10 times a
+layer, each call with its checks and argument packing: ~3-4 ms a step on a 2-core CPU, against a
+15-35 ms decode step. `csrc/decode_layers.c` runs the same kernels in the same order on the same
+buffers (so the result is bit-identical), one call for every layer: what a CUDA graph saves on a
+GPU. `compute_service.fused_decode` decides when a step can take it.
+
+Built into one library with the kernels it calls (`amx_linear.c`, `fused_cpu.c`, `paged_cpu.c`);
+used when the AMX kernel is (`kernels.cpu_amx.available()`), the native CPU kernels are not
+switched off, and `PAGEDKV_FUSED_DECODE` is not "0" (the switch benchmarks/bench_ablation.py
+turns off to measure what this bought).
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import os
+import threading
+
+from kernels import cpu_amx, cpu_native
+
+ENV_SWITCH = "PAGEDKV_FUSED_DECODE"
+_SOURCES = tuple(cpu_native.SOURCE.with_name(n) for n in ("decode_layers.c", "amx_linear.c", "paged_cpu.c", "fused_cpu.c"))
+
+_lock = threading.Lock()
+_lib = None
+_tried = False
+#: Why the fused decode layers are not in use (None while they are, or before the first try).
+unavailable_reason: str | None = None
+
+#: Return codes of decode_layers_bf16 and what they mean.
+_ERRORS = {
+    -1: "a projection's shapes do not suit the AMX kernel",
+    2: "a slot or a block table entry lies outside the cache",
+    3: "a seq_len needs more blocks than its block table row holds",
+    4: "no native decode kernel for these dtypes",
+}
+
+
+def _load():
+    global _lib, _tried, unavailable_reason
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        try:
+            if os.environ.get(ENV_SWITCH, "1") == "0":
+                raise RuntimeError(f"disabled by {ENV_SWITCH}=0")
+            if not cpu_amx.available():
+                raise RuntimeError(f"the AMX kernel is not available: {cpu_amx.unavailable_reason}")
+            if not cpu_native.available():
+                raise RuntimeError(f"the native CPU kernels are not available: {cpu_native.unavailable_reason}")
+            lib = cpu_native.open_library(ENV_SWITCH, _SOURCES, cpu_native.HEADERS, stem="decode_layers")
+        except RuntimeError as e:
+            unavailable_reason = str(e)
+            return None
+        lib.decode_layers_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                                           ctypes.c_float, ctypes.POINTER(ctypes.c_double)]
+        lib.decode_layers_bf16.restype = ctypes.c_int
+        _lib = lib
+        return _lib
+
+
+def available() -> bool:
+    """True when the fused decode layers are built and usable here (builds them on the first call)."""
+    return (_lib or _load()) is not None
+
+
+def decode_layers(step: array.array, layers: array.array, num_layers: int, eps: float, scale: float) -> float:
+    """Run `num_layers` decoder layers of a decode step (see `csrc/decode_layers.c` for the layout of
+    `step` and `layers`, int64 arrays of addresses and sizes). Returns the wall seconds spent in the
+    cache writes and attention.
+
+    The caller owns every check: the arrays must describe live bf16 CPU tensors of the shapes the C
+    file names (`compute_service.fused_decode` builds them).
+
+    Raises:
+        RuntimeError: the library is not available.
+        ValueError: a kernel refused the step (a slot or block outside the cache, a seq_len past its
+            table row); the layers before the failing one have run.
+    """
+    lib = _lib or _load()
+    if lib is None:
+        raise RuntimeError(f"the fused decode layers are not available: {unavailable_reason}")
+    seconds = ctypes.c_double(0.0)
+    rc = lib.decode_layers_bf16(step.buffer_info()[0], layers.buffer_info()[0], num_layers, eps, scale,
+                                ctypes.byref(seconds))
+    if rc:
+        raise ValueError(f"the fused decode layers refused the step: {_ERRORS.get(rc, f'code {rc}')}")
+    return seconds.value
