@@ -17,7 +17,8 @@ sequence's projections are the same whether it runs alone or in a batch.
 
 Used when the CPU lists `amx_bf16`, `amx_tile` and `avx512_bf16`, Linux grants the AMX state,
 the library builds, and `PAGEDKV_AMX_LINEAR` is not "0" (the switch benchmarks/bench_ablation.py
-turns off to measure what this bought).
+turns off to measure what this bought). The same library holds a decode step's layers in one
+call (`csrc/decode_layers.c`, `kernels.cpu_layers`), built with the native kernels it calls.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from kernels import cpu_native
 
 ENV_SWITCH = "PAGEDKV_AMX_LINEAR"
 _SOURCE = cpu_native.SOURCE.with_name("amx_linear.c")
+#: The library also holds a decode step's layers in one call (`kernels.cpu_layers`), which calls
+#: the native CPU kernels: built from their sources too.
+_SOURCES = (_SOURCE, _SOURCE.with_name("decode_layers.c"), *cpu_native.SOURCES)
 _CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
 
 _lock = threading.Lock()
@@ -52,7 +56,7 @@ def _load():
         try:
             if missing and os.environ.get(ENV_SWITCH, "1") != "0":
                 raise RuntimeError(f"the CPU lacks {', '.join(missing)}")
-            lib = cpu_native.open_library(ENV_SWITCH, (_SOURCE,), cpu_native.HEADERS, stem="amx_linear")
+            lib = cpu_native.open_library(ENV_SWITCH, _SOURCES, cpu_native.HEADERS, stem="amx_linear")
             if lib.amx_request() != 0:
                 raise RuntimeError("Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
         except RuntimeError as e:
@@ -60,6 +64,9 @@ def _load():
             return None
         lib.amx_linear_bf16.argtypes = [ctypes.c_void_p]
         lib.amx_linear_bf16.restype = ctypes.c_int
+        lib.decode_layers_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                                           ctypes.c_float, ctypes.POINTER(ctypes.c_double)]
+        lib.decode_layers_bf16.restype = ctypes.c_int
         _lib = lib
         return _lib
 

@@ -6,10 +6,9 @@ layer, each call with its checks and argument packing: ~3-4 ms a step on a 2-cor
 buffers (so the result is bit-identical), one call for every layer: what a CUDA graph saves on a
 GPU. `compute_service.fused_decode` decides when a step can take it.
 
-Built into one library with the kernels it calls (`amx_linear.c`, `fused_cpu.c`, `paged_cpu.c`);
-used when the AMX kernel is (`kernels.cpu_amx.available()`), the native CPU kernels are not
-switched off, and `PAGEDKV_FUSED_DECODE` is not "0" (the switch benchmarks/bench_ablation.py
-turns off to measure what this bought).
+Part of the AMX library (`kernels.cpu_amx`, which builds it with the kernels it calls); used when
+the AMX kernel is, the native CPU kernels are not switched off, and `PAGEDKV_FUSED_DECODE` is not
+"0" (the switch benchmarks/bench_ablation.py turns off to measure what this bought).
 """
 
 from __future__ import annotations
@@ -17,18 +16,10 @@ from __future__ import annotations
 import array
 import ctypes
 import os
-import threading
 
 from kernels import cpu_amx, cpu_native
 
 ENV_SWITCH = "PAGEDKV_FUSED_DECODE"
-_SOURCES = tuple(cpu_native.SOURCE.with_name(n) for n in ("decode_layers.c", "amx_linear.c", "paged_cpu.c", "fused_cpu.c"))
-
-_lock = threading.Lock()
-_lib = None
-_tried = False
-#: Why the fused decode layers are not in use (None while they are, or before the first try).
-unavailable_reason: str | None = None
 
 #: Return codes of decode_layers_bf16 and what they mean.
 _ERRORS = {
@@ -39,33 +30,21 @@ _ERRORS = {
 }
 
 
-def _load():
-    global _lib, _tried, unavailable_reason
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        try:
-            if os.environ.get(ENV_SWITCH, "1") == "0":
-                raise RuntimeError(f"disabled by {ENV_SWITCH}=0")
-            if not cpu_amx.available():
-                raise RuntimeError(f"the AMX kernel is not available: {cpu_amx.unavailable_reason}")
-            if not cpu_native.available():
-                raise RuntimeError(f"the native CPU kernels are not available: {cpu_native.unavailable_reason}")
-            lib = cpu_native.open_library(ENV_SWITCH, _SOURCES, cpu_native.HEADERS, stem="decode_layers")
-        except RuntimeError as e:
-            unavailable_reason = str(e)
-            return None
-        lib.decode_layers_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
-                                           ctypes.c_float, ctypes.POINTER(ctypes.c_double)]
-        lib.decode_layers_bf16.restype = ctypes.c_int
-        _lib = lib
-        return _lib
+def unavailable_reason() -> str | None:
+    """Why the fused decode layers are not in use here, or None when they are (builds the AMX
+    library on the first call)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"disabled by {ENV_SWITCH}=0"
+    if not cpu_amx.available():
+        return f"the AMX kernel is not available: {cpu_amx.unavailable_reason}"
+    if not cpu_native.available():
+        return f"the native CPU kernels are not available: {cpu_native.unavailable_reason}"
+    return None
 
 
 def available() -> bool:
-    """True when the fused decode layers are built and usable here (builds them on the first call)."""
-    return (_lib or _load()) is not None
+    """True when the fused decode layers are usable here (see `unavailable_reason`)."""
+    return unavailable_reason() is None
 
 
 def decode_layers(step: array.array, layers: array.array, num_layers: int, eps: float, scale: float) -> float:
@@ -77,16 +56,16 @@ def decode_layers(step: array.array, layers: array.array, num_layers: int, eps: 
     file names (`compute_service.fused_decode` builds them).
 
     Raises:
-        RuntimeError: the library is not available.
+        RuntimeError: the layers are not available here.
         ValueError: a kernel refused the step (a slot or block outside the cache, a seq_len past its
             table row); the layers before the failing one have run.
     """
-    lib = _lib or _load()
-    if lib is None:
-        raise RuntimeError(f"the fused decode layers are not available: {unavailable_reason}")
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"the fused decode layers are not available: {reason}")
     seconds = ctypes.c_double(0.0)
-    rc = lib.decode_layers_bf16(step.buffer_info()[0], layers.buffer_info()[0], num_layers, eps, scale,
-                                ctypes.byref(seconds))
+    rc = cpu_amx._lib.decode_layers_bf16(step.buffer_info()[0], layers.buffer_info()[0], num_layers, eps, scale,
+                                         ctypes.byref(seconds))
     if rc:
         raise ValueError(f"the fused decode layers refused the step: {_ERRORS.get(rc, f'code {rc}')}")
     return seconds.value

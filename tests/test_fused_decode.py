@@ -23,7 +23,7 @@ from pagedkv.compute.v1 import compute_service_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_fused = pytest.mark.skipif(not cpu_layers.available(),
-                                 reason=f"no fused decode layers here: {cpu_layers.unavailable_reason}")
+                                 reason=f"no fused decode layers here: {cpu_layers.unavailable_reason()}")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_a_bad_slot_is_refused_like_the_per_op_path(bf16_model):
 def test_switch_gives_a_reason():
     env = {**os.environ, cpu_layers.ENV_SWITCH: "0"}
     out = subprocess.run(
-        [sys.executable, "-c", "from kernels import cpu_layers; print(cpu_layers.available(), cpu_layers.unavailable_reason)"],
+        [sys.executable, "-c", "from kernels import cpu_layers; print(cpu_layers.available(), cpu_layers.unavailable_reason())"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True,
     ).stdout.strip()
     assert out == f"False disabled by {cpu_layers.ENV_SWITCH}=0"

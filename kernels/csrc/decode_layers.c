@@ -16,7 +16,7 @@
  *   x = (silu(h Wg^T) * (h Wu^T)) Wdown^T                (amx_linear.c, SwiGLU fused)
  * Leaves the last layer's x and res for the caller's final norm.
  *
- * Built into the AMX library with amx_linear.c, fused_cpu.c and paged_cpu.c (kernels/cpu_layers.py).
+ * Built into the AMX library with amx_linear.c, fused_cpu.c and paged_cpu.c (kernels/cpu_amx.py).
  */
 #include <stdint.h>
 #include <time.h>
