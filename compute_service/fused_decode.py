@@ -31,7 +31,7 @@ class FusedDecode:
 
     def __init__(self, model, layers: list[int]) -> None:
         c = model.config
-        self.num_layers, self.hidden, self.inter = c.num_layers, c.hidden_size, c.intermediate_size
+        self.num_layers, self.inter = c.num_layers, c.intermediate_size
         self.hq, self.hkv, self.dh = c.num_q_heads, c.num_kv_heads, c.head_dim
         self.eps, self.scale = model.layers[0].attn_norm.eps, model.layers[0].attn.paged.scale
         self._layers = layers

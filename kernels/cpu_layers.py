@@ -60,12 +60,12 @@ def decode_layers(step: array.array, layers: array.array, num_layers: int, eps: 
         ValueError: a kernel refused the step (a slot or block outside the cache, a seq_len past its
             table row); the layers before the failing one have run.
     """
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"the fused decode layers are not available: {reason}")
+    lib = cpu_amx._lib  # loaded by the `available()` that chose this path; not re-checked every step
+    if lib is None:
+        raise RuntimeError(f"the fused decode layers are not available: {unavailable_reason()}")
     seconds = ctypes.c_double(0.0)
-    rc = cpu_amx._lib.decode_layers_bf16(step.buffer_info()[0], layers.buffer_info()[0], num_layers, eps, scale,
-                                         ctypes.byref(seconds))
+    rc = lib.decode_layers_bf16(step.buffer_info()[0], layers.buffer_info()[0], num_layers, eps, scale,
+                                ctypes.byref(seconds))
     if rc:
         raise ValueError(f"the fused decode layers refused the step: {_ERRORS.get(rc, f'code {rc}')}")
     return seconds.value

@@ -270,9 +270,7 @@ def paged_decode(
             args[0], args[1], args[2], args[3] = query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr()
             args[23] = torch.get_num_threads()
             if k_scale is not None:  # fp8: another layer's scales
-                if not all(s.dtype == torch.float32 and s.is_cpu and s.is_contiguous() and s.shape == (key_cache.shape[2],)
-                           for s in (k_scale, v_scale)):
-                    raise ValueError("fp8 caches need k_scale and v_scale: [num_kv_heads] float32, contiguous, on cpu")
+                _check_fp8_scales(k_scale, v_scale, key_cache)
                 args[26], args[27] = k_scale.data_ptr(), v_scale.data_ptr()
             _decode_rc(lib.paged_decode_packed(args.buffer_info()[0], scale), query, key_cache, block_tables)
             return
@@ -280,11 +278,8 @@ def paged_decode(
         raise ValueError("out must be shaped and typed as the query (fp32 or bf16, as the caches), heads dense")
     fp8 = key_cache.dtype == torch.float8_e4m3fn
     scales = (k_scale, v_scale)
-    if fp8 and not all(
-        s is not None and s.dtype == torch.float32 and s.is_cpu and s.is_contiguous()
-        and s.shape == (key_cache.shape[2],) for s in scales
-    ):  # fmt: skip
-        raise ValueError("fp8 caches need k_scale and v_scale: [num_kv_heads] float32, contiguous, on cpu")
+    if fp8:
+        _check_fp8_scales(k_scale, v_scale, key_cache)
     if not fp8 and any(s is not None for s in scales):
         raise ValueError("k_scale and v_scale are for fp8 caches only")
     if not (
@@ -315,6 +310,15 @@ def paged_decode(
     _decode_rc(lib.paged_decode_packed(args.buffer_info()[0], scale), query, key_cache, block_tables)
     if memo is not None:
         memo[key] = args
+
+
+def _check_fp8_scales(k_scale, v_scale, key_cache: torch.Tensor) -> None:
+    """Raise ValueError unless both scales are [num_kv_heads] float32, contiguous, on the CPU."""
+    if not all(
+        s is not None and s.dtype == torch.float32 and s.is_cpu and s.is_contiguous()
+        and s.shape == (key_cache.shape[2],) for s in (k_scale, v_scale)
+    ):  # fmt: skip
+        raise ValueError("fp8 caches need k_scale and v_scale: [num_kv_heads] float32, contiguous, on cpu")
 
 
 def _decode_rc(rc: int, query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
