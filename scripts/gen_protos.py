@@ -93,7 +93,11 @@ def generate(out_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true", help="fail if committed code is stale")
+    parser.add_argument("--setup", action="store_true", help="only make the generator's environment (.venv-protos)")
     args = parser.parse_args(argv)
+    if args.setup:
+        print(f"grpcio-tools {GRPCIO_TOOLS_VERSION}: {sys.executable if has_pinned_generator() else tool_python()}")
+        return 0
     if not has_pinned_generator():
         return subprocess.run([str(tool_python()), __file__, *(argv if argv is not None else sys.argv[1:])]).returncode
     with tempfile.TemporaryDirectory() as tmp:
