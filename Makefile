@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 	$(PIP) install --upgrade pip
 	# The CPU build of torch first, pinned, so nothing pulls a CUDA build (this machine's wheel,
 	# through pip's find-links; elsewhere add --index-url https://download.pytorch.org/whl/cpu).
-	$(PIP) install torch==$(TORCH_VERSION)
+	# Its dependencies are in the lock.
+	$(PIP) install --no-deps torch==$(TORCH_VERSION)
 	# Everything else exactly as locked (hashes checked), then pagedkv itself; `make lock` remakes
 	# the lock from pyproject.toml.
 	$(PIP) install --require-hashes --no-deps -r requirements/cpu.lock
