@@ -47,7 +47,8 @@ def compile_lock(inputs: list[str], out: Path, extra: list[str], upgrade: bool) 
     if upgrade:
         cmd.append("--upgrade")
     subprocess.run(cmd, check=True, cwd=ROOT)
-    print(f"wrote {out.relative_to(ROOT)}: {sum(1 for line in out.read_text().splitlines() if re.match(r'^[A-Za-z]', line))} packages")
+    pins = re.findall(r"^[A-Za-z0-9_.-]+==", out.read_text(), flags=re.M)
+    print(f"wrote {out.relative_to(ROOT)}: {len(pins)} pins")
 
 
 def torch_build_packages(tmp: Path) -> list[str]:
