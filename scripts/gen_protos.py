@@ -4,19 +4,60 @@ One command (``make protos`` or ``python scripts/gen_protos.py``) writes
 ``*_pb2.py``, ``*_pb2_grpc.py`` and ``*_pb2.pyi`` next to each ``.proto`` under
 ``protos/``; ``--check`` regenerates into a temporary folder and exits 1 when the
 committed files differ (tests/test_protos.py runs it).
+
+The generator is pinned: grpcio-tools ``GRPCIO_TOOLS_VERSION`` (requirements/protos.in). Its
+output carries no protobuf version guard (gencode 5.26.1) and needs grpcio 1.65.5 or newer,
+so the committed code imports on the floors in pyproject.toml and on the newest releases
+(protobuf 4.25 to 7.x were tried). An interpreter without
+that release runs this script again in ``.venv-protos``, made on first use from the hashed
+requirements/protos.lock.
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import hashlib
+import importlib.metadata
 import shutil
+import subprocess
 import sys
 import tempfile
+import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
+GRPCIO_TOOLS_VERSION = "1.65.5"
+TOOL_LOCK = ROOT / "requirements" / "protos.lock"
+TOOL_ENV = ROOT / ".venv-protos"
+
+
+def has_pinned_generator() -> bool:
+    """True when this interpreter has grpcio-tools ``GRPCIO_TOOLS_VERSION``."""
+    try:
+        return importlib.metadata.version("grpcio-tools") == GRPCIO_TOOLS_VERSION
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def tool_python() -> Path:
+    """The interpreter of ``.venv-protos``, made (or remade when the lock changed) from the lock.
+
+    Raises:
+        subprocess.CalledProcessError: pip could not install the lock.
+    """
+    python = TOOL_ENV / "bin" / "python"
+    stamp = TOOL_ENV / ".lock-sha256"
+    digest = hashlib.sha256(TOOL_LOCK.read_bytes()).hexdigest()
+    if python.exists() and stamp.exists() and stamp.read_text().strip() == digest:
+        return python
+    print(f"making {TOOL_ENV.name} (grpcio-tools {GRPCIO_TOOLS_VERSION}) from {TOOL_LOCK.relative_to(ROOT)}")
+    venv.EnvBuilder(clear=True, with_pip=True).create(TOOL_ENV)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--no-deps", "--require-hashes", "-r", str(TOOL_LOCK)], check=True)
+    stamp.write_text(digest + "\n")
+    return python
 
 
 def proto_files() -> list[Path]:
@@ -52,7 +93,13 @@ def generate(out_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true", help="fail if committed code is stale")
+    parser.add_argument("--setup", action="store_true", help="only make the generator's environment (.venv-protos)")
     args = parser.parse_args(argv)
+    if args.setup:
+        print(f"grpcio-tools {GRPCIO_TOOLS_VERSION}: {sys.executable if has_pinned_generator() else tool_python()}")
+        return 0
+    if not has_pinned_generator():
+        return subprocess.run([str(tool_python()), __file__, *(argv if argv is not None else sys.argv[1:])]).returncode
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         generated = generate(out)

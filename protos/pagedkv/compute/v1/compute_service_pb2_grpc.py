@@ -5,8 +5,10 @@ import warnings
 
 from pagedkv.compute.v1 import compute_service_pb2 as pagedkv_dot_compute_dot_v1_dot_compute__service__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.65.5'
 GRPC_VERSION = grpc.__version__
+EXPECTED_ERROR_RELEASE = '1.66.0'
+SCHEDULED_RELEASE_DATE = 'August 6, 2024'
 _version_not_supported = False
 
 try:
@@ -16,16 +18,19 @@ except ImportError:
     _version_not_supported = True
 
 if _version_not_supported:
-    raise RuntimeError(
+    warnings.warn(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pagedkv/compute/v1/compute_service_pb2_grpc.py depends on'
+        + f' but the generated code in pagedkv/compute/v1/compute_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
+        + f' This warning will become an error in {EXPECTED_ERROR_RELEASE},'
+        + f' scheduled for release on {SCHEDULED_RELEASE_DATE}.',
+        RuntimeWarning
     )
 
 
-class ComputeServiceStub:
+class ComputeServiceStub(object):
     """A compute worker.
     """
 
@@ -47,7 +52,7 @@ class ComputeServiceStub:
                 _registered_method=True)
 
 
-class ComputeServiceServicer:
+class ComputeServiceServicer(object):
     """A compute worker.
     """
 
@@ -86,7 +91,7 @@ def add_ComputeServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class ComputeService:
+class ComputeService(object):
     """A compute worker.
     """
 

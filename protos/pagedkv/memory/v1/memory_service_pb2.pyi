@@ -3,8 +3,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -248,7 +247,7 @@ class SetKvScalesResponse(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     scales: KvScales
     accepted: bool
-    def __init__(self, scales: _Optional[_Union[KvScales, _Mapping]] = ..., accepted: _Optional[bool] = ...) -> None: ...
+    def __init__(self, scales: _Optional[_Union[KvScales, _Mapping]] = ..., accepted: bool = ...) -> None: ...
 
 class ExportPrefixRequest(_message.Message):
     __slots__ = ("lease_id", "token_ids", "model_id", "cache_salt")
@@ -400,7 +399,7 @@ class SequenceInfo(_message.Message):
     parent_seq_id: int
     media: _containers.RepeatedScalarFieldContainer[_grant_pb2.Medium]
     swapped: bool
-    def __init__(self, seq_id: _Optional[int] = ..., lease_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., ref_counts: _Optional[_Iterable[int]] = ..., parent_seq_id: _Optional[int] = ..., media: _Optional[_Iterable[_Union[_grant_pb2.Medium, str]]] = ..., swapped: _Optional[bool] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., lease_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., ref_counts: _Optional[_Iterable[int]] = ..., parent_seq_id: _Optional[int] = ..., media: _Optional[_Iterable[_Union[_grant_pb2.Medium, str]]] = ..., swapped: bool = ...) -> None: ...
 
 class GetBlockTableResponse(_message.Message):
     __slots__ = ("sequence",)
@@ -500,7 +499,7 @@ class GetStatsResponse(_message.Message):
     kv_bytes_per_token: int
     token_capacity: int
     pool_bytes: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., token_capacity: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: bool = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., token_capacity: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class ComputedTokens(_message.Message):
     __slots__ = ("seq_id", "num_computed_tokens")
@@ -552,7 +551,7 @@ class CheckInvariantsResponse(_message.Message):
     ok: bool
     violation: str
     stats: GetStatsResponse
-    def __init__(self, ok: _Optional[bool] = ..., violation: _Optional[str] = ..., stats: _Optional[_Union[GetStatsResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, ok: bool = ..., violation: _Optional[str] = ..., stats: _Optional[_Union[GetStatsResponse, _Mapping]] = ...) -> None: ...
 
 class StreamKvEventsRequest(_message.Message):
     __slots__ = ("from_sequence_number",)

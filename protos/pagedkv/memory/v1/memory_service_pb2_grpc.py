@@ -5,8 +5,10 @@ import warnings
 
 from pagedkv.memory.v1 import memory_service_pb2 as pagedkv_dot_memory_dot_v1_dot_memory__service__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.65.5'
 GRPC_VERSION = grpc.__version__
+EXPECTED_ERROR_RELEASE = '1.66.0'
+SCHEDULED_RELEASE_DATE = 'August 6, 2024'
 _version_not_supported = False
 
 try:
@@ -16,16 +18,19 @@ except ImportError:
     _version_not_supported = True
 
 if _version_not_supported:
-    raise RuntimeError(
+    warnings.warn(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pagedkv/memory/v1/memory_service_pb2_grpc.py depends on'
+        + f' but the generated code in pagedkv/memory/v1/memory_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
+        + f' This warning will become an error in {EXPECTED_ERROR_RELEASE},'
+        + f' scheduled for release on {SCHEDULED_RELEASE_DATE}.',
+        RuntimeWarning
     )
 
 
-class MemoryServiceStub:
+class MemoryServiceStub(object):
     """Owner of the KV-cache pool and its block tables.
     """
 
@@ -142,7 +147,7 @@ class MemoryServiceStub:
                 _registered_method=True)
 
 
-class MemoryServiceServicer:
+class MemoryServiceServicer(object):
     """Owner of the KV-cache pool and its block tables.
     """
 
@@ -435,7 +440,7 @@ def add_MemoryServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class MemoryService:
+class MemoryService(object):
     """Owner of the KV-cache pool and its block tables.
     """
 
