@@ -12,8 +12,10 @@ plus the packed batch's block tables, ``query_start_loc``, ``seq_lens`` and the 
 logits are sampled (vLLM v1's ``InputBatch`` / model-runner inputs), and keeps host copies of the
 lengths so that the step's attention plan (`StepInputs.attention_plan`) is built without waiting
 on the device. A sampled sequence whose sampling sets a penalty also carries its token history
-(``prompt_token_ids``, ``output_token_ids``), checked here and handed to the sampler as a
-`compute_service.penalties.TokenHistory`. Nothing here touches the pool.
+(``prompt_token_ids``, ``output_token_ids``), read by `compute_service.step_sampling` and handed
+to the sampler as a `compute_service.penalties.TokenHistory`. The step's copy-on-write pairs are
+checked against the pool here and done by the worker from its grants
+(`compute_service.grant_check`), never from these inputs. Nothing here touches the pool.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import kernels
 from compute_service.penalties import TokenHistory
 from compute_service.sampling import SamplingParams
+from compute_service.step_sampling import ints, sampling_from_proto, token_history
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.errors import InvalidArgumentError
 
@@ -52,7 +55,6 @@ class StepInputs:
     host_query_start_loc: torch.Tensor  # [S + 1] int32 on the CPU, the values of query_start_loc
     host_seq_lens: torch.Tensor  # [S] int32 on the CPU, the values of seq_lens
     logits_indices: torch.Tensor  # logits_indices: [S'] int64, packed row of each sampled sequence's last token
-    block_copies: torch.Tensor  # block_copies: [C, 2] int64 (src, dst) copy-on-write pairs, done before the forward
     sample_rows: list[int]  # [S'] batch index of each sampled sequence
     sampling: list[SamplingParams]  # [S'] sampling parameters of each sampled sequence
     history: TokenHistory | None = None  # token ids of the sampled sequences that set a penalty; None: none does
@@ -65,7 +67,6 @@ class StepInputs:
         assert self.host_query_start_loc.device.type == self.host_seq_lens.device.type == "cpu", "host lengths"
         n = self.logits_indices.shape[0]
         assert len(self.sample_rows) == n and len(self.sampling) == n, "one logits row per sampled sequence"
-        assert self.block_copies.dim() == 2 and self.block_copies.shape[1] == 2, "copies are (src, dst) rows"
 
     @property
     def num_tokens(self) -> int:
@@ -88,82 +89,6 @@ class StepInputs:
             self.token_ids, self.positions, kv_pool, self.slot_mapping, self.attention_plan(kv_pool),
             self.logits_indices, kv_scales,
         )  # fmt: skip
-
-
-#: Parsed sampling parameters by their message's bytes (a batch mostly repeats a few settings).
-_SAMPLING_CACHE: dict[bytes, SamplingParams] = {}
-_SAMPLING_CACHE_SIZE = 1024
-
-
-def sampling_from_proto(sp: pb.SamplingParams, where: str) -> SamplingParams:
-    """Worker-side sampling parameters; unset fields mean greedy / off (penalties: 1, 0, 0).
-
-    Equal messages give one shared instance (cached by their bytes): read it, never change it.
-
-    Raises:
-        InvalidArgumentError: a value out of range.
-    """
-    key = sp.SerializeToString(deterministic=True)
-    params = _SAMPLING_CACHE.get(key)
-    if params is None:
-        params = _sampling_from_proto(sp, where)
-        if len(_SAMPLING_CACHE) >= _SAMPLING_CACHE_SIZE:
-            _SAMPLING_CACHE.clear()
-        _SAMPLING_CACHE[key] = params
-    return params
-
-
-def _sampling_from_proto(sp: pb.SamplingParams, where: str) -> SamplingParams:
-    try:
-        return SamplingParams(
-            temperature=sp.temperature if sp.HasField("temperature") else 0.0,
-            top_k=sp.top_k if sp.HasField("top_k") else 0,
-            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-            seed=sp.seed if sp.HasField("seed") else None,
-            logprobs=sp.num_logprobs if sp.HasField("num_logprobs") else None,
-            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
-            presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
-            frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
-        )
-    except ValueError as e:
-        raise InvalidArgumentError(f"{where}: bad sampling parameters: {e}") from e
-
-
-def token_history(s: pb.StepSequence, params: SamplingParams, vocab_size: int,
-                  where: str) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt ids, generated ids), int64, of a sampled sequence whose ``params`` set a penalty.
-
-    The prompt is read only with a repetition penalty (else an empty array). The step must carry
-    exactly ``output_index`` generated ids and, with a repetition penalty, a non-empty prompt whose
-    length plus ``output_index`` is the sequence's length after the step (its last position + 1):
-    the history of exactly the tokens in its KV cache.
-
-    Raises:
-        InvalidArgumentError: a history that is missing, of the wrong length, or has an id outside
-            [0, vocab_size).
-    """
-    n_out = len(s.output_token_ids)
-    if n_out != s.output_index:
-        raise InvalidArgumentError(
-            f"{where}: sampling sets a penalty, so output_token_ids must hold the {s.output_index} tokens "
-            f"generated so far (output_index); got {n_out}")
-    seq_len = s.positions[-1] + 1
-    prompt = np.zeros(0, dtype=np.int64)
-    if params.repetition_penalty != 1.0:
-        n_prompt = len(s.prompt_token_ids)
-        if n_prompt == 0 or n_prompt + n_out != seq_len:
-            raise InvalidArgumentError(
-                f"{where}: sampling sets a repetition penalty, so prompt_token_ids and output_token_ids must "
-                f"hold the sequence's {seq_len} tokens (positions 0..{seq_len - 1}); got {n_prompt} + {n_out}")
-        prompt = _ints(s.prompt_token_ids, n_prompt)
-    elif n_out >= seq_len:
-        raise InvalidArgumentError(
-            f"{where}: {n_out} generated tokens but the sequence has only {seq_len} tokens after this step")
-    output = _ints(s.output_token_ids, n_out)
-    for name, ids in (("prompt_token_ids", prompt), ("output_token_ids", output)):
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise InvalidArgumentError(f"{where}: {name} must be in [0, {vocab_size}) (the vocabulary)")
-    return prompt, output
 
 
 def _first_violation(request: pb.StepRequest, block_size: int, num_blocks: int, vocab_size: int) -> None:
@@ -218,12 +143,27 @@ def _first_violation(request: pb.StepRequest, block_size: int, num_blocks: int, 
                 f"Step: copy ({c.src} -> {c.dst}) must name two different blocks inside the pool (0..{num_blocks - 1})")
 
 
-def _ints(values, count: int) -> np.ndarray:
-    """``count`` ints from an iterable as int64 (raises InvalidArgumentError past int64)."""
-    try:
-        return np.fromiter(values, dtype=np.int64, count=count)
-    except (OverflowError, ValueError) as e:
-        raise InvalidArgumentError(f"Step: a value is outside int64: {e}") from e
+@dataclass(slots=True)
+class _BatchCounts:
+    """What one pass over a step's sequences reads: per-sequence counts and the sampled ones."""
+
+    lens: list[int]  # [S] new tokens of each sequence
+    starts: list[int]  # [S] position of each sequence's first new token
+    table_lens: list[int]  # [S] block-table entries each sequence sent
+    sampling: list[SamplingParams]  # [S'] parameters of each sampled sequence
+    sample_rows: list[int]  # [S'] batch index of each sampled sequence
+    history: TokenHistory | None  # token ids of the sampled sequences that set a penalty
+
+
+@dataclass(slots=True)
+class _PackedBatch:
+    """The batch's tokens laid out for the model, as numpy arrays (T tokens, S sequences)."""
+
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64, block * block_size + offset
+    block_tables: np.ndarray  # [S, max_blocks] int32, zero past each sequence's need
+    seq_lens: np.ndarray  # [S] int64, tokens in the cache after the step
 
 
 def build_step_inputs(
@@ -236,10 +176,11 @@ def build_step_inputs(
 ) -> StepInputs:
     """Validate the batch of `request` and build the model's packed inputs on `device`.
 
-    One pass over the sequences reads each one's counts; the token ids, positions, block
-    tables and slots of the whole batch are then checked and built with numpy at once. On any
-    failed check the sequences are walked again one by one (`_first_violation`) to name the
-    first violation.
+    One pass over the sequences reads each one's counts (`_count_batch`); the token ids,
+    positions, block tables and slots of the whole batch are then checked and built with numpy at
+    once (`_pack_batch`). On any failed check the sequences are walked again one by one
+    (`_first_violation`) to name the first violation. The copy-on-write pairs are only checked
+    here: the worker does the copies its grants name (`compute_service.grant_check`).
 
     Args:
         request: the step (sequences, their block tables, copy-on-write pairs).
@@ -256,7 +197,6 @@ def build_step_inputs(
             penalty without the token history it needs (`token_history`).
     """
     seqs = request.sequences
-    bs = block_size
     S = len(seqs)
     if not seqs:
         raise InvalidArgumentError("Step: the batch is empty; send at least one sequence")
@@ -264,9 +204,37 @@ def build_step_inputs(
         raise InvalidArgumentError(f"Step: {S} sequences is more than {MAX_STEP_SEQUENCES} per step")
 
     def fail():
-        _first_violation(request, bs, num_blocks, vocab_size)
+        _first_violation(request, block_size, num_blocks, vocab_size)
         raise InvalidArgumentError("Step: the batch is malformed")  # not reached: the walk names it
 
+    counts = _count_batch(seqs, vocab_size, fail)
+    packed = _pack_batch(seqs, counts, block_size, num_blocks, vocab_size, fail)
+    if any(c.src >= num_blocks or c.dst >= num_blocks or c.src == c.dst for c in request.copies):
+        fail()
+    qsl = torch.zeros(S + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(counts.lens, dtype=torch.int32), 0, out=qsl[1:])
+    logits_indices = (qsl[1:].to(torch.int64) - 1)[torch.tensor(counts.sample_rows, dtype=torch.int64)]
+    seq_lens_t = torch.from_numpy(packed.seq_lens.astype(np.int32))
+    return StepInputs(
+        token_ids=torch.from_numpy(packed.token_ids).to(device),
+        positions=torch.from_numpy(np.ascontiguousarray(packed.positions, dtype=np.int64)).to(device),
+        slot_mapping=torch.from_numpy(packed.slot_mapping).to(device),
+        block_tables=torch.from_numpy(packed.block_tables).to(device),
+        query_start_loc=qsl.to(device),
+        seq_lens=seq_lens_t.to(device),
+        host_query_start_loc=qsl,
+        host_seq_lens=seq_lens_t,
+        logits_indices=logits_indices.to(device),
+        sample_rows=counts.sample_rows,
+        sampling=counts.sampling,
+        history=counts.history,
+    )
+
+
+def _count_batch(seqs, vocab_size: int, fail) -> _BatchCounts:
+    """One pass over ``seqs`` (the step's ``StepSequence`` messages): their counts, and the sampling
+    parameters and token histories of the sampled ones; calls ``fail`` (which raises) on a sequence
+    without tokens, positions that do not match them, or bad sampling values or history."""
     lens, starts, table_lens, params, out_idx = [], [], [], [], []
     hist_rows, hist_prompt, hist_output = [], [], []
     for i, s in enumerate(seqs):
@@ -290,15 +258,25 @@ def build_step_inputs(
                 fail()  # names the first violation in batch order (this one unless an earlier one)
             params.append(p)
             out_idx.append(i)
-    T = sum(lens)
+    history = TokenHistory(hist_rows, hist_prompt, hist_output) if hist_rows else None
+    return _BatchCounts(lens, starts, table_lens, params, out_idx, history)
+
+
+def _pack_batch(seqs, counts: _BatchCounts, bs: int, num_blocks: int, vocab_size: int, fail) -> _PackedBatch:
+    """The whole batch's tokens, positions, block tables and slots, checked at once with numpy;
+    calls ``fail`` (which raises) on too many tokens, a duplicate seq_id, a token outside the
+    vocabulary, bad positions, a block table too short or naming a block outside the pool, or two
+    tokens writing one slot."""
+    S = len(seqs)
+    T = sum(counts.lens)
     if T > MAX_STEP_TOKENS or len({s.seq_id for s in seqs}) != S:
         fail()
-    lens_np = np.array(lens, dtype=np.int64)
-    starts_np = np.array(starts, dtype=np.int64)
-    tl_np = np.array(table_lens, dtype=np.int64)
+    lens_np = np.array(counts.lens, dtype=np.int64)
+    starts_np = np.array(counts.starts, dtype=np.int64)
+    tl_np = np.array(counts.table_lens, dtype=np.int64)
     seq_lens_np = starts_np + lens_np
     need = (seq_lens_np + bs - 1) // bs
-    tokens = _ints(itertools.chain.from_iterable(s.token_ids for s in seqs), T)
+    tokens = ints(itertools.chain.from_iterable(s.token_ids for s in seqs), T)
     if T == S:  # decode: one token each, its position is the start
         positions = starts_np
         token_seq = np.arange(S)
@@ -306,12 +284,12 @@ def build_step_inputs(
     else:
         token_seq = np.repeat(np.arange(S), lens_np)
         first = np.cumsum(lens_np) - lens_np
-        positions = _ints(itertools.chain.from_iterable(s.positions for s in seqs), T)
+        positions = ints(itertools.chain.from_iterable(s.positions for s in seqs), T)
         expected = starts_np[token_seq] + (np.arange(T) - first[token_seq])
         bad_positions = bool((starts_np < 0).any()) or not np.array_equal(positions, expected)
     if bad_positions or tokens.min() < 0 or tokens.max() >= vocab_size or (tl_np < need).any():
         fail()
-    flat = _ints(itertools.chain.from_iterable(s.block_ids for s in seqs), int(tl_np.sum()))
+    flat = ints(itertools.chain.from_iterable(s.block_ids for s in seqs), int(tl_np.sum()))
     if flat.size and (flat.max() >= num_blocks or flat.min() < 0):
         fail()
     # Block tables [S, max need], zero past each sequence's need; row r of flat starts at tstart[r].
@@ -324,25 +302,4 @@ def build_step_inputs(
     slots = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
     if T > 1 and np.unique(slots).size != T:
         fail()
-    copies = [(c.src, c.dst) for c in request.copies]
-    if any(src >= num_blocks or dst >= num_blocks or src == dst for src, dst in copies):
-        fail()
-    qsl = torch.zeros(S + 1, dtype=torch.int32)
-    torch.cumsum(torch.from_numpy(lens_np.astype(np.int32)), 0, out=qsl[1:])
-    logits_indices = (qsl[1:].to(torch.int64) - 1)[torch.tensor(out_idx, dtype=torch.int64)]
-    seq_lens_t = torch.from_numpy(seq_lens_np.astype(np.int32))
-    return StepInputs(
-        token_ids=torch.from_numpy(tokens).to(device),
-        positions=torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
-        block_tables=torch.from_numpy(block_tables).to(device),
-        query_start_loc=qsl.to(device),
-        seq_lens=seq_lens_t.to(device),
-        host_query_start_loc=qsl,
-        host_seq_lens=seq_lens_t,
-        logits_indices=logits_indices.to(device),
-        block_copies=torch.tensor(copies, dtype=torch.int64).view(-1, 2).to(device),
-        sample_rows=out_idx,
-        sampling=params,
-        history=TokenHistory(hist_rows, hist_prompt, hist_output) if hist_rows else None,
-    )
+    return _PackedBatch(tokens, positions, slots, block_tables, seq_lens_np)

@@ -11,7 +11,7 @@ every layer, takes no metadata and dispatches (FlashInfer's `run()`):
 
 - "triton_decode": `kernels.triton_decode` (split-KV / flash-decoding, Dao et al. 2023);
 - "triton_prefill": `kernels.triton_prefill`;
-- "torch": `kernels.torch_impl.planned_attention` (native CPU decode kernel for decode rows,
+- "torch": `kernels.torch_planned.planned_attention` (native CPU decode kernel for decode rows,
   padded batched SDPA for the rest), or its chunked general path when the cache has no flat row
   view or a group is too large.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import torch_impl
+from kernels import torch_impl, torch_planned
 from kernels._common import CACHE_DTYPES, QUERY_DTYPES
 from kernels.fp8 import check_kv_scales, is_fp8
 from kernels.plan import AttentionPlan, triton_ready
@@ -74,31 +74,10 @@ def paged_attention(
             `TRITON_INTERPRET=1`. The native CPU kernel raises ValueError for a block id outside
             the cache.
     """
-    if query.dtype not in QUERY_DTYPES:
-        raise ValueError(
-            f"query must have a dtype in {QUERY_DTYPES}, got {query.dtype} (fp8 is a cache format: "
-            "the query stays in the model's dtype)"
-        )
-    if (
-        query.dim() != 3
-        or key_cache.dim() != 4
-        or query.shape[0] != plan.total_q
-        or key_cache.shape != value_cache.shape
-        or key_cache.shape[1] != plan.block_size
-        or query.shape[2] != key_cache.shape[3]
-        or key_cache.shape[2] == 0
-        or query.shape[1] % key_cache.shape[2]
-        or query.stride(2) != 1
-        or key_cache.stride(3) != 1
-        or value_cache.stride(3) != 1
-        or key_cache.dtype != value_cache.dtype
-        or key_cache.dtype not in CACHE_DTYPES
-    ):
-        raise ValueError(_mismatch(query, key_cache, value_cache, plan))
-    check_kv_scales(key_cache, k_scale, v_scale)
+    _check_call(query, key_cache, value_cache, plan, k_scale, v_scale)
     kernel = plan.kernel
     if kernel == "torch":
-        out = torch_impl.planned_attention(query, key_cache, value_cache, plan, scale, k_scale, v_scale)
+        out = torch_planned.planned_attention(query, key_cache, value_cache, plan, scale, k_scale, v_scale)
         if out is None:  # no flat row view of this cache, or a huge group: chunked path
             out = torch_impl.paged_attention(
                 query, key_cache, value_cache, plan.block_tables, plan.query_start_loc,
@@ -125,6 +104,33 @@ def paged_attention(
         query, key_cache, value_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens,
         float(scale), k_scale, v_scale,
     )  # fmt: skip
+
+
+def _check_call(query, key_cache, value_cache, plan: AttentionPlan, k_scale, v_scale) -> None:
+    """Raise ValueError unless the tensors fit each other and the plan (shapes, dtypes, head_dim
+    contiguous) and the fp8 scales fit the cache (`paged_attention`'s checks, before any kernel)."""
+    if query.dtype not in QUERY_DTYPES:
+        raise ValueError(
+            f"query must have a dtype in {QUERY_DTYPES}, got {query.dtype} (fp8 is a cache format: "
+            "the query stays in the model's dtype)"
+        )
+    if (
+        query.dim() != 3
+        or key_cache.dim() != 4
+        or query.shape[0] != plan.total_q
+        or key_cache.shape != value_cache.shape
+        or key_cache.shape[1] != plan.block_size
+        or query.shape[2] != key_cache.shape[3]
+        or key_cache.shape[2] == 0
+        or query.shape[1] % key_cache.shape[2]
+        or query.stride(2) != 1
+        or key_cache.stride(3) != 1
+        or value_cache.stride(3) != 1
+        or key_cache.dtype != value_cache.dtype
+        or key_cache.dtype not in CACHE_DTYPES
+    ):
+        raise ValueError(_mismatch(query, key_cache, value_cache, plan))
+    check_kv_scales(key_cache, k_scale, v_scale)
 
 
 def _mismatch(query, key_cache, value_cache, plan: AttentionPlan) -> str:

@@ -1,14 +1,15 @@
 """Native CPU kernels (fp32 and bf16, and fp8 caches): paged decode attention and the KV cache
-write, in a small C file built on first use with the host's compiler (into one library with the fused elementwise
-ops of `kernels.cpu_fused`, csrc/fused_cpu.c).
+write, in small C files built on first use with the host's compiler (into one library with the fused
+elementwise ops of `kernels.cpu_fused`, csrc/fused_cpu.c).
 
 The torch path's decode gathers every sequence's context rows out of the pool into a dense
 buffer and runs a dense attention on the copy: the context crosses memory three times. The C
-kernel in `csrc/paged_cpu.c` reads each sequence's blocks in place, once, for all query heads of
-its GQA groups at once (PagedAttention, Kwon et al., SOSP 2023, §4.1; vLLM's CPU backend has its
-own C++ kernels for the same reason). It runs on torch's OpenMP threads when torch's runtime is
-the one loaded (small batches on one). `reshape_and_cache` writes a step's new rows with one call
-per layer instead of a handful of torch ops.
+kernel in `csrc/paged_cpu.c` (its fast and generic paths in `csrc/decode_*_cpu.c`) reads each
+sequence's blocks in place, once, for all query heads of its GQA groups at once (PagedAttention,
+Kwon et al., SOSP 2023, §4.1; vLLM's CPU backend has its own C++ kernels for the same reason).
+It runs on torch's OpenMP threads when torch's runtime is the one loaded (small batches on one).
+`reshape_and_cache` (`csrc/cache_write_cpu.c`) writes a step's new rows with one call per layer
+instead of a handful of torch ops.
 
 The build is `cc -O3 -fopenmp` plus `-mavx512f -mavx512bw -mavx512vl -mavx512dq` (16-wide
 vectors) where /proc/cpuinfo lists them and `-mavx2 -mfma` (and `-mf16c`) where it lists those, cached under
@@ -43,11 +44,14 @@ import torch
 from pagedkv.paths import pagedkv_home
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_cpu.c"
+#: The C files of the decode attention (entry, fast path, generic path) and the cache write.
+PAGED_SOURCES = (SOURCE, *(SOURCE.with_name(f"{n}.c")
+                           for n in ("decode_fast_cpu", "decode_generic_cpu", "cache_write_cpu")))
 #: Every C file of the library: attention and cache writes, then the fused elementwise ops
 #: (`kernels.cpu_fused`).
-SOURCES = (SOURCE, SOURCE.with_name("fused_cpu.c"))
+SOURCES = (*PAGED_SOURCES, SOURCE.with_name("fused_cpu.c"))
 #: Headers the sources include (part of the build's cache key).
-HEADERS = (SOURCE.with_name("simd_cpu.h"),)
+HEADERS = tuple(SOURCE.with_name(f"{n}.h") for n in ("simd_cpu", "decode_cpu", "fp8_cpu"))
 ENV_SWITCH = "PAGEDKV_NATIVE_CPU"
 _BUILD_TIMEOUT_S = 120
 

@@ -150,31 +150,10 @@ def plan_attention(
             sliding_window.
         NotImplementedError: a sliding_window that is set.
     """
-    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            "block_tables must be [num_seqs, max_blocks] int32, got "
-            f"{tuple(block_tables.shape)} {block_tables.dtype}"
-        )
+    backend = _check_arguments(block_tables, query_start_loc, seq_lens, block_size, num_kv_heads, num_splits,
+                               sliding_window, backend)
     num_seqs, max_blocks = block_tables.shape
-    ints = (torch.int32, torch.int64)
-    check_int_vector("seq_lens", seq_lens, num_seqs, ints)
-    check_int_vector("query_start_loc", query_start_loc, num_seqs + 1, ints)
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if num_kv_heads is not None and num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be >= 1 or None, got {num_kv_heads}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
-    _check_unimplemented(sliding_window)
-    devices = {t.device for t in (block_tables, query_start_loc, seq_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = block_tables.device
-    if backend is None:
-        backend = "triton" if device.type == "cuda" else "torch"
-    elif backend not in BACKENDS:
-        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-    on_host = device.type == "cpu"
+    on_host = block_tables.device.type == "cpu"
     qsl = _host_copy("query_start_loc", host_query_start_loc, query_start_loc, on_host)
     lens = _host_copy("seq_lens", host_seq_lens, seq_lens, on_host)
     if int(qsl[0]) != 0:
@@ -202,6 +181,36 @@ def plan_attention(
         plan.groups, plan.decode = make_groups(block_tables, qsl, q_lens, lens, block_size, native)
         plan.max_group_tokens = max((g.num_seqs * g.ctx_pad for g in plan.groups), default=0)
     return plan
+
+
+def _check_arguments(block_tables, query_start_loc, seq_lens, block_size: int, num_kv_heads, num_splits,
+                     sliding_window, backend: str | None) -> str:
+    """`plan_attention`'s checks of its tensors' shapes, dtypes and device and of its sizes (no
+    host copy read yet); returns the backend (None resolved by the device)."""
+    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            "block_tables must be [num_seqs, max_blocks] int32, got "
+            f"{tuple(block_tables.shape)} {block_tables.dtype}"
+        )
+    num_seqs, max_blocks = block_tables.shape
+    ints = (torch.int32, torch.int64)
+    check_int_vector("seq_lens", seq_lens, num_seqs, ints)
+    check_int_vector("query_start_loc", query_start_loc, num_seqs + 1, ints)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if num_kv_heads is not None and num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be >= 1 or None, got {num_kv_heads}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+    _check_unimplemented(sliding_window)
+    devices = {t.device for t in (block_tables, query_start_loc, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if backend is None:
+        return "triton" if block_tables.device.type == "cuda" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    return backend
 
 
 def triton_ready(query: torch.Tensor) -> None:

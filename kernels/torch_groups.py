@@ -6,7 +6,7 @@ context position (positions past a sequence's length are clamped to its last val
 no byte outside a sequence's context is ever gathered), and, when lengths differ inside the
 group, the causal bottom-right aligned visibility mask. A layer then runs, per group, two
 `index_select`s (keys, values) into a reused workspace and one batched
-`scaled_dot_product_attention` (padded batched SDPA, GQA; `kernels.torch_impl.planned_attention`).
+`scaled_dot_product_attention` (padded batched SDPA, GQA; `kernels.torch_planned.planned_attention`).
 Prefill sequences (at least `EXACT_GROUP_MIN_TOKENS` new tokens: prompts, chunks of chunked
 prefill, prefill after a prefix hit) are never padded: each shares a group only with sequences of
 exactly its shape, so whole prompts need no mask (`is_causal`) and a chunk after a cached prefix

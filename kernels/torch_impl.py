@@ -16,13 +16,10 @@ Positions past a sequence's length are clamped to its last valid slot before gat
 byte outside a sequence's context (unused slots may hold NaN) reaches an output; the clamped
 duplicates are then masked out. Softmax and accumulation run in fp32.
 
-`planned_attention` is the fast path the model uses: the grouping and every index are built once
-per step by `kernels.plan.plan_attention`, and each layer gathers the groups' context rows from a
-flat row view of the pool into a reused workspace and runs one padded batched
-`scaled_dot_product_attention` per group; decode rows go to the native CPU kernel when it is
-built (`kernels.cpu_native`), which reads their blocks in place instead. `paged_attention`
-(below) is the general path, used when a caller forces context chunks or the cache layout has no
-flat row view.
+`kernels.torch_planned.planned_attention` is the fast path the model uses (its grouping and
+indices built once per step by `kernels.plan.plan_attention`); `paged_attention` (below) is the
+general path, used when a caller forces context chunks or the cache layout has no flat row view.
+The cache write and block copies of the torch path are here too.
 
 fp8 (e4m3) caches (`kernels.fp8`): both paths gather the fp8 bytes of the rows they read (the
 same gather as for any cache, never a copy of the whole cache), widen them exactly to the
@@ -38,10 +35,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from kernels import cpu_native
-from kernels.fp8 import FP8_DTYPE, WIDENED_UNIT, is_fp8, quantize_fp8, widen_to_fp16
+from kernels.fp8 import WIDENED_UNIT, is_fp8, quantize_fp8, widen_to_fp16
 
 # Query tokens of one sequence handled together (prefill).
 Q_TILE = 128
@@ -89,11 +84,6 @@ def copy_blocks(
     pool.index_copy_(0, pairs[:, 1], pool.index_select(0, pairs[:, 0]))
 
 
-# Largest workspace (gathered keys, per buffer) of the planned path, in elements; a plan whose
-# biggest group needs more runs on the chunked general path instead.
-PLANNED_MAX_GATHER_ELEMS = 1 << 24
-
-
 def row_view(cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """One layer's cache as rows: ([rows, num_kv_heads, head_dim] view, rows per block).
 
@@ -114,116 +104,6 @@ def row_view(cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     per_block = s0 // row
     rows = (num_blocks - 1) * per_block + block_size
     return cache.as_strided((rows, num_kv_heads, head_dim), (row, head_dim, 1)), per_block
-
-
-def planned_attention(
-    query: torch.Tensor,  # [total_q, num_q_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    plan,  # kernels.plan.AttentionPlan built for this batch on the torch backend
-    scale: float,
-    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches only
-    v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches only
-) -> torch.Tensor | None:  # [total_q, num_q_heads, head_dim], query dtype; None: not planable
-    """Causal (bottom-right aligned) paged attention of a planned batch: no host work, no sync.
-
-    The plan's decode rows (if any) go to the native CPU kernel, which reads their blocks in
-    place (`kernels.cpu_native`); when these tensors do not suit it, those rows are gathered like
-    the rest. Per gather group of the plan: gather its context rows (clamped to each sequence's
-    length, so only written slots are read) into the plan's workspace, then one padded batched
-    SDPA (in `sdpa_dtype`: bf16 for a bf16 query over bf16 or fp8 caches, else fp32) with the
-    plan's visibility mask, or none for whole prompts of one length (GQA by `enable_gqa`); fp8
-    rows are gathered as bytes and widened, their scales applied to the query and the output
-    (module docstring). Returns None when a group is to be gathered but the cache has no flat row
-    view, or the largest group would exceed `PLANNED_MAX_GATHER_ELEMS`; the caller then uses
-    `paged_attention`.
-    """
-    _, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    groups, decode = plan.groups, plan.decode
-    if decode is not None and not cpu_native.supports(query, key_cache, value_cache):
-        groups, decode = groups + decode.gather_groups(), None
-    fp8 = is_fp8(key_cache)
-    if groups:
-        if fp8:  # gathered as bytes, widened per group
-            kv = row_view(key_cache.view(torch.uint8)), row_view(value_cache.view(torch.uint8))
-        else:
-            kv = row_view(key_cache), row_view(value_cache)
-        if kv[0] is None or kv[1] is None or kv[0][1] != kv[1][1]:
-            return None
-        max_tokens = max(g.num_seqs * g.ctx_pad for g in groups)
-        if max_tokens * num_kv_heads * head_dim > PLANNED_MAX_GATHER_ELEMS:
-            return None
-        (k_rows, per_block), (v_rows, _) = kv
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if decode is not None:
-        cpu_native.paged_decode(
-            query, key_cache, value_cache, plan.block_tables, plan.seq_lens, decode.seq_index,
-            decode.q_index, scale, out, k_scale, v_scale, memo=plan.workspace,
-        )  # fmt: skip
-    if not groups:
-        return out
-    rows_dtype = k_rows.dtype
-    key = (rows_dtype, num_kv_heads, head_dim)
-    ws = plan.workspace.get(key)
-    if ws is None or ws[0].shape[0] < max_tokens:
-        shape = (max_tokens, num_kv_heads, head_dim)
-        ws = plan.workspace[key] = tuple(
-            torch.empty(shape, dtype=rows_dtype, device=key_cache.device) for _ in range(2)
-        )
-    gqa = num_q_heads != num_kv_heads
-    compute = sdpa_dtype(query.dtype, key_cache.dtype)
-    if fp8:  # [Hq, 1] scales of the KV head each query head reads (over the widened unit)
-        group = num_q_heads // num_kv_heads
-        q_mul = k_scale.repeat_interleave(group)[:, None] / WIDENED_UNIT
-        o_mul = v_scale.repeat_interleave(group)[:, None] / WIDENED_UNIT
-    for g in groups:
-        n, qp, lp = g.num_seqs, g.q_pad, g.ctx_pad
-        rows = g.rows(per_block)  # [n * L]
-        # k, v: [n, L, Hk, D]; q: [n, Q, Hq, D]
-        k = torch.index_select(k_rows, 0, rows, out=ws[0][: n * lp]).view(n, lp, -1, head_dim)
-        v = torch.index_select(v_rows, 0, rows, out=ws[1][: n * lp]).view(n, lp, -1, head_dim)
-        if g.q_start is not None:  # one slice of the packed rows (a view, rows may be strided)
-            q = query[g.q_start : g.q_start + n * qp].view(n, qp, num_q_heads, head_dim)
-        else:
-            q = query.index_select(0, g.q_rows).view(n, qp, num_q_heads, head_dim)
-        if fp8:  # exact widening; k_scale on the query (fp32 product, one rounding to compute)
-            k, v = widen_to_fp16(k).to(torch.float32), widen_to_fp16(v).to(torch.float32)
-            q = q.to(torch.float32) * q_mul
-        if k.dtype != compute:
-            k, v = k.to(compute), v.to(compute)
-        if q.dtype != compute:
-            q = q.to(compute)
-        # o: [n, Q, Hq, D]
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=g.attn_mask(compute), is_causal=g.is_causal, scale=scale, enable_gqa=gqa,
-        ).transpose(1, 2)  # fmt: skip
-        if fp8:
-            o = o.to(torch.float32) * o_mul
-        if g.q_start is not None:
-            out[g.q_start : g.q_start + n * qp].view(n, qp, num_q_heads, head_dim).copy_(o)
-            continue
-        o = o.reshape(n * qp, num_q_heads, head_dim)
-        if g.out_sel is not None:
-            o = o.index_select(0, g.out_sel)
-        out.index_copy_(0, g.out_rows, o.to(out.dtype))
-    return out
-
-
-def sdpa_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the planned path runs SDPA in: bf16 for a bf16 query over bf16 or fp8 (e4m3,
-    which bf16 holds exactly) caches, else fp32.
-
-    torch's CPU flash attention takes bf16 inputs with fp32 accumulation and softmax (AMX /
-    AVX512-BF16 GEMMs); only the probabilities are rounded to bf16 before they weight the
-    values (as vLLM's CPU SDPA backend runs bf16). Widening bf16 to fp32 instead costs 2-3x the
-    time for an error of the same order as the output's own bf16 rounding. fp16 has no such
-    fast path on the CPU: it runs in fp32.
-    """
-    if query_dtype == torch.bfloat16 and cache_dtype in (torch.bfloat16, FP8_DTYPE):
-        return torch.bfloat16
-    return torch.float32
 
 
 def paged_attention(
@@ -299,6 +179,43 @@ def paged_attention(
     return out
 
 
+def _chunk_kv(
+    key_cache: torch.Tensor,  # [num_blocks, B, Hk, D] (uint8 bytes for fp8)
+    value_cache: torch.Tensor,  # [num_blocks, B, Hk, D] likewise
+    tables: torch.Tensor,  # [T, max_blocks] block table row of each tile
+    last_block: torch.Tensor,  # [T, 1] table column of each tile's last block
+    ctx: torch.Tensor,  # [T] context length of each tile
+    b0: int,
+    b1: int,
+    fp8: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V of table columns [b0, b1) of every tile, fp32 [T, L, Hk, D] (L = (b1 - b0) * B,
+    fp8 widened to `WIDENED_UNIT` units), and their positions [L] int64; V rows past a tile's
+    context are zero (the caller masks their scores)."""
+    dev, block_size = ctx.device, key_cache.shape[1]
+    num_tiles, (_, _, num_kv_heads, head_dim) = tables.shape[0], key_cache.shape
+    j = torch.arange(b0, b1, device=dev)  # [nb] table columns of this chunk
+    # Columns past a tile's last block are clamped to it (its data is masked out by the caller), so
+    # table entries beyond a sequence's context are never read.
+    cols = torch.minimum(j[None, :], last_block)  # [T, nb]
+    blocks = torch.gather(tables, 1, cols).long().flatten()  # [T*nb]
+    span = j.numel() * block_size
+    # Whole blocks at once (each is contiguous in the block-major pool): [T, L, Hk, D].
+    k = key_cache.index_select(0, blocks).view(num_tiles, span, num_kv_heads, head_dim)
+    v = value_cache.index_select(0, blocks).view(num_tiles, span, num_kv_heads, head_dim)
+    if fp8:
+        k, v = widen_to_fp16(k), widen_to_fp16(v)
+    if k.dtype != torch.float32:
+        k, v = k.float(), v.float()
+    kpos = b0 * block_size + torch.arange(span, device=dev)  # [L] positions
+    # Slots past the context may hold anything (NaN): zero those V rows (a copy, never the
+    # cache) so that 0 * V stays 0; their scores are masked to -inf by the caller.
+    pad_t, pad_l = (kpos[None, :] >= ctx[:, None]).nonzero(as_tuple=True)
+    if pad_t.numel():
+        v[pad_t, pad_l] = 0.0
+    return k, v, kpos
+
+
 def _attend_group(
     query: torch.Tensor,  # [total_q, Hq, D]
     key_cache: torch.Tensor,  # [num_blocks, B, Hk, D]
@@ -345,26 +262,9 @@ def _attend_group(
     l_sum = torch.zeros_like(m)
     acc = torch.zeros(num_kv_heads, num_tiles, rows_per_tile, head_dim, device=dev)
     for b0 in range(0, num_blocks_needed, chunk_blocks):
-        # [nb] table columns of this chunk
-        j = torch.arange(b0, min(b0 + chunk_blocks, num_blocks_needed), device=dev)
-        # Columns past a tile's last block are clamped to it (its data is masked out below), so
-        # table entries beyond a sequence's context are never read.
-        cols = torch.minimum(j[None, :], last_block)  # [T, nb]
-        blocks = torch.gather(tables, 1, cols).long().flatten()  # [T*nb]
-        span = j.numel() * block_size
-        # Whole blocks at once (each is contiguous in the block-major pool): [T, L, Hk, D].
-        k = key_cache.index_select(0, blocks).view(num_tiles, span, num_kv_heads, head_dim)
-        v = value_cache.index_select(0, blocks).view(num_tiles, span, num_kv_heads, head_dim)
-        if fp8:
-            k, v = widen_to_fp16(k), widen_to_fp16(v)
-        if k.dtype != torch.float32:
-            k, v = k.float(), v.float()
-        kpos = b0 * block_size + torch.arange(span, device=dev)  # [L] positions
-        # Slots past the context may hold anything (NaN): zero those V rows (a copy, never the
-        # cache) so that 0 * V stays 0; their scores are masked to -inf below.
-        pad_t, pad_l = (kpos[None, :] >= ctx[:, None]).nonzero(as_tuple=True)
-        if pad_t.numel():
-            v[pad_t, pad_l] = 0.0
+        b1 = min(b0 + chunk_blocks, num_blocks_needed)
+        k, v, kpos = _chunk_kv(key_cache, value_cache, tables, last_block, ctx, b0, b1, fp8)
+        span = kpos.numel()
         # s: [Hk, T, Q*G, L] scores
         s = torch.empty(num_kv_heads, num_tiles, rows_per_tile, span, device=dev)
         for h in range(num_kv_heads):  # strided K rows: no transpose copy

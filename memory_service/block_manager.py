@@ -8,24 +8,29 @@ Every mutating call takes a batch of typed requests (:mod:`memory_service.reques
 and is all-or-nothing: a batch that needs more blocks than are available gets
 :class:`OutOfBlocks` with nothing changed; misuse raises ``pagedkv.errors``
 exceptions before anything changes.
+
+Here: allocate, append (with copy-on-write), fork and free, and the release of dropped leases'
+blocks. Mixed in from their own modules: cached prefixes, exports, commits and cache resets
+(:mod:`memory_service.manager_prefix`), swap-out and swap-in (:mod:`memory_service.manager_swap`),
+and the read-only views (:mod:`memory_service.manager_views`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from memory_service.block_hash import CacheKey
 from memory_service.block_pool import BlockPool
 from memory_service.host_tier import HostTier
 from memory_service.leases import Lease, LeaseTable
+from memory_service.manager_prefix import ManagerPrefix
+from memory_service.manager_swap import ManagerSwap
 from memory_service.manager_views import ManagerViews
 from memory_service.prefix_cache import PrefixCache
-from memory_service.receipts import commit_unproven, take_receipts
 from memory_service.release_queue import RELEASE_CHUNK_BLOCKS, ReleaseQueue
 from memory_service.requests import (
     MAX_FORK_BLOCK_IDS,
@@ -34,10 +39,7 @@ from memory_service.requests import (
     AppendResult,
     BlockCopy,
     BlockTableUpdate,
-    Commit,
-    CommitResult,
     OutOfBlocks,
-    Receipt,
     check_batch,
     check_token_ids,
 )
@@ -50,8 +52,7 @@ from pagedkv.logs import get_logger
 log = get_logger("block_manager")
 
 
-
-class BlockManager(ManagerViews):
+class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
     """Sequences and block tables over a pool of ``num_blocks`` x ``block_size`` tokens.
 
     Leases are opened, renewed and released through :attr:`leases`; KV events
@@ -150,87 +151,32 @@ class BlockManager(ManagerViews):
         check_batch(len(requests), "AllocateSequences")
         reqs = [r if isinstance(r, Allocation) else Allocation(r) for r in requests]
         check_token_ids(sum(len(r.token_ids) for r in reqs if r.token_ids is not None), "AllocateSequences")
-        bs = self.block_size
-        plans = []  # (request, its cached prefix, tokens to reserve)
-        pinned: set[int] = set()
-        required = 0
-        capacity = self.pool.num_blocks * bs
-        for r in reqs:
-            self._check_tokens(r.num_tokens, "AllocateSequences")
-            if r.token_ids is not None and len(r.token_ids) > capacity:
-                raise InvalidArgumentError(f"AllocateSequences: {len(r.token_ids)} token ids is more than a sequence "
-                                           f"can hold (the pool's whole token capacity, {capacity})")
-            hit, host = self.cached_prefix(r.token_ids, r.cache_key)  # host: the chain continued there (reloads)
-            remote = self._remote_hits(r, hit.block_hashes, host)  # then on another node (node transfers)
-            cached = (len(hit.block_ids) + len(host) + len(remote)) * bs
-            total = cached + (min(r.num_tokens, len(r.token_ids) - cached) if r.token_ids else r.num_tokens)
-            self._check_tokens(total, "AllocateSequences")
-            pinned.update(b for b in hit.block_ids if self.pool.ref_counts[b] == 0)
-            required += blocks_for(total, bs) - len(hit.block_ids)
-            plans.append((r, hit, host, remote, total))
-        self._check_quota(lease, "AllocateSequences", sum(blocks_for(t, bs) for *_, t in plans), len(plans))
-        if required > self.pool.num_available - len(pinned):
+        bs, pool = self.block_size, self.pool
+        plans = [self._plan_prefix(r) for r in reqs]
+        pinned = {b for p in plans for b in p.hit.block_ids if pool.ref_counts[b] == 0}
+        required = sum(blocks_for(p.total, bs) - len(p.hit.block_ids) for p in plans)
+        self._check_quota(lease, "AllocateSequences", sum(blocks_for(p.total, bs) for p in plans), len(plans))
+        if required > pool.num_available - len(pinned):
             if self.releasing_refs:  # released blocks count as available: finish returning them, plan again
                 self.drain_released()
                 return self.allocate(lease_id, requests)
             return self._refuse(required, len(pinned))
-        for _, hit, host, _, _ in plans:  # pin every hit of the batch before anything is evicted
-            self.pool.touch(hit.block_ids)
-            if host:
-                self.tiers.host.pin(h for _, h in host)
+        for p in plans:  # pin every hit of the batch before anything is evicted
+            pool.touch(p.hit.block_ids)
+            if p.host:
+                self.tiers.host.pin(h for _, h in p.host)
         out = []
-        for r, hit, host, remote, total in plans:
-            hits = hit.block_ids
-            seq = self.sequences.add(lease, total, hits + self.pool.allocate(blocks_for(total, bs) - len(hits)))
+        for p in plans:
+            hits = p.hit.block_ids
+            seq = self.sequences.add(lease, p.total, hits + pool.allocate(blocks_for(p.total, bs) - len(hits)))
             self.tiers.attach(seq)  # offloads of the blocks it took
-            # Only the tokens it holds slots for: later appends extend from there.
-            seq.token_ids = list(r.token_ids[:total]) if r.token_ids is not None else None
-            seq.block_hashes = hit.block_hashes + [k for k, _ in host] + [k for k, *_ in remote]
-            seq.cache_key, seq.num_cached_tokens = r.cache_key, (len(hits) + len(host) + len(remote)) * bs
-            seq.num_proven = seq.num_cached_tokens
-            if host:
-                self.tiers.start_reloads(seq, len(hits), host, hit.block_hashes[-1] if hit.block_hashes else b"")
-            if remote:
-                before = len(hits) + len(host)
-                self.tiers.start_transfers(seq, before, remote, seq.block_hashes[before - 1] if before else b"",
-                                           r.remote.source)
-            self.pool.fill_tokens(seq.block_ids, 0, total)
-            if r.token_ids:
-                self.prefix_cache.record_lookup(len(r.token_ids), len(hits) + len(host))
+            self._start_prefix(seq, p)
+            pool.fill_tokens(seq.block_ids, 0, p.total)
+            if p.request.token_ids:
+                self.prefix_cache.record_lookup(len(p.request.token_ids), len(hits) + len(p.host))
             out.append(seq)
         log.debug("allocated", lease_id=lease_id, num_sequences=len(out), num_blocks=required)
         return out
-
-    def _remote_hits(self, r: Allocation, device_hashes: list[bytes], host: list) -> list[tuple[bytes, int, int]]:
-        """The blocks of ``r.remote`` (another node's) continuing this node's own cached prefix."""
-        if r.remote is None or not r.token_ids:
-            return []
-        before = device_hashes + [k for k, _ in host]
-        return self.tiers.remote_hits(r.token_ids, r.cache_key, before[-1] if before else None, len(before), r.remote)
-
-    def export_prefix(self, lease_id: str, token_ids: Seq[int], key: CacheKey) -> Sequence | None:
-        """Pin the leading full blocks of ``token_ids`` cached on the device, for another node to read,
-        as a new sequence of ``lease_id`` holding just them (proven, refcount + 1: nothing evicts or
-        rewrites them until it is freed; the lease's end frees it too). None when none is cached
-        (nothing changes). Never the block holding the last token (as a lookup).
-
-        Raises:
-            InvalidArgumentError: more token ids than one call may carry, ids outside int32.
-            NotFoundError / FailedPreconditionError: unknown / expired lease.
-            QuotaExceededError: the lease's sequences or block-table entries would pass its quota.
-        """
-        lease = self.leases.lookup(lease_id)
-        check_token_ids(len(token_ids), "ExportPrefix")
-        hit = self.prefix_cache.lookup(token_ids, key)
-        if not hit.block_ids:
-            return None
-        n = len(hit.block_ids) * self.block_size
-        self._check_quota(lease, "ExportPrefix", len(hit.block_ids), 1)
-        self.pool.touch(hit.block_ids)
-        seq = self.sequences.add(lease, n, list(hit.block_ids))
-        seq.token_ids, seq.block_hashes, seq.cache_key = list(token_ids[:n]), list(hit.block_hashes), key
-        seq.num_cached_tokens = seq.num_proven = n
-        return seq
 
     def append_slots(self, lease_id: str, appends: Seq[Append],
                      before_apply: Callable[[], object] | None = None) -> AppendResult | OutOfBlocks:
@@ -264,39 +210,54 @@ class BlockManager(ManagerViews):
         lease = self.leases.lookup(lease_id)
         seqs = self.sequences.owned(lease.lease_id, (a.seq_id for a in appends), "AppendSlots")
         check_token_ids(sum(len(a.token_ids) for a in appends if a.token_ids), "AppendSlots")
-        bs, pool = self.block_size, self.pool
-        ref_counts = pool.ref_counts
-        # Pass 1: validate and count blocks, simulating the refcount drops of earlier copies.
-        required = 0
-        grown = 0  # table entries added (a copy-on-write replaces an entry)
-        dropped: Counter[int] = Counter()
-        capacity = pool.num_blocks * bs
         for seq, a in zip(seqs, appends):
-            k, n = a.num_tokens, seq.num_tokens
             if seq.swap is not None:
                 raise FailedPreconditionError(f"AppendSlots: sequence {seq.seq_id} is swapped out; swap it in first "
                                               "(SwapInSequences; nothing was appended)")
-            if not (1 <= k and n + k <= capacity):
-                self._check_tokens(k, "AppendSlots")
-                self._check_tokens(n + k, f"AppendSlots(sequence {seq.seq_id})")
-            if a.token_ids and len(a.token_ids) != k:
-                raise InvalidArgumentError(f"AppendSlots(sequence {a.seq_id}): {len(a.token_ids)} token ids for {k} tokens")
-            last = seq.block_ids[-1]
-            if n % bs and ref_counts[last] > 1 and ref_counts[last] - dropped[last] > 1:
-                dropped[last] += 1
-                required += 1
-            grow = -(-(n + k) // bs) - len(seq.block_ids)
-            required += grow
-            grown += grow
+            self._check_append(seq, a, "AppendSlots")
+        required, grown = self._append_need(seqs, appends)
         self._check_quota(lease, "AppendSlots", grown, 0)
-        if required > pool.num_available:
+        if required > self.pool.num_available:
             if self.releasing_refs:  # as in allocate
                 self.drain_released()
                 return self.append_slots(lease_id, appends, before_apply)
             return self._refuse(required)
         if before_apply is not None:
             before_apply()
-        # Pass 2: apply, in the same order.
+        return self._apply_appends(lease, seqs, appends)
+
+    def _check_append(self, seq: Sequence, a: Append, what: str) -> None:
+        """Refuse ``a`` for ``seq`` before any change: a count < 1, growth past the pool's token
+        capacity, or token ids that are not one per slot (InvalidArgumentError naming ``what``)."""
+        k, n = a.num_tokens, seq.num_tokens
+        if not (1 <= k and n + k <= self.pool.num_blocks * self.block_size):
+            self._check_tokens(k, what)
+            self._check_tokens(n + k, f"{what}(sequence {seq.seq_id})")
+        if a.token_ids and len(a.token_ids) != k:
+            raise InvalidArgumentError(f"{what}(sequence {a.seq_id}): {len(a.token_ids)} token ids for {k} tokens")
+
+    def _append_need(self, seqs: list[Sequence], appends: Seq[Append]) -> tuple[int, int]:
+        """(blocks, table entries) that appending ``appends`` to ``seqs`` (checked) takes: a new block
+        per block boundary crossed, and one per copy-on-write (which replaces an entry), simulating
+        the refcount drops of the batch's earlier copies of the same shared block."""
+        bs, ref_counts = self.block_size, self.pool.ref_counts
+        required = grown = 0
+        dropped: Counter[int] = Counter()
+        for seq, a in zip(seqs, appends):
+            n, last = seq.num_tokens, seq.block_ids[-1]
+            if n % bs and ref_counts[last] > 1 and ref_counts[last] - dropped[last] > 1:
+                dropped[last] += 1
+                required += 1
+            grow = -(-(n + a.num_tokens) // bs) - len(seq.block_ids)
+            required += grow
+            grown += grow
+        return required, grown
+
+    def _apply_appends(self, lease: Lease, seqs: list[Sequence], appends: Seq[Append]) -> AppendResult:
+        """Append ``appends`` to ``seqs`` (checked, known to fit), in order: the tables that changed
+        and the copies-on-write (see :meth:`append_slots`)."""
+        bs, pool = self.block_size, self.pool
+        ref_counts = pool.ref_counts
         result = AppendResult([], [])
         for seq, a in zip(seqs, appends):
             k, n, table = a.num_tokens, seq.num_tokens, seq.block_ids
@@ -356,106 +317,6 @@ class BlockManager(ManagerViews):
             self.pool.incref(parent.block_ids)
             children.append(self.sequences.fork(lease, parent))
         return children
-
-    def swap_out(self, lease_id: str, seq_ids: Seq[int]) -> tuple[int, int]:
-        """Swap out a batch of sequences (PagedAttention section 4.5; :meth:`Tiers.swap_out`): returns
-        (device blocks released, host blocks reserved).
-
-        Raises:
-            InvalidArgumentError: empty batch or duplicate ids.
-            NotFoundError / FailedPreconditionError: unknown sequence or lease, expired lease.
-            FailedPreconditionError: a sequence swapped out already, unproven reloads, or no host
-                tier (reason HOST_TIER_OFF).
-            OutOfHostBlocksError: the host tier cannot hold the sequences' own blocks (nothing changed).
-        """
-        self.leases.lookup(lease_id)
-        seqs = self.sequences.owned(lease_id, seq_ids, "SwapOutSequences")
-        for seq in seqs:
-            if seq.swap is not None:
-                raise FailedPreconditionError(f"SwapOutSequences: sequence {seq.seq_id} is swapped out already "
-                                              "(nothing was swapped)")
-        return self.tiers.swap_out(seqs)
-
-    def swap_in(self, lease_id: str, seq_ids: Seq[int], appends: Seq[Append] = ()
-                ) -> tuple[list[Sequence], AppendResult | None] | OutOfBlocks:
-        """Bring swapped-out sequences back to the device, then add ``appends``' slots to them, all
-        or nothing (:meth:`Tiers.swap_in`, :meth:`append_slots`): the sequences, with reload copies
-        for what left the device, and the appends' result (None without appends); or
-        :class:`OutOfBlocks` with nothing changed. Blocks a shared last block may need for its
-        copy-on-write count as needed.
-
-        Raises:
-            InvalidArgumentError: empty batch, duplicate ids, an append for a sequence not in the
-                batch or twice, a bad append (as :meth:`append_slots`).
-            NotFoundError / FailedPreconditionError: unknown sequence or lease, expired lease.
-            FailedPreconditionError: a sequence not swapped out; reason SWAP_LOST, a block that left
-                the device with no proven host copy (free the sequence and recompute it).
-            QuotaExceededError: the appends would take the lease past its block quota.
-        """
-        lease = self.leases.lookup(lease_id)
-        seqs = self.sequences.owned(lease_id, seq_ids, "SwapInSequences")
-        for seq in seqs:
-            if seq.swap is None:
-                raise FailedPreconditionError(f"SwapInSequences: sequence {seq.seq_id} is not swapped out "
-                                              "(nothing was swapped in)")
-        by_id = {s.seq_id: s for s in seqs}
-        if len({a.seq_id for a in appends}) != len(appends) or any(a.seq_id not in by_id for a in appends):
-            raise InvalidArgumentError("SwapInSequences: each append must name a sequence of the batch, at most once")
-        check_token_ids(sum(len(a.token_ids) for a in appends if a.token_ids), "SwapInSequences")
-        bs, capacity, rc = self.block_size, self.pool.num_blocks * self.block_size, self.pool.ref_counts
-        grow = cow = 0
-        for a in appends:
-            seq, k = by_id[a.seq_id], a.num_tokens
-            if not (1 <= k and seq.num_tokens + k <= capacity):
-                self._check_tokens(k, "SwapInSequences")
-                self._check_tokens(seq.num_tokens + k, f"SwapInSequences(sequence {seq.seq_id})")
-            if a.token_ids and len(a.token_ids) != k:
-                raise InvalidArgumentError(f"SwapInSequences(sequence {a.seq_id}): {len(a.token_ids)} token ids "
-                                           f"for {k} tokens")
-            grow += blocks_for(seq.num_tokens + k, bs) - len(seq.block_ids)
-            cow += bool(seq.num_tokens % bs and seq.swap[-1] is None and rc[seq.block_ids[-1]] > 1)
-        self._check_quota(lease, "SwapInSequences", grow, 0)
-        new, kept = self.tiers.swap_in_need(seqs)
-        if new + grow + cow > self.pool.num_available - kept:
-            if self.releasing_refs:
-                self.drain_released()
-                return self.swap_in(lease_id, seq_ids, appends)
-            return self._refuse(new + grow + cow, kept)
-        self.tiers.swap_in(seqs)
-        if not appends:
-            return seqs, None
-        result = self.append_slots(lease_id, appends)
-        assert not isinstance(result, OutOfBlocks), f"swap-in counted its appends' blocks wrong: {result}"
-        return seqs, result
-
-    def commit_computed(self, lease_id: str, entries: Seq[Commit]) -> CommitResult:
-        """Count each :class:`Commit`'s tokens as computed without a receipt (in-process callers
-        only: the gRPC API takes receipts, :meth:`commit_receipts`); errors as :func:`commit_unproven`."""
-        self.leases.lookup(lease_id)
-        return commit_unproven(self.sequences, self.prefix_cache, lease_id, entries)
-
-    def commit_receipts(self, lease_id: str, receipts: Seq[Receipt]) -> CommitResult:
-        """Take workers' receipts (signatures checked by the caller): :func:`take_receipts`.
-
-        Raises:
-            FailedPreconditionError / NotFoundError: the lease expired or is unknown; and as
-                :func:`take_receipts`.
-        """
-        self.leases.lookup(lease_id)
-        return take_receipts(self.sequences, self.pool, self.prefix_cache, lease_id, receipts, self.tiers)
-
-    def reset_prefix_cache(self) -> int:
-        """Drop the whole prefix cache, both tiers; returns refcount-0 device blocks cleared."""
-        if self.tiers.host is not None:
-            self.tiers.host.clear_cached()
-        return self.prefix_cache.reset(self.sequences.values())
-
-    def reset_prefix_cache_steps(self, chunk: int) -> Generator[int, None, int]:
-        """:meth:`reset_prefix_cache` in steps of at most ``chunk`` blocks (PrefixCache.reset_steps),
-        for a caller that lets other calls run where it yields; it returns the blocks cleared."""
-        if self.tiers.host is not None:
-            self.tiers.host.clear_cached()
-        return self.prefix_cache.reset_steps(list(self.sequences.values()), chunk)
 
     def free(self, lease_id: str, seq_ids: Seq[int], *, preempted: bool = False) -> int:
         """Free a batch of sequences; returns blocks whose refcount reached zero.

@@ -130,6 +130,11 @@ class BlockTableUpdate:
         assert self.first_changed >= 0 and self.block_ids, f"empty update of sequence {self.seq_id}"
 
 
+#: Media of a :class:`BlockCopy`'s sides (``pagedkv.grant.v1.Medium``): the pool, the host tier,
+#: another node's pool.
+DEVICE, HOST, REMOTE = 0, 1, 2
+
+
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
     """A copy the worker does before writing: block ``src``'s KV into block ``dst``. Device to

@@ -17,13 +17,38 @@ from dataclasses import dataclass, field
 from memory_service.block_hash import CacheKey
 from memory_service.leases import Lease
 from memory_service.live_table import LiveTable
-from memory_service.requests import check_batch
+from memory_service.requests import BlockCopy, check_batch
 from pagedkv.errors import InvalidArgumentError, NotFoundError
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
     return -(-num_tokens // block_size)
+
+
+@dataclass(slots=True)
+class Reload:
+    """An unproven copy into one of a sequence's device blocks: a reload from the host tier, or a node
+    transfer from another node's pool (:mod:`memory_service.tiers`)."""
+
+    #: The copy (src in the host tier or another node's pool, dst the sequence's device block).
+    copy: BlockCopy
+    #: Prefix-cache content it brings back (hash, tokens, parent), or None for a swapped block.
+    block_hash: bytes | None = None
+    tokens: tuple[int, ...] = ()
+    parent: bytes = b""
+
+
+@dataclass(slots=True)
+class SwapEntry:
+    """One own block of a swapped-out sequence (:mod:`memory_service.tier_swap`)."""
+
+    #: The host block held for it.
+    host: int
+    #: The device block still holding its KV (refcount 0, evictable); None once handed out.
+    device: int | None
+    #: The host block holds its KV (the offload's receipt came).
+    proven: bool = False
 
 
 @dataclass(slots=True)
@@ -57,12 +82,12 @@ class Sequence:
     num_transferred_tokens: int = 0
     #: Tier copies (:mod:`memory_service.tiers`): offloads this call caused, for the next grant
     #: only; offloads granted and not yet proven; reloads not yet proven (in every grant until then).
-    fresh_offloads: list = field(default_factory=list)
-    offloads: list = field(default_factory=list)
-    reloads: list = field(default_factory=list)
+    fresh_offloads: list[BlockCopy] = field(default_factory=list)
+    offloads: list[BlockCopy] = field(default_factory=list)
+    reloads: list[Reload] = field(default_factory=list)
     #: Swapped out: one entry per block-table index, None for a block it shares (still on the
-    #: device, referenced), a ``tiers.SwapEntry`` for an own block. None when not swapped.
-    swap: list | None = None
+    #: device, referenced), a :class:`SwapEntry` for an own block. None when not swapped.
+    swap: list[SwapEntry | None] | None = None
 
     def extend_tokens(self, token_ids: Seq[int] | None) -> None:
         """Record the ids of appended tokens; an append without them makes the sequence's tokens unknown."""

@@ -16,11 +16,9 @@ then copy-on-write). Nothing here touches KV bytes.
   go in every grant of the sequence until a receipt proves them (a reload into a block the
   sequence never writes can be repeated); only then does the device block enter the prefix cache,
   and its host block can be evicted again.
-- Swap (PagedAttention section 4.5): a swapped-out sequence's own blocks (refcount 1) get host
-  blocks reserved at once, all or nothing; its device blocks go back to the pool keeping their KV,
-  last in line to be handed out, and are offloaded only when handed out. Swap-in takes back the
-  blocks still on the device with no copy and reloads the rest, so a swap costs copies only for
-  the memory that was actually needed meanwhile. Shared blocks stay on the device, referenced.
+- Swap (PagedAttention section 4.5; :mod:`memory_service.tier_swap`, mixed in): a swapped-out
+  sequence's own blocks get host blocks reserved at once and stay on the device until handed
+  out; swap-in takes back what is still there and reloads the rest.
 
 NOTE: invariants (checked by :meth:`Tiers.check`, with :meth:`HostTier.check`):
   * ``held[b] == (seq, i)``  <=>  ``seq.swap[i].device == b``; such a block has refcount 0 and a
@@ -34,45 +32,17 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from memory_service.block_hash import CacheKey, block_hash, leading_hits
 from memory_service.block_pool import BlockPool
 from memory_service.host_tier import HELD, PENDING, HostTier
 from memory_service.prefix_cache import PrefixCache
-from memory_service.requests import BlockCopy, RemotePrefix
-from memory_service.sequence import Sequence
-from pagedkv.errors import HOST_TIER_OFF, SWAP_LOST, FailedPreconditionError, OutOfHostBlocksError
-
-#: Media (``pagedkv.grant.v1.Medium``): the pool, the host tier, another node's pool.
-DEVICE, HOST, REMOTE = 0, 1, 2
+from memory_service.requests import DEVICE, HOST, REMOTE, BlockCopy, RemotePrefix
+from memory_service.sequence import Reload, Sequence, SwapEntry
+from memory_service.tier_swap import TierSwap
 
 
-@dataclass(slots=True)
-class Reload:
-    """An unproven host->device copy of one sequence."""
-
-    #: The copy (src on the host, dst the sequence's device block).
-    copy: BlockCopy
-    #: Prefix-cache content it brings back (hash, tokens, parent), or None for a swapped block.
-    block_hash: bytes | None = None
-    tokens: tuple[int, ...] = ()
-    parent: bytes = b""
-
-
-@dataclass(slots=True)
-class SwapEntry:
-    """One own block of a swapped-out sequence."""
-
-    #: The host block held for it.
-    host: int
-    #: The device block still holding its KV (refcount 0, evictable); None once handed out.
-    device: int | None
-    #: The host block holds its KV (the offload's receipt came).
-    proven: bool = False
-
-
-class Tiers:
+class Tiers(TierSwap):
     """The host tier's traffic with one device pool (``host`` None: no host tier; swaps refused).
 
     Args:
@@ -269,101 +239,6 @@ class Tiers:
                     self.host.release_held(e.host)
             seq.swap = None
             self.swapped -= 1
-
-    # -------------------------------------------------------------------- swap
-    def swap_out(self, seqs: list[Sequence]) -> tuple[int, int]:
-        """Swap out ``seqs`` (validated, not swapped): returns (device blocks released, host blocks held).
-
-        Raises:
-            FailedPreconditionError: no host tier (reason HOST_TIER_OFF), or a sequence with
-                unproven reloads (its device blocks do not hold its KV yet).
-            OutOfHostBlocksError: the host tier cannot hold every own block (nothing changed).
-        """
-        if self.host is None:
-            raise FailedPreconditionError(
-                "SwapOutSequences: this memory service has no host tier (start it with --host-cache-memory "
-                "SIZE); preempt by recompute instead (FreeSequences with reason PREEMPTED)", reason=HOST_TIER_OFF)
-        rc = self.pool.ref_counts
-        for seq in seqs:
-            if seq.reloads:
-                raise FailedPreconditionError(
-                    f"SwapOutSequences: sequence {seq.seq_id} has reloads no receipt has proven yet; run its "
-                    "step first, or preempt it by recompute (nothing was swapped)")
-        own = [[i for i, b in enumerate(seq.block_ids) if rc[b] == 1] for seq in seqs]
-        need = sum(map(len, own))
-        hosts = self.host.reserve_held(need)
-        if hosts is None:
-            raise OutOfHostBlocksError(need, self.host.num_available)
-        it = iter(hosts)
-        released = 0
-        for seq, idx in zip(seqs, own):
-            for c in [*seq.fresh_offloads, *seq.offloads]:  # its step will not run: they never happen
-                self._offload_settled(c, proven=False)
-            seq.fresh_offloads, seq.offloads = [], []
-            seq.swap = [None] * len(seq.block_ids)
-            for i in idx:
-                b = seq.block_ids[i]
-                if self.cache.hash_of[b] is not None:
-                    self.cache.forget(b)  # content marks stay disjoint: cached or swapped
-                    self.pool.drop_content(b)
-                self.pool.keep_content(b, partial=True)
-                self.pool.epochs[b] += 1  # grants issued before no longer match the block
-                seq.swap[i] = SwapEntry(next(it), b)
-                self.held[b] = (seq, i)
-            released += self.pool.decref([seq.block_ids[i] for i in idx])
-            # Commits after the swap-in re-register from the first block it gave up.
-            seq.block_hashes = seq.block_hashes[:idx[0]] if idx else seq.block_hashes
-        self.swap_outs += len(seqs)
-        self.swapped += len(seqs)
-        return released, need
-
-    def swap_in_need(self, seqs: list[Sequence]) -> tuple[int, int]:
-        """(new device blocks, swapped blocks still on the device) that swapping in ``seqs`` takes.
-
-        Raises:
-            FailedPreconditionError: reason SWAP_LOST, a block that left the device with no proven
-                host copy (free the sequence and recompute it).
-        """
-        new = kept = 0
-        for seq in seqs:
-            for i, e in enumerate(seq.swap):
-                if e is None:
-                    continue
-                if e.device is not None:
-                    kept += 1
-                elif e.proven:
-                    new += 1
-                else:
-                    why = "its offload is not proven yet" if e.host in self.swap_targets else "its offload never happened"
-                    raise FailedPreconditionError(
-                        f"SwapInSequences: block {i} of sequence {seq.seq_id} left the device and {why}; free the "
-                        "sequence and recompute it (nothing was swapped in)", reason=SWAP_LOST)
-        return new, kept
-
-    def swap_in(self, seqs: list[Sequence]) -> None:
-        """Swap ``seqs`` back in (the caller checked :meth:`swap_in_need` against the pool): take back
-        the blocks still on the device first, then allocate and reload the rest."""
-        pool = self.pool
-        for seq in seqs:  # first every kept block: the allocations below must not evict them
-            for e in seq.swap:
-                if e is not None and e.device is not None:
-                    del self.held[e.device]
-                    pool.touch([e.device])
-                    pool.drop_content(e.device)  # refcount 1 again: no longer cached
-                    self.host.release_held(e.host)
-        for seq in seqs:
-            for i, e in enumerate(seq.swap):
-                if e is None or e.device is not None:
-                    continue
-                (d,) = pool.allocate(1)
-                self.attach(seq)
-                seq.block_ids[i] = d
-                pool.set_fill(d, min(pool.block_size, seq.num_tokens - i * pool.block_size))
-                seq.reloads.append(Reload(BlockCopy(e.host, d, seq.seq_id, src_medium=HOST, dst_medium=DEVICE)))
-            # fill and tokens_stored: kept blocks came back through touch(); reloaded ones above
-            seq.swap = None
-        self.swap_ins += len(seqs)
-        self.swapped -= len(seqs)
 
     def referenced(self, seq: Sequence) -> list[int]:
         """The device blocks ``seq`` holds a reference to (a swapped sequence: only its shared ones)."""

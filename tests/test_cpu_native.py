@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -237,7 +238,7 @@ def portable_fp8_decoder(monkeypatch):
     flags = cpu_native.cpu_flags()
     if "f16c" not in flags or "avx2" not in flags:
         pytest.skip("the default build already is the portable one here (no F16C)")
-    path = cpu_native.build_library((cpu_native.SOURCE,), extra_flags=("-mno-avx512f", "-mno-f16c"),
+    path = cpu_native.build_library(cpu_native.PAGED_SOURCES, extra_flags=("-mno-avx512f", "-mno-f16c"),
                                     stem="paged_cpu_portable")  # fmt: skip
     lib = ctypes.CDLL(str(path))
     lib.paged_decode_packed.argtypes = [ctypes.c_void_p, ctypes.c_float]
@@ -263,3 +264,15 @@ def test_fp8_every_code_decodes_exactly(head_dim, dtype, decoder, request):
         mag = case.head_magnitude()[None, :, None]
         tol = FP8_FP32_TOL if dtype == torch.float32 else tolerance(dtype)
         torch.testing.assert_close(decode_fp8(case).double() / mag, case.reference() / mag, **tol)
+
+
+def test_the_build_key_covers_every_header_the_sources_include():
+    # The cached library is keyed by its sources' and headers' bytes: a header the sources include
+    # (directly or through another header) but HEADERS leaves out would not rebuild it when edited.
+    included, todo = set(), list(cpu_native.SOURCES)
+    while todo:
+        for name in re.findall(r'^#include "([^"]+)"', todo.pop().read_text(), re.MULTILINE):
+            if name not in included:
+                included.add(name)
+                todo.append(cpu_native.SOURCE.with_name(name))
+    assert included == {h.name for h in cpu_native.HEADERS}, f"included {sorted(included)}"

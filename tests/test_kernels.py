@@ -20,7 +20,7 @@ import torch
 from kernel_reference import make_case, ref_attention, run_int64_case, tolerance
 
 import kernels
-from kernels import cpu_native, torch_groups, torch_impl
+from kernels import cpu_native, torch_groups, torch_impl, torch_planned
 from kernels import plan as plan_mod
 
 
@@ -152,14 +152,14 @@ def test_prefill_step_exact_groups(heads, block_size, dtype):
 def test_sdpa_dtype():
     # bf16 runs SDPA in bf16 (fp32 accumulation inside); every other mix in fp32.
     bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
-    assert torch_impl.sdpa_dtype(bf16, bf16) == bf16
-    assert [torch_impl.sdpa_dtype(a, b) for a, b in ((f16, f16), (f32, f32), (bf16, f32))] == [f32] * 3
+    assert torch_planned.sdpa_dtype(bf16, bf16) == bf16
+    assert [torch_planned.sdpa_dtype(a, b) for a, b in ((f16, f16), (f32, f32), (bf16, f32))] == [f32] * 3
 
 
 def test_small_memory_budget_chunks_and_groups(monkeypatch):
     # A tiny budget forces many tile groups and context chunks: results must not change.
     # (A planned workspace too large for its budget falls back to this chunked path.)
-    monkeypatch.setattr(torch_impl, "PLANNED_MAX_GATHER_ELEMS", 0)
+    monkeypatch.setattr(torch_planned, "PLANNED_MAX_GATHER_ELEMS", 0)
     monkeypatch.setattr(torch_impl, "GATHER_BUDGET_ELEMS", 1 << 12)
     monkeypatch.setattr(torch_impl, "MIN_KV_CHUNK", 8)
     monkeypatch.setattr(torch_impl, "Q_TILE", 16)

@@ -34,7 +34,7 @@ from kernel_reference import (
 )
 
 import kernels
-from kernels import cpu_native, torch_impl
+from kernels import cpu_native, torch_impl, torch_planned
 from kernels.fp8 import FP8_DTYPE, WIDENED_UNIT, widen_to_fp16
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -73,7 +73,7 @@ def path(request, monkeypatch):
     if request.param == "native" and not cpu_native.available():
         pytest.skip(f"native CPU decode kernel unavailable: {cpu_native.unavailable_reason}")
     if request.param == "chunked":
-        monkeypatch.setattr(torch_impl, "PLANNED_MAX_GATHER_ELEMS", 0)
+        monkeypatch.setattr(torch_planned, "PLANNED_MAX_GATHER_ELEMS", 0)
         monkeypatch.setattr(torch_impl, "GATHER_BUDGET_ELEMS", 1 << 12)
         monkeypatch.setattr(torch_impl, "MIN_KV_CHUNK", 8)
         monkeypatch.setattr(torch_impl, "Q_TILE", 16)
@@ -254,5 +254,5 @@ def test_scales_are_checked_before_anything_runs():
 
 def test_bf16_query_over_fp8_runs_sdpa_in_bf16():
     # e4m3 is exact in bf16: a bf16 query keeps torch's bf16 CPU flash attention.
-    assert torch_impl.sdpa_dtype(torch.bfloat16, FP8_DTYPE) == torch.bfloat16
-    assert torch_impl.sdpa_dtype(torch.float32, FP8_DTYPE) == torch.float32
+    assert torch_planned.sdpa_dtype(torch.bfloat16, FP8_DTYPE) == torch.bfloat16
+    assert torch_planned.sdpa_dtype(torch.float32, FP8_DTYPE) == torch.float32
