@@ -19,7 +19,6 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from memory_service.block_hash import CacheKey
 from memory_service.block_pool import BlockPool
 from memory_service.host_tier import HostTier
 from memory_service.leases import Lease, LeaseTable
@@ -43,6 +42,7 @@ from memory_service.requests import (
 )
 from memory_service.sequence import Sequence, SequenceTable, blocks_for
 from memory_service.tiers import Tiers
+from pagedkv.block_hash import CacheKey
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, QuotaExceededError
 from pagedkv.limits import MAX_FORK_CHILDREN
 from pagedkv.logs import get_logger

@@ -36,12 +36,12 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from memory_service.block_hash import CacheKey, block_hash, leading_hits
 from memory_service.block_pool import BlockPool
 from memory_service.host_tier import HELD, PENDING, HostTier
 from memory_service.prefix_cache import PrefixCache
 from memory_service.requests import BlockCopy, RemotePrefix
 from memory_service.sequence import Sequence
+from pagedkv.block_hash import CacheKey, block_hash, leading_hits
 from pagedkv.errors import HOST_TIER_OFF, SWAP_LOST, FailedPreconditionError, OutOfHostBlocksError
 
 #: Media (``pagedkv.grant.v1.Medium``): the pool, the host tier, another node's pool.

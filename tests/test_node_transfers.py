@@ -125,7 +125,7 @@ def test_a_transfer_that_fails_part_way_is_recomputed_and_leaks_nothing(nodes):
 
 def wait_indexed(cluster: Cluster, node: str, prompt: list[int], blocks: int, timeout: float = 10.0) -> None:
     """Until the router's index knows that ``node`` holds ``blocks`` leading blocks of ``prompt``."""
-    from memory_service.block_hash import CacheKey, chain_hashes
+    from pagedkv.block_hash import CacheKey, chain_hashes
 
     hashes = chain_hashes(prompt, BS, CacheKey(cluster.engine.model_id, ""), blocks)
     deadline = time.monotonic() + timeout
