@@ -46,6 +46,9 @@ def copy_blocks_between(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tu
         pairs: (src block, dst block) ids, host ints; destinations distinct (then order among
             the pairs does not matter).
 
+    With a test hook at ``tier.copy_block`` (:mod:`pagedkv.test_hooks`) the blocks go one by one,
+    in destination order, the hook called before each: one that raises stops the copy there.
+
     Raises:
         ValueError: shapes or dtypes differ, an id out of range, a destination repeats (then
             nothing is copied).
