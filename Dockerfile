@@ -99,7 +99,7 @@ RUN pip install --no-deps --no-build-isolation . \
 USER pagedkv
 RUN cd / \
  && python -c "from compute_service.weights import load_model_source; load_model_source('smollm2')" \
- && python -c "from client.tokenizer import load_tokenizer; load_tokenizer('smollm2')" \
+ && python -c "from pagedkv.tokenizer import load_tokenizer; load_tokenizer('smollm2')" \
  && python -c "from kernels import cpu_native; assert cpu_native.available(), cpu_native.unavailable_reason"
 
 # memory service, compute worker (gRPC; reflection and grpc.health.v1 on both), the memory

@@ -42,7 +42,7 @@ from prompts import corpus_ids, trace_prompts
 from client.params import SamplingParams
 from client.request import Request
 from client.reservation import Paged
-from client.tokenizer import load_tokenizer
+from pagedkv.tokenizer import load_tokenizer
 
 SIZES = (1, 8, 16, 24, 32, 64)
 BATCH, CONTEXT, PROMPT_LEN = 32, 512, 480

@@ -40,7 +40,7 @@ import httpx
 from common import ROOT, Service, fmt, machine, pyplot, save_plot, table, write_result
 from prompts import corpus_ids
 
-from client.tokenizer import load_tokenizer
+from pagedkv.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from headless_chromium import chromium, log_in  # noqa: E402 - scripts/ is not a package

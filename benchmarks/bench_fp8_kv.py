@@ -36,13 +36,13 @@ from prompts import corpus_ids, trace_prompts
 
 import kernels
 from client.stack import LocalStack
-from client.tokenizer import load_tokenizer
 from compute_service.kv_calibration import calibrate, calibration_sequences, scale_rows
 from compute_service.model import LlamaForPagedLM
 from compute_service.packed_forward import packed_forward
 from compute_service.weights import load_model_source
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+from pagedkv.tokenizer import load_tokenizer
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": kernels.FP8_DTYPE}
 BLOCK = 16

@@ -56,10 +56,10 @@ from prompts import corpus_ids
 
 from client.api import Client
 from client.params import SamplingParams
-from client.tokenizer import load_tokenizer
 from client.transfers import DEFAULT_MIN_BLOCKS
 from compute_service.transfer_agent import TransferAgent, TransferSource
 from memory_service.layout import make_layout
+from pagedkv.tokenizer import load_tokenizer
 
 BS = 16
 SUFFIX = 8

@@ -32,7 +32,7 @@ from prompts import corpus_ids
 from client.params import SamplingParams
 from client.request import Request
 from client.scheduler import SchedulerConfig
-from client.tokenizer import load_tokenizer
+from pagedkv.tokenizer import load_tokenizer
 
 MEMORY_CALLS = ("append", "allocate", "free", "stats", "commit", "fork", "sequences")
 PARTS = ("model", "worker_other", "step_rpc", "memory", "client")

@@ -63,8 +63,8 @@ from bench_serving import (
 )
 from common import fmt, machine, median, pyplot, save_plot, table, write_result
 
-from client.tokenizer import load_tokenizer
 from pagedkv.paths import smollm2_gguf_path
+from pagedkv.tokenizer import load_tokenizer
 
 SYSTEMS = ("vllm", "pagedkv")
 #: The goal of issue 16, at each system's best dtype: pagedkv throughput / vLLM's, single stream.

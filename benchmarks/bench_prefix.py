@@ -28,7 +28,7 @@ from prompts import corpus_ids
 from client.params import SamplingParams
 from client.request import Request
 from client.scheduler import SchedulerConfig
-from client.tokenizer import load_tokenizer
+from pagedkv.tokenizer import load_tokenizer
 
 PAPER = {"short": 1.67, "long": 3.58}
 

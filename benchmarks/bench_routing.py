@@ -43,7 +43,7 @@ from prompts import corpus_ids
 from client.cluster import Cluster, NodeSpec
 from client.params import SamplingParams
 from client.services import MemoryClient
-from client.tokenizer import load_tokenizer
+from pagedkv.tokenizer import load_tokenizer
 
 BS = 16
 POLICIES = [("kv", "kv", True), ("round-robin", "round-robin", True), ("kv, no pulls", "kv", False),

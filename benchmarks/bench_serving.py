@@ -53,8 +53,8 @@ from common import ROOT, fmt, machine, pct, pyplot, save_plot, table, write_resu
 from prompts import trace_prompts
 
 from client.stack import ServiceProcess
-from client.tokenizer import load_tokenizer
 from pagedkv.paths import pagedkv_home
+from pagedkv.tokenizer import load_tokenizer
 
 try:
     import httpx

@@ -29,7 +29,7 @@ from prompts import trace_prompts
 from client.params import SamplingParams
 from client.request import Request
 from client.scheduler import SchedulerConfig
-from client.tokenizer import load_tokenizer
+from pagedkv.tokenizer import load_tokenizer
 
 PAPER = {("alpaca", "parallel"): (6.1, 9.8), ("alpaca", "beam"): (37.6, 55.2),
          ("sharegpt", "parallel"): (16.2, 30.5), ("sharegpt", "beam"): (44.3, 66.3)}

@@ -66,7 +66,7 @@ from client.params import SamplingParams
 from client.request import Request
 from client.reservation import OrcaMax, OrcaOracle, Paged, ReservationPolicy
 from client.scheduler import SchedulerConfig
-from client.tokenizer import load_tokenizer
+from pagedkv.tokenizer import load_tokenizer
 
 #: Policy name -> the reservation policy of a run, from the parsed arguments.
 POLICIES = {"pagedkv": lambda args: Paged(), "orca-max": lambda args: OrcaMax(args.orca_max_len),

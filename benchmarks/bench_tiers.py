@@ -40,8 +40,8 @@ from prompts import corpus_ids
 from client.params import SamplingParams
 from client.request import Request
 from client.scheduler import SchedulerConfig
-from client.tokenizer import load_tokenizer
 from memory_service.layout import make_layout
+from pagedkv.tokenizer import load_tokenizer
 
 
 def block_nbytes(block_size: int, dtype: str = "float32") -> int:

@@ -101,7 +101,7 @@ class Stack(LocalStack):
         """A :class:`client.engine.Engine` on this stack (the caller closes it)."""
         from client.engine import Engine
         from client.services import MemoryClient, WorkerClient
-        from client.tokenizer import load_tokenizer
+        from pagedkv.tokenizer import load_tokenizer
 
         tok = tokenizer or load_tokenizer("smollm2")
         return Engine(MemoryClient(self.memory.address), [WorkerClient(self.worker.address)], tok,

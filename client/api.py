@@ -29,10 +29,11 @@ from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.request import Request, Status
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
-from client.tokenizer import Messages, encode_prompt, load_tokenizer, tokenizer_source
+from client.tokenizer import Messages, encode_prompt, tokenizer_source
 from client.transfers import connect_peers
 from pagedkv.logs import get_logger
 from pagedkv.tls import TlsFiles
+from pagedkv.tokenizer import load_tokenizer
 
 log = get_logger("client")
 

@@ -3,7 +3,7 @@
 DESIGN.md, "Nodes" ("the front routes by the nodes' KV events"). :class:`KvIndex` follows each
 node's ``StreamKvEvents`` (the router role under TLS: block hashes, never token ids) into one
 prefix index, block hash -> the nodes holding it (device or host tier). :class:`Router` hashes a
-prompt's full blocks as the memory services do (``memory_service.block_hash.chain_hashes``, with
+prompt's full blocks as the memory services do (``pagedkv.block_hash.chain_hashes``, with
 the model identity and the tenant's cache salt), counts each node's leading run of them, and picks
 the node of least cost, Dynamo's KV router cost with weight 1::
 
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from memory_service.block_hash import CacheKey, chain_hashes
+from pagedkv.block_hash import CacheKey, chain_hashes
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 

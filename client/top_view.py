@@ -19,7 +19,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from client.serve.pool_map import CACHED, USED, unruns
+from client.serve.block_states import CACHED, USED, unruns
 
 #: Rows of the pool grid at most.
 GRID_ROWS = 12

@@ -57,7 +57,7 @@ def calibration_sequences(model_source: str) -> list[list[int]]:
     Raises:
         FileNotFoundError: no tokenizer for ``model_source``.
     """
-    from client.tokenizer import load_tokenizer
+    from pagedkv.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_source)
     passages = [p.strip() for p in CALIBRATION_TEXT.read_text().split("\n\n") if p.strip()]

@@ -39,7 +39,7 @@ from compute_service.pool_map import TORCH_DTYPES, MappedPool, map_pool
 from compute_service.server import SERVICE_NAME, ComputeServicer
 from compute_service.weights import ModelConfig, check_model_source, load_model_source
 from compute_service.worker import Worker
-from pagedkv import tls
+from pagedkv import test_hooks, tls
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
 from pagedkv.kv_scales import FP8_DTYPE
 from pagedkv.logs import get_logger
@@ -308,6 +308,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv compute``."""
     args = build_parser().parse_args(argv)
+    test_hooks.install_from_env()
     return serve_main("compute", lambda: serve(args), (ValueError, RuntimeError, OSError, LookupError, ImportError))
 
 

@@ -23,10 +23,10 @@ every worker for as long as the agent lives (measured: 0.94 CPU-seconds per seco
 forwards 1.7-4x slower on 2 cores; with the pause, under 2% idle): :func:`_make_agent` builds the
 agent through a config whose delay the wrapper cannot zero.
 
-Fault injection, for tests of the callers: with ``PAGEDKV_TRANSFER_FAIL_AFTER=k`` in the
-environment (read at each :meth:`TransferAgent.read_blocks` call), a call given more than k pairs
-transfers only its first k pairs and then raises ``TransferError(blocks_done=k)``; a call with at
-most k pairs runs normally.
+Fault injection, for tests of the callers: a test hook at ``transfer.read_blocks``
+(:mod:`pagedkv.test_hooks`) that returns k makes a call given more than k pairs transfer only its
+first k pairs and then raise ``TransferError(blocks_done=k)``; a call with at most k pairs runs
+normally.
 """
 
 from __future__ import annotations
@@ -43,14 +43,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedkv import test_hooks
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.logs import get_logger
 from pagedkv.transfer import source_digest
 
 log = get_logger("transfer_agent")
 
-#: Environment variable of the injected fault (see the module docstring).
-FAIL_AFTER_ENV = "PAGEDKV_TRANSFER_FAIL_AFTER"
 #: Longest sleep between two polls of a transfer's state, seconds.
 _MAX_POLL_S = 1e-3
 
@@ -244,17 +243,15 @@ class TransferAgent:
                 flight) and the peer's remote agent is removed (the next call adds it again).
         """
         checked = self._check(source, pairs)
-        fail_after = os.environ.get(FAIL_AFTER_ENV, "")
-        if fail_after and not fail_after.isdigit():
-            raise ValueError(f"{FAIL_AFTER_ENV}={fail_after!r}: need a count of block pairs >= 0")
-        todo = checked[:int(fail_after)] if fail_after else checked
+        limit = test_hooks.call("transfer.read_blocks", agent=self.name, source=source.agent_name, pairs=checked)
+        todo = checked[:limit] if limit is not None else checked
         with self._lock:
             if self._closed:
                 raise ValueError(f"transfer agent {self.name!r} is closed")
             if todo:
                 self._read(source, todo, timeout)
         if len(todo) < len(checked):
-            raise TransferError(f"injected fault ({FAIL_AFTER_ENV}={fail_after}) after {len(todo)} of {len(checked)} "
+            raise TransferError(f"injected fault (test hook transfer.read_blocks) after {len(todo)} of {len(checked)} "
                                 "block pairs", blocks_done=len(todo))
 
     def close(self) -> None:

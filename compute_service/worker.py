@@ -31,6 +31,7 @@ from compute_service.sampling import sample
 from compute_service.step_inputs import StepInputs, build_step_inputs
 from compute_service.timing import AttentionClock
 from compute_service.weights import ModelConfig
+from pagedkv import test_hooks
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.errors import (
     POOL_GENERATION_MISMATCH,
@@ -101,6 +102,7 @@ class Worker:
                     f"{pool.generation}; the memory service restarted: re-read the pool descriptor, "
                     "allocate the sequences again and recompute them", reason=POOL_GENERATION_MISMATCH)
             t0 = time.perf_counter()
+            test_hooks.call("worker.step_begin", request=request)
             lay = pool.descriptor.layout
             inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
                                        vocab_size=self.config.vocab_size, device=self.device)
@@ -124,13 +126,15 @@ class Worker:
                 # no sequence sampled.
                 torch.cuda.current_stream(pool.tensor.device).synchronize()
             sign_receipts(request, results, pool.plane_key, lay.block_size, checked)
-            return pb.StepResponse(
+            response = pb.StepResponse(
                 results=results,
                 model_seconds=t2 - t1,
                 attention_seconds=self.attention_clock.seconds if self.attention_clock else 0.0,
                 step_seconds=time.perf_counter() - t0,
                 num_tokens=inputs.num_tokens,
             )
+            test_hooks.call("worker.step_end", request=request, response=response)
+            return response
 
     def _check_window(self, inputs: StepInputs) -> None:
         """Refuse a step with a position at or past the model's sliding window, before any write.

@@ -25,55 +25,47 @@ from __future__ import annotations
 
 import array
 import ctypes
-import os
-import threading
 
 import torch
 
-from kernels import cpu_native
+from kernels import cpu_native, native_lib
 
 ENV_SWITCH = "PAGEDKV_AMX_LINEAR"
-_SOURCE = cpu_native.SOURCE.with_name("amx_linear.c")
+_SOURCE = native_lib.CSRC / "amx_linear.c"
 #: The library also holds a decode step's layers in one call (`kernels.cpu_layers`), which calls
 #: the native CPU kernels: built from their sources too.
 _SOURCES = (_SOURCE, _SOURCE.with_name("decode_layers.c"), *cpu_native.SOURCES)
 _CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
 
-_lock = threading.Lock()
-_lib = None
-_tried = False
-#: Why the AMX kernel is not in use (None while it is, or before the first try).
-unavailable_reason: str | None = None
+
+def _check_cpu() -> str | None:
+    missing = [f for f in _CPU_FLAGS if f not in native_lib.cpu_flags()]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
-def _load():
-    global _lib, _tried, unavailable_reason
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        missing = [f for f in _CPU_FLAGS if f not in cpu_native.cpu_flags()]
-        try:
-            if missing and os.environ.get(ENV_SWITCH, "1") != "0":
-                raise RuntimeError(f"the CPU lacks {', '.join(missing)}")
-            lib = cpu_native.open_library(ENV_SWITCH, _SOURCES, cpu_native.HEADERS, stem="amx_linear")
-            if lib.amx_request() != 0:
-                raise RuntimeError("Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
-        except RuntimeError as e:
-            unavailable_reason = str(e)
-            return None
-        lib.amx_linear_bf16.argtypes = [ctypes.c_void_p]
-        lib.amx_linear_bf16.restype = ctypes.c_int
-        lib.decode_layers_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
-                                           ctypes.c_float, ctypes.POINTER(ctypes.c_double)]
-        lib.decode_layers_bf16.restype = ctypes.c_int
-        _lib = lib
-        return _lib
+def _request_amx(lib: ctypes.CDLL) -> None:
+    if lib.amx_request() != 0:
+        raise RuntimeError("Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+
+
+#: The library (`kernels.native_lib`), built and loaded on first use.
+LIBRARY = native_lib.NativeLibrary("the AMX kernel is not available", "amx_linear", _SOURCES, cpu_native.HEADERS,
+                                   switch=ENV_SWITCH, check=_check_cpu, start=_request_amx)
+LIBRARY.declare("amx_linear_bf16", [ctypes.c_void_p])
+LIBRARY.declare("decode_layers_bf16", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                                       ctypes.c_float, ctypes.POINTER(ctypes.c_double)])
+
+
+def __getattr__(name: str):
+    # `unavailable_reason`: why the AMX kernel is not in use (None while it is, or before the first try).
+    if name == "unavailable_reason":
+        return LIBRARY.unavailable_reason
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def available() -> bool:
     """True when the AMX kernel is built and usable on this CPU (builds it on the first call)."""
-    return (_lib or _load()) is not None
+    return LIBRARY.available()
 
 
 def packed_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -126,9 +118,7 @@ def linear(x: torch.Tensor, address: int, out_features: int, silu_mul: bool = Fa
             f"x must be a cpu bfloat16 [M, K] tensor with M >= 1 and K contiguous, got "
             f"{x.dtype} {list(x.shape)} on {x.device} (strides {x.stride()})"
         )
-    lib = _lib or _load()
-    if lib is None:
-        raise RuntimeError(f"the AMX kernel is not available: {unavailable_reason}")
+    lib = LIBRARY.handle or LIBRARY.require()
     m, k = x.shape
     n_out = out_features // 2 if silu_mul else out_features
     out = torch.empty((m, n_out), dtype=torch.bfloat16)

@@ -22,21 +22,11 @@ import torch
 from kernels import cpu_native
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
-_lib = None  # the library with argtypes set, once loaded
-
-
-def _load():
-    global _lib
-    lib = cpu_native._lib or cpu_native._load()
-    if lib is None:
-        raise RuntimeError(f"the native CPU kernels are not available: {cpu_native.unavailable_reason}")
-    lib.rms_norm_packed.argtypes = [ctypes.c_void_p, ctypes.c_float]
-    lib.rms_norm_packed.restype = ctypes.c_int
-    for fn in (lib.silu_mul_packed, lib.rope_packed):
-        fn.argtypes = [ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-    _lib = lib
-    return lib
+#: The library of `kernels.cpu_native` holds these ops too (csrc/fused_cpu.c).
+_LIBRARY = cpu_native.LIBRARY
+_LIBRARY.declare("rms_norm_packed", [ctypes.c_void_p, ctypes.c_float])
+_LIBRARY.declare("silu_mul_packed", [ctypes.c_void_p])
+_LIBRARY.declare("rope_packed", [ctypes.c_void_p])
 
 
 def wanted(x: torch.Tensor) -> bool:
@@ -98,7 +88,7 @@ def _norm(x, residual, weight, eps, out, add: int) -> torch.Tensor:
             out.stride(0), add, _DTYPE_CODE[dtype], torch.get_num_threads(),
         ),
     )  # fmt: skip
-    (_lib or _load()).rms_norm_packed(args.buffer_info()[0], eps)
+    (_LIBRARY.handle or _LIBRARY.require()).rms_norm_packed(args.buffer_info()[0], eps)
     return out
 
 
@@ -164,7 +154,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
             _DTYPE_CODE[dtype], torch.get_num_threads(),
         ),
     )  # fmt: skip
-    (_lib or _load()).silu_mul_packed(args.buffer_info()[0])
+    (_LIBRARY.handle or _LIBRARY.require()).silu_mul_packed(args.buffer_info()[0])
     return out
 
 
@@ -197,5 +187,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
             _DTYPE_CODE[x.dtype], torch.get_num_threads(),
         ),
     )  # fmt: skip
-    (_lib or _load()).rope_packed(args.buffer_info()[0])
+    (_LIBRARY.handle or _LIBRARY.require()).rope_packed(args.buffer_info()[0])
     return x

@@ -60,7 +60,7 @@ def decode_layers(step: array.array, layers: array.array, num_layers: int, eps: 
         ValueError: a kernel refused the step (a slot or block outside the cache, a seq_len past its
             table row); the layers before the failing one have run.
     """
-    lib = cpu_amx._lib  # loaded by the `available()` that chose this path; not re-checked every step
+    lib = cpu_amx.LIBRARY.handle  # loaded by the `available()` that chose this path; not re-checked every step
     if lib is None:
         raise RuntimeError(f"the fused decode layers are not available: {unavailable_reason()}")
     seconds = ctypes.c_double(0.0)

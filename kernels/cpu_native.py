@@ -29,21 +29,12 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-from pagedkv.paths import pagedkv_home
+from kernels.native_lib import CSRC, NativeLibrary
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_cpu.c"
+SOURCE = CSRC / "paged_cpu.c"
 #: The C files of the decode attention (entry, fast path, generic path) and the cache write.
 PAGED_SOURCES = (SOURCE, *(SOURCE.with_name(f"{n}.c")
                            for n in ("decode_fast_cpu", "decode_generic_cpu", "cache_write_cpu")))
@@ -53,134 +44,28 @@ SOURCES = (*PAGED_SOURCES, SOURCE.with_name("fused_cpu.c"))
 #: Headers the sources include (part of the build's cache key).
 HEADERS = tuple(SOURCE.with_name(f"{n}.h") for n in ("simd_cpu", "decode_cpu", "fp8_cpu"))
 ENV_SWITCH = "PAGEDKV_NATIVE_CPU"
-_BUILD_TIMEOUT_S = 120
 
-_lock = threading.Lock()
-_lib = None  # the loaded library, once built
-_tried = False
-#: Why the native kernels are not in use (None while it is, or before the first try).
-unavailable_reason: str | None = None
+#: The library (`kernels.native_lib`), built and loaded on first use.
+LIBRARY = NativeLibrary("the native CPU kernels are not available", "paged_cpu", SOURCES, HEADERS, switch=ENV_SWITCH)
+# Integer arguments go packed in one int64 array: converting 25 ctypes arguments costs more than a
+# batch-1 layer's attention.
+LIBRARY.declare("paged_decode_packed", [ctypes.c_void_p, ctypes.c_float])
+LIBRARY.declare("reshape_and_cache_packed", [ctypes.c_void_p])
 _forced: bool | None = None  # set by `use_native`
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (x86-64 Linux; empty elsewhere)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return frozenset()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
-def _arch_flags() -> list[str]:
-    flags = cpu_flags()
-    out = ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
-    if out and "f16c" in flags:
-        out.append("-mf16c")  # fp16 -> fp32 conversions: the fp8 cache reads of 8-wide builds
-    avx512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
-    if out and all(f in flags for f in avx512):
-        out += [f"-m{f}" for f in avx512]
-    return out
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def build_library(
-    sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS, extra_flags: tuple[str, ...] = (),
-    stem: str = "paged_cpu",
-) -> Path:
-    """Compile C `sources` into one shared library (or find it built); return its path.
-
-    The flags are `-O3 -fopenmp` (without OpenMP if the compiler lacks it), the host's vector
-    flags (`_arch_flags`) and `extra_flags`; the library is cached under
-    `$PAGEDKV_HOME/kernels/<stem>-<hash>.so`, the hash over sources, headers, flags and compiler.
-
-    Raises:
-        RuntimeError: no C compiler, or the build failed (its stderr is in the message).
-    """
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = b"".join(path.read_bytes() for path in (*sources, *headers))
-    errors = []
-    for openmp in (["-fopenmp"], []):  # a compiler without OpenMP still gives a 1-thread kernel
-        flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", *openmp, *_arch_flags(), *extra_flags]
-        key = hashlib.sha256(source + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
-        out_dir = pagedkv_home() / "kernels"
-        target = out_dir / f"{stem}-{key}.so"
-        if target.is_file():
-            return target
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-        os.close(fd)
-        try:
-            proc = subprocess.run(
-                [cc, *flags, "-o", tmp, *map(str, sources), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=_BUILD_TIMEOUT_S,
-            )
-            if proc.returncode == 0:
-                os.replace(tmp, target)  # atomic: concurrent builders each write their own tmp
-                return target
-            errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-500:]}")
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-    raise RuntimeError(f"building the native CPU kernels ({stem}) failed: " + " | ".join(errors))
-
-
-def open_library(switch: str, sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS,
-                 extra_flags: tuple[str, ...] = (), stem: str = "paged_cpu") -> ctypes.CDLL:
-    """Build (`build_library`) and load a library of native kernels unless the environment
-    variable `switch` is "0".
-
-    Raises:
-        RuntimeError: switched off, no compiler, a failed build or load (the reason is the message).
-    """
-    if os.environ.get(switch, "1") == "0":
-        raise RuntimeError(f"disabled by {switch}=0")
-    try:
-        return ctypes.CDLL(str(build_library(sources, headers, extra_flags, stem)))
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(str(e)) from e
-
-
-def _load():
-    global _lib, _tried, unavailable_reason
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        try:
-            lib = open_library(ENV_SWITCH)
-        except RuntimeError as e:
-            unavailable_reason = str(e)
-            return None
-        # Integer arguments go packed in one int64 array: converting 25 ctypes arguments costs
-        # more than a batch-1 layer's attention.
-        lib.paged_decode_packed.argtypes = [ctypes.c_void_p, ctypes.c_float]
-        lib.paged_decode_packed.restype = ctypes.c_int
-        lib.reshape_and_cache_packed.argtypes = [ctypes.c_void_p]
-        lib.reshape_and_cache_packed.restype = ctypes.c_int
-        _lib = lib
-        return _lib
+def __getattr__(name: str):
+    # `unavailable_reason`: why the native kernels are not in use (None while they are, or before the first try).
+    if name == "unavailable_reason":
+        return LIBRARY.unavailable_reason
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def available() -> bool:
     """True when the native kernels are built and loaded (builds them on the first call)."""
     if _forced is False:
         return False
-    return (_lib or _load()) is not None
+    return LIBRARY.available()
 
 
 @contextlib.contextmanager
@@ -221,10 +106,6 @@ def supports(rows: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     )
 
 
-def _not_available() -> RuntimeError:
-    return RuntimeError(f"the native CPU kernels are not available: {unavailable_reason}")
-
-
 def paged_decode(
     query: torch.Tensor,  # [rows, num_q_heads, head_dim] fp32 or bf16
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query's dtype or fp8
@@ -261,9 +142,7 @@ def paged_decode(
             outside [0, num_blocks); a seq_len needs more blocks than its table row holds.
         MemoryError: a thread could not allocate its score buffer.
     """
-    lib = _lib or _load()
-    if lib is None:
-        raise _not_available()
+    lib = LIBRARY.handle or LIBRARY.require()
     key = None
     if memo is not None:
         key = ("paged_decode", query.dtype, query.shape, query.stride(), out.shape, out.dtype, out.stride(),
@@ -353,9 +232,7 @@ def reshape_and_cache(
         ValueError: value rows of another dtype or layout; a slot outside
             [0, num_blocks * block_size); nothing is written then.
     """
-    lib = _lib or _load()
-    if lib is None:
-        raise _not_available()
+    lib = LIBRARY.handle or LIBRARY.require()
     if (
         not supports(value, key_cache, value_cache)
         or key.dtype != value.dtype

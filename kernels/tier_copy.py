@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv import test_hooks
+
 
 def block_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """``(src, dst, count)`` runs covering ``pairs`` (sorted by dst; a run is consecutive on both sides)."""
@@ -44,6 +46,9 @@ def copy_blocks_between(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tu
         pairs: (src block, dst block) ids, host ints; destinations distinct (then order among
             the pairs does not matter).
 
+    With a test hook at ``tier.copy_block`` (:mod:`pagedkv.test_hooks`) the blocks go one by one,
+    in destination order, the hook called before each: one that raises stops the copy there.
+
     Raises:
         ValueError: shapes or dtypes differ, an id out of range, a destination repeats (then
             nothing is copied).
@@ -59,6 +64,11 @@ def copy_blocks_between(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tu
     if len({d for _, d in pairs}) != len(pairs):
         raise ValueError(f"a dst block repeats in {list(pairs)}; copies would race")
     non_blocking = src.device.type == "cuda" or dst.device.type == "cuda"
+    if test_hooks.active("tier.copy_block"):  # tests: a hook before each block (one may stop the copy there)
+        for i, (s, d) in enumerate(sorted(pairs, key=lambda p: p[1])):
+            test_hooks.call("tier.copy_block", src=src, dst=dst, src_block=s, dst_block=d, index=i, count=len(pairs))
+            dst[d].copy_(src[s], non_blocking=non_blocking)
+        return
     for s, d, n in block_runs(pairs):
         dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
 

@@ -36,7 +36,7 @@ from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_fo
 from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
 from memory_service.worker_socket import WorkerSocketServer
-from pagedkv import tls
+from pagedkv import test_hooks, tls
 from pagedkv.credentials import default_admin_token_file
 from pagedkv.kv_scales import FP8_DTYPE, FP8_FLAGS, load_scales_file
 from pagedkv.logs import get_logger
@@ -233,6 +233,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv memory``."""
     args = build_parser().parse_args(argv)
+    test_hooks.install_from_env()
     return serve_main("memory", lambda: serve(args), (ValueError, RuntimeError, OSError))
 
 

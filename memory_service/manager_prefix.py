@@ -26,11 +26,11 @@ from collections.abc import Generator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from memory_service.block_hash import CacheKey
 from memory_service.prefix_cache import CachedPrefix
 from memory_service.receipts import commit_unproven, take_receipts
 from memory_service.requests import Allocation, Commit, CommitResult, Receipt, check_token_ids
 from memory_service.sequence import Sequence
+from pagedkv.block_hash import CacheKey
 from pagedkv.errors import InvalidArgumentError
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence as Seq
 
-from memory_service.block_hash import CacheKey
 from memory_service.prefix_cache import CachedPrefix
 from memory_service.requests import Stats, check_token_ids
 from memory_service.sequence import Sequence, SequenceInfo
+from pagedkv.block_hash import CacheKey
 
 
 class ManagerViews:

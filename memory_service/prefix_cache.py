@@ -2,7 +2,7 @@
 
 Follows vLLM v1's automatic prefix caching (vllm/v1/core/kv_cache_manager.py,
 block_pool.py): once the client reports a full block's KV computed, the block
-is registered under its chain hash (:mod:`memory_service.block_hash`); a later
+is registered under its chain hash (:mod:`pagedkv.block_hash`); a later
 sequence whose leading full blocks have the same hashes, and the same token ids
 (re-checked), shares those blocks instead of allocating and computing them.
 The pool keeps a freed cached block at the tail of its free queue and, when it
@@ -31,9 +31,9 @@ from collections.abc import Callable, Container, Generator, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from memory_service.block_hash import CacheKey, chain_hashes, leading_hits
 from memory_service.block_pool import BlockPool
 from memory_service.sequence import Sequence
+from pagedkv.block_hash import CacheKey, chain_hashes, leading_hits
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError
 from pagedkv.logs import get_logger
 

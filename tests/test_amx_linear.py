@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from compute_service.linear import Linear
-from kernels import cpu_amx, cpu_native
+from kernels import cpu_amx, native_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_amx = pytest.mark.skipif(not cpu_amx.available(), reason=f"no AMX kernel here: {cpu_amx.unavailable_reason}")
@@ -169,10 +169,10 @@ def test_switch_and_missing_cpu_flags_give_a_reason(monkeypatch):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True,
     ).stdout.strip()
     assert out == f"False disabled by {cpu_amx.ENV_SWITCH}=0"
-    monkeypatch.setattr(cpu_amx, "unavailable_reason", cpu_amx.unavailable_reason)
-    monkeypatch.setattr(cpu_amx, "_tried", False)
-    monkeypatch.setattr(cpu_amx, "_lib", None)
-    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpu_amx.LIBRARY, "unavailable_reason", cpu_amx.unavailable_reason)
+    monkeypatch.setattr(cpu_amx.LIBRARY, "_tried", False)
+    monkeypatch.setattr(cpu_amx.LIBRARY, "handle", None)
+    monkeypatch.setattr(native_lib, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     assert not cpu_amx.available()
     assert cpu_amx.unavailable_reason == "the CPU lacks amx_bf16, amx_tile"
     assert cpu_amx.weight_address(_weight(32, 32), torch.ops.mkldnn._reorder_linear_weight(_weight(32, 32))) is None

@@ -71,7 +71,7 @@ class TinyModel:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from client.tokenizer import load_tokenizer
+    from pagedkv.tokenizer import load_tokenizer
 
     path = tmp_path_factory.mktemp("smollm2_tokenizer")
     load_tokenizer("smollm2").save_pretrained(path)

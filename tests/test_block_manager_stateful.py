@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kv_tiers_model import Clock, Job, KvContent, run_step, snapshot
 
-from memory_service.block_hash import CacheKey, chain_hashes
 from memory_service.block_manager import BlockManager
 from memory_service.host_tier import CACHED, FREE, HELD, PENDING
 from memory_service.requests import Allocation, Append, OutOfBlocks
 from memory_service.tiers import DEVICE, HOST
+from pagedkv.block_hash import CacheKey, chain_hashes
 from pagedkv.errors import SWAP_LOST, FailedPreconditionError, OutOfHostBlocksError
 
 NUM_BLOCKS = 12

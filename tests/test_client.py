@@ -16,7 +16,8 @@ from client.engine import Engine
 from client.request import Request
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
-from client.tokenizer import encode_prompt, load_tokenizer
+from client.tokenizer import encode_prompt
+from pagedkv.tokenizer import load_tokenizer
 
 CHATS = [
     "What is the capital of France?",

@@ -17,7 +17,7 @@ from client.params import SamplingParams
 from client.request import Request
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
-from client.tokenizer import load_tokenizer
+from pagedkv.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
 PROMPTS = [[1, 504, 3458, 282, 4098, 314, 253] * 6, [1, 1204, 314, 260, 1345, 30, 2] * 5]  # 42 and 35 tokens

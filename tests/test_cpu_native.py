@@ -21,7 +21,7 @@ import torch
 from kernel_reference import make_case, make_fp8_case, make_fp8_code_case, ref_attention, tolerance
 
 import kernels
-from kernels import cpu_native
+from kernels import cpu_native, native_lib
 
 pytestmark = [pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built"),
               pytest.mark.usefixtures("one_torch_thread")]
@@ -235,15 +235,16 @@ def test_fp8_decode_matches_reference(heads, head_dim, block_size, dtype):
 def portable_fp8_decoder(monkeypatch):
     """The library built without AVX-512 and F16C (x86 hosts that have them): fp8 bytes decoded by
     the integer arithmetic that hosts without F16C (and other architectures) run."""
-    flags = cpu_native.cpu_flags()
+    flags = native_lib.cpu_flags()
     if "f16c" not in flags or "avx2" not in flags:
         pytest.skip("the default build already is the portable one here (no F16C)")
-    path = cpu_native.build_library(cpu_native.PAGED_SOURCES, extra_flags=("-mno-avx512f", "-mno-f16c"),
+    path = native_lib.build_library(cpu_native.PAGED_SOURCES, cpu_native.HEADERS,
+                                    extra_flags=("-mno-avx512f", "-mno-f16c"),
                                     stem="paged_cpu_portable")  # fmt: skip
     lib = ctypes.CDLL(str(path))
     lib.paged_decode_packed.argtypes = [ctypes.c_void_p, ctypes.c_float]
     lib.paged_decode_packed.restype = ctypes.c_int
-    monkeypatch.setattr(cpu_native, "_lib", lib)
+    monkeypatch.setattr(cpu_native.LIBRARY, "handle", lib)
 
 
 @pytest.mark.parametrize("decoder", ["default", "portable"])

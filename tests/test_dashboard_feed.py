@@ -18,8 +18,8 @@ import pytest
 from conftest import DASHBOARD_ADMIN_KEY, streamed_request
 from rich.console import Console
 
+from client.serve.block_states import CACHED, FREE, USED, encode, pool_map, runs, unruns
 from client.serve.dashboard_auth import COOKIE, LoginThrottle, Sessions, login_key, same_key
-from client.serve.pool_map import CACHED, FREE, USED, encode, pool_map, runs, unruns
 from client.services import MemoryClient, read_admin_token
 
 ADMIN = DASHBOARD_ADMIN_KEY

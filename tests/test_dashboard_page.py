@@ -21,8 +21,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from tiny_llama import make_tiny_llama
 
+from client.serve.block_states import MAX_CELLS
 from client.serve.dashboard_auth import COOKIE, MAX_FAILED_LOGINS
-from client.serve.pool_map import MAX_CELLS
 from client.services import MemoryClient, read_admin_token
 from client.stack import LocalStack
 

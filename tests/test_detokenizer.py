@@ -8,7 +8,7 @@ import random
 import pytest
 
 from client.detokenizer import Detokenizer
-from client.tokenizer import load_tokenizer
+from pagedkv.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello, world! 你好，世界 🤖🎉 café naïve — ok",

@@ -37,10 +37,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from client.errors import error_info
-from memory_service.block_hash import CacheKey, chain_hashes
 from memory_service.layout import make_layout
 from memory_service.leases import MAX_OWNER_CHARS
 from memory_service.paging import MAX_PAGE_SIZE, encode_page_token
+from pagedkv.block_hash import CacheKey, chain_hashes
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.grants import grant_signed, sign_receipt, token_digest
 from pagedkv.kv_scales import sign_scales

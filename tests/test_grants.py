@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from compute_service.grant_check import check_grants, sign_receipts
-from memory_service.block_hash import CacheKey
 from memory_service.block_manager import BlockManager
 from memory_service.requests import Allocation, Append
 from memory_service.step_grants import GrantSigner
+from pagedkv.block_hash import CacheKey
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.errors import PermissionDeniedError
 from pagedkv.grant.v1 import grant_pb2

@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 
-from memory_service.block_hash import CacheKey
 from memory_service.block_manager import BlockManager
 from memory_service.requests import Allocation, Append, BlockCopy, OutOfBlocks, Receipt
 from memory_service.tiers import DEVICE, HOST
+from pagedkv.block_hash import CacheKey
 from pagedkv.errors import HOST_TIER_OFF, SWAP_LOST, FailedPreconditionError, InvalidArgumentError, OutOfHostBlocksError
 from pagedkv.grants import token_digest
 

@@ -266,7 +266,7 @@ def test_bad_pool_and_weights_raise(ours):
 
 
 def test_tokenizer_cached_copy_matches(hf_tokenizer, tmp_path, monkeypatch):
-    from client.tokenizer import load_tokenizer
+    from pagedkv.tokenizer import load_tokenizer
 
     monkeypatch.setenv("PAGEDKV_HOME", str(tmp_path))
     first = load_tokenizer.__wrapped__("smollm2")

@@ -28,10 +28,11 @@ from conftest import ROOT, pagedkv_process
 from client import Client, SamplingParams
 from client.services import MemoryClient, WorkerClient
 from client.stack import LocalStack
-from client.tokenizer import load_tokenizer, tokenizer_source
-from memory_service.block_hash import CacheKey, chain_hashes
+from client.tokenizer import tokenizer_source
+from pagedkv.block_hash import CacheKey, chain_hashes
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.model_source import ModelNotCachedError, fingerprint, model_identity, resolve_model
+from pagedkv.tokenizer import load_tokenizer
 
 REPO = "pagedkv-test/tiny-llama"
 #: Commits of the two revisions on the stand-in Hub: `main` and the tag `v2`.

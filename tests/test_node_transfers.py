@@ -1,9 +1,10 @@
 """Two nodes on one machine: a prefix computed on node A is read by node B over NIXL (UCX on loopback).
 
 Each node is a memory service (its own pool, the same --transfer-key-file) and a worker started
-with --node-transfers; node C's worker fails every transfer after one block
-(PAGEDKV_TRANSFER_FAIL_AFTER=1). Checked against the engine's own step traces, the memory
-services' counters and a cold run on the same node (another cache salt, so nothing is shared).
+with --node-transfers; node C's worker fails every transfer after one block (the test hook
+tests/hooks/transfer_fail_after.py, PAGEDKV_TRANSFER_FAIL_AFTER=1). Checked against the engine's
+own step traces, the memory services' counters and a cold run on the same node (another cache
+salt, so nothing is shared).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import signal
 import time
 
 import pytest
-from conftest import local_stack, pagedkv_process
+from conftest import hook_env, local_stack, pagedkv_process
 
 from client.api import Client
 from client.cluster import Cluster, NodeSpec
@@ -39,7 +40,7 @@ def nodes(tmp_path_factory):
     key.chmod(0o600)
     stacks = {}
     try:
-        for name, env in (("a", None), ("b", None), ("c", {"PAGEDKV_TRANSFER_FAIL_AFTER": "1"})):
+        for name, env in (("a", None), ("b", None), ("c", hook_env("tests.hooks.transfer_fail_after", PAGEDKV_TRANSFER_FAIL_AFTER="1"))):
             s = local_stack(tmp, node_args(tmp, name, key), name=name)
             s.worker_args, s.env = ["--node-transfers"], env
             stacks[name] = s.start()
@@ -125,7 +126,7 @@ def test_a_transfer_that_fails_part_way_is_recomputed_and_leaks_nothing(nodes):
 
 def wait_indexed(cluster: Cluster, node: str, prompt: list[int], blocks: int, timeout: float = 10.0) -> None:
     """Until the router's index knows that ``node`` holds ``blocks`` leading blocks of ``prompt``."""
-    from memory_service.block_hash import CacheKey, chain_hashes
+    from pagedkv.block_hash import CacheKey, chain_hashes
 
     hashes = chain_hashes(prompt, BS, CacheKey(cluster.engine.model_id, ""), blocks)
     deadline = time.monotonic() + timeout

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from memory_service.block_hash import CacheKey, block_hash, chain_hashes
 from memory_service.block_manager import BlockManager
 from memory_service.requests import Allocation, Append, Commit, CommitResult, OutOfBlocks
+from pagedkv.block_hash import CacheKey, block_hash, chain_hashes
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 B = 4
@@ -88,7 +88,7 @@ def test_hash_domains_are_separate():
 
 def test_hashes_stable_across_processes():
     here = chain_hashes(list(range(12)), 4, CacheKey("smollm2", "salt"), 3)
-    code = ("from memory_service.block_hash import CacheKey, chain_hashes;"
+    code = ("from pagedkv.block_hash import CacheKey, chain_hashes;"
             "print([h.hex() for h in chain_hashes(list(range(12)), 4, CacheKey('smollm2', 'salt'), 3)])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str([h.hex() for h in here])

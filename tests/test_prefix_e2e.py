@@ -16,9 +16,10 @@ from client.engine import Engine
 from client.request import Request
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
-from client.tokenizer import encode_prompt, load_tokenizer
+from client.tokenizer import encode_prompt
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from pagedkv.tokenizer import load_tokenizer
 
 SYSTEM = ("You are a meticulous assistant for a library that lends books, maps and musical instruments. "
           "Always answer in one short sentence. Opening hours are nine to five on weekdays and ten to two on "

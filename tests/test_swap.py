@@ -22,11 +22,11 @@ from client.errors import FailedPrecondition, OutOfBlocks, OutOfHostBlocks
 from client.params import SamplingParams
 from client.request import Request, Status
 from client.scheduler import SchedulerConfig
-from client.tokenizer import load_tokenizer
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.errors import HOST_TIER_OFF, OUT_OF_HOST_BLOCKS, SWAP_LOST
 from pagedkv.grant.v1 import grant_pb2 as gpb
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.tokenizer import load_tokenizer
 
 BS = 4
 DEVICE, HOST = gpb.MEDIUM_DEVICE, gpb.MEDIUM_HOST

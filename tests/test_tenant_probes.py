@@ -16,10 +16,11 @@ from client import SamplingParams
 from client.engine import Engine
 from client.request import Request
 from client.services import MemoryClient, WorkerClient
-from client.tokenizer import encode_prompt, load_tokenizer
+from client.tokenizer import encode_prompt
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

@@ -14,10 +14,10 @@ from client.params import SamplingParams
 from client.request import Request
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
-from client.tokenizer import load_tokenizer
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+from pagedkv.tokenizer import load_tokenizer
 
 PROMPTS = ["The capital of France is", "Three prime numbers are"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

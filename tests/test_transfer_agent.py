@@ -14,11 +14,13 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from compute_service.transfer_agent import FAIL_AFTER_ENV, TransferAgent, TransferError, TransferSource, merge_runs
+from compute_service.transfer_agent import TransferAgent, TransferError, TransferSource, merge_runs
+from pagedkv import test_hooks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,6 +32,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SENTINEL = -7.0
 #: Seconds the child may take to start (torch + NIXL import, two agents).
 START_S = 60
+#: The test hook module of the injected fault (tests/hooks), and its parameter.
+FAIL_AFTER_HOOK = str(Path(__file__).resolve().parent / "hooks" / "transfer_fail_after.py")
+FAIL_AFTER_ENV = "PAGEDKV_TRANSFER_FAIL_AFTER"
 
 
 def _source_node(conn, prefix: str) -> None:
@@ -149,12 +154,13 @@ def test_mismatched_block_bytes_are_refused(fresh):
 def test_injected_fault_after_two_pairs(fresh, monkeypatch):
     monkeypatch.setenv(FAIL_AFTER_ENV, "2")
     reader, source = fresh.readers["float32"], fresh.sources["float32"]
-    with pytest.raises(TransferError) as err:
-        reader.read_blocks(source, [(4, 1), (0, 3), (6, 0), (1, 5)])
-    assert err.value.blocks_done == 2
-    assert_blocks(fresh, "float32", {1: 4, 3: 0})
-    reader.read_blocks(source, [(6, 0), (1, 5)])  # at most k pairs: no fault
-    assert_blocks(fresh, "float32", {1: 4, 3: 0, 0: 6, 5: 1})
+    with test_hooks.installed(FAIL_AFTER_HOOK):
+        with pytest.raises(TransferError) as err:
+            reader.read_blocks(source, [(4, 1), (0, 3), (6, 0), (1, 5)])
+        assert err.value.blocks_done == 2
+        assert_blocks(fresh, "float32", {1: 4, 3: 0})
+        reader.read_blocks(source, [(6, 0), (1, 5)])  # at most k pairs: no fault
+        assert_blocks(fresh, "float32", {1: 4, 3: 0, 0: 6, 5: 1})
 
 
 def test_metadata_is_reused_and_replaced_when_it_changes(fresh, monkeypatch):

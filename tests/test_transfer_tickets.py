@@ -12,12 +12,12 @@ import os
 
 import pytest
 
-from memory_service.block_hash import CacheKey, chain_hashes
 from memory_service.block_manager import BlockManager
 from memory_service.requests import Allocation, Commit, Receipt, RemotePrefix
 from memory_service.step_grants import GrantSigner
 from memory_service.tiers import DEVICE, REMOTE
 from memory_service.transfers import NodeTransfers
+from pagedkv.block_hash import CacheKey, chain_hashes
 from pagedkv.errors import (
     TRANSFER_TICKET_REFUSED,
     TRANSFERS_OFF,

@@ -27,7 +27,7 @@ def make_tiny_llama(path: Path, seed: int = 0):
     ``path``; returns the transformers model (fp32, eval)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from client.tokenizer import load_tokenizer
+    from pagedkv.tokenizer import load_tokenizer
 
     model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
     g = torch.Generator().manual_seed(seed)  # the weights do not depend on transformers' own init

@@ -8,8 +8,8 @@ The JSON (``type: "snapshot"``; the browser page and ``pagedkv top`` read it)::
     scope                     "all leases" (the feed holds the memory service's admin token) or
                               "own lease" (it does not: other leases are hidden); scope_note says why
     pool                      device tier: total_blocks, block_size, generation, counts
-                              {free, used, cached} of this map, exact (see client.serve.pool_map),
-                              and the blocks (client.serve.pool_map.encode)
+                              {free, used, cached} of this map, exact (see client.serve.block_states),
+                              and the blocks (client.serve.block_states.encode)
     host                      the host tier's map in the same form, or null without one
     stats                     every field of GetStats, as the memory service answered
     requests.running          this front's running requests: request_id, status, prompt_tokens, n,
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from client.request import Request
-from client.serve.pool_map import MEDIUM_DEVICE, MEDIUM_HOST, encode, pool_map
+from client.serve.block_states import MEDIUM_DEVICE, MEDIUM_HOST, encode, pool_map
 from client.serve.rates import History
 
 #: The snapshot's schema version.

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from client.errors import from_rpc_error
-from client.serve.pool_map import MEDIUM_HOST
+from client.serve.block_states import MEDIUM_HOST
 from pagedkv.logs import get_logger
 
 log = get_logger("dashboard")

@@ -24,6 +24,7 @@ from client.cluster import Cluster
 from client.serve.app import Server, create_app
 from client.serve.backends import resolve
 from client.serve.config import parse_args
+from pagedkv import test_hooks
 from pagedkv.logs import get_logger
 from pagedkv.tls import TlsFiles
 
@@ -76,6 +77,7 @@ def _write_ready(server: uvicorn.Server, path: Path, address: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv serve``; returns the exit code (0 after SIGINT or SIGTERM)."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    test_hooks.install_from_env()
     # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal to the handler in
     # place before it; this one lets the process return normally, so the lease is released and
     # embedded services are stopped below.

@@ -1,5 +1,5 @@
 // pagedkv dashboard: draws the snapshots of GET /dashboard/events (their fields are listed in
-// client/serve/dashboard_snapshot.py; the block map's encoding in client/serve/pool_map.py).
+// client/serve/dashboard_snapshot.py; the block map's encoding in client/serve/block_states.py).
 // No build step and no library: the DOM for the grid and the tables, SVG for the charts.
 //
 // Flow: GET /dashboard/snapshot paints first (401: the login form; 403: the server has no
@@ -57,7 +57,7 @@
     return e;
   }
 
-  // A [value, length, value, length, ...] list (pool_map.runs) as one value per block.
+  // A [value, length, value, length, ...] list (block_states.runs) as one value per block.
   function unruns(runs, n) {
     const out = new Uint32Array(n);
     let at = 0;
