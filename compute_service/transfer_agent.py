@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import operator
-import os
 import sys
 import threading
 import time
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedkv.config import env_is_set, env_text
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.logs import get_logger
 from pagedkv.transfer import source_digest
@@ -72,7 +72,7 @@ def _nixl_api():
     nixl_logger = logging.getLogger("nixl")
     if not any(isinstance(h, _ToStructlog) for h in nixl_logger.handlers):
         nixl_logger.handlers = [_ToStructlog()]  # not NIXL's own handler, which prints INFO to stdout
-        if "NIXL_LOG_LEVEL" not in os.environ:
+        if not env_is_set("NIXL_LOG_LEVEL"):
             nixl_logger.setLevel(logging.WARNING)
     return _api
 
@@ -244,7 +244,7 @@ class TransferAgent:
                 flight) and the peer's remote agent is removed (the next call adds it again).
         """
         checked = self._check(source, pairs)
-        fail_after = os.environ.get(FAIL_AFTER_ENV, "")
+        fail_after = env_text(FAIL_AFTER_ENV) or ""
         if fail_after and not fail_after.isdigit():
             raise ValueError(f"{FAIL_AFTER_ENV}={fail_after!r}: need a count of block pairs >= 0")
         todo = checked[:int(fail_after)] if fail_after else checked

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import array
 import ctypes
-import os
 import threading
 
 import torch
 
 from kernels import cpu_native
+from pagedkv.config import env
 
 ENV_SWITCH = "PAGEDKV_AMX_LINEAR"
 _SOURCE = cpu_native.SOURCE.with_name("amx_linear.c")
@@ -54,7 +54,7 @@ def _load():
         _tried = True
         missing = [f for f in _CPU_FLAGS if f not in cpu_native.cpu_flags()]
         try:
-            if missing and os.environ.get(ENV_SWITCH, "1") != "0":
+            if missing and env(ENV_SWITCH):
                 raise RuntimeError(f"the CPU lacks {', '.join(missing)}")
             lib = cpu_native.open_library(ENV_SWITCH, _SOURCES, cpu_native.HEADERS, stem="amx_linear")
             if lib.amx_request() != 0:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.config import env
 from pagedkv.paths import pagedkv_home
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_cpu.c"
@@ -83,7 +84,7 @@ def _arch_flags() -> list[str]:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for name in (env("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -143,7 +144,7 @@ def open_library(switch: str, sources: tuple[Path, ...] = SOURCES, headers: tupl
     Raises:
         RuntimeError: switched off, no compiler, a failed build or load (the reason is the message).
     """
-    if os.environ.get(switch, "1") == "0":
+    if not env(switch):
         raise RuntimeError(f"disabled by {switch}=0")
     try:
         return ctypes.CDLL(str(build_library(sources, headers, extra_flags, stem)))

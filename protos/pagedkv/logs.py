@@ -7,10 +7,11 @@ JSON lines on stderr with ISO timestamps; level from ``PAGEDKV_LOG_LEVEL``
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import structlog
+
+from pagedkv.config.envs import env
 
 _configured = False
 
@@ -20,7 +21,7 @@ def configure_logging(level: str | None = None) -> None:
     global _configured
     if _configured:
         return
-    name = (level or os.environ.get("PAGEDKV_LOG_LEVEL", "info")).upper()
+    name = (level or env("PAGEDKV_LOG_LEVEL")).upper()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
