@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from dataclasses import dataclass
 
 from memory_service.authz import create_admin_token
 from memory_service.block_manager import BlockManager
@@ -37,7 +38,15 @@ from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
 from memory_service.worker_socket import WorkerSocketServer
 from pagedkv import config
-from pagedkv.config import DEFAULT_CPU_KV_MEMORY, DEFAULT_CUDA_KV_MEMORY, env, flags, host_cache_bytes, parse_bytes
+from pagedkv.config import (
+    DEFAULT_CPU_KV_MEMORY,
+    DEFAULT_CUDA_KV_MEMORY,
+    DType,
+    env,
+    flags,
+    host_cache_bytes,
+    parse_bytes,
+)
 from pagedkv.credentials import default_admin_token_file
 from pagedkv.kv_scales import load_scales_file
 from pagedkv.logs import get_logger
@@ -116,38 +125,69 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """The pool the flags ask for, parsed and checked once (:meth:`from_args`)."""
+
+    #: "cpu", "cuda" or "cuda:N".
+    device: str
+    #: The pool's element type (``--kv-cache-dtype``; auto: :func:`pagedkv.config.default_dtype`).
+    dtype: DType
+    #: Tokens per block.
+    block_size: int
+    #: Blocks in the pool (``--num-blocks``); None: sized by ``kv_cache_memory``.
+    num_blocks: int | None
+    #: Bytes of the pool (``--kv-cache-memory`` or the device's default); None with ``num_blocks``.
+    kv_cache_memory: int | None
+    #: Bytes of the host tier (``--host-cache-memory``); 0: none.
+    host_cache_memory: int
+    #: An fp8 pool's scales file (``--kv-scales-file``).
+    kv_scales_file: str | None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PoolSpec:
+        """Raises ValueError: a device, dtype or size that is not valid, or scales for a pool that is not fp8."""
+        cuda = args.device.startswith("cuda")
+        if not cuda and args.device != "cpu":
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        dtype = config.pool_dtype(args.kv_cache_dtype, cuda=cuda)
+        if args.kv_scales_file and not dtype.is_fp8:
+            raise ValueError(f"--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds {dtype}")
+        memory = None
+        if args.num_blocks is None:
+            memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if cuda else DEFAULT_CPU_KV_MEMORY))
+        return cls(args.device, dtype, args.block_size, args.num_blocks, memory,
+                   host_cache_bytes(args.host_cache_memory), args.kv_scales_file)
+
+
 def create_pool(args: argparse.Namespace, model: ResolvedModel | None = None) -> Pool:
-    """The pool the flags ask for; its layout from ``model`` (default: ``args.model`` resolved, config only).
+    """The pool the flags ask for (:class:`PoolSpec`); its layout from ``model`` (default: ``args.model``
+    resolved, config only).
 
     Raises:
         ValueError: inconsistent or invalid flags.
         RuntimeError: cuda requested without CuPy.
     """
-    device = args.device
-    is_cuda = device.startswith("cuda")
-    if not is_cuda and device != "cpu":
-        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
-    dtype = config.pool_dtype(args.kv_cache_dtype, cuda=is_cuda)
-    if args.kv_scales_file and not dtype.is_fp8:
-        raise ValueError(f"--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds {dtype}")
-    memory = None
-    if args.num_blocks is None:
-        memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if is_cuda else DEFAULT_CPU_KV_MEMORY))
+    spec = PoolSpec.from_args(args)
     model = model or resolve_model(args.model, args.revision, files="config")
-    layout = make_layout(model.load_source, block_size=args.block_size, dtype=dtype, num_blocks=args.num_blocks, kv_cache_memory=memory)
-    host_bytes = host_cache_bytes(args.host_cache_memory)
-    host_blocks = host_bytes // layout.block_nbytes
-    if host_bytes and not host_blocks:
-        raise ValueError(f"--host-cache-memory {host_bytes} bytes holds no block of {layout.block_nbytes} bytes; "
-                         "give at least one block's size, or 0 for no host tier")
+    layout = make_layout(model.load_source, block_size=spec.block_size, dtype=spec.dtype, num_blocks=spec.num_blocks,
+                         kv_cache_memory=spec.kv_cache_memory)
+    host_blocks = spec.host_cache_memory // layout.block_nbytes
+    if spec.host_cache_memory and not host_blocks:
+        raise ValueError(f"--host-cache-memory {spec.host_cache_memory} bytes holds no block of {layout.block_nbytes} "
+                         "bytes; give at least one block's size, or 0 for no host tier")
     scales = None
-    if args.kv_scales_file:
+    if spec.kv_scales_file:
         try:
-            scales = load_scales_file(args.kv_scales_file, layout.num_layers, layout.num_kv_heads)
+            scales = load_scales_file(spec.kv_scales_file, layout.num_layers, layout.num_kv_heads)
         except OSError as e:
-            raise ValueError(f"--kv-scales-file {args.kv_scales_file}: cannot read it: {e.strerror or e}") from None
-    if is_cuda:
-        index = int(device.split(":", 1)[1]) if ":" in device else 0
+            raise ValueError(f"--kv-scales-file {spec.kv_scales_file}: cannot read it: {e.strerror or e}") from None
+    if spec.cuda:
+        index = int(spec.device.split(":", 1)[1]) if ":" in spec.device else 0
         pool = CudaPool(layout, device_index=index, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
     else:
         pool = CpuPool(layout, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
