@@ -42,7 +42,7 @@ from compute_service.worker import Worker
 from pagedkv import config, tls
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
 from pagedkv.config import env, flags
-from pagedkv.logs import get_logger
+from pagedkv.logs import configure_logging, get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
 from pagedkv.model_source import resolve_model
@@ -69,6 +69,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "workers of other nodes can read its blocks and this one theirs (needs nixl-cu12; trusted "
                         "network only: docs/security.md)")
     flags.add_tls_args(p)  # also this worker's credentials towards the memory service
+    flags.add_logging_args(p)
     return p
 
 
@@ -291,6 +292,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv compute``."""
     args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
     return serve_main("compute", lambda: serve(args), (ValueError, RuntimeError, OSError, LookupError, ImportError))
 
 

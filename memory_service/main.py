@@ -49,7 +49,7 @@ from pagedkv.config import (
 )
 from pagedkv.credentials import default_admin_token_file
 from pagedkv.kv_scales import load_scales_file
-from pagedkv.logs import get_logger
+from pagedkv.logs import configure_logging, get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.model_source import ResolvedModel, resolve_model
 from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
@@ -106,6 +106,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "(default $PAGEDKV_HOME/run/memory-<pid>.sock)")
     p.add_argument("--grace", type=float, default=2.0, help="seconds between NOT_SERVING and releasing the pool (default 2)")
     flags.add_tls_args(p)
+    flags.add_logging_args(p)
     p.add_argument("--admin-token-file", default=None,
                    help="write a fresh admin token here at start, mode 0600 (default $PAGEDKV_HOME/admin-token)")
     p.add_argument("--max-blocks-per-lease", type=_quota, default=None,
@@ -254,6 +255,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv memory``."""
     args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
     return serve_main("memory", lambda: serve(args), (ValueError, RuntimeError, OSError))
 
 

@@ -263,7 +263,8 @@ def test_serve_gives_its_embedded_services_explicit_flags(monkeypatch, tmp_path)
                 "PAGEDKV_MEMORY_HOST": "127.0.0.8", "PAGEDKV_COMPUTE_HOST": "127.0.0.7"}
     for k, v in polluted.items():
         monkeypatch.setenv(k, v)
-    args = parse_args(["--device", "cpu", "--dtype", "bfloat16", "--block-size", "8"])
+    monkeypatch.setenv("PAGEDKV_LOG_LEVEL", "error")
+    args = parse_args(["--device", "cpu", "--dtype", "bfloat16", "--block-size", "8", "--log-level", "warning"])
     assert args.port == 9101
     args.tls = None
     commands = []
@@ -280,10 +281,11 @@ def test_serve_gives_its_embedded_services_explicit_flags(monkeypatch, tmp_path)
     assert memory_cmd[0] == "memory" and compute_cmd[0] == "compute"
     mem = memory_parser().parse_args(memory_cmd[1:])
     assert (mem.port, mem.host, mem.device, mem.block_size) == (0, "127.0.0.1", "cpu", 8)
-    assert (mem.kv_cache_dtype, mem.host_cache_memory, mem.model) == ("bfloat16", "0", "smollm2")
+    assert (mem.kv_cache_dtype, mem.host_cache_memory, mem.model, mem.log_level) == ("bfloat16", "0", "smollm2",
+                                                                                      "warning")
     worker = compute_parser().parse_args(compute_cmd[1:])
     assert (worker.port, worker.host, worker.device, worker.dtype) == (0, "127.0.0.1", "cpu", "bfloat16")
-    assert worker.memory == "127.0.0.1:20001" and worker.model == "smollm2"
+    assert (worker.memory, worker.model, worker.log_level) == ("127.0.0.1:20001", "smollm2", "warning")
 
 
 def test_every_subcommand_adds_the_shared_flag_groups():
@@ -295,12 +297,26 @@ def test_every_subcommand_adds_the_shared_flag_groups():
     def options(p):
         return {o for a in p._actions for o in a.option_strings}
 
-    tls = {"--tls-cert", "--tls-key", "--tls-ca"}
+    tls = {"--tls-cert", "--tls-key", "--tls-ca", "--log-level"}
     model = {"--model", "--revision"}
     pool = {"--block-size", "--kv-cache-memory", "--host-cache-memory"}
     assert tls | model | pool | {"--kv-cache-dtype", "--num-blocks"} <= options(memory_parser())
     assert tls | model | {"--dtype"} <= options(compute_parser())
     assert tls | model | pool | {"--dtype", "--kv-cache-dtype"} <= options(serve_parser())
     subs = next(a for a in cli_parser()._actions if a.dest == "command").choices
+    tls -= {"--log-level"}  # the client subcommands log nothing
     assert tls | model | pool | {"--num-blocks"} <= options(subs["up"])
     assert tls <= options(subs["generate"]) and tls <= options(subs["stats"])
+
+
+def test_log_level_reaches_module_level_loggers():
+    code = ("from pagedkv.logs import configure_logging, get_logger\n"
+            "log = get_logger('x')\n"
+            "configure_logging('warning')\n"
+            "log.info('hidden_event')\n"
+            "log.warning('shown_event')\n")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stderr
+    assert "shown_event" in err and "hidden_event" not in err, err
+    from memory_service.main import build_parser
+
+    assert build_parser().parse_args(["--log-level", "DEBUG"]).log_level == "debug"

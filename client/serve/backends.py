@@ -113,7 +113,8 @@ def embedded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
     Every pool flag is explicit (the children inherit this process's environment, whose
     variables must not configure them behind the server's back); :class:`~client.stack.LocalStack`
-    adds ``--host``, ``--port``, ``--device``, ``--model``, ``--revision`` and TLS.
+    adds ``--host``, ``--port``, ``--device``, ``--model``, ``--revision`` and TLS, and :func:`_embedded`
+    ``--log-level``. Workers get ``--dtype`` (the model's), the memory service the pool's flags.
     """
     memory_args = ["--block-size", str(args.block_size or 16),
                    "--kv-cache-dtype", args.pool_dtype.name if args.pool_dtype else "auto",
@@ -129,6 +130,8 @@ def embedded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def _embedded(args: argparse.Namespace) -> Backends:
     memory_args, worker_args = embedded_args(args)
+    log_level = ["--log-level", args.log_level]
+    memory_args, worker_args = [*log_level, *memory_args], [*log_level, *worker_args]
     stack = LocalStack(memory_args, worker_args=worker_args, device=args.device or default_device(),
                        model=args.model or "smollm2",
                        revision=args.revision, host="127.0.0.1", name="serve", tls=args.tls).start()

@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     plane = p.add_argument_group("internal plane (mutual TLS; the scheduler's certificate, also given to embedded "
                                  "services; none: plaintext, loopback only)")
     flags.add_tls_args(plane)
+    flags.add_logging_args(p)
     http = p.add_argument_group("HTTP")
     http.add_argument("--host", default=_env("SERVE_HOST"), help="address to bind (default 127.0.0.1)")
     http.add_argument("--port", type=int, default=_env("SERVE_PORT", config.SERVE_PORT), help="port; 0 = any free port (default 8000)")

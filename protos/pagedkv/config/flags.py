@@ -6,6 +6,7 @@
 - :func:`add_pool_args`: ``--block-size``, ``--kv-cache-memory`` (``--num-blocks``),
   ``--host-cache-memory``, ``--kv-cache-dtype``;
 - :func:`add_tls_args`: ``--tls-cert``, ``--tls-key``, ``--tls-ca`` (:mod:`pagedkv.tls`);
+- :func:`add_logging_args`: ``--log-level`` (``PAGEDKV_LOG_LEVEL``; :mod:`pagedkv.logs`);
 - :func:`refuse_pool_dtype_flag`: ``pagedkv memory --dtype``, refused (the pool's is ``--kv-cache-dtype``).
 """
 
@@ -110,3 +111,14 @@ def add_tls_args(p: Parser) -> None:
     for name in ("cert", "key", "ca"):
         p.add_argument(f"--tls-{name}", dest=f"tls_{name}", default=env(f"PAGEDKV_TLS_{name.upper()}"),
                        metavar="PEM", help=helps[name])
+
+
+#: ``--log-level`` choices (:mod:`pagedkv.logs`).
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_logging_args(p: Parser) -> None:
+    """``--log-level`` (default ``PAGEDKV_LOG_LEVEL``, else info); the service's main applies it with
+    :func:`pagedkv.logs.configure_logging` before anything logs."""
+    p.add_argument("--log-level", default=env("PAGEDKV_LOG_LEVEL").lower(), type=str.lower, choices=LOG_LEVELS,
+                   help="structlog level: debug, info, warning or error (default info; env PAGEDKV_LOG_LEVEL)")
