@@ -81,7 +81,7 @@ E = EnvVar
 ENV_VARS: dict[str, EnvVar] = _vars(
     # --- every process
     E("PAGEDKV_HOME", "str", None, "folder of the state file, admin token, sockets and caches (default ~/.cache/pagedkv)"),
-    E("PAGEDKV_LOG_LEVEL", "str", "info", "structlog level of every process: debug, info, warning, error"),
+    E("PAGEDKV_LOG_LEVEL", "str", "info", "--log-level of memory, compute and serve: debug, info, warning, error"),
     E("PAGEDKV_TLS_CERT", "str", None, "--tls-cert: this member's certificate (PEM) for mutual TLS on the internal plane"),
     E("PAGEDKV_TLS_KEY", "str", None, "--tls-key: its private key (PEM)"),
     E("PAGEDKV_TLS_CA", "str", None, "--tls-ca: the plane's CA certificate (PEM)"),
