@@ -57,8 +57,6 @@ from pagedkv.transfer import load_transfer_key
 
 log = get_logger("memory_service")
 
-
-
 #: Live sequences one lease may hold unless --max-sequences-per-lease says otherwise: an expired or
 #: released lease's sequences leave the table in one turn of the event loop (65,536 took ~90 ms on
 #: a quiet 2-core VM, 16,384 take ~22 ms), and a scheduler runs far fewer at once (vLLM: 256).
