@@ -221,7 +221,7 @@ def main() -> int:
             result["runs"][dataset] = {"num_requests": len(trace)}
             for name, policy, bs in POLICIES:
                 svc = Service(["memory", "--num-blocks", str(args.budget // bs), "--block-size", str(bs),
-                               "--dtype", "float16", "--no-prefix-caching", "--lease-ttl", "600"],
+                               "--kv-cache-dtype", "float16", "--no-prefix-caching", "--lease-ttl", "600"],
                               f"{dataset}-{name}", Path(tmp))
                 try:
                     run = replay(svc.address, policy, bs, trace, steps, args.max_num_seqs)

@@ -214,7 +214,7 @@ class Windows:
 
 def node_stack(name: str, dtype: str, prefixes: list[int], key: Path | None) -> Stack:
     """A node: memory service + one worker; with ``key``, a transfer key and ``--node-transfers``."""
-    args = ["--num-blocks", str(2 * (max(prefixes) + SUFFIX) // BS + 256), "--block-size", str(BS), "--dtype", dtype]
+    args = ["--num-blocks", str(2 * (max(prefixes) + SUFFIX) // BS + 256), "--block-size", str(BS), "--kv-cache-dtype", dtype]
     node = Stack(args + (["--transfer-key-file", str(key), "--node-name", name] if key else []), f"nodes-{name}")
     node.worker_args = ["--node-transfers"] if key else []
     return node

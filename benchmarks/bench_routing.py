@@ -141,7 +141,7 @@ def main() -> int:
         key.chmod(0o600)
         stacks = []
         for name in "ab":
-            s = Stack(["--kv-cache-memory", "1GiB", "--block-size", str(BS), "--dtype", "bfloat16",
+            s = Stack(["--kv-cache-memory", "1GiB", "--block-size", str(BS), "--kv-cache-dtype", "bfloat16",
                        "--transfer-key-file", str(key), "--node-name", name], f"routing-{name}")
             s.worker_args = ["--node-transfers"]
             stacks.append(es.enter_context(s))

@@ -31,6 +31,7 @@ from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
 from client.tokenizer import Messages, encode_prompt, tokenizer_source
 from client.transfers import connect_peers
+from pagedkv.config import DEFAULT_MEMORY, DEFAULT_WORKER
 from pagedkv.logs import get_logger
 from pagedkv.tls import TlsFiles
 from pagedkv.tokenizer import load_tokenizer
@@ -201,7 +202,7 @@ class Client:
             id, in its Hugging Face cache at the worker's revision, with downloads off).
     """
 
-    def __init__(self, memory: str = "127.0.0.1:50051", workers: Iterable[str] = ("127.0.0.1:50052",), *,
+    def __init__(self, memory: str = DEFAULT_MEMORY, workers: Iterable[str] = (DEFAULT_WORKER,), *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None,
                  max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
                  tls: TlsFiles | None = None, preemption_mode: str = "recompute", peers: Iterable[str] = (),

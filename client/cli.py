@@ -23,7 +23,9 @@ import argparse
 import importlib
 import sys
 
+from pagedkv import config
 from pagedkv import tls as plane_tls
+from pagedkv.config import flags
 
 _SERVICES = {"memory": "memory_service.main", "compute": "compute_service.main", "serve": "client.serve.main",
              "top": "client.top"}
@@ -39,19 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("top", help="watch a `pagedkv serve`'s pool and requests live in the terminal", add_help=False)
     up = sub.add_parser("up", help="start a memory service and a worker on this machine")
     up.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    up.add_argument("--model", default="smollm2", help="'smollm2', a Hugging Face directory or .gguf file, or a "
-                    "Hugging Face repo id such as Qwen/Qwen2.5-0.5B-Instruct (default smollm2)")
-    up.add_argument("--revision", default=None, help="branch, tag or commit of a repo id (default main)")
-    up.add_argument("--memory-port", type=int, default=50051, help="memory service port; 0 = a free one (default 50051)")
-    up.add_argument("--worker-port", type=int, default=50052, help="worker port; 0 = a free one (default 50052)")
-    up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    size = up.add_mutually_exclusive_group()
-    size.add_argument("--kv-cache-memory", default=None, help="pool size, e.g. 1GiB")
-    size.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (instead of --kv-cache-memory)")
-    up.add_argument("--host-cache-memory", default=None, metavar="SIZE",
-                    help="host tier behind the pool, e.g. 4GiB (offloaded prefix-cache blocks, requests preempted "
-                    "by swap: `pagedkv serve --preemption-mode swap`); default none")
-    plane_tls.add_arguments(up)
+    flags.add_model_args(up, from_env=False, help=flags.MODEL_HELP + " (default smollm2)")
+    up.add_argument("--memory-port", type=int, default=config.MEMORY_PORT,
+                    help=f"memory service port; 0 = a free one (default {config.MEMORY_PORT})")
+    up.add_argument("--worker-port", type=int, default=config.COMPUTE_PORT,
+                    help=f"worker port; 0 = a free one (default {config.COMPUTE_PORT})")
+    flags.add_pool_args(up, num_blocks=True, kv_cache_dtype=False, from_env=False)
+    flags.add_tls_args(up)
     sub.add_parser("down", help="stop what `pagedkv up` started")
     gen = sub.add_parser("generate", help="stream a generation")
     gen.add_argument("prompt")
@@ -66,12 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--num-beams", type=int, default=1)
-    plane_tls.add_arguments(gen)
+    flags.add_tls_args(gen)
     stats = sub.add_parser("stats", help="show the pool, leases and sequences")
     stats.add_argument("--admin-token-file", default=None,
                        help="the memory service's admin token (default $PAGEDKV_ADMIN_TOKEN_FILE, else "
                             "$PAGEDKV_HOME/admin-token); under TLS an admin certificate serves instead")
-    plane_tls.add_arguments(stats)
+    flags.add_tls_args(stats)
     from pagedkv.certs import build_parser as certs_parser
 
     certs_parser(sub.add_parser("certs", help="make a CA and one certificate per member of the plane (mutual TLS)"))

@@ -18,11 +18,9 @@ import time
 from pathlib import Path
 
 from client.stack import LocalStack, ServiceProcess
+from pagedkv.config import COMPUTE_PORT, DEFAULT_MEMORY, DEFAULT_WORKER, MEMORY_PORT, env
 from pagedkv.paths import pagedkv_home
 from pagedkv.tls import TlsFiles
-
-DEFAULT_MEMORY = "127.0.0.1:50051"
-DEFAULT_WORKER = "127.0.0.1:50052"
 
 
 def state_path() -> Path:
@@ -40,11 +38,9 @@ def read_state() -> dict | None:
 def addresses() -> tuple[str, list[str]]:
     """(memory address, worker addresses): environment, then state file, then defaults."""
     state = read_state() or {}
-    memory = os.environ.get("PAGEDKV_MEMORY") or state.get("memory", {}).get("address") or DEFAULT_MEMORY
-    env_workers = os.environ.get("PAGEDKV_WORKERS")
-    if env_workers:
-        workers = [w.strip() for w in env_workers.split(",") if w.strip()]
-    else:
+    memory = env("PAGEDKV_MEMORY") or state.get("memory", {}).get("address") or DEFAULT_MEMORY
+    workers = env("PAGEDKV_WORKERS")  # None: unset; "," gives no worker
+    if workers is None:
         workers = [w["address"] for w in state.get("workers", [])] or [DEFAULT_WORKER]
     return memory, workers
 
@@ -76,12 +72,12 @@ def check_tls(tls: TlsFiles | None) -> None:
         ValueError: the state file says TLS and ``tls`` is None.
     """
     state = read_state() or {}
-    if tls is None and state.get("tls") and not os.environ.get("PAGEDKV_MEMORY"):
+    if tls is None and state.get("tls") and not env("PAGEDKV_MEMORY"):
         raise ValueError("the services of `pagedkv up` run with mutual TLS: give --tls-cert, --tls-key and --tls-ca "
                          "(e.g. the scheduler or admin files of `pagedkv certs`), or the PAGEDKV_TLS_* variables")
 
 
-def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 50051, worker_port: int = 50052,
+def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = MEMORY_PORT, worker_port: int = COMPUTE_PORT,
        block_size: int = 16, kv_cache_memory: str | None = None, num_blocks: int | None = None,
        host_cache_memory: str | None = None, timeout: float = 300.0, tls: TlsFiles | None = None,
        revision: str | None = None) -> dict:

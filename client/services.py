@@ -25,6 +25,7 @@ import grpc
 from client.errors import ServiceError, from_rpc_error
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
+from pagedkv.config import env
 from pagedkv.credentials import LEASE_SECRET_METADATA, default_admin_token_file
 from pagedkv.errors import LEASE_EXPIRED, LEASE_NOT_FOUND
 from pagedkv.logs import get_logger
@@ -43,7 +44,7 @@ LIST_PAGE_SIZE = 1000
 def admin_token_path() -> Path:
     """Where the memory service on this host wrote its admin token: ``$PAGEDKV_ADMIN_TOKEN_FILE``,
     default ``$PAGEDKV_HOME/admin-token`` (the service's ``--admin-token-file`` default)."""
-    return Path(os.environ.get("PAGEDKV_ADMIN_TOKEN_FILE") or default_admin_token_file())
+    return Path(env("PAGEDKV_ADMIN_TOKEN_FILE") or default_admin_token_file())
 
 
 def read_admin_token(path: str | os.PathLike | None = None) -> str | None:

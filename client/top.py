@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import urllib.error
@@ -23,6 +22,7 @@ from rich.console import Console
 from rich.live import Live
 
 from client.top_view import render
+from pagedkv.config import env
 
 #: Seconds to wait for the server to answer (and between two snapshots before giving up).
 TIMEOUT = 30.0
@@ -34,9 +34,9 @@ class Refused(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedkv top", description="the dashboard of a `pagedkv serve` in the terminal")
-    p.add_argument("--url", default=os.environ.get("PAGEDKV_URL", "http://127.0.0.1:8000"),
+    p.add_argument("--url", default=env("PAGEDKV_URL"),
                    help="the server (default $PAGEDKV_URL, else http://127.0.0.1:8000)")
-    p.add_argument("--key", default=os.environ.get("PAGEDKV_ADMIN_API_KEY"),
+    p.add_argument("--key", default=env("PAGEDKV_ADMIN_API_KEY"),
                    help="its --admin-api-key (default $PAGEDKV_ADMIN_API_KEY)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     return p

@@ -31,7 +31,8 @@ from compute_service.model import LayerScales, LlamaForPagedLM
 from compute_service.packed_forward import packed_forward
 from compute_service.pool_map import MappedPool
 from pagedkv import tls
-from pagedkv.kv_scales import FP8_DTYPE, FP8_MAX, check_scales, sign_scales
+from pagedkv.config import FP8
+from pagedkv.kv_scales import FP8_MAX, check_scales, sign_scales
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
@@ -126,7 +127,7 @@ def fit_kv_scales(pool: MappedPool, model: LlamaForPagedLM, model_source: str, m
     """
     desc = pool.descriptor
     lay = desc.layout
-    if lay.dtype != FP8_DTYPE:
+    if lay.dtype != FP8.name:
         pool.kv_scales = None
         return
     scales = desc.kv_scales if desc.HasField("kv_scales") else None

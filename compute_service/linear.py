@@ -6,13 +6,12 @@ builds every projection as `Linear(weight, packed=packed_linear_wanted(device, d
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_amx, fused_ops
+from pagedkv.config import env
 
 #: Set to "0" to turn packing off (projections through `F.linear`, as transformers').
 PACKED_LINEAR_ENV = "PAGEDKV_PACKED_LINEAR"
@@ -24,7 +23,7 @@ def packed_linear_wanted(device: torch.device, dtype: torch.dtype) -> bool:
     `PAGEDKV_PACKED_LINEAR=0`."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if os.environ.get(PACKED_LINEAR_ENV, "1") == "0":
+    if not env(PACKED_LINEAR_ENV):
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -35,14 +35,14 @@ import kernels
 from compute_service.kv_calibration import fit_kv_scales
 from compute_service.load_progress import load_progress
 from compute_service.model import LlamaForPagedLM
-from compute_service.pool_map import TORCH_DTYPES, MappedPool, map_pool
+from compute_service.pool_map import MappedPool, map_pool
 from compute_service.server import SERVICE_NAME, ComputeServicer
 from compute_service.weights import ModelConfig, check_model_source, load_model_source
 from compute_service.worker import Worker
-from pagedkv import test_hooks, tls
+from pagedkv import config, test_hooks, tls
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
-from pagedkv.kv_scales import FP8_DTYPE
-from pagedkv.logs import get_logger
+from pagedkv.config import env, flags
+from pagedkv.logs import configure_logging, get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
 from pagedkv.model_source import resolve_model
@@ -50,55 +50,39 @@ from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
 
 log = get_logger("compute_service")
 
-#: ``--dtype`` values besides auto: what the model runs in (an fp8 pool's model runs in one of these).
-MODEL_DTYPES = ("float32", "float16", "bfloat16")
-
-
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Flags of ``pagedkv compute`` (also used to check docker-compose.yml)."""
     p = parser or argparse.ArgumentParser(prog="pagedkv compute", description="Run a compute worker.")
-    p.add_argument("--memory", default=os.environ.get("PAGEDKV_MEMORY", "127.0.0.1:50051"), help="memory service address (default 127.0.0.1:50051)")
-    p.add_argument("--host", default=os.environ.get("PAGEDKV_COMPUTE_HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("PAGEDKV_COMPUTE_PORT", "50052")), help="port; 0 = any free port (default 50052)")
-    p.add_argument("--device", default=os.environ.get("PAGEDKV_DEVICE", "cpu"), help="cpu, cuda or cuda:N; a cuda pool is mapped on the GPU with its UUID")
-    p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"),
-                   help="'smollm2', a Hugging Face directory, a .gguf file, or a Hugging Face repo id such as "
-                        "Qwen/Qwen2.5-0.5B-Instruct (from the Hugging Face cache; downloaded when missing unless "
-                        "HF_HUB_OFFLINE=1)")
-    p.add_argument("--revision", default=os.environ.get("PAGEDKV_REVISION") or None,
-                   help="branch, tag or commit of a repo id (default main)")
-    p.add_argument("--dtype", default=os.environ.get("PAGEDKV_DTYPE", "auto"), choices=["auto", *MODEL_DTYPES],
-                   help="weight and activation dtype (default auto: the pool's dtype; over an fp8 pool float32 on "
-                        "cpu, bfloat16 on cuda)")
-    p.add_argument("--memory-socket", default=os.environ.get("PAGEDKV_MEMORY_SOCKET"),
+    p.add_argument("--memory", default=env("PAGEDKV_MEMORY", config.DEFAULT_MEMORY),
+                   help=f"memory service address (default {config.DEFAULT_MEMORY})")
+    flags.add_bind_args(p, "compute", config.COMPUTE_PORT)
+    flags.add_device_arg(p, "compute", "cpu, cuda or cuda:N; a cuda pool is mapped on the GPU with its UUID")
+    flags.add_model_args(p)
+    flags.add_dtype_arg(p, help="weight and activation dtype (default auto: the pool's dtype; over an fp8 pool "
+                                "float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--memory-socket", default=env("PAGEDKV_MEMORY_SOCKET"),
                    help="the memory service's worker socket here (default: the path its pool descriptor names)")
     p.add_argument("--memory-timeout", type=float, default=60.0, help="seconds to wait for the memory service at start (default 60)")
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
-    p.add_argument("--node-transfers", action="store_true", default=os.environ.get("PAGEDKV_NODE_TRANSFERS") == "1",
+    p.add_argument("--node-transfers", action="store_true", default=env("PAGEDKV_NODE_TRANSFERS"),
                    help="register the mapped pool with a NIXL agent and publish it through the memory service, so "
                         "workers of other nodes can read its blocks and this one theirs (needs nixl-cu12; trusted "
                         "network only: docs/security.md)")
-    tls.add_arguments(p)  # also this worker's credentials towards the memory service
+    flags.add_tls_args(p)  # also this worker's credentials towards the memory service
+    flags.add_logging_args(p)
     return p
 
 
 def model_dtype(flag: str, desc: mpb.PoolDescriptor) -> torch.dtype:
-    """The model's dtype: ``--dtype`` (``flag``), or with ``auto`` the pool's (an fp8 pool: float32
-    on a cpu pool, bfloat16 on a cuda one). Over a pool that is not fp8 the model runs in the
-    pool's dtype, as the kernels read and write it.
+    """The model's dtype over the pool ``desc`` describes: :func:`pagedkv.config.worker_dtype` of
+    ``--dtype`` (``flag``; ``auto``: the pool's, over an fp8 pool float32 on a cpu pool and
+    bfloat16 on a cuda one).
 
     Raises:
-        ValueError: a dtype that is not one of MODEL_DTYPES, or another than a non-fp8 pool's.
+        ValueError: a dtype no model computes in, or another than a non-fp8 pool's.
     """
-    pool = desc.layout.dtype
-    if flag == "auto":
-        flag = pool if pool != FP8_DTYPE else ("bfloat16" if desc.backend == mpb.POOL_BACKEND_CUDA else "float32")
-    if flag not in MODEL_DTYPES:
-        raise ValueError(f"--dtype must be auto or one of {', '.join(MODEL_DTYPES)}, got {flag!r}")
-    if pool != FP8_DTYPE and flag != pool:
-        raise ValueError(f"--dtype {flag} over a {pool} pool: the model runs in the pool's dtype (only an fp8 pool "
-                         f"takes another); start the memory service with --kv-cache-dtype {flag}, or drop --dtype")
-    return TORCH_DTYPES[flag]
+    cuda = desc.backend == mpb.POOL_BACKEND_CUDA
+    return config.worker_dtype(flag, config.dtype(desc.layout.dtype), cuda=cuda).torch
 
 
 def check_layout(desc: mpb.PoolDescriptor, config: ModelConfig) -> None:
@@ -308,6 +292,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv compute``."""
     args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
     test_hooks.install_from_env()
     return serve_main("compute", lambda: serve(args), (ValueError, RuntimeError, OSError, LookupError, ImportError))
 

@@ -31,12 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedkv import config
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.pool_socket import PoolHandle, receive_handle
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "fp8_e4m3": torch.float8_e4m3fn}
 
 log = get_logger("pool_map")
 
@@ -144,14 +142,15 @@ def _span_bytes(shape: list[int], strides: list[int], dtype: torch.dtype) -> int
 
 def _check(desc: mpb.PoolDescriptor) -> tuple[torch.dtype, list[int], list[int]]:
     lay = desc.layout
-    if lay.dtype not in TORCH_DTYPES:
-        raise ValueError(f"pool dtype {lay.dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+    try:
+        dtype = config.dtype(lay.dtype).torch
+    except ValueError as e:
+        raise ValueError(f"pool descriptor: {e}") from None
     shape = [int(x) for x in desc.shape]
     strides = [int(x) for x in desc.strides]
     expected = [lay.num_blocks, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim]
     if shape != expected or len(strides) != 6:
         raise ValueError(f"pool descriptor shape {shape} / strides {strides} do not match its layout {expected}")
-    dtype = TORCH_DTYPES[lay.dtype]
     span = _span_bytes(shape, strides, dtype)
     if span > desc.nbytes:
         raise ValueError(f"pool descriptor strides reach {span} bytes past a {desc.nbytes}-byte pool")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import operator
-import os
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 
 from pagedkv import test_hooks
+from pagedkv.config import env_is_set
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.logs import get_logger
 from pagedkv.transfer import source_digest
@@ -71,7 +71,7 @@ def _nixl_api():
     nixl_logger = logging.getLogger("nixl")
     if not any(isinstance(h, _ToStructlog) for h in nixl_logger.handlers):
         nixl_logger.handlers = [_ToStructlog()]  # not NIXL's own handler, which prints INFO to stdout
-        if "NIXL_LOG_LEVEL" not in os.environ:
+        if not env_is_set("NIXL_LOG_LEVEL"):
             nixl_logger.setLevel(logging.WARNING)
     return _api
 

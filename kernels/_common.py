@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.config import DTYPES, env
+
 BACKENDS = ("triton", "torch")
 
 # Key/value cache dtypes the ops accept (fp32 or bf16 on CPU, bf16/fp16 on CUDA; fp8 e4m3 with
 # per-KV-head scales anywhere: `kernels.fp8`).
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+CACHE_DTYPES = tuple(d.torch for d in DTYPES.values())
 # Dtypes of queries and of new key/value rows (never fp8: they are quantized on write).
-QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QUERY_DTYPES = tuple(d.torch for d in DTYPES.values() if d.computes)
 
 
 def choose_backend(backend: str | None, *tensors: torch.Tensor) -> str:
@@ -35,9 +37,7 @@ def choose_backend(backend: str | None, *tensors: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
     if backend == "triton" and device.type != "cuda":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not env("TRITON_INTERPRET"):
             raise ValueError(
                 "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton "
                 f"is imported); got tensors on {device}"

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import array
 import ctypes
-import os
 
 from kernels import cpu_amx, cpu_native
+from pagedkv.config import env
 
 ENV_SWITCH = "PAGEDKV_FUSED_DECODE"
 
@@ -33,7 +33,7 @@ _ERRORS = {
 def unavailable_reason() -> str | None:
     """Why the fused decode layers are not in use here, or None when they are (builds the AMX
     library on the first call)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not env(ENV_SWITCH):
         return f"disabled by {ENV_SWITCH}=0"
     if not cpu_amx.available():
         return f"the AMX kernel is not available: {cpu_amx.unavailable_reason}"

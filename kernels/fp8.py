@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
+from pagedkv.config import FP8
+
+#: The torch dtype of the fp8 KV cache (:data:`pagedkv.config.FP8`).
+FP8_DTYPE = FP8.torch
 # Largest finite e4m3fn value (torch.finfo(torch.float8_e4m3fn).max).
 FP8_MAX = 448.0
 

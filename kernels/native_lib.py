@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from pagedkv.config import env
 from pagedkv.paths import pagedkv_home
 
 #: The C sources and headers of every library.
@@ -54,7 +55,7 @@ def _arch_flags() -> list[str]:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for name in (env("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -140,7 +141,7 @@ class NativeLibrary:
         fn.argtypes, fn.restype = self._signatures[name]
 
     def _open(self) -> ctypes.CDLL:
-        if os.environ.get(self.switch, "1") == "0":
+        if not env(self.switch):
             raise RuntimeError(f"disabled by {self.switch}=0")
         reason = self._check() if self._check else None
         if reason:

@@ -23,7 +23,6 @@ conversions of the metadata tensors are queued.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from kernels import cpu_native
 from kernels._common import BACKENDS, check_host_lengths, check_int_vector
 from kernels.torch_groups import AttentionGroup, DecodeRows, make_groups
+from pagedkv.config import env
 
 KERNELS = ("triton_decode", "triton_prefill", "torch")
 
@@ -216,7 +216,7 @@ def _check_arguments(block_tables, query_start_loc, seq_lens, block_size: int, n
 def triton_ready(query: torch.Tensor) -> None:
     """Raise ValueError unless a Triton kernel can run on `query`'s device (CUDA, or CPU under
     `TRITON_INTERPRET=1`)."""
-    if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if query.device.type != "cuda" and not env("TRITON_INTERPRET"):
         raise ValueError(
             "a triton plan needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
             f"imported); got tensors on {query.device}"

@@ -7,18 +7,16 @@ block is one contiguous byte range (the unit of a copy-on-write copy).
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedkv import config
+from pagedkv.config import DType
 from pagedkv.gguf_config import read_gguf_config
 from pagedkv.model_config import read_hf_config
 
 #: Dimension names of the pool tensor, outermost first.
 DIM_NAMES = ("num_blocks", "num_layers", "kv", "block_size", "num_kv_heads", "head_dim")
-#: Bytes per element of each supported KV dtype.
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
 #: SmolLM2-135M-Instruct's attention layout (DESIGN.md, "The real model").
 SMOLLM2_LAYOUT = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
 
@@ -35,8 +33,9 @@ class PoolLayout:
     head_dim: int
     #: Tokens per block.
     block_size: int
-    #: "float32", "float16", "bfloat16" or "fp8_e4m3" (static per-head scales: :mod:`pagedkv.kv_scales`).
-    dtype: str
+    #: The element type (:data:`pagedkv.config.DTYPES`; fp8_e4m3 has static per-head scales:
+    #: :mod:`pagedkv.kv_scales`). A wire name given here is turned into its :class:`~pagedkv.config.DType`.
+    dtype: DType
     #: Blocks in the pool.
     num_blocks: int
 
@@ -47,8 +46,7 @@ class PoolLayout:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be <= 1024 tokens, got {self.block_size}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", config.dtype(self.dtype))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -67,49 +65,12 @@ class PoolLayout:
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block: every layer, K and V."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
         """Bytes of the whole pool."""
         return self.num_blocks * self.block_nbytes
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """Parse a memory size such as ``"1GiB"``, ``"512MiB"``, ``"2e9"`` or ``"1.5 GB"`` to bytes.
-
-    Raises:
-        ValueError: not a positive size with a known unit.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse memory size {text!r}; use e.g. 1GiB, 512MiB, 2GB")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"memory size must be positive, got {text!r}")
-    return value
-
-
-def host_cache_bytes(text: str | None) -> int:
-    """Bytes of ``--host-cache-memory`` (0, "0B", "0GiB" or empty: no host tier).
-
-    Raises:
-        ValueError: a size that does not parse, or more than this machine's memory (the tier is a
-            sparse memfd: a size past RAM would start, then fail once it fills).
-    """
-    text = (text or "0").strip()
-    if re.fullmatch(r"0+(\.0*)?\s*[A-Za-z]*", text):
-        return 0
-    n = parse_bytes(text)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if n > ram:
-        raise ValueError(f"--host-cache-memory {text} ({n} bytes) is more than this machine's memory ({ram} bytes); "
-                         "give a host tier that fits in RAM beside the pool and the workers")
-    return n
 
 
 def gguf_attention_layout(path: Path) -> dict[str, int]:
@@ -152,7 +113,7 @@ def make_layout(
     model: str,
     *,
     block_size: int,
-    dtype: str,
+    dtype: DType | str,
     num_blocks: int | None = None,
     kv_cache_memory: int | None = None,
 ) -> PoolLayout:

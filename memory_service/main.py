@@ -27,33 +27,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from dataclasses import dataclass
 
 from memory_service.authz import create_admin_token
 from memory_service.block_manager import BlockManager
-from memory_service.layout import host_cache_bytes, make_layout, parse_bytes
+from memory_service.layout import make_layout
 from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
 from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
 from memory_service.worker_socket import WorkerSocketServer
-from pagedkv import test_hooks, tls
+from pagedkv import config, test_hooks
+from pagedkv.config import (
+    DEFAULT_CPU_KV_MEMORY,
+    DEFAULT_CUDA_KV_MEMORY,
+    DType,
+    env,
+    flags,
+    host_cache_bytes,
+    parse_bytes,
+)
 from pagedkv.credentials import default_admin_token_file
-from pagedkv.kv_scales import FP8_DTYPE, FP8_FLAGS, load_scales_file
-from pagedkv.logs import get_logger
+from pagedkv.kv_scales import load_scales_file
+from pagedkv.logs import configure_logging, get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.model_source import ResolvedModel, resolve_model
 from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
 from pagedkv.transfer import load_transfer_key
 
 log = get_logger("memory_service")
-
-#: CPU pool size when neither --num-blocks nor --kv-cache-memory is given.
-DEFAULT_CPU_KV_MEMORY = "1GiB"
-#: ``--kv-cache-dtype`` values besides auto.
-KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", *FP8_FLAGS)
-#: GPU pool size when neither is given.
-DEFAULT_CUDA_KV_MEMORY = "4GiB"
-
 
 #: Live sequences one lease may hold unless --max-sequences-per-lease says otherwise: an expired or
 #: released lease's sequences leave the table in one turn of the event loop (65,536 took ~90 ms on
@@ -73,31 +75,20 @@ def _quota(text: str) -> int:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Flags of ``pagedkv memory`` (also used to check docker-compose.yml)."""
+    """Flags of ``pagedkv memory`` (also used to check docker-compose.yml).
+
+    ``--dtype`` is refused (exit 2): it is the model's dtype; the pool's is ``--kv-cache-dtype``.
+    """
     p = parser or argparse.ArgumentParser(prog="pagedkv memory", description="Run the KV-cache memory service.")
-    p.add_argument("--host", default=os.environ.get("PAGEDKV_MEMORY_HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("PAGEDKV_MEMORY_PORT", "50051")), help="port; 0 = any free port (default 50051)")
-    p.add_argument("--device", default=os.environ.get("PAGEDKV_DEVICE", "cpu"), help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--block-size", type=int, default=int(os.environ.get("PAGEDKV_BLOCK_SIZE", "16")), help="tokens per block (default 16)")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool")
-    size.add_argument("--kv-cache-memory", default=os.environ.get("PAGEDKV_KV_CACHE_MEMORY"),
-                      help=f"pool size in bytes, e.g. 2GiB (default {DEFAULT_CPU_KV_MEMORY} on cpu, {DEFAULT_CUDA_KV_MEMORY} on cuda)")
-    p.add_argument("--host-cache-memory", default=os.environ.get("PAGEDKV_HOST_CACHE_MEMORY", "0"),
-                   help="host tier behind the pool, in bytes (e.g. 4GiB; default 0 = none): evicted prefix-cache blocks "
-                        "are offloaded there and reloaded on a hit, and swap preemption keeps sequences there")
-    p.add_argument("--model", default=os.environ.get("PAGEDKV_MODEL", "smollm2"),
-                   help="layout source: 'smollm2', a Hugging Face directory, or a Hugging Face repo id such as "
-                        "Qwen/Qwen2.5-0.5B-Instruct (its config from the Hugging Face cache; downloaded when missing "
-                        "unless HF_HUB_OFFLINE=1)")
-    p.add_argument("--revision", default=os.environ.get("PAGEDKV_REVISION") or None,
-                   help="branch, tag or commit of a repo id (default main)")
-    p.add_argument("--kv-cache-dtype", "--dtype", dest="dtype", default=os.environ.get("PAGEDKV_KV_CACHE_DTYPE"),
-                   choices=["auto", *KV_CACHE_DTYPES],
-                   help="the pool's element type (default auto: float32 on cpu, bfloat16 on cuda); fp8 (= fp8_e4m3) "
-                        "stores KV in one byte with static scales per (layer, KV head), from a worker's calibration "
-                        "pass or --kv-scales-file: 4x the tokens of float32 in the same memory")
-    p.add_argument("--kv-scales-file", default=os.environ.get("PAGEDKV_KV_SCALES_FILE"),
+    flags.add_bind_args(p, "memory", config.MEMORY_PORT)
+    flags.add_device_arg(p, "memory", "cpu, cuda or cuda:N (default cpu)")
+    flags.add_pool_args(p, num_blocks=True, kv_cache_dtype=True, kv_cache_dtype_help=(
+        "the pool's element type (default auto: float32 on cpu, bfloat16 on cuda); fp8 (= fp8_e4m3) stores KV in "
+        "one byte with static scales per (layer, KV head), from a worker's calibration pass or --kv-scales-file: "
+        "4x the tokens of float32 in the same memory"))
+    flags.refuse_pool_dtype_flag(p)
+    flags.add_model_args(p, help="layout source: " + flags.MODEL_HELP + "; only its config is read")
+    p.add_argument("--kv-scales-file", default=env("PAGEDKV_KV_SCALES_FILE"),
                    help="an fp8 pool's scales, JSON {\"k_scale\": [[...]], \"v_scale\": [[...]]} of [num_layers]"
                         "[num_kv_heads] (default: the first worker calibrates them)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds without keep-alive (default 10)")
@@ -108,11 +99,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="turn automatic prefix caching off (on by default)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0 = any free port)")
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
-    p.add_argument("--worker-socket", default=os.environ.get("PAGEDKV_WORKER_SOCKET"),
+    p.add_argument("--worker-socket", default=env("PAGEDKV_WORKER_SOCKET"),
                    help="Unix socket where workers (same uid) receive the pool's handle "
                         "(default $PAGEDKV_HOME/run/memory-<pid>.sock)")
     p.add_argument("--grace", type=float, default=2.0, help="seconds between NOT_SERVING and releasing the pool (default 2)")
-    tls.add_arguments(p)
+    flags.add_tls_args(p)
+    flags.add_logging_args(p)
     p.add_argument("--admin-token-file", default=None,
                    help="write a fresh admin token here at start, mode 0600 (default $PAGEDKV_HOME/admin-token)")
     p.add_argument("--max-blocks-per-lease", type=_quota, default=None,
@@ -123,50 +115,78 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--max-sequences-per-lease", type=_quota, default=DEFAULT_MAX_SEQUENCES_PER_LEASE,
                    help=f"quota of live sequences per lease (default {DEFAULT_MAX_SEQUENCES_PER_LEASE}: dropping a "
                         "lease removes its sequences in one turn of the event loop)")
-    p.add_argument("--node-name", default=os.environ.get("PAGEDKV_NODE_NAME"),
+    p.add_argument("--node-name", default=env("PAGEDKV_NODE_NAME"),
                    help="this node's name among a deployment's nodes (default: the pool id)")
-    p.add_argument("--transfer-key-file", default=os.environ.get("PAGEDKV_TRANSFER_KEY_FILE"),
+    p.add_argument("--transfer-key-file", default=env("PAGEDKV_TRANSFER_KEY_FILE"),
                    help="the 32-byte hex secret every memory service of a deployment shares, mode 0600 "
                         "(openssl rand -hex 32): with it this node exports cached prefixes to other nodes and takes "
                         "theirs (node transfers over NIXL, trusted network only: docs/security.md)")
     return p
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """The pool the flags ask for, parsed and checked once (:meth:`from_args`)."""
+
+    #: "cpu", "cuda" or "cuda:N".
+    device: str
+    #: The pool's element type (``--kv-cache-dtype``; auto: :func:`pagedkv.config.default_dtype`).
+    dtype: DType
+    #: Tokens per block.
+    block_size: int
+    #: Blocks in the pool (``--num-blocks``); None: sized by ``kv_cache_memory``.
+    num_blocks: int | None
+    #: Bytes of the pool (``--kv-cache-memory`` or the device's default); None with ``num_blocks``.
+    kv_cache_memory: int | None
+    #: Bytes of the host tier (``--host-cache-memory``); 0: none.
+    host_cache_memory: int
+    #: An fp8 pool's scales file (``--kv-scales-file``).
+    kv_scales_file: str | None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PoolSpec:
+        """Raises ValueError: a device, dtype or size that is not valid, or scales for a pool that is not fp8."""
+        cuda = args.device.startswith("cuda")
+        if not cuda and args.device != "cpu":
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        dtype = config.pool_dtype(args.kv_cache_dtype, cuda=cuda)
+        if args.kv_scales_file and not dtype.is_fp8:
+            raise ValueError(f"--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds {dtype}")
+        memory = None
+        if args.num_blocks is None:
+            memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if cuda else DEFAULT_CPU_KV_MEMORY))
+        return cls(args.device, dtype, args.block_size, args.num_blocks, memory,
+                   host_cache_bytes(args.host_cache_memory), args.kv_scales_file)
+
+
 def create_pool(args: argparse.Namespace, model: ResolvedModel | None = None) -> Pool:
-    """The pool the flags ask for; its layout from ``model`` (default: ``args.model`` resolved, config only).
+    """The pool the flags ask for (:class:`PoolSpec`); its layout from ``model`` (default: ``args.model``
+    resolved, config only).
 
     Raises:
         ValueError: inconsistent or invalid flags.
         RuntimeError: cuda requested without CuPy.
     """
-    device = args.device
-    is_cuda = device.startswith("cuda")
-    if not is_cuda and device != "cpu":
-        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
-    dtype = args.dtype if args.dtype not in (None, "auto") else ("bfloat16" if is_cuda else "float32")
-    if dtype not in KV_CACHE_DTYPES:  # from PAGEDKV_KV_CACHE_DTYPE
-        raise ValueError(f"--kv-cache-dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}, got {dtype!r}")
-    dtype = FP8_DTYPE if dtype in FP8_FLAGS else dtype
-    if args.kv_scales_file and dtype != FP8_DTYPE:
-        raise ValueError(f"--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds {dtype}")
-    memory = None
-    if args.num_blocks is None:
-        memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if is_cuda else DEFAULT_CPU_KV_MEMORY))
+    spec = PoolSpec.from_args(args)
     model = model or resolve_model(args.model, args.revision, files="config")
-    layout = make_layout(model.load_source, block_size=args.block_size, dtype=dtype, num_blocks=args.num_blocks, kv_cache_memory=memory)
-    host_bytes = host_cache_bytes(args.host_cache_memory)
-    host_blocks = host_bytes // layout.block_nbytes
-    if host_bytes and not host_blocks:
-        raise ValueError(f"--host-cache-memory {host_bytes} bytes holds no block of {layout.block_nbytes} bytes; "
-                         "give at least one block's size, or 0 for no host tier")
+    layout = make_layout(model.load_source, block_size=spec.block_size, dtype=spec.dtype, num_blocks=spec.num_blocks,
+                         kv_cache_memory=spec.kv_cache_memory)
+    host_blocks = spec.host_cache_memory // layout.block_nbytes
+    if spec.host_cache_memory and not host_blocks:
+        raise ValueError(f"--host-cache-memory {spec.host_cache_memory} bytes holds no block of {layout.block_nbytes} "
+                         "bytes; give at least one block's size, or 0 for no host tier")
     scales = None
-    if args.kv_scales_file:
+    if spec.kv_scales_file:
         try:
-            scales = load_scales_file(args.kv_scales_file, layout.num_layers, layout.num_kv_heads)
+            scales = load_scales_file(spec.kv_scales_file, layout.num_layers, layout.num_kv_heads)
         except OSError as e:
-            raise ValueError(f"--kv-scales-file {args.kv_scales_file}: cannot read it: {e.strerror or e}") from None
-    if is_cuda:
-        index = int(device.split(":", 1)[1]) if ":" in device else 0
+            raise ValueError(f"--kv-scales-file {spec.kv_scales_file}: cannot read it: {e.strerror or e}") from None
+    if spec.cuda:
+        index = int(spec.device.split(":", 1)[1]) if ":" in spec.device else 0
         pool = CudaPool(layout, device_index=index, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
     else:
         pool = CpuPool(layout, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
@@ -233,6 +253,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv memory``."""
     args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
     test_hooks.install_from_env()
     return serve_main("memory", lambda: serve(args), (ValueError, RuntimeError, OSError))
 

@@ -43,9 +43,10 @@ import uuid
 import numpy as np
 
 from memory_service.layout import DIM_NAMES, PoolLayout
+from pagedkv.config import FP8
 from pagedkv.cuda_ipc import cuda_uuid_string
 from pagedkv.errors import FailedPreconditionError, InvalidArgumentError
-from pagedkv.kv_scales import FP8_DTYPE, check_scales
+from pagedkv.kv_scales import check_scales
 from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.pool_socket import PLANE_KEY_BYTES
@@ -180,7 +181,7 @@ class Pool:
                 num_kv_heads=lay.num_kv_heads,
                 head_dim=lay.head_dim,
                 block_size=lay.block_size,
-                dtype=lay.dtype,
+                dtype=lay.dtype.name,
                 num_blocks=lay.num_blocks,
             ),
             dim_names=list(DIM_NAMES),
@@ -206,9 +207,9 @@ class Pool:
             InvalidArgumentError: scales of the wrong count, or not finite and > 0.
         """
         lay = self.layout
-        if lay.dtype != FP8_DTYPE:
+        if not lay.dtype.is_fp8:
             raise FailedPreconditionError(f"this pool holds {lay.dtype} KV, which takes no scales; only an "
-                                          f"{FP8_DTYPE} pool (--kv-cache-dtype fp8) does")
+                                          f"{FP8} pool (--kv-cache-dtype fp8) does")
         try:
             check_scales(scales, lay.num_layers, lay.num_kv_heads)
         except ValueError as e:

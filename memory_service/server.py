@@ -260,7 +260,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         s = self.manager.stats()
         lay = self.pool.layout
         return pb.GetStatsResponse(**{f: getattr(s, f) for f in s.__slots__}, generation=self.pool.generation,
-                                   kv_cache_dtype=lay.dtype, kv_bytes_per_token=lay.block_nbytes // lay.block_size,
+                                   kv_cache_dtype=lay.dtype.name, kv_bytes_per_token=lay.block_nbytes // lay.block_size,
                                    token_capacity=lay.num_blocks * lay.block_size, pool_bytes=lay.nbytes)
 
     async def CheckInvariants(self, request, context):

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from memory_service.requests import RemotePrefix
 from memory_service.sequence import Sequence
+from pagedkv.config import FP8
 from pagedkv.errors import (
     TRANSFER_TICKET_REFUSED,
     TRANSFERS_OFF,
@@ -33,7 +34,6 @@ from pagedkv.errors import (
     PermissionDeniedError,
 )
 from pagedkv.grant.v1 import grant_pb2
-from pagedkv.kv_scales import FP8_DTYPE
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.transfer import layouts_match, sign_ticket, source_digest, ticket_signed
 
@@ -108,7 +108,7 @@ class NodeTransfers:
             FailedPreconditionError: reason TRANSFERS_OFF, no key or an fp8 pool.
         """
         self.require("ExportPrefix")
-        if self.descriptor.layout.dtype == FP8_DTYPE:
+        if self.descriptor.layout.dtype == FP8.name:
             raise FailedPreconditionError(
                 "ExportPrefix: this pool holds fp8 KV, which reads right only with the scales it was written with; "
                 "tickets do not carry a node's scales, so fp8 pools take no part in node transfers", reason=TRANSFERS_OFF)
@@ -155,7 +155,7 @@ class NodeTransfers:
                    f"{d.layout.block_size} x {d.layout.num_layers} x {d.layout.num_kv_heads} x {d.layout.head_dim}")
         elif t.model != d.model:
             why = f"it holds KV of model {t.model!r}, this node of {d.model!r}"
-        elif d.layout.dtype == FP8_DTYPE:
+        elif d.layout.dtype == FP8.name:
             why = ("fp8 KV reads right only with the scales it was written with, and tickets do not carry a "
                    "node's scales: fp8 pools take no part in node transfers")
         elif t.node_name == self.node_name:

@@ -285,10 +285,10 @@ def start_stack(
     name: str, device: str, model: Path, env: dict[str, str], work: Path, dtype: str | None
 ) -> LocalStack:
     """A started `LocalStack` on free loopback ports: a memory service (256 blocks of 16 tokens,
-    `--dtype dtype` when given) and one worker, both on `device` with `model`; logs under `work`."""
+    `--kv-cache-dtype dtype` when given) and one worker, both on `device` with `model`; logs under `work`."""
     from client.stack import LocalStack  # imported once the source tree is on sys.path
 
-    mem_args = ["--num-blocks", "256", "--block-size", "16", *(["--dtype", dtype] if dtype else [])]
+    mem_args = ["--num-blocks", "256", "--block-size", "16", *(["--kv-cache-dtype", dtype] if dtype else [])]
     return LocalStack(
         mem_args,
         device=device,

@@ -79,10 +79,6 @@ FOREIGN_ENV_VARS = {
 }
 
 _VAR = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
-_SERVE_ENV_READ = re.compile(r"""_env(?:_int|_list)?\(\s*["'](\w+)["']""")
-_ENV_READ = re.compile(
-    r"""os\.(?:environ\.get|environ\.setdefault|getenv|environ\[)\(?\s*["'](PAGEDKV_\w+)["']"""
-)
 
 
 def interpolate(value):
@@ -105,15 +101,11 @@ def services(path: Path) -> dict[str, dict]:
 
 
 def code_env_vars() -> set[str]:
-    """PAGEDKV_* names the project's code reads from the environment."""
-    names = set()
-    for folder in ("memory_service", "compute_service", "client", "kernels", "protos/pagedkv"):
-        for py in (ROOT / folder).rglob("*.py"):
-            names.update(_ENV_READ.findall(py.read_text()))
-    # `pagedkv serve` reads each flag's PAGEDKV_<FLAG> through small helpers.
-    serve_config = (ROOT / "client" / "serve" / "config.py").read_text()
-    names.update(f"PAGEDKV_{n}" for n in _SERVE_ENV_READ.findall(serve_config))
-    return names
+    """PAGEDKV_* names the project's code reads from the environment: the registry's (canonical
+    names and aliases; tests/test_config.py holds every read to the registry)."""
+    from pagedkv.config import ENV_VARS
+
+    return {n for v in ENV_VARS.values() for n in (v.name, *v.aliases) if n.startswith("PAGEDKV_")}
 
 
 def flag(command: list[str], name: str) -> str | None:
@@ -228,7 +220,7 @@ def test_compose_knobs_are_documented():
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_environment_values_are_valid(path, monkeypatch):
-    from memory_service.layout import parse_bytes
+    from pagedkv.config import parse_bytes
 
     mem = services(path)["memory"]
     _, args = parse_command(mem["command"], mem["environment"], monkeypatch)

@@ -20,10 +20,13 @@ from compute_service.kv_calibration import (
     scale_rows,
 )
 from compute_service.packed_forward import packed_forward
-from pagedkv.kv_scales import FP8_DTYPE
+from pagedkv.config import FP8
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
 from tests.conftest import local_stack
+
+#: The wire name of fp8 (PoolLayout.dtype, GetStats.kv_cache_dtype).
+FP8_DTYPE = FP8.name
 
 #: Share of prompts whose first FIRST greedy tokens over an fp8 pool must equal the float32 pool's,
 #: at least: bench_fp8_kv.py measured 53.1% of its 64 trace prompts so (docs/benchmarks.md,

@@ -14,13 +14,16 @@ import pytest
 
 from client.errors import error_info
 from memory_service.main import build_parser, create_pool
-from pagedkv.kv_scales import FP8_DTYPE, load_scales_file, scales_document, sign_scales
+from pagedkv.config import BFLOAT16, FP8
+from pagedkv.kv_scales import load_scales_file, scales_document, sign_scales
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.pool_socket import receive_handle
 from tests.conftest import local_stack
 
 C = grpc.StatusCode
+#: The wire name of fp8 (PoolLayout.dtype, GetStats.kv_cache_dtype).
+FP8_DTYPE = FP8.name
 L, H = 30, 3  # SmolLM2's layers and KV heads
 #: SmolLM2's KV bytes per token in float32: layers x K,V x KV heads x head_dim x 4 bytes.
 FP32_BYTES_PER_TOKEN = L * 2 * H * 64 * 4
@@ -164,9 +167,9 @@ def test_kv_scales_file_sets_the_pool_at_start(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "pool", "model"), [
-    (["--kv-cache-dtype", "fp8"], FP8_DTYPE, None),
-    (["--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16"], FP8_DTYPE, "bfloat16"),
-    (["--dtype", "bfloat16"], "bfloat16", "bfloat16"),
+    (["--kv-cache-dtype", "fp8"], FP8, None),
+    (["--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16"], FP8, BFLOAT16),
+    (["--dtype", "bfloat16"], BFLOAT16, BFLOAT16),
     ([], None, None),
 ])
 def test_serve_takes_an_fp8_pool_beside_any_model_dtype(argv, pool, model):

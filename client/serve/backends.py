@@ -28,8 +28,8 @@ import grpc
 from client.launcher import alive, check_tls, default_device, read_state
 from client.services import MemoryClient, WorkerClient, admin_token_path
 from client.stack import LocalStack, serving
-from memory_service.layout import host_cache_bytes, parse_bytes
-from pagedkv.kv_scales import FP8_DTYPE
+from pagedkv import config
+from pagedkv.config import host_cache_bytes, parse_bytes
 from pagedkv.model_source import resolve_model
 from pagedkv.tls import TlsFiles, from_args
 from pagedkv.tls import channel as plane_channel
@@ -91,7 +91,7 @@ def resolve(args: argparse.Namespace) -> Backends:
         found = Backends(first.memory, first.workers, "nodes", tls=args.tls,
                          others=[(n.memory, n.workers) for n in args.nodes[1:]])
     elif args.memory:
-        found = Backends(args.memory, args.workers or ["127.0.0.1:50052"], "flags", tls=args.tls)
+        found = Backends(args.memory, args.workers or [config.DEFAULT_WORKER], "flags", tls=args.tls)
     elif args.workers:
         raise ValueError("--workers needs --memory (the memory service whose pool they map)")
     else:
@@ -109,23 +109,29 @@ def resolve(args: argparse.Namespace) -> Backends:
 
 
 def embedded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """The flags of the embedded memory service and of its workers, from ``pagedkv serve``'s."""
-    memory_args = ["--block-size", str(args.block_size or 16)]
+    """The flags of the embedded memory service and of its workers, from ``pagedkv serve``'s.
+
+    Every pool flag is explicit (the children inherit this process's environment, whose
+    variables must not configure them behind the server's back); :class:`~client.stack.LocalStack`
+    adds ``--host``, ``--port``, ``--device``, ``--model``, ``--revision`` and TLS, and :func:`_embedded`
+    ``--log-level``. Workers get ``--dtype`` (the model's), the memory service the pool's flags.
+    """
+    memory_args = ["--block-size", str(args.block_size or 16),
+                   "--kv-cache-dtype", args.pool_dtype.name if args.pool_dtype else "auto",
+                   "--host-cache-memory", args.host_cache_memory or "0"]
     if args.kv_cache_memory:
         memory_args += ["--kv-cache-memory", args.kv_cache_memory]
-    if args.host_cache_memory:
-        memory_args += ["--host-cache-memory", args.host_cache_memory]
-    if args.pool_dtype:
-        memory_args += ["--kv-cache-dtype", args.pool_dtype]
     if args.kv_scales_file:
         memory_args += ["--kv-scales-file", args.kv_scales_file]
     if not args.prefix_caching:
         memory_args.append("--no-prefix-caching")
-    return memory_args, ["--dtype", args.model_dtype] if args.model_dtype else []
+    return memory_args, ["--dtype", args.model_dtype.name if args.model_dtype else "auto"]
 
 
 def _embedded(args: argparse.Namespace) -> Backends:
     memory_args, worker_args = embedded_args(args)
+    log_level = ["--log-level", args.log_level]
+    memory_args, worker_args = [*log_level, *memory_args], [*log_level, *worker_args]
     stack = LocalStack(memory_args, worker_args=worker_args, device=args.device or default_device(),
                        model=args.model or "smollm2",
                        revision=args.revision, host="127.0.0.1", name="serve", tls=args.tls).start()
@@ -152,9 +158,12 @@ def check_pool(args: argparse.Namespace, backends: Backends) -> None:
         wrong.append("--kv-scales-file (it configures embedded services; start the memory service with it)")
     if args.block_size is not None and args.block_size != layout.block_size:
         wrong.append(f"--block-size {args.block_size} (the pool's is {layout.block_size})")
-    # --dtype alone names the pool's dtype, except over an fp8 pool, whose model runs in another.
-    model_dtype_only = args.kv_cache_dtype in (None, "auto") and layout.dtype == FP8_DTYPE
-    if args.pool_dtype is not None and args.pool_dtype != layout.dtype and not model_dtype_only:
+    pool_dtype = config.dtype(layout.dtype)
+    if args.kv_cache_dtype not in (None, "auto"):  # names the pool's dtype
+        dtype_differs = args.pool_dtype != pool_dtype
+    else:  # --dtype alone: the model's, which must pair with the pool's (an fp8 pool takes any)
+        dtype_differs = args.model_dtype is not None and not config.pairs(args.model_dtype, pool_dtype)
+    if dtype_differs:
         wrong.append(f"--kv-cache-dtype/--dtype {args.pool_dtype} (the pool's is {layout.dtype})")
     if args.kv_cache_memory:
         want = parse_bytes(args.kv_cache_memory) // pool.block_nbytes if pool.block_nbytes else 0  # the pool's block

@@ -1,45 +1,34 @@
-"""``pagedkv serve``'s flags: vLLM's names where vLLM has one, each also read from ``PAGEDKV_<FLAG>``.
+"""``pagedkv serve``'s flags: vLLM's names where vLLM has one, each also read from its environment
+variable (:mod:`pagedkv.config.envs`: ``PAGEDKV_SERVE_HOST``/``PORT``/``DEVICE`` for this
+process's own, ``PAGEDKV_<FLAG>`` for the shared ones).
 
 A flag given on the command line wins over its environment variable, which wins over the
-default. Pool flags (``--block-size``, ``--kv-cache-memory``, ``--kv-cache-dtype``, ``--dtype``,
-``--model``) default to None here so that attaching to running services can tell "given" from
-"default" (:mod:`client.serve.backends` checks given ones against the pool).
+default. The model is ``pagedkv serve MODEL`` (as ``vllm serve MODEL``) or ``--model``. Pool flags
+(``--block-size``, ``--kv-cache-memory``, ``--kv-cache-dtype``, ``--dtype``, ``--model``) default
+to None here so that attaching to running services can tell "given" from "default"
+(:mod:`client.serve.backends` checks given ones against the pool).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from client.cluster import parse_node
 from client.serve.dashboard_auth import same_key
-from pagedkv import tls as plane_tls
-from pagedkv.kv_scales import FP8_DTYPE, FP8_FLAGS
-
-#: Model dtypes (``--dtype``) and pool dtypes (``--kv-cache-dtype``) this build runs.
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = (*DTYPES, *FP8_FLAGS)
+from pagedkv import config
+from pagedkv.config import flags
 
 
-def _env(name: str, default=None):
-    return os.environ.get(f"PAGEDKV_{name}", default)
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    value = _env(name)
-    if value is None or value == "":
-        return default
+def _env(name: str, *default):
+    """``PAGEDKV_<name>`` from the registry (``default``: instead of the registered default); an
+    unparsable value exits with a usage error."""
     try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"pagedkv serve: error: PAGEDKV_{name}={value!r} is not an integer") from None
-
-
-def _env_list(name: str) -> list[str]:
-    return [v.strip() for v in (_env(name) or "").split(",") if v.strip()]
+        return config.env(f"PAGEDKV_{name}", *default)
+    except ValueError as e:
+        raise SystemExit(f"pagedkv serve: error: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "scheduler: every caller's requests join one continuous batch.")
     where = p.add_argument_group("backends (none given: start a memory service and a worker as child processes)")
     where.add_argument("--memory", default=_env("MEMORY"), help="memory service address host:port (env PAGEDKV_MEMORY)")
-    where.add_argument("--workers", default=_env("WORKERS"),
+    where.add_argument("--workers", default=config.env_text("PAGEDKV_WORKERS"),
                        help="worker addresses, comma-separated (env PAGEDKV_WORKERS)")
     where.add_argument("--node", action="append", default=None, metavar="NAME=MEMORY,workers=A,B,role=ROLE",
                        help="a node of several (repeatable; env PAGEDKV_NODE, nodes separated by ';'): its memory "
@@ -66,13 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the memory service's admin token, read by the dashboard to show every lease's "
                        "sequences (default: an embedded service's own, else $PAGEDKV_ADMIN_TOKEN_FILE, else "
                        "$PAGEDKV_HOME/admin-token; unreadable: the dashboard shows this server's lease only)")
-    where.add_argument("--device", default=_env("DEVICE"), help="embedded services: cpu or cuda (default: cuda when present)")
+    where.add_argument("--device", default=_env("SERVE_DEVICE"), help="embedded services: cpu or cuda (default: cuda when present)")
     plane = p.add_argument_group("internal plane (mutual TLS; the scheduler's certificate, also given to embedded "
                                  "services; none: plaintext, loopback only)")
-    plane_tls.add_arguments(plane)
+    flags.add_tls_args(plane)
+    flags.add_logging_args(p)
     http = p.add_argument_group("HTTP")
-    http.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (default 127.0.0.1)")
-    http.add_argument("--port", type=int, default=_env_int("PORT", 8000), help="port; 0 = any free port (default 8000)")
+    http.add_argument("--host", default=_env("SERVE_HOST"), help="address to bind (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=_env("SERVE_PORT", config.SERVE_PORT), help="port; 0 = any free port (default 8000)")
     http.add_argument("--api-key", action="append", default=None,
                       help="a key callers must send as 'Authorization: Bearer KEY' (repeatable; env PAGEDKV_API_KEY, "
                       "comma-separated); its tenant is 'default'")
@@ -83,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--cache-sharing-group", action="append", default=None, metavar="NAME=TENANT,TENANT",
                       help="tenants that share one prefix cache (each tenant's is its own otherwise); repeatable, a "
                       "tenant in one group at most (env PAGEDKV_CACHE_SHARING_GROUP, groups separated by ';')")
-    http.add_argument("--max-queued-requests", type=int, default=_env_int("MAX_QUEUED_REQUESTS", 1024),
+    http.add_argument("--max-queued-requests", type=int, default=_env("MAX_QUEUED_REQUESTS", 1024),
                       help="requests that may wait for admission; more get 429 (default 1024)")
-    http.add_argument("--max-requests-per-tenant", type=int, default=_env_int("MAX_REQUESTS_PER_TENANT", None),
+    http.add_argument("--max-requests-per-tenant", type=int, default=_env("MAX_REQUESTS_PER_TENANT", None),
                       help="sequences (queued and running; each prompt counts its n samples or beams) one tenant "
                       "may have in flight; more get 429, so one tenant cannot fill the server for all (default: no "
                       "per-tenant limit; needs API keys)")
@@ -93,41 +83,37 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds between the dashboard's snapshots while someone watches (default 1)")
     http.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
     model = p.add_argument_group("model and pool")
-    model.add_argument("--model", default=_env("MODEL"), help="'smollm2', a .gguf file, a Hugging Face directory or "
-                       "a Hugging Face repo id such as Qwen/Qwen2.5-0.5B-Instruct, from the Hugging Face cache "
-                       "(downloaded when missing unless HF_HUB_OFFLINE=1; default smollm2)")
-    model.add_argument("--revision", default=_env("REVISION"),
-                       help="branch, tag or commit of a repo id (default main); attaching, the workers must run it")
+    model.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as --model (pagedkv serve MODEL, as vllm serve MODEL)")
+    # From the environment after parsing: MODEL on the command line beats PAGEDKV_MODEL, as --model does.
+    flags.add_model_args(model, default=None, from_env=False, help=flags.MODEL_HELP + " (default smollm2)",
+                         revision_help="branch, tag or commit of a repo id (default main); attaching, the workers "
+                                       "must run it")
     model.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"),
                        help="the name in the API's 'model' field (default: --model)")
-    model.add_argument("--dtype", default=_env("DTYPE"), choices=DTYPES,
-                       help="model weights and activations (default auto: float32 on cpu, bfloat16 on cuda)")
-    model.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE"), choices=KV_CACHE_DTYPES,
-                       help="the pool's dtype (default auto: the model's); fp8 stores keys and values in one byte "
-                            "(e4m3) with static scales per (layer, KV head) that the first worker calibrates: "
-                            "4x the tokens of float32, 2x of bfloat16, in the same memory")
+    flags.add_dtype_arg(model, default=None,
+                        help="model weights and activations (default auto: float32 on cpu, bfloat16 on cuda)")
     model.add_argument("--kv-scales-file", default=_env("KV_SCALES_FILE"),
                        help="with --kv-cache-dtype fp8: the pool's scales, JSON {\"k_scale\": [[...]], \"v_scale\": [[...]]} "
                             "of [num_layers][num_kv_heads] (default: the first worker calibrates them); embedded "
                             "services only")
-    model.add_argument("--block-size", type=int, default=_env_int("BLOCK_SIZE", None), help="tokens per block (default 16)")
-    model.add_argument("--kv-cache-memory", default=_env("KV_CACHE_MEMORY"), help="pool size, e.g. 1GiB")
-    model.add_argument("--host-cache-memory", default=_env("HOST_CACHE_MEMORY"),
-                       help="the host tier behind the pool (offloaded prefix-cache blocks, swapped-out requests), "
-                       "e.g. 4GiB; 0 = none (the default). Embedded services get it; attaching, it must match")
+    flags.add_pool_args(model, num_blocks=False, kv_cache_dtype=True, given_only=True, kv_cache_dtype_help=(
+        "the pool's dtype (default auto: the model's); fp8 stores keys and values in one byte (e4m3) with static "
+        "scales per (layer, KV head) that the first worker calibrates: 4x the tokens of float32, 2x of bfloat16, "
+        "in the same memory. Embedded services get the pool flags; attaching, they must match"))
     model.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="embedded memory service without automatic prefix caching (on by default)")
     sched = p.add_argument_group("scheduler")
-    sched.add_argument("--max-num-seqs", type=int, default=_env_int("MAX_NUM_SEQS", 64),
+    sched.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 64),
                        help="most requests running at once (default 64)")
-    sched.add_argument("--max-num-batched-tokens", type=int, default=_env_int("MAX_NUM_BATCHED_TOKENS", 512),
+    sched.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", 512),
                        help="token budget of one step, chunked prefill (default 512)")
     sched.add_argument("--preemption-mode", choices=("recompute", "swap"),
                        default=_env("PREEMPTION_MODE", "recompute"),
                        help="when the pool runs out, preempt a running request by 'recompute' (free its blocks, "
                        "compute its tokens again later; the default) or by 'swap' (move its KV to the host tier "
                        "and back, nothing recomputed; needs --host-cache-memory, else it recomputes)")
-    sched.add_argument("--max-model-len", type=int, default=_env_int("MAX_MODEL_LEN", None),
+    sched.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None),
                        help="longest context, prompt + output tokens (default: the model's, capped by the pool)")
     return p
 
@@ -231,8 +217,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse ``argv`` (after ``serve``); exits with a usage error on bad values."""
     p = build_parser()
     args = p.parse_args(argv)
+    if args.model_positional is not None:
+        if args.model is not None and args.model != args.model_positional:
+            p.error(f"the model is given twice, {args.model_positional} and --model {args.model}: give one")
+        args.model = args.model_positional
+    del args.model_positional
+    args.model = args.model or _env("MODEL", None)
+    args.revision = args.revision or _env("REVISION")
     if args.api_key is None:
-        args.api_key = _env_list("API_KEY")
+        args.api_key = _env("API_KEY") or []
     if args.cache_sharing_group is None:  # the values hold commas: groups are separated by ';'
         args.cache_sharing_group = [g.strip() for g in (_env("CACHE_SHARING_GROUP") or "").split(";") if g.strip()]
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
@@ -254,20 +247,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--block-size must be >= 1")
     if not 0 <= args.port <= 65535:
         p.error("--port must lie in 0-65535")
-    if args.dtype not in (None, *DTYPES):  # from PAGEDKV_DTYPE
-        p.error(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
-    if args.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):  # from PAGEDKV_KV_CACHE_DTYPE
-        p.error(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
-    model_dtype = None if args.dtype in (None, "auto") else args.dtype
-    kv_dtype = None if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
-    if kv_dtype in FP8_FLAGS:
-        kv_dtype = FP8_DTYPE  # the model runs in --dtype; keys and values are stored in fp8 with static scales
-    elif model_dtype and kv_dtype and model_dtype != kv_dtype:
-        p.error(f"--dtype {model_dtype} with --kv-cache-dtype {kv_dtype}: workers run the model in the pool's dtype "
-                "(fp8 pools aside), so the two must match")
-    args.pool_dtype = kv_dtype or model_dtype
-    args.model_dtype = model_dtype
-    if args.kv_scales_file and args.pool_dtype != FP8_DTYPE:
+    try:  # values from PAGEDKV_DTYPE / PAGEDKV_KV_CACHE_DTYPE are checked here
+        args.model_dtype, args.pool_dtype = config.serve_dtypes(args.dtype, args.kv_cache_dtype)
+    except ValueError as e:
+        p.error(str(e))
+    if args.kv_scales_file and not (args.pool_dtype and args.pool_dtype.is_fp8):
         p.error("--kv-scales-file gives an fp8 pool's scales: add --kv-cache-dtype fp8")
     args.workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else []
     if args.node is None:

@@ -25,7 +25,7 @@ from client.serve.app import Server, create_app
 from client.serve.backends import resolve
 from client.serve.config import parse_args
 from pagedkv import test_hooks
-from pagedkv.logs import get_logger
+from pagedkv.logs import configure_logging, get_logger
 from pagedkv.tls import TlsFiles
 
 log = get_logger("serve")
@@ -77,6 +77,7 @@ def _write_ready(server: uvicorn.Server, path: Path, address: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv serve``; returns the exit code (0 after SIGINT or SIGTERM)."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    configure_logging(args.log_level)
     test_hooks.install_from_env()
     # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal to the handler in
     # place before it; this one lets the process return normally, so the lease is released and

@@ -26,10 +26,6 @@ from pathlib import Path
 from pagedkv.grants import _bytes, _packed, mac
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 
-#: The pool dtype name of fp8 KV (``PoolLayout.dtype``).
-FP8_DTYPE = "fp8_e4m3"
-#: ``--kv-cache-dtype`` spellings of it (vLLM's ``fp8`` means e4m3).
-FP8_FLAGS = ("fp8", "fp8_e4m3")
 #: Largest finite float8 e4m3fn value.
 FP8_MAX = 448.0
 _DOMAIN = b"pagedkv.memory.v1.KvScales\x00"

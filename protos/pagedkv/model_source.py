@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pagedkv.config.envs import env
 from pagedkv.paths import smollm2_gguf_path
 
 #: Files every use needs: the architecture, shape and generation settings.
@@ -193,7 +193,7 @@ def _offline() -> bool:
     from huggingface_hub import constants
 
     # The constant is read when huggingface_hub is imported; the variable may be set later.
-    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    return constants.HF_HUB_OFFLINE or env("HF_HUB_OFFLINE")
 
 
 def _missing(folder: Path, files: FileSet) -> list[str]:

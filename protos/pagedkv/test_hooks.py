@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
+from pagedkv.config import env_text
+
 #: The environment variable naming the hook modules a process installs at start (test-only).
 ENV = "PAGEDKV_TEST_HOOKS"
 
@@ -129,7 +131,7 @@ def install_from_env() -> list[str]:
     global _from_env
     if _from_env is not None:
         return []
-    spec = os.environ.get(ENV, "")  # registered in pagedkv.config
+    spec = env_text(ENV) or ""
     _from_env = [n.strip() for n in spec.split(",") if n.strip()]
     if _from_env:
         install(spec)

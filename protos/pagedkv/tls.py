@@ -28,6 +28,8 @@ from pathlib import Path
 
 import grpc
 
+from pagedkv.config.flags import add_tls_args
+
 #: Roles a certificate may carry (DESIGN.md, "Trust model").
 ROLES = ("worker", "scheduler", "router", "admin")
 #: Prefix of the SAN URI that names a certificate's role: ``pagedkv:role:worker``.
@@ -69,18 +71,9 @@ class TlsFiles:
         return ["--tls-cert", str(self.cert), "--tls-key", str(self.key), "--tls-ca", str(self.ca)]
 
 
-def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add ``--tls-cert``, ``--tls-key`` and ``--tls-ca`` (defaults from ``PAGEDKV_TLS_*``)."""
-    helps = {
-        "cert": "this member's certificate (PEM), for mutual TLS on the internal plane (env PAGEDKV_TLS_CERT)",
-        "key": "its private key (PEM) (env PAGEDKV_TLS_KEY)",
-        "ca": "the plane's CA certificate (PEM); peers must present a certificate it signed (env PAGEDKV_TLS_CA). "
-              "Without the three flags a server binds loopback only",
-    }
-    defaults = {"cert": os.environ.get("PAGEDKV_TLS_CERT"), "key": os.environ.get("PAGEDKV_TLS_KEY"),
-                "ca": os.environ.get("PAGEDKV_TLS_CA")}
-    for name, flag, _ in _FLAGS:
-        parser.add_argument(flag, dest=f"tls_{name}", default=defaults[name] or None, metavar="PEM", help=helps[name])
+#: ``--tls-cert``, ``--tls-key`` and ``--tls-ca`` (defaults from ``PAGEDKV_TLS_*``): the flag group lives
+#: with the others in :mod:`pagedkv.config.flags`.
+add_arguments = add_tls_args
 
 
 def from_args(args: argparse.Namespace) -> TlsFiles | None:
