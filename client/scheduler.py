@@ -176,10 +176,23 @@ class Scheduler:
         with self._lock:
             self._aborts.add(request_id)
 
+    def queues(self) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
+        """Copies of ``running`` and ``waiting`` (thread-safe: ``waiting`` is read under the lock,
+        ``running`` is copied at once; it changes only on the engine thread)."""
+        running = tuple(self.running)
+        with self._lock:
+            return running, tuple(self.waiting)
+
     def has_work(self) -> bool:
         """Whether a request waits, runs or awaits its abort (thread-safe)."""
         with self._lock:
             return bool(self.waiting or self.running or self._aborts)
+
+    def may_admit(self) -> bool:
+        """Whether :meth:`schedule` may admit a waiting request now (one waits and a running slot is
+        free): only then does it need the pool's free blocks (a step that only continues running
+        requests skips the GetStats; their growth is checked by AppendSlots)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
 
     def take_aborted(self) -> list[Request]:
         """Remove the requests aborted since the last call from the queues and return them."""
