@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from client.engine import Engine
+from client.engine_stats import EngineLimits, EngineStats, StepLog
 from client.params import SamplingParams
 from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.request import Request, Status
@@ -294,6 +295,24 @@ class Client:
     def stats(self):
         """The memory service's GetStats."""
         return self.memory.stats()
+
+    # ----------------------------------------------------- the front's seam (client.backend)
+    @property
+    def limits(self) -> EngineLimits:
+        """The model served and the limits a request must fit."""
+        return self._engine.limits
+
+    def engine_stats(self) -> EngineStats:
+        """The engine's stats after its last step (client.engine_stats)."""
+        return self._engine.stats()
+
+    def node_stats(self) -> dict[str, EngineStats]:
+        """:meth:`engine_stats` by node name: this client's memory-service address."""
+        return {self.memory.address: self._engine.stats()}
+
+    def step_logs(self, since: int = 0) -> dict[str, StepLog]:
+        """The engine's step trace from step ``since`` on, by node name (:meth:`node_stats`)."""
+        return {self.memory.address: self._engine.step_log(since)}
 
     # ----------------------------------------------------------------- loop
     def _loop(self) -> None:

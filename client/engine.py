@@ -54,7 +54,7 @@ from client.services import Lease, MemoryClient, WorkerClient
 from client.slots import Slots
 from client.step_update import StepUpdate
 from client.stop import StopChecker, context_limit, same_model
-from client.swap import SwapOut, Swapper
+from client.swap import SwapOut, Swapper, check_host_tier
 from client.transfers import Peer, PrefixPull
 from client.worker_step import StepRunner
 from pagedkv.errors import TRANSFER_FAILED, TRANSFERS_OFF
@@ -85,16 +85,12 @@ class Engine:
         pool = memory.pool()
         self.block_size = pool.layout.block_size
         self.num_blocks = pool.layout.num_blocks
-        info = same_model([w.model_info() for w in workers], [w.address for w in workers])
-        self.model_info = info
+        self.model_info = info = same_model([w.model_info() for w in workers], [w.address for w in workers])
         #: Prefix-cache identity of this model's KV: model, resolved revision and KV dtype.
         self.model_id = model_identity(info.model_name, info.model_source, info.revision, info.dtype)
         self.eos_ids = set(info.eos_token_ids)
         #: The model's request defaults (its generation_config.json), applied at admission (:meth:`add`).
-        self.generation_defaults = model_defaults(info.generation_defaults)
-        if info.ignored_generation_keys:
-            log.warning("generation_config_keys_ignored", keys=list(info.ignored_generation_keys),
-                        honoured="temperature, top_p, top_k, repetition_penalty")
+        self.generation_defaults = model_defaults(info.generation_defaults, info.ignored_generation_keys)
         self.max_context = context_limit(info.max_context, info.sliding_window, self.num_blocks * self.block_size,
                                          max_model_len)
         self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,  # checks the roles first
@@ -112,9 +108,7 @@ class Engine:
         #: Swap preemptions that fell back to recompute (host tier off or full, a swap-in's SWAP_LOST).
         self.swap_fallbacks = 0
         self.swapper = Swapper(memory, lambda: self.lease.lease_id)
-        if self.scheduler.config.preemption_mode == "swap" and not pool.host_num_blocks:
-            log.warning("no_host_tier", hint="preemption_mode 'swap' needs a memory service started with "
-                        "--host-cache-memory; until it has one, preemptions recompute")
+        check_host_tier(self.scheduler.config.preemption_mode, pool.host_num_blocks)
         self.traces: collections.deque[StepTrace] = collections.deque(maxlen=100_000)
         #: (request id, step_count when its abort was asked), most recent last.
         self.abort_log: collections.deque[tuple[str, int]] = collections.deque(maxlen=10_000)
@@ -129,7 +123,7 @@ class Engine:
         self.slots = Slots(memory, lambda: self.lease.lease_id, self.scheduler, self.commits, self.pulls,
                            self.model_id, self.block_size)
         #: What the front reads (client.engine_stats): fixed limits, and the stats of the last step.
-        self.limits = EngineLimits(info, self.max_context, self.block_size, self.num_blocks)
+        self.limits = EngineLimits(info, self.model_id, self.max_context, self.block_size, self.num_blocks)
         self._stats = EngineStats()
         self._stats_lock = threading.Lock()
         self._publish()
@@ -169,8 +163,7 @@ class Engine:
 
     # ------------------------------------------------------------ the seam
     def stats(self) -> EngineStats:
-        """The stats of the last step (thread-safe; client.engine_stats), built at the end of each
-        step and whenever a request joins."""
+        """The stats published after the last step or request joined (thread-safe; client.engine_stats)."""
         return self._stats
 
     def step_log(self, since: int = 0) -> StepLog:
@@ -181,12 +174,10 @@ class Engine:
     def _publish(self) -> None:
         """Build the stats the front reads; under a lock, so the last one published is the newest."""
         with self._stats_lock:
-            running, waiting = self.scheduler.queues()
-            pulls = self.pulls
-            self._stats = EngineStats(
-                self.step_count, running, waiting, self.preemptions, self.swaps, self.swap_fallbacks,
-                self.lease_recoveries, self.scheduler.handoffs, pulls.tokens_pulled if pulls else 0,
-                pulls.transfers_failed if pulls else 0, self.lease.lease_id, self.lease.secret)
+            pulled, failed = (self.pulls.tokens_pulled, self.pulls.transfers_failed) if self.pulls else (0, 0)
+            self._stats = EngineStats(self.step_count, *self.scheduler.queues(), self.preemptions, self.swaps,
+                                      self.swap_fallbacks, self.lease_recoveries, self.scheduler.handoffs, pulled,
+                                      failed, self.lease.lease_id, self.lease.secret)
 
     def close(self) -> None:
         self.recovery.cancel()
@@ -310,10 +301,9 @@ class Engine:
         return result.seq_ids
 
     def _preempt(self, req: Request, grown: set[int] = frozenset()) -> bool:
-        """Preempt running ``req``: by swap when the mode asks and the memory service can
-        (client.swap), else by recompute. ``grown``: sequence ids that may not be swapped out now
-        (grown by AppendSlots, or swapped in, in this step).
-        Returns whether it was by swap."""
+        """Preempt running ``req``: by swap when the mode asks and the memory service can (client.swap),
+        else by recompute; returns whether by swap. ``grown``: sequence ids that may not be swapped
+        out now (grown by AppendSlots, or swapped in, in this step)."""
         outcome = self.swapper.swap_out(req, grown) if self.scheduler.config.preemption_mode == "swap" else None
         if outcome == SwapOut.SWAPPED:
             self.scheduler.preempt(req, swap=True)

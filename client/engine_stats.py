@@ -102,6 +102,8 @@ class EngineLimits:
 
     #: The workers' GetModelInfo (one model on every worker).
     model_info: object
+    #: Prefix-cache identity of the model's KV: model, resolved revision and KV dtype.
+    model_id: str
     #: Longest sequence (prompt + output), tokens: the model's context capped by the pool.
     max_context: int
     #: Tokens per KV block, and blocks in the device pool.

@@ -48,6 +48,13 @@ if TYPE_CHECKING:
 log = get_logger("swap")
 
 
+def check_host_tier(preemption_mode: str, host_blocks: int) -> None:
+    """Warn when preemption by swap is asked of a memory service without a host tier (``host_blocks`` 0)."""
+    if preemption_mode == "swap" and not host_blocks:
+        log.warning("no_host_tier", hint="preemption_mode 'swap' needs a memory service started with "
+                    "--host-cache-memory; until it has one, preemptions recompute")
+
+
 class SwapOut(enum.Enum):
     """What :meth:`Swapper.swap_out` did; the engine preempts by recompute unless SWAPPED."""
 

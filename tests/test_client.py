@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from client import Client, SamplingParams
+from client.backend import Backend
 from client.engine import Engine
 from client.request import Request
 from client.scheduler import SchedulerConfig
@@ -171,6 +172,11 @@ def test_preemption_gives_the_unconstrained_outputs(small_stack, llm):
         assert small.engine.preemptions > 0
         stats = small.stats()
         assert stats.preemptions == small.engine.preemptions
+        published = small.engine_stats()  # what pagedkv serve reads (client.backend)
+        assert isinstance(small, Backend) and published.preemptions == small.engine.preemptions
+        assert published.step_count == small.engine.step_count and published.lease_id == small.lease_id
+        assert (published.num_running, published.num_waiting) == (0, 0)
+        assert sum(t.num_tokens for t in small.step_logs()[small.memory.address].steps) > 0
         assert stats.used_blocks == 0 and stats.available_blocks == 14
 
 

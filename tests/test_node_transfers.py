@@ -127,7 +127,7 @@ def wait_indexed(cluster: Cluster, node: str, prompt: list[int], blocks: int, ti
     """Until the router's index knows that ``node`` holds ``blocks`` leading blocks of ``prompt``."""
     from memory_service.block_hash import CacheKey, chain_hashes
 
-    hashes = chain_hashes(prompt, BS, CacheKey(cluster.engine.model_id, ""), blocks)
+    hashes = chain_hashes(prompt, BS, CacheKey(cluster.limits.model_id, ""), blocks)
     deadline = time.monotonic() + timeout
     while cluster.index.leading(hashes)[node] < blocks:
         assert time.monotonic() < deadline, f"node {node}'s KV events did not reach the router"
@@ -151,6 +151,14 @@ def test_routing_follows_the_prefix_and_spreads_the_rest_by_load(nodes):
         handles = [cluster.submit(p, GREEDY) for p in distinct]  # queued at once: load decides
         outs = [h.result() for h in handles]
         assert dict(cluster.router.routed) == {"a": 2, "b": 2}
+        per_node = cluster.node_stats()  # the cluster reports every node, not its first
+        assert list(per_node) == ["a", "b"] and all(s.step_count > 0 for s in per_node.values())
+        assert cluster.engine_stats().step_count == sum(s.step_count for s in per_node.values())
+        assert {n: log.step_count for n, log in cluster.step_logs().items()} == {
+            n: s.step_count for n, s in per_node.items()}
+        pools = [n.client.stats() for n in cluster.nodes.values()]
+        assert cluster.stats().total_blocks == sum(p.total_blocks for p in pools)
+        assert cluster.stats().prefix_cache_queries == sum(p.prefix_cache_queries for p in pools) > 0
     assert first.outputs[0].token_ids and all(o.outputs[0].token_ids for o in outs)
 
 
@@ -167,6 +175,7 @@ def test_prefill_on_one_node_decode_on_another_equals_one_node(nodes):
         assert [t.num_tokens for t in prefill.traces] == [len(prompt)]  # the prompt, once, on A
         assert decode.pulls.tokens_pulled == PULLED  # moved once; B computes the rest
         assert decode.traces[0].num_tokens == len(prompt) - PULLED
+        assert cluster.node_stats()["b"].tokens_pulled == PULLED and cluster.node_stats()["a"].tokens_pulled == 0
     assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     for s in (a, b):
         assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)

@@ -128,7 +128,7 @@ def test_memory_service_restart_mid_generation(restartable, undisturbed, tmp_pat
         assert client.engine.runner.pool_generation == client.engine.recovery.generation
         stats = client.stats()
         assert (stats.generation, stats.num_leases, stats.used_blocks) == (client.engine.recovery.generation, 1, 0)
-        metrics = ServeMetrics("m", client.engine, client.memory)
+        metrics = ServeMetrics("m", client)
         assert metrics.registry.get_sample_value("pagedkv:lease_recoveries_total", {"model_name": "m"}) == 1
 
 

@@ -33,7 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from client.api import Client
+from client.backend import Backend
+from client.engine_stats import EngineStats, StepLog
 from client.errors import ServiceError, Unavailable
 from client.serve.backends import Backends
 from client.serve.config import Tenants
@@ -65,7 +66,8 @@ STATUS_INTERVAL = 10.0
 class Server:
     """What the routes share: the client (engine), the backends, tenants and metrics."""
 
-    client: Client
+    #: The generation side: one Client, or a Cluster of nodes (client.backend.Backend).
+    client: Backend
     backends: Backends
     tenants: Tenants
     model_name: str
@@ -91,11 +93,12 @@ class Server:
     _feed: DashboardFeed | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        self.metrics = ServeMetrics(self.model_name, self.client.engine, self.client.memory)
+        self.metrics = ServeMetrics(self.model_name, self.client)
 
-    @property
-    def engine(self):
-        return self.client.engine
+    def front_stats(self) -> EngineStats:
+        """The engine stats the dashboard shows: with several nodes (``--node``), the first node's,
+        whose pool it maps."""
+        return next(iter(self.client.node_stats().values()))
 
     def shutdown(self) -> None:
         """Fail every request in flight with 503 now (streams get an error event and ``[DONE]``),
@@ -109,10 +112,10 @@ class Server:
 
     def dashboard_feed(self) -> DashboardFeed:
         """The dashboard's feed (one for every viewer), made on first use. With several nodes
-        (``--node``) it shows the first node's pool and engine."""
+        (``--node``) it shows the first node's pool and engine (:meth:`front_stats`)."""
         if self._feed is None:
             self._feed = DashboardFeed(memory_address=self.backends.memory, tls=self.backends.tls,
-                                       admin_token_file=self.backends.admin_token_file, engine=lambda: self.engine,
+                                       admin_token_file=self.backends.admin_token_file, front=self.front_stats,
                                        token_totals=self.metrics.token_totals, interval=self.dashboard_interval)
         return self._feed
 
@@ -207,10 +210,10 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         server.authorize(request)
-        info = server.engine.model_info
+        limits = server.client.limits
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                            "owned_by": "pagedkv", "root": info.model_source,
-                                            "max_model_len": server.engine.max_context}]}
+                                            "owned_by": "pagedkv", "root": limits.model_info.model_source,
+                                            "max_model_len": limits.max_context}]}
 
     @app.get("/debug/steps")
     async def steps(request: Request):
@@ -219,12 +222,9 @@ def create_app(server: Server) -> FastAPI:
             since = int(request.query_params.get("since", 0))
         except ValueError:
             raise bad_request("since must be an integer step number", "since") from None
-        traces = [t for t in list(server.engine.traces) if t.step >= since]
-        return {"step_count": server.engine.step_count,
-                "aborts": [{"request_id": r, "step": s} for r, s in list(server.engine.abort_log) if s >= since],
-                "steps": [{"step": t.step, "request_ids": t.request_ids, "num_tokens": t.num_tokens,
-                           "finished": t.finished, "preempted": t.preempted,
-                           "swapped": t.swapped} for t in traces]}
+        logs = server.client.step_logs(since)
+        body = _step_log(next(iter(logs.values())))  # the first node's; with several, each under "nodes"
+        return body | {"nodes": {name: _step_log(log) for name, log in logs.items()}} if len(logs) > 1 else body
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -258,6 +258,13 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
+def _step_log(log: StepLog) -> dict:
+    """``GET /debug/steps``'s body for one engine's step log."""
+    return {"step_count": log.step_count, "aborts": [{"request_id": r, "step": s} for r, s in log.aborts],
+            "steps": [{"step": t.step, "request_ids": t.request_ids, "num_tokens": t.num_tokens,
+                       "finished": t.finished, "preempted": t.preempted, "swapped": t.swapped} for t in log.steps]}
+
+
 def _lifespan(server: Server):
     from contextlib import asynccontextmanager
 
@@ -279,13 +286,13 @@ async def _status_log(server: Server) -> None:
     last_q = last_h = 0
     while True:
         await asyncio.sleep(STATUS_INTERVAL)
-        sched, now = server.engine.scheduler, time.monotonic()
+        engine_stats, now = server.client.engine_stats(), time.monotonic()
         totals = server.metrics.token_totals()
-        if totals == last and not sched.running and not sched.waiting:
+        if totals == last and not engine_stats.running and not engine_stats.waiting:
             last_t = now
             continue
         try:
-            stats = await asyncio.to_thread(server.client.memory.stats)
+            stats = await asyncio.to_thread(server.client.stats)
             usage = stats.used_blocks / stats.total_blocks if stats.total_blocks else 0.0
             dq, dh = stats.prefix_cache_queries - last_q, stats.prefix_cache_hits - last_h
             last_q, last_h = stats.prefix_cache_queries, stats.prefix_cache_hits
@@ -293,7 +300,7 @@ async def _status_log(server: Server) -> None:
             usage, dq, dh = float("nan"), 0, 0
         dt = max(now - last_t, 1e-9)
         log.info("status", prompt_throughput=f"{(totals[0] - last[0]) / dt:.1f} tokens/s",
-                 generation_throughput=f"{(totals[1] - last[1]) / dt:.1f} tokens/s", running=len(sched.running),
-                 waiting=len(sched.waiting), kv_cache_usage=f"{usage:.1%}",
+                 generation_throughput=f"{(totals[1] - last[1]) / dt:.1f} tokens/s", running=engine_stats.num_running,
+                 waiting=engine_stats.num_waiting, kv_cache_usage=f"{usage:.1%}",
                  prefix_cache_hit_rate=f"{dh / dq:.1%}" if dq else "n/a")
         last, last_t = totals, now
