@@ -113,9 +113,7 @@ class Engine:
         #: (request id, step_count when its abort was asked), most recent last.
         self.abort_log: collections.deque[tuple[str, int]] = collections.deque(maxlen=10_000)
         self.runner = StepRunner(workers, pool.generation)
-        #: Times a lost lease or a new pool generation was recovered from (client.recovery).
-        self.lease_recoveries = 0
-        self.recovery = Recovery(self, pool, lease_ttl, recovery_timeout)
+        self.recovery = Recovery(memory, workers, lambda: self.lease, pool, lease_ttl, recovery_timeout)
         #: Cross-node prefix reuse from ``peers``, other nodes' memory services (client.transfers); None: none.
         self.pulls = PrefixPull(list(peers)) if peers else None
         self.update = StepUpdate(self.scheduler, self.branching, self.stop_checker, self.commits, self.pulls,
@@ -146,6 +144,11 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    @property
+    def lease_recoveries(self) -> int:
+        """Times a lost lease or a new pool generation was recovered from (client.recovery)."""
+        return self.recovery.recoveries
 
     def fail_all(self, error: Exception) -> list[Request]:
         """End every running and waiting request with ``error``, freeing their sequences (best
@@ -202,7 +205,9 @@ class Engine:
         except ServiceError as e:
             if self.pulls is not None:
                 self.pulls.clear()
-            self.recovery.recover(e)  # raises what it cannot recover from
+            got = self.recovery.recover(e, self.scheduler.requeue_running)  # raises what it cannot recover from
+            self.lease, self.runner.pool_generation = got.lease, got.generation
+            self.commits.clear()  # receipts of the old lease's sequences
             return list(updated.values())
         finally:
             self._publish()
@@ -291,12 +296,7 @@ class Engine:
         scheduler; returns the ids of the sequences swapped in."""
         self.commits.flush()  # swap-in's reloads follow proven positions only
         result = self.swapper.swap_in(out, lambda r: self._free([r], mpb.FREE_REASON_PREEMPTED))
-        for r, recomputed in result.unadmitted:
-            if recomputed:
-                self.scheduler.recompute_swapped(r)
-            self.scheduler.unadmit(r)
-        for r in result.swapped_in:
-            self.scheduler.swapped_in(r)
+        self.scheduler.swap_in_done(result.unadmitted, result.swapped_in)
         self.swap_fallbacks += result.fallbacks
         return result.seq_ids
 

@@ -278,6 +278,17 @@ class Scheduler:
         """The engine swapped ``request``'s sequences back in: it runs."""
         request.status = Status.RUNNING
 
+    def swap_in_done(self, unadmitted: list[tuple[Request, bool]], swapped_in: list[Request]) -> None:
+        """Apply a swap-in's outcome (client.swap.SwapIn): each of ``unadmitted`` leaves the step
+        and waits at the front, in order (``(request, recomputed)``: :meth:`recompute_swapped` first
+        when its KV was lost); each of ``swapped_in`` runs."""
+        for r, recomputed in unadmitted:
+            if recomputed:
+                self.recompute_swapped(r)
+            self.unadmit(r)
+        for r in swapped_in:
+            self.swapped_in(r)
+
     def recompute_swapped(self, request: Request) -> None:
         """A swapped-out ``request`` lost its KV (the engine freed its sequences: SWAP_LOST): it
         forgets its block tables and computes its tokens again, keeping its place in the queues."""

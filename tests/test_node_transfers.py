@@ -216,3 +216,36 @@ def test_a_killed_source_worker_falls_back_to_recompute(nodes):
     assert out.outputs[0].token_ids == on_a.outputs[0].token_ids
     for s in (a, b):
         assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
+
+
+def test_a_cluster_reports_every_node_added_up():
+    # Without services: what the front reads of a Cluster is every node's, added up (client.backend).
+    import types
+
+    from client.backend import Backend, total_pool_stats
+    from client.engine_stats import EngineStats
+    from pagedkv.memory.v1 import memory_service_pb2 as mpb
+
+    a, b, c = (object(), object(), object())
+    one = EngineStats(step_count=3, running=(a,), waiting=(b,), preemptions=2, swaps=1, lease_id="A", lease_secret="s")
+    two = EngineStats(step_count=5, waiting=(c,), preemptions=1, lease_recoveries=1, tokens_pulled=32, lease_id="B")
+    pools = [mpb.GetStatsResponse(total_blocks=10, used_blocks=4, tokens_stored=40, block_size=16, generation=7,
+                                  prefix_cache_queries=5, prefix_cache_hits=1),
+             mpb.GetStatsResponse(total_blocks=20, used_blocks=1, tokens_stored=8, block_size=16, generation=9,
+                                  prefix_cache_queries=3)]
+
+    def node(stats, pool):
+        client = types.SimpleNamespace(engine_stats=lambda: stats, stats=lambda: pool, tokenizer=None, limits=None)
+        return types.SimpleNamespace(client=client)
+
+    cluster = Cluster.__new__(Cluster)
+    cluster.nodes = {"a": node(one, pools[0]), "b": node(two, pools[1])}
+    total = cluster.engine_stats()
+    assert (total.step_count, total.running, total.waiting) == (8, (a,), (b, c))
+    assert (total.preemptions, total.swaps, total.lease_recoveries, total.tokens_pulled) == (3, 1, 1, 32)
+    assert total.lease_id == "" and cluster.node_stats() == {"a": one, "b": two}
+    pool = cluster.stats()
+    assert (pool.total_blocks, pool.used_blocks, pool.prefix_cache_queries, pool.prefix_cache_hits) == (30, 5, 8, 1)
+    assert (pool.block_size, pool.generation) == (16, 7) and pool.utilization == pytest.approx(48 / (5 * 16))
+    assert EngineStats.total([one]) is one and total_pool_stats([pools[1]]) is pools[1]
+    assert isinstance(cluster, Backend)  # as a Client is (tests/test_client.py)

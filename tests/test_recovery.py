@@ -178,15 +178,15 @@ def test_recovery_raises_what_it_cannot_recover_from():
     memory = MemoryClient(f"127.0.0.1:{free_port()}", timeout=1)
     old = types.SimpleNamespace(lease_id="old", lost=None, close=lambda: None)
     engine = types.SimpleNamespace(memory=memory, workers=[], lease=old)
-    recovery = Recovery(engine, mpb.PoolDescriptor(generation=1), timeout=0.3)
+    recovery = Recovery(memory, engine.workers, lambda: engine.lease, mpb.PoolDescriptor(generation=1), timeout=0.3)
     try:
         with pytest.raises(Unavailable, match=r"could not get a new one \(not ready within 0.3 s\): the memory "
                                               f"service at {memory.address} to serve"):
-            recovery.recover(Unavailable(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+            recovery.recover(Unavailable(grpc.StatusCode.UNAVAILABLE, "connection refused"), lambda: [])
         bad = InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "bad", "INVALID_ARGUMENT")
         with pytest.raises(InvalidArgument) as exc:
-            recovery.recover(bad)
-        assert exc.value is bad and engine.lease is old
+            recovery.recover(bad, lambda: [])
+        assert exc.value is bad and engine.lease is old and recovery.recoveries == 0
         assert is_lost(FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION, "expired", LEASE_EXPIRED))
         assert not is_lost(FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION, "other", "FAILED_PRECONDITION"))
     finally:

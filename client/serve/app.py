@@ -175,26 +175,7 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="pagedkv", summary="OpenAI-compatible server over a shared paged KV-cache pool",
                   lifespan=_lifespan(server))
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
-
-    @app.exception_handler(ClientDisconnect)
-    async def _hung_up(request: Request, e: ClientDisconnect):
-        # The caller left mid-body: nobody reads the answer, and it is no server error.
-        log.info("client_disconnected", path=request.url.path)
-        return Response(status_code=400)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
-        log.error("request_failed", path=request.url.path, error=repr(e))
-        return JSONResponse(APIError(500, f"internal error: {e}", type="server_error").body(), status_code=500)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -258,11 +239,36 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-def _step_log(log: StepLog) -> dict:
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI error body (:class:`~client.serve.protocol.APIError`)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _hung_up(request: Request, e: ClientDisconnect):
+        # The caller left mid-body: nobody reads the answer, and it is no server error.
+        log.info("client_disconnected", path=request.url.path)
+        return Response(status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.error("request_failed", path=request.url.path, error=repr(e))
+        return JSONResponse(APIError(500, f"internal error: {e}", type="server_error").body(), status_code=500)
+
+
+def _step_log(step_log: StepLog) -> dict:
     """``GET /debug/steps``'s body for one engine's step log."""
-    return {"step_count": log.step_count, "aborts": [{"request_id": r, "step": s} for r, s in log.aborts],
+    return {"step_count": step_log.step_count, "aborts": [{"request_id": r, "step": s} for r, s in step_log.aborts],
             "steps": [{"step": t.step, "request_ids": t.request_ids, "num_tokens": t.num_tokens,
-                       "finished": t.finished, "preempted": t.preempted, "swapped": t.swapped} for t in log.steps]}
+                       "finished": t.finished, "preempted": t.preempted, "swapped": t.swapped} for t in step_log.steps]}
 
 
 def _lifespan(server: Server):
