@@ -6,7 +6,8 @@ from the engine thread through a per-request ``asyncio.Queue``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, the admin-only ``GET /debug/steps`` (the engine's step
-trace: which requests each step carried, and at which step each abort was asked), and the
+trace: which requests each step carried, and at which step each abort was asked; with several
+nodes, the first node's, and every node's under ``nodes``), and the
 operator's dashboard feed under ``/dashboard/`` (client.serve.dashboard_routes).
 
 Errors use the OpenAI error body (:class:`~client.serve.protocol.APIError`): 400 bad parameter or
@@ -205,7 +206,7 @@ def create_app(server: Server) -> FastAPI:
             raise bad_request("since must be an integer step number", "since") from None
         logs = server.client.step_logs(since)
         body = _step_log(next(iter(logs.values())))  # the first node's; with several, each under "nodes"
-        return body | {"nodes": {name: _step_log(log) for name, log in logs.items()}} if len(logs) > 1 else body
+        return body | {"nodes": {name: _step_log(steps) for name, steps in logs.items()}} if len(logs) > 1 else body
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
