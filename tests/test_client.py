@@ -104,7 +104,7 @@ def test_continuous_batching_step_trace(engine):
 @pytest.mark.parametrize("fork_calls", ["one", "one per child"])
 def test_parallel_sampling_shares_prompt_blocks(engine, llm, fork_calls, monkeypatch):
     if fork_calls == "one per child":  # as when a step forks more children than one call may create
-        monkeypatch.setattr("client.engine.MAX_FORK_CHILDREN", 1)
+        monkeypatch.setattr("client.slots.MAX_FORK_CHILDREN", 1)
     tok = engine.tokenizer
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, n=3, max_tokens=10, ignore_eos=True)
     ids = encode_prompt(tok, chat("Tell me a story about a dragon and a library, please."))
