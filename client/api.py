@@ -21,15 +21,16 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass, field
 
 from client.engine import Engine
+from client.engine_stats import EngineLimits, EngineStats, StepLog
 from client.params import SamplingParams
 from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
-from client.request import Request, Status
+from client.request import Request
+from client.request_output import CompletionOutput, Prompt, RequestOutput, build_output
 from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
-from client.tokenizer import Messages, encode_prompt, tokenizer_source
+from client.tokenizer import encode_prompt, tokenizer_source
 from client.transfers import connect_peers
 from pagedkv.config import DEFAULT_MEMORY, DEFAULT_WORKER
 from pagedkv.logs import get_logger
@@ -37,77 +38,6 @@ from pagedkv.tls import TlsFiles
 from pagedkv.tokenizer import load_tokenizer
 
 log = get_logger("client")
-
-Prompt = str | Messages | list[int]
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    """One output sequence (a sample, or a beam)."""
-
-    #: Sample index (beam rank for beam search).
-    index: int
-    #: Decoded text (special tokens skipped; cut before a stop string). While the sequence
-    #: runs, the last ``max(len(stop)) - 1`` characters are held back (client.detokenizer).
-    text: str
-    #: Generated token ids.
-    token_ids: list[int]
-    #: "stop", "length", "abort", or None while running.
-    finish_reason: str | None
-    #: The stop string or token id that ended it.
-    stop_reason: str | int | None = None
-    #: Sum of the chosen tokens' logprobs (when logprobs were asked, or the beam's sum).
-    cumulative_logprob: float | None = None
-    #: Per token, {token_id: logprob} of the top alternatives (when asked).
-    logprobs: list[dict[int, float]] | None = None
-    #: Beam search: length-normalised score (transformers' sequences_scores).
-    score: float | None = None
-    #: Per token, the chosen token's logprob (when asked).
-    token_logprobs: list[float] | None = None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's outputs so far (cumulative) and, once finished, its timings."""
-
-    request_id: str
-    prompt: Prompt
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    #: Seconds: ttft (time to first token), tpot (mean per output token), e2e; preemptions (by
-    #: recompute or swap) and swaps (those by swap).
-    metrics: dict = field(default_factory=dict)
-    #: Prompt tokens served from the prefix cache (vLLM's ``num_cached_tokens``); None before the
-    #: request got its blocks.
-    num_cached_tokens: int | None = None
-
-
-def build_output(req: Request, tokenizer) -> RequestOutput:
-    """Snapshot ``req`` as a :class:`RequestOutput` (called on the engine thread)."""
-    def text_of(tokens: list[int]) -> str:
-        return tokenizer.decode(tokens, skip_special_tokens=True)
-
-    outs: list[CompletionOutput] = []
-    if req.beam is not None and req.beam.done:
-        for rank, h in enumerate(req.beam.best(req.params.n)):
-            outs.append(CompletionOutput(rank, text_of(h.tokens), h.tokens, "stop" if h.tokens and h.tokens[-1] in req.beam.eos_ids else "length",
-                                         cumulative_logprob=h.sum_logprobs, score=h.score))
-    else:
-        for s in sorted(req.seqs, key=lambda s: (s.index, -s.beam_score)):
-            gen = s.generated
-            text = s.detok.visible(s.finished) if s.detok is not None else text_of(gen)
-            lp = sum(s.token_logprobs) if s.token_logprobs else None
-            asked = req.params.logprobs is not None
-            outs.append(CompletionOutput(s.index, text, list(gen), s.finish_reason, s.stop_reason, lp,
-                                         list(s.top_logprobs) if asked else None,
-                                         token_logprobs=list(s.token_logprobs) if asked else None))
-    m = req.metrics
-    n_tokens = max((len(o.token_ids) for o in outs), default=0)
-    metrics = {"ttft": m.ttft, "tpot": m.tpot(n_tokens), "preemptions": m.preemptions, "swaps": m.swaps,
-               "e2e": None if m.finished is None else m.finished - m.arrival}
-    return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
-                         req.status == Status.FINISHED, metrics, req.num_cached_tokens)
 
 
 class RequestHandle:
@@ -297,6 +227,24 @@ class Client:
         """The memory service's GetStats."""
         return self.memory.stats()
 
+    # ----------------------------------------------------- the front's seam (client.backend)
+    @property
+    def limits(self) -> EngineLimits:
+        """The model served and the limits a request must fit."""
+        return self._engine.limits
+
+    def engine_stats(self) -> EngineStats:
+        """The engine's stats after its last step (client.engine_stats)."""
+        return self._engine.stats()
+
+    def node_stats(self) -> dict[str, EngineStats]:
+        """:meth:`engine_stats` by node name: this client's memory-service address."""
+        return {self.memory.address: self._engine.stats()}
+
+    def step_logs(self, since: int = 0) -> dict[str, StepLog]:
+        """The engine's step trace from step ``since`` on, by node name (:meth:`node_stats`)."""
+        return {self.memory.address: self._engine.step_log(since)}
+
     # ----------------------------------------------------------------- loop
     def _loop(self) -> None:
         engine = self._engine
@@ -384,3 +332,6 @@ class AsyncClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+__all__ = ["AsyncClient", "Client", "CompletionOutput", "Prompt", "RequestHandle", "RequestOutput", "build_output"]

@@ -3,7 +3,7 @@
 DESIGN.md, "Nodes". A :class:`Cluster` holds one :class:`~client.api.Client` (engine) per node,
 each with the other nodes as peers (cross-node prefix reuse, client.transfers), a
 :class:`~client.router.KvIndex` over the nodes' KV events and a :class:`~client.router.Router`.
-It offers what ``pagedkv serve`` uses of a Client (``submit``, ``abort``, ``tokenizer``, ``close``).
+It offers what ``pagedkv serve`` uses of a Client (client.backend.Backend), and reports every node.
 
 Roles (``--node NAME=MEMORY,workers=A,B,role=prefill|decode|both``):
 
@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass, field
 
 from client.api import Client, RequestHandle
+from client.backend import total_pool_stats
+from client.engine_stats import EngineLimits, EngineStats, StepLog
 from client.params import SamplingParams
 from client.router import POLICIES, KvIndex, Router
 from client.scheduler import ROLES
@@ -140,13 +142,13 @@ class Cluster:
         except BaseException:
             self.close()
             raise
-        first = next(iter(self.nodes.values())).client.engine
-        kv = lambda e: (e.block_size, e.model_id, e.memory.pool().layout.dtype)  # noqa: E731
+        first = self._first.limits
+        kv = lambda c: (c.limits.block_size, c.limits.model_id, c.memory.pool().layout.dtype)  # noqa: E731
         for n in self.nodes.values():
-            e = n.client.engine
-            if kv(e) != kv(first):
+            mine, theirs = kv(n.client), kv(self._first)
+            if mine != theirs:
                 self.close()
-                raise ValueError(f"node {n.spec.name} holds (block size, model, dtype) {kv(e)}, another {kv(first)}: "
+                raise ValueError(f"node {n.spec.name} holds (block size, model, dtype) {mine}, another {theirs}: "
                                  "every node must hold the same KV")
         self.index = KvIndex({name: self._stream(n) for name, n in self.nodes.items()})
         self.router = Router(self.index, first.block_size, first.model_id, self._load, routing)
@@ -154,22 +156,32 @@ class Cluster:
         self._where: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    # The parts of a Client that pagedkv serve uses, from the first node (all nodes run one model).
-    @property
-    def client(self) -> Client:
-        return next(iter(self.nodes.values())).client
-
+    # What pagedkv serve uses (client.backend.Backend): every node's, or the first's where all are alike.
     @property
     def tokenizer(self):
-        return self.client.tokenizer
+        """The first node's tokenizer (every node runs one model)."""
+        return self._first.tokenizer
 
     @property
-    def engine(self):
-        return self.client.engine
+    def limits(self) -> EngineLimits:
+        """The first node's limits (every node holds the same KV)."""
+        return self._first.limits
+
+    def engine_stats(self) -> EngineStats:
+        """Every node's engine stats added up (queues joined, node order)."""
+        return EngineStats.total([n.client.engine_stats() for n in self.nodes.values()])
+
+    def node_stats(self) -> dict[str, EngineStats]:
+        """Each node's engine stats, by node name."""
+        return {name: n.client.engine_stats() for name, n in self.nodes.items()}
+
+    def step_logs(self, since: int = 0) -> dict[str, StepLog]:
+        """Each node's step trace from step ``since`` on, by node name."""
+        return {name: n.client.step_logs(since)[n.client.memory.address] for name, n in self.nodes.items()}
 
     @property
-    def memory(self):
-        return self.client.memory
+    def _first(self) -> Client:
+        return next(iter(self.nodes.values())).client
 
     def _stream(self, node: Node):
         memory = MemoryClient(node.spec.memory, tls=self._router_tls)  # the router's own channel
@@ -178,9 +190,9 @@ class Cluster:
 
     def _load(self, name: str) -> int:
         """Blocks node ``name`` is busy with: its running and waiting requests' tokens."""
-        s = self.nodes[name].client.engine.scheduler
-        bs = self.engine.block_size
-        return sum(-(-len(q.seqs[0].tokens) // bs) for q in [*list(s.running), *list(s.waiting)] if q.seqs)
+        s = self.nodes[name].client.engine_stats()
+        bs = self.limits.block_size
+        return sum(-(-len(q.seqs[0].tokens) // bs) for q in [*s.running, *s.waiting] if q.seqs)
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
                request_id: str | None = None, listener=None):
@@ -214,7 +226,7 @@ class Cluster:
         with self._lock:
             where = self._where.pop(request_id, None)
         if where is not None:
-            self.nodes[where[0]].client.engine.abort(where[1])
+            self.nodes[where[0]].client.abort(where[1])
 
     def __enter__(self) -> Cluster:
         return self
@@ -223,8 +235,12 @@ class Cluster:
         self.close()
 
     def stats(self):
-        """The first node's GetStats (as :meth:`Client.stats`)."""
-        return self.client.stats()
+        """Every node's GetStats added up (client.backend.total_pool_stats).
+
+        Raises:
+            client.errors.ServiceError: a node's memory service did not answer.
+        """
+        return total_pool_stats([n.client.stats() for n in self.nodes.values()])
 
     def close(self) -> None:
         if getattr(self, "index", None) is not None:

@@ -162,12 +162,13 @@ class SamplingParams:
         return dataclasses.replace(self, **fill)
 
 
-def model_defaults(generation_defaults) -> dict[str, float | int]:
+def model_defaults(generation_defaults, ignored_keys=()) -> dict[str, float | int]:
     """The request defaults a model sets, from GetModelInfo's ``generation_defaults`` (a
     ``pagedkv.compute.v1.GenerationDefaults``: each field present only when generation_config.json
     sets it). A ``top_k`` <= 0 is "off" (0), as in vLLM. A value that is not a valid sampling value
     is dropped with a warning (vLLM's default applies instead), so a bad generation_config.json
-    fails no request."""
+    fails no request. ``ignored_keys``: the config's keys the worker did not take (GetModelInfo's
+    ``ignored_generation_keys``), named in a warning."""
     out: dict[str, float | int] = {}
     for name in VLLM_DEFAULTS:
         if generation_defaults.HasField(name):
@@ -179,6 +180,9 @@ def model_defaults(generation_defaults) -> dict[str, float | int]:
                 log.warning("generation_default_ignored", key=name, value=value, error=str(e))
                 continue
             out[name] = value
+    if ignored_keys:
+        log.warning("generation_config_keys_ignored", keys=list(ignored_keys),
+                    honoured="temperature, top_p, top_k, repetition_penalty")
     return out
 
 

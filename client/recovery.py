@@ -20,7 +20,8 @@ after a long pause); every block its sequences held is gone with it. The engine 
     3. requeue  every running request waits again at the front of the queue, recomputed
                 (Scheduler.requeue_running: like a preemption); a fork planned by the
                 failed step is applied without blocks (client.beam.ForkPlan.apply)
-    4. count    Engine.lease_recoveries += 1 and a ``lease_recovered`` log line
+    4. count    Recovery.recoveries += 1 and a ``lease_recovered`` log line; the engine takes
+                the new lease and pool generation from the :class:`Recovered` returned
 
 Why the outputs equal an undisturbed run's: a request keeps its tokens (prompt and generated),
 only its KV is recomputed, as after a preemption by recompute; a draw for output position t
@@ -41,6 +42,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -54,7 +57,8 @@ from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
 if TYPE_CHECKING:
     from client.beam import ForkPlan
-    from client.engine import Engine
+    from client.request import Request
+    from client.services import MemoryClient, WorkerClient
 
 log = get_logger("recovery")
 
@@ -68,6 +72,16 @@ FIRST_BACKOFF, MAX_BACKOFF = 0.1, 2.0
 DEFAULT_TIMEOUT = 60.0
 
 
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """What a recovery got, for the engine to apply."""
+
+    #: The new lease (the old one is released).
+    lease: Lease
+    #: The pool generation the engine's steps carry from now on.
+    generation: int
+
+
 class LayoutChanged(FailedPrecondition):
     """The memory service came back with another pool layout: the engine cannot carry on."""
 
@@ -79,12 +93,12 @@ def is_lost(error: BaseException) -> bool:
 
 
 class Recovery:
-    """Recovers ``engine`` from a lost lease or a new pool generation (the module's procedure).
+    """Recovers an engine from a lost lease or a new pool generation (the module's procedure).
 
     Args:
-        engine: the engine; recovery replaces its ``lease``, the generation its steps carry
-            (``engine.runner.pool_generation``), requeues its
-            scheduler's running requests and counts ``engine.lease_recoveries``.
+        memory: the engine's memory-service client.
+        workers: the engine's workers (each must map the pool's new generation).
+        lease: returns the engine's lease now (its ``lost`` is checked before each step).
         pool: the pool descriptor the engine started with (its layout must stay the same).
         lease_ttl: the TTL to ask for each new lease, seconds (None: the service's default).
         timeout: most seconds one recovery waits for the services (> 0).
@@ -93,11 +107,13 @@ class Recovery:
         ValueError: ``timeout`` <= 0.
     """
 
-    def __init__(self, engine: Engine, pool: mpb.PoolDescriptor, lease_ttl: float | None = None,
-                 timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, memory: MemoryClient, workers: list[WorkerClient], lease: Callable[[], Lease],
+                 pool: mpb.PoolDescriptor, lease_ttl: float | None = None, timeout: float = DEFAULT_TIMEOUT):
         if timeout <= 0:
             raise ValueError(f"recovery timeout must be > 0 seconds, got {timeout}")
-        self.engine = engine
+        self.memory, self.workers, self.lease = memory, workers, lease
+        #: Times a lost lease or a new pool generation was recovered from.
+        self.recoveries = 0
         self.layout = pool.layout
         #: Pool generation the engine's steps carry now.
         self.generation = pool.generation
@@ -111,7 +127,7 @@ class Recovery:
     # ------------------------------------------------------------- detection
     def check_lease(self) -> None:
         """Raise the error the lease's keep-alive thread met, if it found the lease gone."""
-        lost = self.engine.lease.lost
+        lost = self.lease().lost
         if lost is not None:
             raise lost
 
@@ -136,9 +152,10 @@ class Recovery:
         self._cancel.set()
 
     # -------------------------------------------------------------- recovery
-    def recover(self, cause: ServiceError) -> None:
+    def recover(self, cause: ServiceError, requeue: Callable[[], list[Request]]) -> Recovered:
         """Recover from ``cause`` (the module's procedure), or raise it when it is not a lost lease
-        or pool, or when recoveries keep failing.
+        or pool, or when recoveries keep failing. ``requeue``: the scheduler's requeue_running.
+        Returns the new lease and pool generation, which the engine takes.
 
         Raises:
             ServiceError: ``cause`` itself (not :func:`is_lost`, or :data:`MAX_CONSECUTIVE` in a row).
@@ -153,8 +170,7 @@ class Recovery:
             self._consecutive = 0
             log.error("recovery_gave_up", recoveries_in_a_row=MAX_CONSECUTIVE, error=str(cause))
             raise cause
-        engine = self.engine
-        old = engine.lease
+        old = self.lease()
         log.warning("lease_lost", lease_id=old.lease_id, generation=self.generation, reason=cause.reason,
                     code=cause.code.name, error=cause.message)
         old.close()
@@ -163,21 +179,19 @@ class Recovery:
         except ServiceError:
             self._consecutive = 0  # the caller fails every request: the next recovery starts afresh
             raise
-        engine.lease = lease
-        engine.commits.clear()  # receipts of the old lease's sequences
-        self.generation = engine.runner.pool_generation = pool.generation
-        requeued = engine.scheduler.requeue_running()
+        self.generation = pool.generation
+        requeued = requeue()
         if plan is not None:  # every parent forgot its blocks: the branches start without any
             plan.apply([])
-        engine.lease_recoveries += 1
+        self.recoveries += 1
         log.warning("lease_recovered", old_lease_id=old.lease_id, lease_id=lease.lease_id, generation=pool.generation,
                     requeued=[r.request_id for r in requeued], branches_without_blocks=len(plan.branches) if plan else 0,
-                    recoveries=engine.lease_recoveries)
+                    recoveries=self.recoveries)
+        return Recovered(lease, pool.generation)
 
     def _wait_for_services(self) -> tuple[mpb.PoolDescriptor, Lease]:
         """Wait until the memory service serves the engine's layout, every worker maps its
         generation and a lease is created; returns the pool descriptor and the new lease."""
-        engine = self.engine
         deadline = time.monotonic() + self.timeout
         delay, tries = FIRST_BACKOFF, 0
         while True:
@@ -190,7 +204,7 @@ class Recovery:
                 why = "the client is closing" if self._cancel.is_set() else f"not ready within {self.timeout:g} s"
                 raise Unavailable(grpc.StatusCode.UNAVAILABLE,
                                   f"the engine lost its lease and could not get a new one ({why}): {waiting_for}; "
-                                  f"check the memory service at {engine.memory.address} and the workers, then "
+                                  f"check the memory service at {self.memory.address} and the workers, then "
                                   "submit the requests again")
             log.info("recovery_waiting", tries=tries, retry_in=round(delay, 2), waiting_for=waiting_for)
             self._cancel.wait(min(delay, left))
@@ -198,8 +212,7 @@ class Recovery:
 
     def _try_services(self) -> tuple[mpb.PoolDescriptor, Lease] | str:
         """One try: the pool descriptor and a new lease when everything is ready, else what is not."""
-        engine = self.engine
-        memory = engine.memory
+        memory = self.memory
         if not serving(memory.channel, timeout=2):
             return f"the memory service at {memory.address} to serve"
         try:
@@ -212,7 +225,7 @@ class Recovery:
                 f"the memory service at {memory.address} came back with pool layout {_text(pool.layout)}, "
                 f"but this client started with {_text(self.layout)}; restart the memory service with the "
                 "earlier layout, or create a new client", "LAYOUT_CHANGED")
-        for i, w in enumerate(engine.workers):
+        for i, w in enumerate(self.workers):
             try:
                 mapped = w.model_info().pool_generation
             except ServiceError as e:

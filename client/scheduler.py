@@ -25,96 +25,12 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
 
-from client.request import Request, Seq, Status
-from client.reservation import Paged, ReservationPolicy
+from client.request import Request, Status
+from client.scheduler_types import PREEMPTION_MODES, ROLES, ScheduledSeq, SchedulerConfig, SchedulerOutput
 from pagedkv.logs import get_logger
 
 log = get_logger("scheduler")
-
-#: How a running request is preempted when the pool runs out (vLLM's ``preemption_mode``):
-#: "recompute" frees its blocks and computes its tokens again; "swap" moves its KV to the
-#: memory service's host tier (SwapOutSequences) and back (SwapInSequences), falling back to
-#: recompute when the host tier is off or full.
-PREEMPTION_MODES = ("recompute", "swap")
-
-
-#: Worker roles (``pagedkv serve --node ...,role=``): run prefills, decodes, or both.
-ROLES = ("prefill", "decode", "both")
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    """Scheduler limits (vLLM's ``SchedulerConfig`` names)."""
-
-    #: Most requests running at once.
-    max_num_seqs: int = 64
-    #: Token budget of one step (chunked prefill splits prompts to fit it).
-    max_num_batched_tokens: int = 512
-    #: KV reservation policy (:mod:`client.reservation`); the default reserves nothing (blocks on demand).
-    reservation: ReservationPolicy = field(default_factory=Paged)
-    #: "recompute" (the default) or "swap" (:data:`PREEMPTION_MODES`).
-    preemption_mode: str = "recompute"
-
-    def __post_init__(self) -> None:
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
-                             f"got {self.preemption_mode!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if not callable(getattr(self.reservation, "reserve", None)):
-            raise ValueError(f"reservation must be a client.reservation policy (e.g. Paged(), OrcaMax(2048)), "
-                             f"got {self.reservation!r}")
-
-
-@dataclass(slots=True, eq=False)
-class ScheduledSeq:
-    """One sequence in this step's batch."""
-
-    #: The request the sequence belongs to.
-    request: Request
-    #: The sequence.
-    seq: Seq
-    #: Tokens to compute: ``seq.tokens[seq.num_computed:seq.num_computed + num_new_tokens]`` (>= 1).
-    num_new_tokens: int
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens to compute, from the sequence's current ``num_computed``."""
-        start = self.seq.num_computed
-        return self.seq.tokens[start:start + self.num_new_tokens]
-
-    def allocated(self, table, grant=None) -> None:
-        """The sequence got its blocks: ``table`` is the memory service's SequenceBlockTable (seq_id,
-        block_ids, num_tokens allocated, num_cached_tokens found in the prefix cache), ``grant`` its
-        StepGrant; cached tokens count as computed and are not computed again. The request's
-        first allocation records its cached tokens (``Request.num_cached_tokens``)."""
-        s = self.seq
-        if self.request.num_cached_tokens is None:
-            self.request.num_cached_tokens = table.num_cached_tokens
-        s.seq_id, s.block_table, s.grant = table.seq_id, list(table.block_ids), grant
-        s.num_computed = table.num_cached_tokens
-        self.num_new_tokens = min(self.num_new_tokens, table.num_tokens - table.num_cached_tokens)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step runs: running requests' sequences first, then the admitted ones'."""
-
-    #: Sequences to compute, in batch order.
-    scheduled: list[ScheduledSeq]
-    #: Requests admitted from ``waiting`` in this step, in admission order.
-    admitted: list[Request]
-    #: Of ``admitted``, the swapped-out ones (status SWAPPED, admission order): the engine swaps
-    #: them in before it grows or allocates anything.
-    swapped: list[Request] = field(default_factory=list)
-
-    def drop(self, request: Request) -> None:
-        """Take ``request`` out of this step (it was preempted, unadmitted or failed)."""
-        self.scheduled = [x for x in self.scheduled if x.request is not request]
-        self.admitted = [r for r in self.admitted if r is not request]
-        self.swapped = [r for r in self.swapped if r is not request]
 
 
 class Scheduler:
@@ -176,10 +92,23 @@ class Scheduler:
         with self._lock:
             self._aborts.add(request_id)
 
+    def queues(self) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
+        """Copies of ``running`` and ``waiting`` (thread-safe: ``waiting`` is read under the lock,
+        ``running`` is copied at once; it changes only on the engine thread)."""
+        running = tuple(self.running)
+        with self._lock:
+            return running, tuple(self.waiting)
+
     def has_work(self) -> bool:
         """Whether a request waits, runs or awaits its abort (thread-safe)."""
         with self._lock:
             return bool(self.waiting or self.running or self._aborts)
+
+    def may_admit(self) -> bool:
+        """Whether :meth:`schedule` may admit a waiting request now (one waits and a running slot is
+        free): only then does it need the pool's free blocks (a step that only continues running
+        requests skips the GetStats; their growth is checked by AppendSlots)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
 
     def take_aborted(self) -> list[Request]:
         """Remove the requests aborted since the last call from the queues and return them."""
@@ -349,6 +278,17 @@ class Scheduler:
         """The engine swapped ``request``'s sequences back in: it runs."""
         request.status = Status.RUNNING
 
+    def swap_in_done(self, unadmitted: list[tuple[Request, bool]], swapped_in: list[Request]) -> None:
+        """Apply a swap-in's outcome (client.swap.SwapIn): each of ``unadmitted`` leaves the step
+        and waits at the front, in order (``(request, recomputed)``: :meth:`recompute_swapped` first
+        when its KV was lost); each of ``swapped_in`` runs."""
+        for r, recomputed in unadmitted:
+            if recomputed:
+                self.recompute_swapped(r)
+            self.unadmit(r)
+        for r in swapped_in:
+            self.swapped_in(r)
+
     def recompute_swapped(self, request: Request) -> None:
         """A swapped-out ``request`` lost its KV (the engine freed its sequences: SWAP_LOST): it
         forgets its block tables and computes its tokens again, keeping its place in the queues."""
@@ -411,3 +351,6 @@ class Scheduler:
             self.running.clear()
             self.waiting.clear()
         return reqs
+
+
+__all__ = ["PREEMPTION_MODES", "ROLES", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]

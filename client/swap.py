@@ -29,6 +29,9 @@ queue); they wait for the next step.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from client.errors import FailedPrecondition, OutOfBlocks, OutOfHostBlocks, QuotaExceeded
@@ -39,96 +42,124 @@ from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
 if TYPE_CHECKING:
-    from client.engine import Engine
     from client.scheduler import SchedulerOutput
+    from client.services import MemoryClient
 
 log = get_logger("swap")
 
 
-class Swapper:
-    """The engine's swap preemption (the module's procedure).
+def check_host_tier(preemption_mode: str, host_blocks: int) -> None:
+    """Warn when preemption by swap is asked of a memory service without a host tier (``host_blocks`` 0)."""
+    if preemption_mode == "swap" and not host_blocks:
+        log.warning("no_host_tier", hint="preemption_mode 'swap' needs a memory service started with "
+                    "--host-cache-memory; until it has one, preemptions recompute")
 
-    Args:
-        engine: the engine whose memory client, lease and scheduler it uses, and whose
-            ``swaps`` / ``swap_fallbacks`` it counts.
-    """
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self._warned_off = False
+class SwapOut(enum.Enum):
+    """What :meth:`Swapper.swap_out` did; the engine preempts by recompute unless SWAPPED."""
+
+    #: Swapped out: the engine requeues the request SWAPPED (Scheduler.preempt(swap=True)).
+    SWAPPED = "swapped"
+    #: Refused by the memory service (host tier off or full): a swap fallback, nothing changed.
+    REFUSED = "refused"
+    #: Not tried (no sequence holds blocks, or one grew or was swapped in this step).
+    SKIPPED = "skipped"
+
+
+@dataclass(slots=True)
+class SwapIn:
+    """What :meth:`Swapper.swap_in` did, for the engine to apply to its scheduler."""
+
+    #: Ids of the sequences swapped in (grown already by their SwapInSequences).
+    seq_ids: set[int] = field(default_factory=set)
+    #: Requests now running (Scheduler.swapped_in).
+    swapped_in: list[Request] = field(default_factory=list)
+    #: Requests that leave this step and wait again, in the order to unadmit them (Scheduler.unadmit):
+    #: ``(request, recomputed)``, recomputed (Scheduler.recompute_swapped first; their sequences
+    #: are freed already) when their KV was lost, else still SWAPPED.
+    unadmitted: list[tuple[Request, bool]] = field(default_factory=list)
 
     @property
-    def enabled(self) -> bool:
-        """Whether the engine preempts by swap (``preemption_mode == "swap"``)."""
-        return self.engine.scheduler.config.preemption_mode == "swap"
+    def fallbacks(self) -> int:
+        """Requests recomputed rather than swapped in."""
+        return sum(recomputed for _, recomputed in self.unadmitted)
 
-    def swap_out(self, req: Request, grown: set[int]) -> bool:
-        """Try to preempt running ``req`` by swap (one SwapOutSequences for its live sequences).
+
+class Swapper:
+    """The swap preemption's calls to the memory service (the module's procedure).
+
+    Args:
+        memory: the memory-service client.
+        lease_id: returns the engine's lease id now (it changes on recovery).
+    """
+
+    def __init__(self, memory: MemoryClient, lease_id: Callable[[], str]):
+        self.memory = memory
+        self.lease_id = lease_id
+        self._warned_off = False
+
+    def swap_out(self, req: Request, grown: set[int]) -> SwapOut:
+        """Try to swap out running ``req``'s live sequences (one SwapOutSequences).
 
         Args:
             req: the victim.
             grown: sequence ids that AppendSlots grew, or that were swapped in, earlier in this step.
 
         Returns:
-            True when it is swapped out (the scheduler has requeued it, SWAPPED); False when the
-            caller must preempt it by recompute (no sequence holds blocks, one grew this step, or
-            the host tier is off or full: nothing changed in the memory service).
+            SWAPPED when its sequences are swapped out (the caller requeues it); REFUSED when the
+            host tier is off or full, SKIPPED when no sequence holds blocks or one grew this step
+            (nothing changed in the memory service: the caller preempts it by recompute).
 
         Raises:
             client.errors.ServiceError: any other refusal (a lost lease: client.recovery).
         """
         ids = req.seq_ids()
         if not ids or len(ids) > MAX_BATCH or grown.intersection(ids):
-            return False
-        engine = self.engine
+            return SwapOut.SKIPPED
         try:
-            resp = engine.memory.swap_out(engine.lease.lease_id, ids)
+            resp = self.memory.swap_out(self.lease_id(), ids)
         except OutOfHostBlocks as e:
-            engine.swap_fallbacks += 1
             log.info("swap_out_refused", request_id=req.request_id, reason=e.reason, required=e.required,
                      available=e.available)
-            return False
+            return SwapOut.REFUSED
         except FailedPrecondition as e:
             if e.reason != HOST_TIER_OFF:
                 raise
-            engine.swap_fallbacks += 1
             if not self._warned_off:
                 self._warned_off = True
                 log.warning("host_tier_off", error=e.message,
                             hint="preemption_mode 'swap' needs a memory service started with --host-cache-memory; "
                                  "preempting by recompute")
-            return False
-        engine.scheduler.preempt(req, swap=True)
-        engine.swaps += 1
+            return SwapOut.REFUSED
         log.info("swapped_out", request_id=req.request_id, seq_ids=ids, host_blocks=resp.host_blocks_reserved,
                  device_blocks_released=resp.device_blocks_released)
-        return True
+        return SwapOut.SWAPPED
 
-    def swap_in(self, out: SchedulerOutput) -> set[int]:
+    def swap_in(self, out: SchedulerOutput, free: Callable[[Request], None]) -> SwapIn:
         """Swap in the swapped-out requests this step admitted (``out.swapped``): one SwapInSequences
         for all of them, their sequences' block tables and grants from the reply; the module's
         fallbacks on OUT_OF_BLOCKS and SWAP_LOST (then one call per request, to find the lost one).
-        Returns the ids of the sequences swapped in.
+        Requests that leave the step are dropped from ``out``; a lost one's sequences are freed at
+        once with ``free`` (FreeSequences, reason PREEMPTED). Returns what the scheduler must apply.
 
         Raises:
             client.errors.ServiceError: any other refusal.
         """
-        engine = self.engine
+        result = SwapIn()
         pending = list(out.swapped)
         one_by_one = False
-        done: set[int] = set()
         while pending:
             batch = pending[:1] if one_by_one else pending[:MAX_BATCH]
             ids = [i for r in batch for i in r.seq_ids()]
             # Their slots for this step in the same call: its reply's grant is the step's only one.
             grow = {x.seq.seq_id: x for x in out.scheduled if x.request in batch and x.seq.seq_id is not None}
             try:
-                resp = engine.memory.swap_in(engine.lease.lease_id, ids,
-                                             [(i, x.num_new_tokens, x.token_ids) for i, x in grow.items()])
+                resp = self.memory.swap_in(self.lease_id(), ids,
+                                           [(i, x.num_new_tokens, x.token_ids) for i, x in grow.items()])
             except (OutOfBlocks, QuotaExceeded) as e:
                 later = out.admitted[out.admitted.index(batch[-1]):]
                 for r in reversed(later):
-                    engine.scheduler.unadmit(r)
+                    result.unadmitted.append((r, False))
                     out.drop(r)
                 pending = [r for r in pending if r in out.swapped]
                 log.info("swap_in_deferred", request_ids=[r.request_id for r in later], reason=e.reason)
@@ -139,19 +170,19 @@ class Swapper:
                 if len(batch) > 1:
                     one_by_one = True
                     continue
-                self._recompute(batch[0], out, e.message)
+                self._recompute(batch[0], out, e.message, free, result)
                 pending.remove(batch[0])
                 continue
             for r in batch:
                 pending.remove(r)
-            done.update(self._apply(batch, resp, out, grow))
-        return done
+            self._apply(batch, resp, out, grow, free, result)
+        return result
 
     def _apply(self, reqs: list[Request], resp: mpb.SwapInSequencesResponse, out: SchedulerOutput,
-               grow: dict) -> list[int]:
+               grow: dict, free: Callable[[Request], None], result: SwapIn) -> None:
         """Give ``reqs``' sequences their block tables and grants from a SwapInSequences reply
-        (``grow``: seq_id -> its ScheduledSeq, grown in that call); returns the ids of those that
-        run on (not recomputed)."""
+        (``grow``: seq_id -> its ScheduledSeq, grown in that call); those that run on go in
+        ``result`` with their sequence ids, the others are recomputed."""
         by_id = {s.seq_id: (r, s) for r in reqs for s in r.seqs if s.seq_id is not None}
         lost: dict[int, Request] = {}
         for t, g in zip(resp.sequences, resp.grants):
@@ -162,18 +193,17 @@ class Swapper:
             s.block_table, s.grant = list(t.block_ids), g
         for r in reqs:
             if id(r) in lost:
-                self._recompute(r, out, "the swapped-in block table does not match the tokens computed")
+                self._recompute(r, out, "the swapped-in block table does not match the tokens computed", free, result)
             else:
-                self.engine.scheduler.swapped_in(r)
+                result.swapped_in.append(r)
         log.info("swapped_in", request_ids=[r.request_id for r in reqs if id(r) not in lost])
-        return [i for r in reqs if id(r) not in lost for i in r.seq_ids()]
+        result.seq_ids.update(i for r in reqs if id(r) not in lost for i in r.seq_ids())
 
-    def _recompute(self, req: Request, out: SchedulerOutput, why: str) -> None:
+    @staticmethod
+    def _recompute(req: Request, out: SchedulerOutput, why: str, free: Callable[[Request], None],
+                   result: SwapIn) -> None:
         """Free swapped ``req``'s sequences; it leaves this step and waits at the front, recomputed."""
-        engine = self.engine
-        engine._free([req], mpb.FREE_REASON_PREEMPTED)
-        engine.scheduler.recompute_swapped(req)
-        engine.scheduler.unadmit(req)
+        free(req)
+        result.unadmitted.append((req, True))
         out.drop(req)
-        engine.swap_fallbacks += 1
         log.warning("swap_lost", request_id=req.request_id, error=why)

@@ -106,6 +106,17 @@ class PrefixPull:
         else:
             self.release(seq)
 
+    def transfer_failed(self, requests) -> list:
+        """A worker refused a step because a node transfer failed (nothing of it was written): count
+        it and mark ``no_pull`` those of ``requests`` that read from a peer (they compute everything
+        from now on). Returns ``requests`` (each once, in order), which the engine preempts by recompute."""
+        self.transfers_failed += 1
+        reqs = list({id(r): r for r in requests}.values())
+        for req in reqs:
+            if any(self.reading(s) for s in req.seqs):
+                req.no_pull = True
+        return reqs
+
     def reading(self, seq) -> bool:
         """Whether ``seq``'s next step reads blocks from a peer (its receipt must be taken at once)."""
         return id(seq) in self.pins

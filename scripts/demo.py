@@ -64,7 +64,7 @@ class Monitor(threading.Thread):
                 continue
             self.peak_used = max(self.peak_used, stats.used_blocks)
             labels = {}
-            for req in [*self.llm.engine.scheduler.running]:
+            for req in self.llm.engine_stats().running:
                 for s in list(req.seqs):
                     if s.seq_id is not None:
                         labels[s.seq_id] = f"{self.names.get(req.request_id, '?')}[{s.index}]"

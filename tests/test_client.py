@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from client import Client, SamplingParams
+from client.backend import Backend
 from client.engine import Engine
 from client.request import Request
 from client.scheduler import SchedulerConfig
@@ -104,7 +105,7 @@ def test_continuous_batching_step_trace(engine):
 @pytest.mark.parametrize("fork_calls", ["one", "one per child"])
 def test_parallel_sampling_shares_prompt_blocks(engine, llm, fork_calls, monkeypatch):
     if fork_calls == "one per child":  # as when a step forks more children than one call may create
-        monkeypatch.setattr("client.engine.MAX_FORK_CHILDREN", 1)
+        monkeypatch.setattr("client.slots.MAX_FORK_CHILDREN", 1)
     tok = engine.tokenizer
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, n=3, max_tokens=10, ignore_eos=True)
     ids = encode_prompt(tok, chat("Tell me a story about a dragon and a library, please."))
@@ -172,6 +173,11 @@ def test_preemption_gives_the_unconstrained_outputs(small_stack, llm):
         assert small.engine.preemptions > 0
         stats = small.stats()
         assert stats.preemptions == small.engine.preemptions
+        published = small.engine_stats()  # what pagedkv serve reads (client.backend)
+        assert isinstance(small, Backend) and published.preemptions == small.engine.preemptions
+        assert published.step_count == small.engine.step_count and published.lease_id == small.lease_id
+        assert (published.num_running, published.num_waiting) == (0, 0)
+        assert sum(t.num_tokens for t in small.step_logs()[small.memory.address].steps) > 0
         assert stats.used_blocks == 0 and stats.available_blocks == 14
 
 

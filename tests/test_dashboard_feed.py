@@ -283,35 +283,33 @@ def test_without_the_admin_token_the_feed_lists_its_own_lease(tmp_path):
                 raise Unauthenticated(grpc.StatusCode.UNAUTHENTICATED, "not the admin token")
             return []
 
-    class Engine:
-        class lease:  # noqa: N801 - stands for the engine's Lease
-            lease_id, secret = "L", "S"
+    from client.engine_stats import EngineStats
 
+    front = EngineStats(lease_id="L", lease_secret="S")
     token = tmp_path / "admin-token"
-    feed = DashboardFeed(memory_address="127.0.0.1:1", tls=None, admin_token_file=token, engine=Engine,
+    feed = DashboardFeed(memory_address="127.0.0.1:1", tls=None, admin_token_file=token, front=lambda: front,
                          token_totals=lambda: (0.0, 0.0))
     feed._memory.close()
     feed._memory = memory = Memory()
-    _, scope, note = feed._list(Engine, "L")
+    _, scope, note = feed._list("L", "S")
     assert scope == "own lease" and "no admin token at" in note and memory.calls == [("secret", "L", "S"),
                                                                                         ("list", "L", None)]
     token.write_text("stale\n")
     memory.calls.clear()
-    _, scope, note = feed._list(Engine, "L")
+    _, scope, note = feed._list("L", "S")
     assert scope == "own lease" and "refused the admin token" in note
     assert memory.calls == [("list", None, "stale"), ("secret", "L", "S"), ("list", "L", None)]
     memory.calls.clear()
-    feed._list(Engine, "L")  # the refused token is not tried again until the file changes
+    feed._list("L", "S")  # the refused token is not tried again until the file changes
     assert memory.calls == [("secret", "L", "S"), ("list", "L", None)]
     token.write_text("fresh\n")
     memory.calls.clear()
-    _, scope, note = feed._list(Engine, "L")
+    _, scope, note = feed._list("L", "S")
     assert scope == "all leases" and str(token) in note and memory.calls == [("list", None, "fresh")]
 
 
 async def test_one_feed_serves_every_viewer_and_rests_unwatched():
     import asyncio
-    import collections
     import json
 
     from client.serve.dashboard_feed import DashboardFeed
@@ -348,12 +346,10 @@ async def test_one_feed_serves_every_viewer_and_rests_unwatched():
         def close(self):
             pass
 
-    class Engine:
-        scheduler = type("Scheduler", (), {"running": [], "waiting": collections.deque(), "_lock": threading.Lock()})
-        lease = type("Lease", (), {"lease_id": "L", "secret": "S"})
-        preemptions = swaps = 0
+    from client.engine_stats import EngineStats
 
-    feed = DashboardFeed(memory_address="127.0.0.1:1", tls=None, admin_token_file=None, engine=lambda: Engine,
+    front = EngineStats(lease_id="L", lease_secret="S")
+    feed = DashboardFeed(memory_address="127.0.0.1:1", tls=None, admin_token_file=None, front=lambda: front,
                          token_totals=lambda: (0.0, 0.0), interval=0.05)
     feed._memory.close()
     feed._memory = memory = Memory()

@@ -128,7 +128,7 @@ def wait_indexed(cluster: Cluster, node: str, prompt: list[int], blocks: int, ti
     """Until the router's index knows that ``node`` holds ``blocks`` leading blocks of ``prompt``."""
     from pagedkv.block_hash import CacheKey, chain_hashes
 
-    hashes = chain_hashes(prompt, BS, CacheKey(cluster.engine.model_id, ""), blocks)
+    hashes = chain_hashes(prompt, BS, CacheKey(cluster.limits.model_id, ""), blocks)
     deadline = time.monotonic() + timeout
     while cluster.index.leading(hashes)[node] < blocks:
         assert time.monotonic() < deadline, f"node {node}'s KV events did not reach the router"
@@ -152,6 +152,14 @@ def test_routing_follows_the_prefix_and_spreads_the_rest_by_load(nodes):
         handles = [cluster.submit(p, GREEDY) for p in distinct]  # queued at once: load decides
         outs = [h.result() for h in handles]
         assert dict(cluster.router.routed) == {"a": 2, "b": 2}
+        per_node = cluster.node_stats()  # the cluster reports every node, not its first
+        assert list(per_node) == ["a", "b"] and all(s.step_count > 0 for s in per_node.values())
+        assert cluster.engine_stats().step_count == sum(s.step_count for s in per_node.values())
+        assert {n: log.step_count for n, log in cluster.step_logs().items()} == {
+            n: s.step_count for n, s in per_node.items()}
+        pools = [n.client.stats() for n in cluster.nodes.values()]
+        assert cluster.stats().total_blocks == sum(p.total_blocks for p in pools)
+        assert cluster.stats().prefix_cache_queries == sum(p.prefix_cache_queries for p in pools) > 0
     assert first.outputs[0].token_ids and all(o.outputs[0].token_ids for o in outs)
 
 
@@ -168,6 +176,7 @@ def test_prefill_on_one_node_decode_on_another_equals_one_node(nodes):
         assert [t.num_tokens for t in prefill.traces] == [len(prompt)]  # the prompt, once, on A
         assert decode.pulls.tokens_pulled == PULLED  # moved once; B computes the rest
         assert decode.traces[0].num_tokens == len(prompt) - PULLED
+        assert cluster.node_stats()["b"].tokens_pulled == PULLED and cluster.node_stats()["a"].tokens_pulled == 0
     assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     for s in (a, b):
         assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
@@ -208,3 +217,36 @@ def test_a_killed_source_worker_falls_back_to_recompute(nodes):
     assert out.outputs[0].token_ids == on_a.outputs[0].token_ids
     for s in (a, b):
         assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
+
+
+def test_a_cluster_reports_every_node_added_up():
+    # Without services: what the front reads of a Cluster is every node's, added up (client.backend).
+    import types
+
+    from client.backend import Backend, total_pool_stats
+    from client.engine_stats import EngineStats
+    from pagedkv.memory.v1 import memory_service_pb2 as mpb
+
+    a, b, c = (object(), object(), object())
+    one = EngineStats(step_count=3, running=(a,), waiting=(b,), preemptions=2, swaps=1, lease_id="A", lease_secret="s")
+    two = EngineStats(step_count=5, waiting=(c,), preemptions=1, lease_recoveries=1, tokens_pulled=32, lease_id="B")
+    pools = [mpb.GetStatsResponse(total_blocks=10, used_blocks=4, tokens_stored=40, block_size=16, generation=7,
+                                  prefix_cache_queries=5, prefix_cache_hits=1),
+             mpb.GetStatsResponse(total_blocks=20, used_blocks=1, tokens_stored=8, block_size=16, generation=9,
+                                  prefix_cache_queries=3)]
+
+    def node(stats, pool):
+        client = types.SimpleNamespace(engine_stats=lambda: stats, stats=lambda: pool, tokenizer=None, limits=None)
+        return types.SimpleNamespace(client=client)
+
+    cluster = Cluster.__new__(Cluster)
+    cluster.nodes = {"a": node(one, pools[0]), "b": node(two, pools[1])}
+    total = cluster.engine_stats()
+    assert (total.step_count, total.running, total.waiting) == (8, (a,), (b, c))
+    assert (total.preemptions, total.swaps, total.lease_recoveries, total.tokens_pulled) == (3, 1, 1, 32)
+    assert total.lease_id == "" and cluster.node_stats() == {"a": one, "b": two}
+    pool = cluster.stats()
+    assert (pool.total_blocks, pool.used_blocks, pool.prefix_cache_queries, pool.prefix_cache_hits) == (30, 5, 8, 1)
+    assert (pool.block_size, pool.generation) == (16, 7) and pool.utilization == pytest.approx(48 / (5 * 16))
+    assert EngineStats.total([one]) is one and total_pool_stats([pools[1]]) is pools[1]
+    assert isinstance(cluster, Backend)  # as a Client is (tests/test_client.py)

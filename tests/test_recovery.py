@@ -128,7 +128,7 @@ def test_memory_service_restart_mid_generation(restartable, undisturbed, tmp_pat
         assert client.engine.runner.pool_generation == client.engine.recovery.generation
         stats = client.stats()
         assert (stats.generation, stats.num_leases, stats.used_blocks) == (client.engine.recovery.generation, 1, 0)
-        metrics = ServeMetrics("m", client.engine, client.memory)
+        metrics = ServeMetrics("m", client)
         assert metrics.registry.get_sample_value("pagedkv:lease_recoveries_total", {"model_name": "m"}) == 1
 
 
@@ -178,15 +178,15 @@ def test_recovery_raises_what_it_cannot_recover_from():
     memory = MemoryClient(f"127.0.0.1:{free_port()}", timeout=1)
     old = types.SimpleNamespace(lease_id="old", lost=None, close=lambda: None)
     engine = types.SimpleNamespace(memory=memory, workers=[], lease=old)
-    recovery = Recovery(engine, mpb.PoolDescriptor(generation=1), timeout=0.3)
+    recovery = Recovery(memory, engine.workers, lambda: engine.lease, mpb.PoolDescriptor(generation=1), timeout=0.3)
     try:
         with pytest.raises(Unavailable, match=r"could not get a new one \(not ready within 0.3 s\): the memory "
                                               f"service at {memory.address} to serve"):
-            recovery.recover(Unavailable(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+            recovery.recover(Unavailable(grpc.StatusCode.UNAVAILABLE, "connection refused"), lambda: [])
         bad = InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "bad", "INVALID_ARGUMENT")
         with pytest.raises(InvalidArgument) as exc:
-            recovery.recover(bad)
-        assert exc.value is bad and engine.lease is old
+            recovery.recover(bad, lambda: [])
+        assert exc.value is bad and engine.lease is old and recovery.recoveries == 0
         assert is_lost(FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION, "expired", LEASE_EXPIRED))
         assert not is_lost(FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION, "other", "FAILED_PRECONDITION"))
     finally:

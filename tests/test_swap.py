@@ -327,6 +327,26 @@ def test_out_of_blocks_swaps_the_victim_out_and_back_in(tokenizer):
     check_outputs(reqs, memory)
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_the_published_stats_count_what_the_steps_did(tokenizer, mode):
+    # The front reads EngineStats, never the engine: it must hold the preemptions the steps made.
+    engine, memory, _ = make_engine(tokenizer, mode=mode)
+    reqs = submit(engine)
+    waiting = engine.stats()
+    assert waiting.step_count == 0 and [r.request_id for r in waiting.waiting] == ["r0", "r1"]
+    assert waiting.running == () and waiting.lease_id == engine.lease.lease_id
+    run(engine, until=lambda: engine.preemptions > 0)
+    snap = engine.stats()
+    assert snap.preemptions == 1 and snap.swaps == (mode == "swap") and snap.swap_fallbacks == 0
+    assert snap.step_count == engine.step_count and snap.running == (reqs[0],) and snap.waiting == (reqs[1],)
+    assert engine.step_log(snap.step_count - 1).steps[-1].preempted == ["r1"]
+    run(engine)
+    done = engine.stats()
+    assert (done.preemptions, done.swaps, done.num_running, done.num_waiting) == (1, mode == "swap", 0, 0)
+    assert done.step_count == engine.step_count > snap.step_count and waiting.num_waiting == 2  # frozen copies
+    check_outputs(reqs, memory)
+
+
 @pytest.mark.parametrize("host_blocks", [0, 1], ids=["host-tier-off", "host-tier-full"])
 def test_swap_out_refused_falls_back_to_recompute(tokenizer, host_blocks):
     engine, memory, worker = make_engine(tokenizer, host_blocks=host_blocks)

@@ -6,7 +6,8 @@ from the engine thread through a per-request ``asyncio.Queue``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, the admin-only ``GET /debug/steps`` (the engine's step
-trace: which requests each step carried, and at which step each abort was asked), and the
+trace: which requests each step carried, and at which step each abort was asked; with several
+nodes, the first node's, and every node's under ``nodes``), and the
 operator's dashboard feed under ``/dashboard/`` (client.serve.dashboard_routes).
 
 Errors use the OpenAI error body (:class:`~client.serve.protocol.APIError`): 400 bad parameter or
@@ -33,7 +34,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from client.api import Client
+from client.backend import Backend
+from client.engine_stats import EngineStats, StepLog
 from client.errors import ServiceError, Unavailable
 from client.serve.backends import Backends
 from client.serve.config import Tenants
@@ -65,7 +67,8 @@ STATUS_INTERVAL = 10.0
 class Server:
     """What the routes share: the client (engine), the backends, tenants and metrics."""
 
-    client: Client
+    #: The generation side: one Client, or a Cluster of nodes (client.backend.Backend).
+    client: Backend
     backends: Backends
     tenants: Tenants
     model_name: str
@@ -91,11 +94,12 @@ class Server:
     _feed: DashboardFeed | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        self.metrics = ServeMetrics(self.model_name, self.client.engine, self.client.memory)
+        self.metrics = ServeMetrics(self.model_name, self.client)
 
-    @property
-    def engine(self):
-        return self.client.engine
+    def front_stats(self) -> EngineStats:
+        """The engine stats the dashboard shows: with several nodes (``--node``), the first node's,
+        whose pool it maps."""
+        return next(iter(self.client.node_stats().values()))
 
     def shutdown(self) -> None:
         """Fail every request in flight with 503 now (streams get an error event and ``[DONE]``),
@@ -109,10 +113,10 @@ class Server:
 
     def dashboard_feed(self) -> DashboardFeed:
         """The dashboard's feed (one for every viewer), made on first use. With several nodes
-        (``--node``) it shows the first node's pool and engine."""
+        (``--node``) it shows the first node's pool and engine (:meth:`front_stats`)."""
         if self._feed is None:
             self._feed = DashboardFeed(memory_address=self.backends.memory, tls=self.backends.tls,
-                                       admin_token_file=self.backends.admin_token_file, engine=lambda: self.engine,
+                                       admin_token_file=self.backends.admin_token_file, front=self.front_stats,
                                        token_totals=self.metrics.token_totals, interval=self.dashboard_interval)
         return self._feed
 
@@ -172,26 +176,7 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="pagedkv", summary="OpenAI-compatible server over a shared paged KV-cache pool",
                   lifespan=_lifespan(server))
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
-
-    @app.exception_handler(ClientDisconnect)
-    async def _hung_up(request: Request, e: ClientDisconnect):
-        # The caller left mid-body: nobody reads the answer, and it is no server error.
-        log.info("client_disconnected", path=request.url.path)
-        return Response(status_code=400)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
-        log.error("request_failed", path=request.url.path, error=repr(e))
-        return JSONResponse(APIError(500, f"internal error: {e}", type="server_error").body(), status_code=500)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -207,10 +192,10 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         server.authorize(request)
-        info = server.engine.model_info
+        limits = server.client.limits
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                            "owned_by": "pagedkv", "root": info.model_source,
-                                            "max_model_len": server.engine.max_context}]}
+                                            "owned_by": "pagedkv", "root": limits.model_info.model_source,
+                                            "max_model_len": limits.max_context}]}
 
     @app.get("/debug/steps")
     async def steps(request: Request):
@@ -219,12 +204,9 @@ def create_app(server: Server) -> FastAPI:
             since = int(request.query_params.get("since", 0))
         except ValueError:
             raise bad_request("since must be an integer step number", "since") from None
-        traces = [t for t in list(server.engine.traces) if t.step >= since]
-        return {"step_count": server.engine.step_count,
-                "aborts": [{"request_id": r, "step": s} for r, s in list(server.engine.abort_log) if s >= since],
-                "steps": [{"step": t.step, "request_ids": t.request_ids, "num_tokens": t.num_tokens,
-                           "finished": t.finished, "preempted": t.preempted,
-                           "swapped": t.swapped} for t in traces]}
+        logs = server.client.step_logs(since)
+        body = _step_log(next(iter(logs.values())))  # the first node's; with several, each under "nodes"
+        return body | {"nodes": {name: _step_log(steps) for name, steps in logs.items()}} if len(logs) > 1 else body
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -258,6 +240,38 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI error body (:class:`~client.serve.protocol.APIError`)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _hung_up(request: Request, e: ClientDisconnect):
+        # The caller left mid-body: nobody reads the answer, and it is no server error.
+        log.info("client_disconnected", path=request.url.path)
+        return Response(status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.error("request_failed", path=request.url.path, error=repr(e))
+        return JSONResponse(APIError(500, f"internal error: {e}", type="server_error").body(), status_code=500)
+
+
+def _step_log(step_log: StepLog) -> dict:
+    """``GET /debug/steps``'s body for one engine's step log."""
+    return {"step_count": step_log.step_count, "aborts": [{"request_id": r, "step": s} for r, s in step_log.aborts],
+            "steps": [{"step": t.step, "request_ids": t.request_ids, "num_tokens": t.num_tokens,
+                       "finished": t.finished, "preempted": t.preempted, "swapped": t.swapped} for t in step_log.steps]}
+
+
 def _lifespan(server: Server):
     from contextlib import asynccontextmanager
 
@@ -279,13 +293,13 @@ async def _status_log(server: Server) -> None:
     last_q = last_h = 0
     while True:
         await asyncio.sleep(STATUS_INTERVAL)
-        sched, now = server.engine.scheduler, time.monotonic()
+        engine_stats, now = server.client.engine_stats(), time.monotonic()
         totals = server.metrics.token_totals()
-        if totals == last and not sched.running and not sched.waiting:
+        if totals == last and not engine_stats.running and not engine_stats.waiting:
             last_t = now
             continue
         try:
-            stats = await asyncio.to_thread(server.client.memory.stats)
+            stats = await asyncio.to_thread(server.client.stats)
             usage = stats.used_blocks / stats.total_blocks if stats.total_blocks else 0.0
             dq, dh = stats.prefix_cache_queries - last_q, stats.prefix_cache_hits - last_h
             last_q, last_h = stats.prefix_cache_queries, stats.prefix_cache_hits
@@ -293,7 +307,7 @@ async def _status_log(server: Server) -> None:
             usage, dq, dh = float("nan"), 0, 0
         dt = max(now - last_t, 1e-9)
         log.info("status", prompt_throughput=f"{(totals[0] - last[0]) / dt:.1f} tokens/s",
-                 generation_throughput=f"{(totals[1] - last[1]) / dt:.1f} tokens/s", running=len(sched.running),
-                 waiting=len(sched.waiting), kv_cache_usage=f"{usage:.1%}",
+                 generation_throughput=f"{(totals[1] - last[1]) / dt:.1f} tokens/s", running=engine_stats.num_running,
+                 waiting=engine_stats.num_waiting, kv_cache_usage=f"{usage:.1%}",
                  prefix_cache_hit_rate=f"{dh / dq:.1%}" if dq else "n/a")
         last, last_t = totals, now

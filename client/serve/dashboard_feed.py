@@ -6,7 +6,8 @@ otherwise. Each tick reads, on its own channel to the memory service (never the 
     GetStats                          the pool's counters                 1 call
     ListSequences                     every lease's sequences (admin),    1 call per 1,000 sequences
                                       else this front's lease's
-    the front's engine                its running and waiting requests    list copies, no call
+    the front's engine stats          its running and waiting requests,   the engine's last published
+                                      lease and preemptions               snapshot, no call
 
 plus the cached block ids that a second thread follows from StreamKvEvents
 (:class:`client.serve.kv_follower.CachedBlocks`); builds one snapshot
@@ -14,14 +15,15 @@ plus the cached block ids that a second thread follows from StreamKvEvents
 viewer's queue. A viewer's queue holds one item: a slow viewer skips snapshots, never delays the
 feed. Ticks come every ``interval`` seconds (1.0 by default: one snapshot a second), and never take more
 than a tenth of the time (after a tick of d seconds the next waits at least 9 d), so the feed's
-load on the memory service stays bounded on a busy pool. The engine thread is only read.
+load on the memory service stays bounded on a busy pool. The engine is never touched: the feed
+reads the stats it publishes (client.engine_stats).
 
 Credentials (docs/security.md): the admin calls need the memory service's admin token, which the
 memory service writes at start (mode 0600) and ``pagedkv serve`` reads from
 ``--memory-admin-token-file`` (default: an embedded service's own file, else
 ``$PAGEDKV_ADMIN_TOKEN_FILE``, else ``$PAGEDKV_HOME/admin-token``), re-read when a call with it is
 refused (a restarted service writes a fresh one). Without a readable token the feed lists only
-the front's own lease, with the lease secret the engine holds, and every snapshot says so
+the front's own lease, with the lease secret the engine's stats carry, and every snapshot says so
 (``scope: "own lease"``): other leases are hidden, and the map shows only this front's blocks as
 used. The KV events need no credential on loopback (and then carry no token ids); under TLS they
 are read as the admin.
@@ -36,8 +38,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from client.engine_stats import EngineStats
 from client.errors import PermissionDenied, ServiceError, Unauthenticated
-from client.serve.dashboard_snapshot import build, front_view
+from client.serve.dashboard_snapshot import build
 from client.serve.kv_follower import CachedBlocks
 from client.serve.rates import History, Sample
 from client.services import MemoryClient, read_admin_token
@@ -60,18 +63,18 @@ class DashboardFeed:
         memory_address: the memory service (``host:port``).
         tls: the scheduler's mutual-TLS files, or None (plaintext, loopback).
         admin_token_file: where the memory service's admin token is; None: no admin rights.
-        engine: returns the front's engine (read, never changed).
+        front: returns the front's engine stats (client.engine_stats: its requests and lease).
         token_totals: returns (prompt tokens, output tokens) the front served so far.
         interval: seconds between snapshots while someone watches.
     """
 
     def __init__(self, *, memory_address: str, tls: TlsFiles | None, admin_token_file: str | Path | None,
-                 engine: Callable[[], object], token_totals: Callable[[], tuple[float, float]],
+                 front: Callable[[], EngineStats], token_totals: Callable[[], tuple[float, float]],
                  interval: float = DEFAULT_INTERVAL):
         if interval <= 0:
             raise ValueError(f"the dashboard interval must be > 0 seconds, got {interval}")
         self.interval = interval
-        self._engine, self._token_totals = engine, token_totals
+        self._front, self._token_totals = front, token_totals
         self._token_file = Path(admin_token_file) if admin_token_file else None
         self._memory = MemoryClient(memory_address, timeout=10, tls=tls)
         self._tls = tls
@@ -175,10 +178,9 @@ class DashboardFeed:
         return "snapshot", self._seq, json.dumps(snap, separators=(",", ":"))
 
     def _snapshot(self, now: float) -> dict:
-        engine = self._engine()
         stats = self._memory.stats()
-        front = front_view(engine)
-        sequences, scope, note = self._list(engine, front.lease_id)
+        front = self._front()
+        sequences, scope, note = self._list(front.lease_id, front.lease_secret)
         prompt, generated = self._token_totals()
         self._history.add(Sample(now, prompt, generated, stats.prefix_cache_queries, stats.prefix_cache_hits,
                                  stats.used_blocks / stats.total_blocks if stats.total_blocks else 0.0,
@@ -189,7 +191,7 @@ class DashboardFeed:
                      feed={"interval_s": self.interval, "last_tick_ms": round(1e3 * self.last_tick[0], 3),
                            "last_tick_cpu_ms": round(1e3 * self.last_tick[1], 3)})
 
-    def _list(self, engine, lease_id: str) -> tuple[list, str, str]:
+    def _list(self, lease_id: str, lease_secret: str) -> tuple[list, str, str]:
         """(sequences, scope, note): every lease's with the admin token, else the front's own."""
         if self._token is None:  # not there at start, or refused: the file may be (re)written since
             token, note = self._read_token()
@@ -208,7 +210,7 @@ class DashboardFeed:
                     None, f"the memory service refused the admin token in {self._token_file}: {e.message}; "
                     "this front's lease only")
         self._memory.admin_token = None
-        self._memory.add_lease(lease_id, engine.lease.secret)
+        self._memory.add_lease(lease_id, lease_secret)
         return self._memory.sequences(lease_id), "own lease", self._token_note
 
     def _read_token(self) -> tuple[str | None, str]:

@@ -42,38 +42,41 @@ def _refused(message: str) -> APIError:
     return APIError(401, message, type="authentication_error", code="invalid_api_key")
 
 
+def _admin_key(server: Server) -> str:
+    if server.tenants.admin_key is None:
+        raise APIError(403, "the dashboard needs --admin-api-key, which the server was started without",
+                       type="permission_error")
+    return server.tenants.admin_key
+
+
+def _require_viewer(server: Server, request: Request) -> str | None:
+    """Refuse (401/403) a caller who is not the operator; returns the session token it came
+    with, or None when it sent the admin key itself."""
+    key = _admin_key(server)
+    token = request.cookies.get(COOKIE)
+    if server.sessions.valid(token):
+        return token
+    headers = request.headers.getlist("authorization")
+    if not headers:
+        raise _refused("log in first: POST /dashboard/login with the admin API key, or send "
+                       "'Authorization: Bearer <admin API key>'")
+    header = headers[0] if len(headers) == 1 else ""
+    bearer = header[7:].strip() if header[:7].lower() == "bearer " else None
+    if not same_key(bearer, key):
+        raise _refused("the dashboard needs the admin API key")
+    return None
+
+
+def _cookie_flags(request: Request) -> dict:
+    return {"path": "/dashboard", "httponly": True, "samesite": "strict", "secure": request.url.scheme == "https"}
+
+
 def add_dashboard_routes(app: FastAPI, server: Server) -> None:
     """Register the module's routes on ``app``."""
 
-    def admin_key() -> str:
-        if server.tenants.admin_key is None:
-            raise APIError(403, "the dashboard needs --admin-api-key, which the server was started without",
-                           type="permission_error")
-        return server.tenants.admin_key
-
-    def require_viewer(request: Request) -> str | None:
-        """Refuse (401/403) a caller who is not the operator; returns the session token it came
-        with, or None when it sent the admin key itself."""
-        key = admin_key()
-        token = request.cookies.get(COOKIE)
-        if server.sessions.valid(token):
-            return token
-        headers = request.headers.getlist("authorization")
-        if not headers:
-            raise _refused("log in first: POST /dashboard/login with the admin API key, or send "
-                           "'Authorization: Bearer <admin API key>'")
-        header = headers[0] if len(headers) == 1 else ""
-        bearer = header[7:].strip() if header[:7].lower() == "bearer " else None
-        if not same_key(bearer, key):
-            raise _refused("the dashboard needs the admin API key")
-        return None
-
-    def cookie_flags(request: Request) -> dict:
-        return {"path": "/dashboard", "httponly": True, "samesite": "strict", "secure": request.url.scheme == "https"}
-
     @app.post("/dashboard/login")
     async def login(request: Request):
-        key = admin_key()
+        key = _admin_key(server)
         client = request.client.host if request.client else ""
         wait = server.login_throttle.retry_after(client)
         if wait > 0:
@@ -96,19 +99,19 @@ def add_dashboard_routes(app: FastAPI, server: Server) -> None:
             response = JSONResponse({"ok": True, "expires_in": SESSION_SECONDS})
         else:
             response = RedirectResponse("/dashboard", status_code=303)
-        response.set_cookie(COOKIE, token, max_age=SESSION_SECONDS, **cookie_flags(request))
+        response.set_cookie(COOKIE, token, max_age=SESSION_SECONDS, **_cookie_flags(request))
         return response
 
     @app.post("/dashboard/logout")
     async def logout(request: Request):
         server.sessions.end(request.cookies.get(COOKIE))
         response = JSONResponse({"ok": True})
-        response.delete_cookie(COOKIE, **cookie_flags(request))
+        response.delete_cookie(COOKIE, **_cookie_flags(request))
         return response
 
     @app.get("/dashboard/events")
     async def events(request: Request):
-        session = require_viewer(request)
+        session = _require_viewer(server, request)
         feed = server.dashboard_feed()
         q = feed.subscribe()
 
@@ -131,7 +134,7 @@ def add_dashboard_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/dashboard/snapshot")
     async def snapshot(request: Request):
-        require_viewer(request)
+        _require_viewer(server, request)
         feed = server.dashboard_feed()
         q = feed.subscribe()
         try:

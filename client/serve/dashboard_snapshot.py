@@ -31,8 +31,7 @@ The JSON (``type: "snapshot"``; the browser page and ``pagedkv top`` read it)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from client.engine_stats import EngineStats
 from client.request import Request
 from client.serve.block_states import MEDIUM_DEVICE, MEDIUM_HOST, encode, pool_map
 from client.serve.rates import History
@@ -42,29 +41,6 @@ SCHEMA_VERSION = 1
 #: Sequences sent with their block tables in one snapshot (the front's first, then other leases');
 #: the rest go without tables, so a snapshot stays bounded on a busy node.
 MAX_TABLE_SEQUENCES = 512
-
-
-@dataclass(slots=True)
-class FrontView:
-    """This front's requests, copied from its engine's scheduler."""
-
-    running: list[Request]
-    waiting: list[Request]
-    #: The engine's lease id (its sequences are this front's).
-    lease_id: str
-    #: Requests the engine preempted, and of them by swap.
-    preemptions: int
-    swaps: int
-
-
-def front_view(engine) -> FrontView:
-    """Copy the engine's queues: ``running`` as a list copy (atomic), ``waiting`` under the
-    scheduler's lock (every change of it takes that lock); nothing of the engine is changed."""
-    sched = engine.scheduler
-    running = list(sched.running)
-    with sched._lock:  # noqa: SLF001 - the scheduler's documented lock for ``waiting``
-        waiting = list(sched.waiting)
-    return FrontView(running, waiting, engine.lease.lease_id, engine.preemptions, engine.swaps)
 
 
 class _Budget:
@@ -112,7 +88,7 @@ def _request(req: Request, listed: dict, budget: _Budget) -> dict:
             "arrival": round(req.metrics.arrival, 3), "sequences": seqs}
 
 
-def build(*, seq: int, now: float, stats, sequences: list, front: FrontView, scope: str, scope_note: str,
+def build(*, seq: int, now: float, stats, sequences: list, front: EngineStats, scope: str, scope_note: str,
           cached: tuple[set[int], set[int], bool], history: History, feed: dict | None = None,
           max_table_sequences: int = MAX_TABLE_SEQUENCES) -> dict:
     """The snapshot (module docstring) from one tick's reads.
@@ -122,7 +98,7 @@ def build(*, seq: int, now: float, stats, sequences: list, front: FrontView, sco
         now: seconds since the epoch, when the reads began.
         stats: the GetStatsResponse read.
         sequences: the SequenceInfo rows listed (every lease's, or this front's lease's).
-        front: this front's requests.
+        front: this front's engine stats (its requests, lease and preemptions; client.engine_stats).
         scope, scope_note: what the listing covers, and why.
         cached: (device block ids, host block ids, complete) from the KV events.
         history: the counters' history, this tick's sample already added.
@@ -167,4 +143,4 @@ def build(*, seq: int, now: float, stats, sequences: list, front: FrontView, sco
     }
 
 
-__all__ = ["MAX_TABLE_SEQUENCES", "SCHEMA_VERSION", "FrontView", "build", "front_view"]
+__all__ = ["MAX_TABLE_SEQUENCES", "SCHEMA_VERSION", "build"]

@@ -36,7 +36,7 @@ def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | 
     Raises:
         APIError: 400 for a prompt that leaves no room in the context, or a bad value.
     """
-    limit = server.engine.max_context
+    limit = server.client.limits.max_context
     out = []
     for ids in prompt_ids:
         if len(ids) >= limit:
@@ -69,7 +69,7 @@ def _check_fits(server: Server, req, prompt_len: int, max_tokens: int) -> None:
     Raises:
         APIError: 400 naming ``n`` or ``max_tokens``.
     """
-    bs, total = server.engine.block_size, server.engine.num_blocks
+    bs, total = server.client.limits.block_size, server.client.limits.num_blocks
     shared = prompt_len // bs  # full prompt blocks, shared after the fork
 
     def need(length: int) -> int:
@@ -106,12 +106,12 @@ async def generate(server: Server, request: Request, tenant: str, req, prompt_id
     if req.model is not None and req.model != server.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
     params = _sampling(server, req, prompt_ids, logprobs, max_tokens)
-    sched = server.engine.scheduler
+    waiting = server.client.engine_stats().num_waiting
     if len(prompt_ids) > server.max_queued_requests:
         raise bad_request(f"{len(prompt_ids)} prompts in one request; the server queues at most "
                           f"{server.max_queued_requests} (--max-queued-requests)", "prompt")
-    if len(sched.waiting) + len(prompt_ids) > server.max_queued_requests:
-        raise APIError(429, f"the waiting queue is full ({len(sched.waiting)} requests wait; "
+    if waiting + len(prompt_ids) > server.max_queued_requests:
+        raise APIError(429, f"the waiting queue is full ({waiting} requests wait; "
                        f"--max-queued-requests {server.max_queued_requests})", type="rate_limit_error",
                        code="queue_full")
     limit = server.max_requests_per_tenant

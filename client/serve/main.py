@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ready_file:
             threading.Thread(target=_write_ready, args=(server, Path(args.ready_file), address), daemon=True).start()
         log.info("serving", url=f"http://{address}", model=name, memory=backends.memory, workers=backends.workers,
-                 backends=backends.source, max_model_len=client.engine.max_context)
+                 backends=backends.source, max_model_len=client.limits.max_context)
         server.run(sockets=[sock])
         return 0
     except Exception as e:  # noqa: BLE001 - report and stop what was started

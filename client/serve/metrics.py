@@ -49,11 +49,11 @@ class ServeMetrics:
 
     Args:
         model_name: the ``model_name`` label (the served model name).
-        engine: the engine whose scheduler and preemptions are read at scrape.
-        memory: the memory-service client whose GetStats is read at scrape.
+        backend: the Client or Cluster (client.backend.Backend) whose engine stats and pool
+            GetStats are read at scrape (a Cluster's: every node's added up).
     """
 
-    def __init__(self, model_name: str, engine, memory):
+    def __init__(self, model_name: str, backend):
         self.registry = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": self.registry}
         self._labels = {"model_name": model_name}
@@ -68,7 +68,7 @@ class ServeMetrics:
                                          **label).labels(**self._labels)
         self.success = Counter("pagedkv:request_success", "Finished requests by finish reason.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
-        self.registry.register(_LiveCollector(self._labels, engine, memory))
+        self.registry.register(_LiveCollector(self._labels, backend))
         self._progress: dict[str, _Progress] = {}
         self._lock = threading.Lock()
         #: The two token counters' totals, kept beside them so reading them collects nothing (a
@@ -123,28 +123,28 @@ def _reason(out: RequestOutput) -> str:
 class _LiveCollector:
     """Gauges and pool counters read at scrape time."""
 
-    def __init__(self, labels: dict, engine, memory):
-        self.labels, self.engine, self.memory = labels, engine, memory
+    def __init__(self, labels: dict, backend):
+        self.labels, self.backend = labels, backend
 
     def collect(self):
         names, values = list(self.labels), list(self.labels.values())
-        sched = self.engine.scheduler
-        for name, doc, value in (("num_requests_running", "Requests in the running batch.", len(sched.running)),
-                                 ("num_requests_waiting", "Requests waiting for admission.", len(sched.waiting))):
+        engine_stats = self.backend.engine_stats()
+        for name, doc, value in (("num_requests_running", "Requests in the running batch.", engine_stats.num_running),
+                                 ("num_requests_waiting", "Requests waiting for admission.", engine_stats.num_waiting)):
             g = GaugeMetricFamily(f"pagedkv:{name}", doc, labels=names)
             g.add_metric(values, value)
             yield g
         for name, doc, value in (("num_preemptions", "Requests preempted (by recompute or swap).",
-                                  self.engine.preemptions),
+                                  engine_stats.preemptions),
                                  ("num_swaps", "Requests preempted by swap (KV moved to the host tier and back).",
-                                  self.engine.swaps),
+                                  engine_stats.swaps),
                                  ("lease_recoveries", "Recoveries from a lost lease or a new pool generation "
-                                  "(running requests recomputed).", self.engine.lease_recoveries)):
+                                  "(running requests recomputed).", engine_stats.lease_recoveries)):
             c = CounterMetricFamily(f"pagedkv:{name}", doc, labels=names)
             c.add_metric(values, value)
             yield c
         try:
-            stats = self.memory.stats()
+            stats = self.backend.stats()
         except Exception:  # noqa: BLE001 - the memory service is down: no pool metrics this scrape
             return
         g = GaugeMetricFamily("pagedkv:kv_cache_usage_perc", "Used fraction of the KV pool's blocks (0-1).", labels=names)
