@@ -56,15 +56,18 @@ def pagedkv_process(args: list[str], tmp: Path, name: str, env: dict | None = No
     return ServiceProcess.pagedkv(args, tmp, name, port=port, env=env, timeout=timeout, cwd=ROOT)
 
 
-def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: str = "stack") -> LocalStack:
-    """``pagedkv memory <memory_args>`` and ``num_workers`` workers on free ports, logging under ``tmp``.
+def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: str = "stack",
+                model: str | Path | None = None) -> LocalStack:
+    """``pagedkv memory <memory_args>`` and ``num_workers`` workers on free ports, logging under ``tmp``;
+    both services on ``--model model`` (None: SmolLM2).
 
     Not started: use it as ``with local_stack(...) as s:``. Its memory service writes its admin
     token under ``tmp`` (the ready file's ``admin_token_file`` names it).
     """
     if "--admin-token-file" not in memory_args:
         memory_args = [*memory_args, "--admin-token-file", str(Path(tmp) / f"{name or 'stack'}.admin-token")]
-    return LocalStack(memory_args, num_workers=num_workers, run_dir=tmp, name=name, cwd=ROOT, timeout=START_TIMEOUT)
+    return LocalStack(memory_args, num_workers=num_workers, run_dir=tmp, name=name, cwd=ROOT, timeout=START_TIMEOUT,
+                      model=None if model is None else str(model))
 
 
 @pytest.fixture
@@ -91,6 +94,16 @@ def start_service(tmp_path):
     yield start
     for svc in started:
         svc.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """(directory, transformers model): the tiny random Llama of ``tiny_llama.make_tiny_llama``
+    (seed 0), written once for the session. Read-only: a test that edits its files copies it."""
+    from tiny_llama import make_tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny_llama") / "model"
+    return path, make_tiny_llama(path)
 
 
 @pytest.fixture(scope="module")

@@ -304,7 +304,7 @@ def test_sequence_pages_skip_freed_ids_across_compactions():
     assert len(m.sequences._order) < 2 * len(live) + 1024 + 1
 
 
-def test_a_scheduler_over_its_block_quota_preempts_instead_of_failing(tmp_path):
+def test_a_scheduler_over_its_block_quota_preempts_instead_of_failing(tmp_path, tiny_model):
     # A lease's quota is met like a full pool: the engine preempts (recompute) and every request
     # still finishes with the output it has alone; no request fails because others share the lease.
     from client import Client, SamplingParams
@@ -312,7 +312,7 @@ def test_a_scheduler_over_its_block_quota_preempts_instead_of_failing(tmp_path):
     prompts = ["Name a color.", "Count to three.", "What is two plus two?", "Say hello.", "Name a fruit."]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)  # 2 blocks of 16 each: 10 > 6
     with local_stack(tmp_path, ["--num-blocks", "256", "--block-size", "16", "--max-blocks-per-lease", "6",
-                                "--grace", "0.1"], num_workers=1, name="quota-engine") as s:
+                                "--grace", "0.1"], num_workers=1, name="quota-engine", model=tiny_model[0]) as s:
         with Client(s.memory.address, s.worker_addresses) as c:
             alone = [c.generate(p, sp, cache_salt=f"alone-{i}")[0].outputs[0].token_ids for i, p in enumerate(prompts)]
             assert c.engine.preemptions == 0

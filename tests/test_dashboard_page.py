@@ -19,7 +19,6 @@ import pytest
 from conftest import DASHBOARD_ADMIN_KEY, ROOT, START_TIMEOUT, pagedkv_process, streamed_request
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
-from tiny_llama import make_tiny_llama
 
 from client.serve.block_states import MAX_CELLS
 from client.serve.dashboard_auth import COOKIE, MAX_FAILED_LOGINS
@@ -204,12 +203,11 @@ def test_another_lease_is_drawn_as_lease_rows(browser, dashboard_server, admin):
 
 
 @pytest.fixture(scope="module")
-def big_pool(tmp_path_factory):
+def big_pool(tmp_path_factory, tiny_model):
     """`pagedkv serve` over a tiny random Llama with 10,000 blocks of 4 tokens (above MAX_CELLS)."""
     run = tmp_path_factory.mktemp("dashboard-big")
-    make_tiny_llama(run / "model")
     with LocalStack(["--num-blocks", "10000", "--block-size", "4", "--lease-ttl", "30", "--admin-token-file",
-                     str(run / "big.admin-token")], model=str(run / "model"), run_dir=run, name="big", cwd=ROOT,
+                     str(run / "big.admin-token")], model=str(tiny_model[0]), run_dir=run, name="big", cwd=ROOT,
                     timeout=START_TIMEOUT) as s:
         svc = pagedkv_process(["serve", "--memory", s.memory.address, "--workers", s.worker_addresses[0],
                                "--admin-api-key", DASHBOARD_ADMIN_KEY, "--memory-admin-token-file",

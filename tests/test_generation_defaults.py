@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 from conftest import local_stack, pagedkv_process
-from tiny_llama import BASE_PROMPT, echo_prompt, make_tiny_llama, reference_greedy, set_json
+from tiny_llama import BASE_PROMPT, echo_prompt, reference_greedy, set_json
 
 from client.api import Client
 from client.params import VLLM_DEFAULTS, SamplingParams
@@ -98,10 +98,11 @@ def test_a_step_carries_the_history_only_where_a_penalty_reads_it():
 # ------------------------------------------------------------------ through the real services
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, tiny_model):
     """(directory, transformers model): the tiny Llama with DEFAULTS in its generation_config.json."""
     path = tmp_path_factory.mktemp("generation") / "model"
-    model = make_tiny_llama(path)
+    shutil.copytree(tiny_model[0], path)
+    model = tiny_model[1]
     set_json(path, "generation_config.json", **DEFAULTS, do_sample=True)
     return path, model
 

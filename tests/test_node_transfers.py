@@ -33,15 +33,17 @@ def node_args(tmp, name: str, key) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
+def nodes(tmp_path_factory, tiny_model):
+    """Nodes a, b and c over the tiny random Llama (the checks compare runs of one model)."""
     tmp = tmp_path_factory.mktemp("nodes")
     key = tmp / "transfer.key"
     key.write_text(os.urandom(32).hex())
     key.chmod(0o600)
     stacks = {}
     try:
-        for name, env in (("a", None), ("b", None), ("c", hook_env("tests.hooks.transfer_fail_after", PAGEDKV_TRANSFER_FAIL_AFTER="1"))):
-            s = local_stack(tmp, node_args(tmp, name, key), name=name)
+        fail_after = hook_env("tests.hooks.transfer_fail_after", PAGEDKV_TRANSFER_FAIL_AFTER="1")
+        for name, env in (("a", None), ("b", None), ("c", fail_after)):
+            s = local_stack(tmp, node_args(tmp, name, key), name=name, model=tiny_model[0])
             s.worker_args, s.env = ["--node-transfers"], env
             stacks[name] = s.start()
         yield stacks

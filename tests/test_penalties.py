@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from tiny_llama import echo_prompt, make_tiny_llama, reference_greedy
+from tiny_llama import echo_prompt, reference_greedy
 
 from compute_service.penalties import TokenHistory, penalised
 from compute_service.sampling import SamplingParams, sample
@@ -190,16 +190,16 @@ def test_an_inconsistent_history_refuses_the_step_naming_the_sequence(name, seq,
 # ------------------------------------------------------------------ through the real services
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_model):
     """(transformers model, Client, prompt) over a memory service and a worker running the tiny Llama."""
     from conftest import local_stack
 
     from client.api import Client
 
     tmp = tmp_path_factory.mktemp("penalties")
-    model = make_tiny_llama(tmp / "model")
+    path, model = tiny_model
     stack = local_stack(tmp, ["--num-blocks", "64", "--block-size", "16"], name="penalties")
-    stack.model = str(tmp / "model")
+    stack.model = str(path)
     with stack, Client(stack.memory_address, stack.worker_addresses) as client:
         yield model, client, echo_prompt(model)
 

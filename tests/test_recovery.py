@@ -45,11 +45,18 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def restartable(tmp_path_factory):
-    """A memory service on a fixed port (so it can come back there) and one worker mapping its pool."""
-    with LocalStack(MEMORY_ARGS, num_workers=1, run_dir=tmp_path_factory.mktemp("recovery"), name="recovery",
-                    memory_port=free_port(), cwd=ROOT, timeout=START_TIMEOUT) as s:
-        yield s
+def restartable(tmp_path_factory, tiny_model):
+    """A memory service on a fixed port (so it can come back there) and one worker mapping its pool,
+    on the tiny random Llama (every check compares runs of one model); a memory service started
+    again comes back on it too ($PAGEDKV_MODEL while the module runs)."""
+    env = pytest.MonkeyPatch()
+    env.setenv("PAGEDKV_MODEL", str(tiny_model[0]))
+    try:
+        with LocalStack(MEMORY_ARGS, num_workers=1, run_dir=tmp_path_factory.mktemp("recovery"), name="recovery",
+                        memory_port=free_port(), model=str(tiny_model[0]), cwd=ROOT, timeout=START_TIMEOUT) as s:
+            yield s
+    finally:
+        env.undo()
 
 
 def outputs(results) -> list[list[tuple[list[int], str | None]]]:
