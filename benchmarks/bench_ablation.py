@@ -3,8 +3,8 @@
 A *variant* is a checkout of this repository (a commit; default the working tree), a dtype (pool
 and model) and environment switches (``PAGEDKV_PACKED_LINEAR=0``: projections through
 ``F.linear``; ``PAGEDKV_NATIVE_CPU=0``: attention and cache writes on the torch path;
-``PAGEDKV_AMX_LINEAR=0``: projections through oneDNN's matmul, not kernels.cpu_amx;
-``PAGEDKV_FUSED_DECODE=0``: decode steps op by op, not kernels.cpu_layers). Each variant
+``PAGEDKV_AMX_LINEAR=0``: projections through oneDNN's matmul, not kernels.cpu.amx;
+``PAGEDKV_FUSED_DECODE=0``: decode steps op by op, not kernels.cpu.layers). Each variant
 runs in a process of its own, started from its checkout (``git worktree add --detach`` into a
 temporary folder for a commit), which loads SmolLM2-135M-Instruct, maps nothing (a private pool
 tensor in the variant's dtype) and, per case, builds the step the worker would build
@@ -53,7 +53,7 @@ DEFAULT_VARIANTS = [
 #: synchronously on the CPU, so a module's wall time is its cost); the rest is "other" (RoPE,
 #: residual adds, SwiGLU's activation, embedding, sampling).
 BREAKDOWN = {"Linear": "projections", "PagedAttention": "attention + cache write", "RMSNorm": "norms"}
-#: A decode step whose layers ran as one native call (compute_service.fused_decode) spends them here.
+#: A decode step whose layers ran as one native call (compute_service.model.fused_decode) spends them here.
 FUSED = "fused decode layers"
 
 
@@ -94,10 +94,10 @@ def child(dtype_name: str, breakdown: bool) -> None:
     sys.path[:0] = [str(Path.cwd() / "protos"), str(Path.cwd())]
     import torch
 
-    from compute_service.model import LlamaForPagedLM
+    from compute_service.model.llama import LlamaForPagedLM
     from compute_service.sampling import sample
     from compute_service.step_inputs import build_step_inputs
-    from compute_service.weights import load_model_source
+    from compute_service.weights.source import load_model_source
     from pagedkv.compute.v1 import compute_service_pb2 as pb
 
     dtype = getattr(torch, dtype_name)
@@ -155,9 +155,11 @@ class Variant:
             self.commit = sha[:10]
             self.tree = tmp / sha[:10]
             if not self.tree.exists():
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(self.tree), sha], check=True)
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(self.tree), sha],
+                               check=True)
         env = {**os.environ, **self.env, "PYTHONPATH": f"{self.tree / 'protos'}:{self.tree}"}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", self.dtype] + (["--breakdown"] if breakdown else [])
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child",
+               self.dtype] + (["--breakdown"] if breakdown else [])
         self.proc = subprocess.Popen(cmd,
                                      cwd=self.tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.times: dict[str, list[float]] = {name: [] for name, *_ in CASES}
@@ -237,7 +239,8 @@ def main() -> int:
                 ms.setdefault(FUSED, 0.0)
                 ms["other"] = total - sum(ms.values())
                 rec[name]["breakdown_ms"] = ms
-                rows.append([v.label, name, fmt(total, ".1f")] + [f"{fmt(ms[k], '.1f')} ({ms[k] / total:.0%})" for k in cats])
+                rows.append([v.label, name,
+                             fmt(total, ".1f")] + [f"{fmt(ms[k], '.1f')} ({ms[k] / total:.0%})" for k in cats])
         table("where a step's time goes (ms per step, mean over rounds; hooks on the modules)",
               ["variant", "case", "total"] + cats, rows)
     write_result(args.result_name, result)

@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 from common import Service, machine  # noqa: E402
 
-from memory_service.block_manager import BlockManager  # noqa: E402
-from memory_service.requests import Append  # noqa: E402
-from pagedkv.credentials import LEASE_SECRET_METADATA  # noqa: E402
+from memory_service.manager.block_manager import BlockManager  # noqa: E402
+from memory_service.manager.requests import Append  # noqa: E402
 from pagedkv.memory.v1 import memory_service_pb2 as pb  # noqa: E402
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc  # noqa: E402
+from pagedkv.runtime.credentials import LEASE_SECRET_METADATA  # noqa: E402
 
 NUM_BLOCKS = 65_536
 BLOCK_SIZE = 16
@@ -83,7 +83,8 @@ def append_latency_grpc(stub, batch: int, iters: int) -> list[float]:
     lease, md = created.lease_id, ((LEASE_SECRET_METADATA, created.lease_secret),)
     seqs = stub.AllocateSequences(pb.AllocateSequencesRequest(
         lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=100)] * batch), metadata=md).sequences
-    request = pb.AppendSlotsRequest(lease_id=lease, appends=[pb.SlotAppend(seq_id=s.seq_id, num_tokens=1) for s in seqs])
+    request = pb.AppendSlotsRequest(lease_id=lease,
+                                    appends=[pb.SlotAppend(seq_id=s.seq_id, num_tokens=1) for s in seqs])
     for _ in range(10):  # warm up the channel
         stub.GetStats(pb.GetStatsRequest())
     times = []

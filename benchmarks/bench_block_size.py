@@ -39,10 +39,10 @@ from bench_throughput import run_policy
 from common import RESULTS, ROOT, Stack, fmt, machine, pyplot, save_plot, table, write_result
 from prompts import corpus_ids, trace_prompts
 
+from client.engine.reservation import Paged
 from client.params import SamplingParams
 from client.request import Request
-from client.reservation import Paged
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 
 SIZES = (1, 8, 16, 24, 32, 64)
 BATCH, CONTEXT, PROMPT_LEN = 32, 512, 480
@@ -103,8 +103,11 @@ def budget_throughput(sizes, tok, requests: int) -> dict[int, dict]:
             summary, _ = run_policy(stack, tok, prompts, Paged(), argparse.Namespace(max_num_seqs=MAX_NUM_SEQS))
         out[s] = {k: summary[k] for k in ("output_tokens_per_s", "mean_batch", "max_batch", "preemptions", "wall_s")}
         out[s] |= {"num_blocks": blocks, "budget_tokens": budget}
-        print(f"  block {s:>2}: {summary['output_tokens_per_s']:.0f} out tok/s, mean batch {summary['mean_batch']:.1f}, "
-              f"{summary['preemptions']} preemptions ({blocks} blocks = {blocks * s} tokens)", flush=True)
+        print(
+            f"  block {s:>2}: {summary['output_tokens_per_s']:.0f} out tok/s, mean batch {summary['mean_batch']:.1f}, "
+            f"{summary['preemptions']} preemptions ({blocks} blocks = {blocks * s} tokens)",
+            flush=True,
+        )
     return out
 
 
@@ -114,8 +117,14 @@ def memory_side() -> dict[str, dict[int, float]]:
     if not path.exists():
         return {}
     runs = json.loads(path.read_text()).get("runs", {})
-    return {ds: {int(name.split("-")[1]): row["utilization_avg"] for name, row in policies.items()
-                 if name.startswith("paged-") and isinstance(row, dict)} for ds, policies in runs.items()}
+    return {
+        ds: {
+            int(name.split("-")[1]): row["utilization_avg"]
+            for name, row in policies.items()
+            if name.startswith("paged-") and isinstance(row, dict)
+        }
+        for ds, policies in runs.items()
+    }
 
 
 def main(argv=None) -> int:
@@ -137,12 +146,16 @@ def main(argv=None) -> int:
         blocks = BATCH * math.ceil((PROMPT_LEN + steps + 32) / s) + math.ceil(2 * (PREFIX_LEN + 20) / s) + 16
         with Stack(["--num-blocks", str(blocks), "--block-size", str(s)], f"bs{s}") as stack:
             # The first requests decode while the rest prefill (1,024 tokens a step): past those steps.
-            step = measure_step(stack, tok, ids, BATCH, steps, PROMPT_LEN,
-                                extra_tokens=math.ceil(BATCH * PROMPT_LEN / 1024) + 4)
+            step = measure_step(
+                stack, tok, ids, BATCH, steps, PROMPT_LEN, extra_tokens=math.ceil(BATCH * PROMPT_LEN / 1024) + 4
+            )
             reused = prefix_reuse(stack, tok, ids)
         runs[s] = step | {"prefix_reused": reused, "num_blocks": blocks}
-        print(f"  block {s:>2}: step {1e3 * step['step']:.1f} ms, memory {1e3 * step['memory']:.2f} ms, "
-              f"Step {step['step_bytes'] / 1024:.1f} KiB, prefix reused {reused}/{PREFIX_LEN}", flush=True)
+        print(
+            f"  block {s:>2}: step {1e3 * step['step']:.1f} ms, memory {1e3 * step['memory']:.2f} ms, "
+            f"Step {step['step_bytes'] / 1024:.1f} KiB, prefix reused {reused}/{PREFIX_LEN}",
+            flush=True,
+        )
 
     print(f"throughput under one KV budget ({TRACE_REQUESTS} requests) ...", flush=True)
     tput = budget_throughput(sizes, tok, TRACE_REQUESTS // 2 if args.quick else TRACE_REQUESTS)
@@ -150,21 +163,60 @@ def main(argv=None) -> int:
     rows = []
     for s in sizes:
         r = runs[s]
-        rows.append([s, fmt(native[s]["step_ms"]), fmt(torch_path[s]["step_ms"]), fmt(1e3 * r["step"], ".1f"),
-                     fmt(1e3 * r["model"], ".1f"), fmt(1e3 * r["memory"]), fmt(r["step_bytes"] / 1024, ".1f"),
-                     fmt(BATCH / r["step"], ".0f"), f"{r['prefix_reused']}/{PREFIX_LEN}",
-                     fmt(tput[s]["output_tokens_per_s"], ".0f"), fmt(tput[s]["mean_batch"], ".1f"),
-                     tput[s]["preemptions"],
-                     *(fmt(100 * util[ds][s], ".1f") if s in util.get(ds, {}) else "-" for ds in ("sharegpt", "alpaca"))])
-    table(f"Block size: cost per decode step at batch {BATCH} (context ~{PROMPT_LEN + steps // 2}; attention at "
-          f"{CONTEXT}) and what it gives back",
-          ["block", "attn native ms", "attn torch ms", "step ms", "model ms", "memory ms", "Step KiB",
-           "out tok/s", "prefix reused", "budget tok/s", "budget batch", "preempt", "ShareGPT util %",
-           "Alpaca util %"], rows)
-    write_result("bench_block_size", {"machine": machine(), "batch": BATCH, "context": CONTEXT,
-                                      "prompt_len": PROMPT_LEN, "prefix_len": PREFIX_LEN, "steps": steps,
-                                      "attention_native": native, "attention_torch": torch_path, "runs": runs,
-                                      "budget_throughput": tput, "utilization": util})
+        rows.append(
+            [
+                s,
+                fmt(native[s]["step_ms"]),
+                fmt(torch_path[s]["step_ms"]),
+                fmt(1e3 * r["step"], ".1f"),
+                fmt(1e3 * r["model"], ".1f"),
+                fmt(1e3 * r["memory"]),
+                fmt(r["step_bytes"] / 1024, ".1f"),
+                fmt(BATCH / r["step"], ".0f"),
+                f"{r['prefix_reused']}/{PREFIX_LEN}",
+                fmt(tput[s]["output_tokens_per_s"], ".0f"),
+                fmt(tput[s]["mean_batch"], ".1f"),
+                tput[s]["preemptions"],
+                *(fmt(100 * util[ds][s], ".1f") if s in util.get(ds, {}) else "-" for ds in ("sharegpt", "alpaca")),
+            ]
+        )
+    table(
+        f"Block size: cost per decode step at batch {BATCH} (context ~{PROMPT_LEN + steps // 2}; attention at "
+        f"{CONTEXT}) and what it gives back",
+        [
+            "block",
+            "attn native ms",
+            "attn torch ms",
+            "step ms",
+            "model ms",
+            "memory ms",
+            "Step KiB",
+            "out tok/s",
+            "prefix reused",
+            "budget tok/s",
+            "budget batch",
+            "preempt",
+            "ShareGPT util %",
+            "Alpaca util %",
+        ],
+        rows,
+    )
+    write_result(
+        "bench_block_size",
+        {
+            "machine": machine(),
+            "batch": BATCH,
+            "context": CONTEXT,
+            "prompt_len": PROMPT_LEN,
+            "prefix_len": PREFIX_LEN,
+            "steps": steps,
+            "attention_native": native,
+            "attention_torch": torch_path,
+            "runs": runs,
+            "budget_throughput": tput,
+            "utilization": util,
+        },
+    )
     plt = pyplot()
     if plt:
         fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.5))
@@ -176,13 +228,21 @@ def main(argv=None) -> int:
         a.set_yscale("log")
         a.set_title("Cost side")
         a.legend(fontsize=8)
-        b.plot(sizes, [100 * runs[s]["prefix_reused"] / PREFIX_LEN for s in sizes], "o-",
-               label=f"prefix reused (of {PREFIX_LEN} tokens)")
+        b.plot(
+            sizes,
+            [100 * runs[s]["prefix_reused"] / PREFIX_LEN for s in sizes],
+            "o-",
+            label=f"prefix reused (of {PREFIX_LEN} tokens)",
+        )
         for ds, label in (("sharegpt", "ShareGPT-like"), ("alpaca", "Alpaca-like")):
             u = util.get(ds, {})
             if u:
-                b.plot([s for s in sizes if s in u], [100 * u[s] for s in sizes if s in u], "o-",
-                       label=f"KV utilization, {label} (bench_memory)")
+                b.plot(
+                    [s for s in sizes if s in u],
+                    [100 * u[s] for s in sizes if s in u],
+                    "o-",
+                    label=f"KV utilization, {label} (bench_memory)",
+                )
         b.set_xlabel("block size (tokens)")
         b.set_ylabel("%")
         b.set_title("What it gives back")

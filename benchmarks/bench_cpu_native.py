@@ -3,7 +3,7 @@
 At SmolLM2-135M's layer shape (9 q heads, 3 KV heads, head_dim 64, block size 16), batch
 1/8/32/64 x context 128/300/1000, fp32 and bf16 (query, pool and output of one dtype). Each call
 is what the model runs per layer: `kernels.paged_attention(query, key_cache, value_cache, plan, scale)` with the
-step's plan built once (under `kernels.cpu_native.use_native(True)` or `(False)`), reading layer
+step's plan built once (under `kernels.cpu.native.use_native(True)` or `(False)`), reading layer
 views `pool[:, layer, 0/1]` of a block-major pool of `--layers` layers, cycled call by call so that
 one layer's blocks are not hot in L1/L2 from the previous call. Variants alternate call by call;
 the figure is the median per call in ms. A second table gives a batch-1 call's total cost in us
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from kernels import cpu_native
+from kernels.cpu import native as cpu_native
 
 HQ, HK, D, BS = 9, 3, 64, 16
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_cpu_native.json"

@@ -40,7 +40,7 @@ import httpx
 from common import ROOT, Service, fmt, machine, pyplot, save_plot, table, write_result
 from prompts import corpus_ids
 
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from headless_chromium import chromium, log_in  # noqa: E402 - scripts/ is not a package
@@ -319,36 +319,71 @@ def main(argv=None) -> int:
         segs = [s for r in results[w] for s in r["segments"]]
         m, sem = mean_sem(on)
         nm, nsem = mean_sem(null)
-        summary[w] = {"on_segments": len(on), "on_vs_off_median": statistics.median(on) if on else None,
-                      "on_vs_off_mean": m, "on_vs_off_sem": sem, "off_vs_off_median": statistics.median(null) if null else None,
-                      "off_vs_off_mean": nm, "off_vs_off_sem": nsem,
-                      "step_ms_on": statistics.median(s["step_ms"] for s in segs if s["state"] == "on"),
-                      "step_ms_off": statistics.median(s["step_ms"] for s in segs if s["state"] == "off")}
-        pct = (lambda v: fmt(None if v is None else 100 * v, "+.2f"))
-        rows.append([w, str(len(on)), fmt(summary[w]["step_ms_off"]), fmt(summary[w]["step_ms_on"]),
-                     pct(summary[w]["on_vs_off_median"]), f"{pct(m)} ± {fmt(None if sem is None else 100 * sem)}",
-                     pct(summary[w]["off_vs_off_median"]), f"{pct(nm)} ± {fmt(None if nsem is None else 100 * nsem)}"])
-    table(f"Decode step at batch {BATCH} with the dashboard off and on (segments of {args.segment:g} s, "
-          f"pagedkv serve on CPU)",
-          ["watcher", "on segs", "off ms", "on ms", "on vs off % (median)", "mean ± sem", "off vs off %",
-           "mean ± sem"], rows)
+        summary[w] = {
+            "on_segments": len(on),
+            "on_vs_off_median": statistics.median(on) if on else None,
+            "on_vs_off_mean": m,
+            "on_vs_off_sem": sem,
+            "off_vs_off_median": statistics.median(null) if null else None,
+            "off_vs_off_mean": nm,
+            "off_vs_off_sem": nsem,
+            "step_ms_on": statistics.median(s["step_ms"] for s in segs if s["state"] == "on"),
+            "step_ms_off": statistics.median(s["step_ms"] for s in segs if s["state"] == "off"),
+        }
+        pct = lambda v: fmt(None if v is None else 100 * v, "+.2f")
+        rows.append(
+            [
+                w,
+                str(len(on)),
+                fmt(summary[w]["step_ms_off"]),
+                fmt(summary[w]["step_ms_on"]),
+                pct(summary[w]["on_vs_off_median"]),
+                f"{pct(m)} ± {fmt(None if sem is None else 100 * sem)}",
+                pct(summary[w]["off_vs_off_median"]),
+                f"{pct(nm)} ± {fmt(None if nsem is None else 100 * nsem)}",
+            ]
+        )
+    table(
+        f"Decode step at batch {BATCH} with the dashboard off and on (segments of {args.segment:g} s, "
+        f"pagedkv serve on CPU)",
+        ["watcher", "on segs", "off ms", "on ms", "on vs off % (median)", "mean ± sem", "off vs off %", "mean ± sem"],
+        rows,
+    )
     cpu_rows = []
     for w in watchers:
         per_run = [cpu_paired(r["segments"]) for r in results[w]]
         extra = {k: [x for p in per_run for x in p[k]] for k in ROLES}
         summary[w]["extra_cores"] = {k: mean_sem(v)[0] for k, v in extra.items()}
-        cpu_rows.append([w] + [f"{fmt(mean_sem(extra[k])[0], '+.3f')} ± {fmt(mean_sem(extra[k])[1], '.3f')}"
-                               for k in ROLES])
-    table("CPU used while watching, in cores (each on segment minus the off segments around it; mean ± sem)",
-          ["watcher", *ROLES], cpu_rows)
+        cpu_rows.append(
+            [w] + [f"{fmt(mean_sem(extra[k])[0], '+.3f')} ± {fmt(mean_sem(extra[k])[1], '.3f')}" for k in ROLES]
+        )
+    table(
+        "CPU used while watching, in cores (each on segment minus the off segments around it; mean ± sem)",
+        ["watcher", *ROLES],
+        cpu_rows,
+    )
     if ticks:
-        print(f"the feed's own tick in the server: {statistics.median(t[0] for t in ticks):.1f} ms wall, "
-              f"{statistics.median(t[1] for t in ticks):.1f} ms CPU, one every {snap['feed']['interval_s'] if snap.get('feed') else '?'} s "
-              "while watched")
-    write_result("bench_dashboard", {"machine": machine(), "batch": BATCH, "prompt_len": PROMPT_LEN,
-                                     "output_len": output_len, "segment_s": args.segment, "settle_s": SETTLE,
-                                     "runs": results, "summary": summary,
-                                     "feed_tick_ms": [t[0] for t in ticks], "feed_tick_cpu_ms": [t[1] for t in ticks]})
+        print(
+            f"the feed's own tick in the server: {statistics.median(t[0] for t in ticks):.1f} ms wall, "
+            f"{statistics.median(t[1] for t in ticks):.1f} ms CPU, one every "
+            f"{snap['feed']['interval_s'] if snap.get('feed') else '?'} s "
+            "while watched"
+        )
+    write_result(
+        "bench_dashboard",
+        {
+            "machine": machine(),
+            "batch": BATCH,
+            "prompt_len": PROMPT_LEN,
+            "output_len": output_len,
+            "segment_s": args.segment,
+            "settle_s": SETTLE,
+            "runs": results,
+            "summary": summary,
+            "feed_tick_ms": [t[0] for t in ticks],
+            "feed_tick_cpu_ms": [t[1] for t in ticks],
+        },
+    )
     plt = pyplot()
     if plt:
         fig, axes = plt.subplots(1, len(watchers), figsize=(6 * len(watchers), 4), squeeze=False)
@@ -357,8 +392,13 @@ def main(argv=None) -> int:
                 t0 = r["segments"][0]["start"] if r["segments"] else 0
                 for state, color in (("off", "tab:blue"), ("on", "tab:red")):
                     pts = [((s["start"] - t0), s["step_ms"]) for s in r["segments"] if s["state"] == state]
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=color,
-                            label=f"{state}" if r["run"] == 0 else None)
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        "o",
+                        color=color,
+                        label=f"{state}" if r["run"] == 0 else None,
+                    )
             ax.set_title(f"{w}: dashboard off / on")
             ax.set_xlabel("seconds into the decode")
             ax.set_ylabel(f"step at batch {BATCH} (ms)")
@@ -369,8 +409,12 @@ def main(argv=None) -> int:
 
 async def _warm(url: str, prompts: list[list[int]]) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), headers={"Authorization": f"Bearer {KEY}"}) as c:
-        await asyncio.gather(*(c.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 16, "ignore_eos": True})
-                               for p in prompts))
+        await asyncio.gather(
+            *(
+                c.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 16, "ignore_eos": True})
+                for p in prompts
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -35,14 +35,14 @@ from common import ROOT, fmt, machine, pyplot, save_plot, table, write_result
 from prompts import corpus_ids, trace_prompts
 
 import kernels
-from client.stack import LocalStack
+from client.ops.stack import LocalStack
 from compute_service.kv_calibration import calibrate, calibration_sequences, scale_rows
-from compute_service.model import LlamaForPagedLM
-from compute_service.packed_forward import packed_forward
-from compute_service.weights import load_model_source
+from compute_service.model.llama import LlamaForPagedLM
+from compute_service.model.packed_forward import packed_forward
+from compute_service.weights.source import load_model_source
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": kernels.FP8_DTYPE}
 BLOCK = 16
@@ -197,7 +197,8 @@ def main() -> None:
 
     rows = [[n, fmt(ppl[n], ".4f"), fmt(100 * (ppl[n] / ppl["float32"] - 1), "+.2f") + "%",
              fmt(100 * agree[n]["identical"], ".1f") + "%", fmt(100 * agree[n]["first16"], ".1f") + "%",
-             fmt(agree[n]["mean_prefix"], ".1f"), fmt(max(errors[n]), ".2e"), fmt(sum(errors[n]) / len(errors[n]), ".2e")]
+             fmt(agree[n]["mean_prefix"], ".1f"), fmt(max(errors[n]),
+                                                      ".2e"), fmt(sum(errors[n]) / len(errors[n]), ".2e")]
             for n in KV_DTYPES]
     table(f"KV dtype quality, SmolLM2-135M fp32 weights ({len(windows)} windows of {WINDOW} for perplexity; "
           f"{len(prompts)} trace prompts x {args.max_tokens} greedy tokens vs the float32-KV run)",

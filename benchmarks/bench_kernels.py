@@ -173,7 +173,7 @@ def measure(batch: Batch, layers: int, reps: int, cuda: bool, decode: bool) -> d
 def prefill_kernel_seconds(batch: Batch) -> float:
     """The Triton prefill kernel on a decode batch (what the model ran before plans chose the
     kernel), launched directly with the plan's metadata."""
-    from kernels import triton_prefill
+    from kernels.triton import prefill as triton_prefill
 
     plan, scale = batch.plan(), batch.query.shape[2] ** -0.5
     args = (batch.query, batch.key_cache, batch.value_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens)

@@ -59,8 +59,8 @@ from common import (  # noqa: F401
     write_result,
 )
 
+from client.engine.reservation import OrcaMax, OrcaOracle, OrcaPow2, Paged, ReservationPolicy
 from client.errors import OutOfBlocks
-from client.reservation import OrcaMax, OrcaOracle, OrcaPow2, Paged, ReservationPolicy
 from client.services import MemoryClient
 
 POLICIES = [("paged-1", Paged(), 1), ("paged-8", Paged(), 8), ("paged-16", Paged(), 16), ("paged-24", Paged(), 24),
@@ -282,8 +282,10 @@ def plot(result: dict, series: dict) -> None:
     for j, d in enumerate(datasets):
         runs = result["runs"][d]
         ax = axes[0][j]
-        parts = [("utilization_avg", "token states", "tab:green"), ("internal_fragmentation", "internal frag.", "tab:orange"),
-                 ("reserved_for_later", "reserved for later", "tab:blue"), ("over_reservation", "over-reservation", "tab:red")]
+        parts = [("utilization_avg", "token states", "tab:green"),
+                 ("internal_fragmentation", "internal frag.", "tab:orange"),
+                 ("reserved_for_later", "reserved for later",
+                  "tab:blue"), ("over_reservation", "over-reservation", "tab:red")]
         bottom = [0.0] * len(names)
         for key, label, color in parts:
             vals = [100 * runs[n][key] for n in names]

@@ -45,13 +45,13 @@ import torch
 from common import Service, admin_token, machine, table, write_result
 
 from memory_service.main import DEFAULT_MAX_SEQUENCES_PER_LEASE
-from memory_service.paging import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
+from memory_service.manager.paging import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
-from pagedkv.credentials import LEASE_SECRET_METADATA
-from pagedkv.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
+from pagedkv.runtime.credentials import LEASE_SECRET_METADATA
+from pagedkv.runtime.limits import MAX_BATCH, MAX_FORK_BLOCK_IDS, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 
 BLOCK_SIZE = 16
 _OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
@@ -135,9 +135,12 @@ def tiny_model(tmp: Path) -> Path:
     layer = "model.layers.0."
     save_file({
         "model.embed_tokens.weight": randn(VOCAB, hidden), "model.norm.weight": torch.ones(hidden),
-        layer + "input_layernorm.weight": torch.ones(hidden), layer + "post_attention_layernorm.weight": torch.ones(hidden),
-        layer + "self_attn.q_proj.weight": randn(hidden, hidden), layer + "self_attn.k_proj.weight": randn(head_dim, hidden),
-        layer + "self_attn.v_proj.weight": randn(head_dim, hidden), layer + "self_attn.o_proj.weight": randn(hidden, hidden),
+        layer + "input_layernorm.weight": torch.ones(hidden),
+        layer + "post_attention_layernorm.weight": torch.ones(hidden),
+        layer + "self_attn.q_proj.weight": randn(hidden,
+                                                 hidden), layer + "self_attn.k_proj.weight": randn(head_dim, hidden),
+        layer + "self_attn.v_proj.weight": randn(head_dim,
+                                                 hidden), layer + "self_attn.o_proj.weight": randn(hidden, hidden),
         layer + "mlp.gate_proj.weight": randn(inter, hidden), layer + "mlp.up_proj.weight": randn(inter, hidden),
         layer + "mlp.down_proj.weight": randn(hidden, inter),
     }, d / "model.safetensors")  # fmt: skip
@@ -160,22 +163,36 @@ def fill_prefix_cache(stub, worker, generation: int, nseq: int) -> tuple[int, fl
     registered = 0
     for at in range(0, nseq, CACHE_FILL_BATCH):
         # Sequence k starts with (k // (VOCAB - 1) + 1, k % (VOCAB - 1) + 1): no two share a block hash.
-        prompts = [[k // (VOCAB - 1) + 1, k % (VOCAB - 1) + 1] + [(k + j) % (VOCAB - 1) + 1 for j in range(per_seq - 2)]
-                   for k in range(at, min(nseq, at + CACHE_FILL_BATCH))]
-        got = stub.AllocateSequences(pb.AllocateSequencesRequest(lease_id=lease.lease_id, sequences=[
-            pb.SequenceAllocation(num_tokens=per_seq, token_ids=p) for p in prompts]), timeout=300, metadata=md)
+        prompts = [
+            [k // (VOCAB - 1) + 1, k % (VOCAB - 1) + 1] + [(k + j) % (VOCAB - 1) + 1 for j in range(per_seq - 2)]
+            for k in range(at, min(nseq, at + CACHE_FILL_BATCH))
+        ]
+        got = stub.AllocateSequences(
+            pb.AllocateSequencesRequest(
+                lease_id=lease.lease_id,
+                sequences=[pb.SequenceAllocation(num_tokens=per_seq, token_ids=p) for p in prompts],
+            ),
+            timeout=300,
+            metadata=md,
+        )
         step = cpb.StepRequest(pool_generation=generation, sequences=[
             cpb.StepSequence(seq_id=s.seq_id, token_ids=p, positions=range(per_seq), block_ids=s.block_ids,
                              skip_sampling=True, grant=g)
             for s, g, p in zip(got.sequences, got.grants, prompts)])  # fmt: skip
         out = worker.Step(step, timeout=300)
-        done = stub.CommitComputedTokens(pb.CommitComputedTokensRequest(
-            lease_id=lease.lease_id, receipts=[r.receipt for r in out.results]), timeout=300, metadata=md)
+        done = stub.CommitComputedTokens(
+            pb.CommitComputedTokensRequest(lease_id=lease.lease_id, receipts=[r.receipt for r in out.results]),
+            timeout=300,
+            metadata=md,
+        )
         if done.skipped:
             raise RuntimeError(f"CommitComputedTokens skipped {done.skipped} of {len(prompts)} receipts")
         registered += done.blocks_registered
-        stub.FreeSequences(pb.FreeSequencesRequest(lease_id=lease.lease_id, seq_ids=[s.seq_id for s in got.sequences]),
-                           timeout=300, metadata=md)
+        stub.FreeSequences(
+            pb.FreeSequencesRequest(lease_id=lease.lease_id, seq_ids=[s.seq_id for s in got.sequences]),
+            timeout=300,
+            metadata=md,
+        )
     stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id), timeout=300, metadata=md)
     return registered, time.perf_counter() - t
 
@@ -203,10 +220,17 @@ def cases(stub, worker, generation: int, admin: tuple, probe: KeepAliveProbe, nu
     def allocate(lease_id: str, n: int, tokens: int = 1, token_ids=None) -> list:
         out = []
         for at in range(0, n, MAX_BATCH):
-            req = pb.AllocateSequencesRequest(lease_id=lease_id, sequences=[
-                pb.SequenceAllocation(num_tokens=tokens, token_ids=token_ids or ()) for _ in range(min(MAX_BATCH, n - at))])
+            req = pb.AllocateSequencesRequest(
+                lease_id=lease_id,
+                sequences=[
+                    pb.SequenceAllocation(num_tokens=tokens, token_ids=token_ids or ())
+                    for _ in range(min(MAX_BATCH, n - at))
+                ],
+            )
             out += stub.AllocateSequences(req, timeout=300, metadata=md(lease_id)).sequences
-            stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease_id), metadata=md(lease_id))  # a 1 s TTL lives through set-up
+            stub.KeepAlive(
+                pb.KeepAliveRequest(lease_id=lease_id), metadata=md(lease_id)
+            )  # a 1 s TTL lives through set-up
         return [s.seq_id for s in out]
 
     one = pb.SequenceAllocation(num_tokens=1)
@@ -219,12 +243,19 @@ def cases(stub, worker, generation: int, admin: tuple, probe: KeepAliveProbe, nu
         seqs = []
 
         def alloc(a=a, n=n, seqs=seqs):
-            seqs += stub.AllocateSequences(pb.AllocateSequencesRequest(lease_id=a, sequences=[one] * n),
-                                           timeout=300, metadata=md(a)).sequences
+            seqs += stub.AllocateSequences(
+                pb.AllocateSequencesRequest(lease_id=a, sequences=[one] * n), timeout=300, metadata=md(a)
+            ).sequences
+
         row("AllocateSequences", f"{n} seqs", alloc)
         ids = [s.seq_id for s in seqs] or list(range(n))  # refused: free as many ids (refused the same way)
-        row("FreeSequences", f"{n} seqs", lambda a=a, ids=ids: stub.FreeSequences(
-            pb.FreeSequencesRequest(lease_id=a, seq_ids=ids), timeout=300, metadata=md(a)))
+        row(
+            "FreeSequences",
+            f"{n} seqs",
+            lambda a=a, ids=ids: stub.FreeSequences(
+                pb.FreeSequencesRequest(lease_id=a, seq_ids=ids), timeout=300, metadata=md(a)
+            ),
+        )
         release(a)
 
     # The service's default per-lease quota of sequences bounds what one lease's end drops at once.
@@ -234,7 +265,9 @@ def cases(stub, worker, generation: int, admin: tuple, probe: KeepAliveProbe, nu
     allocate(a, per_lease, each * BLOCK_SIZE)  # the whole pool
     row("ReleaseLease", f"{per_lease} seqs x {each} blocks", lambda: release(a))
     time.sleep(0.5)  # the rest of its blocks return in chunks; the probe sees those turns too
-    rows[-1][-1] = f"{max(float(rows[-1][-1]), probe.worst_between(time.perf_counter() - 0.6, time.perf_counter()) * 1e3):.1f}"
+    rows[-1][-1] = (
+        f"{max(float(rows[-1][-1]), probe.worst_between(time.perf_counter() - 0.6, time.perf_counter()) * 1e3):.1f}"
+    )
 
     a = lease(ttl=1)
     allocate(a, min(big, per_lease))
@@ -244,47 +277,85 @@ def cases(stub, worker, generation: int, admin: tuple, probe: KeepAliveProbe, nu
         time.sleep(0.01)
     time.sleep(0.5)  # its blocks return in chunks meanwhile
     end = time.perf_counter()
-    rows.append(["(lease expiry)", f"{min(big, per_lease)} seqs", "OK", "-", f"{probe.worst_between(t, end) * 1e3:.1f}"])
+    rows.append(
+        ["(lease expiry)", f"{min(big, per_lease)} seqs", "OK", "-", f"{probe.worst_between(t, end) * 1e3:.1f}"]
+    )
     print(rows[-1], flush=True)
 
     a = lease()
     allocate(a, 10_000)
     for size in (DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, 10_000):  # the default page, the largest, one over it
-        row("ListSequences (admin)", f"10000 seqs, page of {size}", lambda size=size: stub.ListSequences(
-            pb.ListSequencesRequest(page_size=size), timeout=300, metadata=admin))
+        row(
+            "ListSequences (admin)",
+            f"10000 seqs, page of {size}",
+            lambda size=size: stub.ListSequences(pb.ListSequencesRequest(page_size=size), timeout=300, metadata=admin),
+        )
     release(a)
 
     # Cached blocks: computed by the worker, receipts committed, sequences freed (they stay cached).
     nseq = min(big, num_blocks // 2) // (CACHED_SEQ_BLOCKS + 1)
     registered, secs = fill_prefix_cache(stub, worker, generation, nseq)
     cached = stub.GetStats(pb.GetStatsRequest()).cached_blocks
-    print(f"prefix cache filled by the worker: {nseq} sequences, {registered} blocks registered, {cached} cached, "
-          f"{secs:.1f} s", flush=True)
-    row("ResetPrefixCache (admin)", f"{cached} cached blocks", lambda: stub.ResetPrefixCache(
-        pb.ResetPrefixCacheRequest(), timeout=300, metadata=admin))
+    print(
+        f"prefix cache filled by the worker: {nseq} sequences, {registered} blocks registered, {cached} cached, "
+        f"{secs:.1f} s",
+        flush=True,
+    )
+    row(
+        "ResetPrefixCache (admin)",
+        f"{cached} cached blocks",
+        lambda: stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=300, metadata=admin),
+    )
 
     for n in (MAX_TOKEN_IDS_PER_CALL, 1 << 20):
         a = lease()
-        row("AllocateSequences", f"1 seq, {n} token ids", lambda a=a, n=n: stub.AllocateSequences(
-            pb.AllocateSequencesRequest(lease_id=a, sequences=[pb.SequenceAllocation(num_tokens=n, token_ids=[7] * n)]),
-            timeout=300, metadata=md(a)))
+        row(
+            "AllocateSequences",
+            f"1 seq, {n} token ids",
+            lambda a=a, n=n: stub.AllocateSequences(
+                pb.AllocateSequencesRequest(
+                    lease_id=a, sequences=[pb.SequenceAllocation(num_tokens=n, token_ids=[7] * n)]
+                ),
+                timeout=300,
+                metadata=md(a),
+            ),
+        )
         (s,) = allocate(a, 1, 1, [7])
-        row("AppendSlots", f"1 seq, {n} token ids", lambda a=a, n=n, s=s: stub.AppendSlots(
-            pb.AppendSlotsRequest(lease_id=a, appends=[pb.SlotAppend(seq_id=s, num_tokens=n, token_ids=[7] * n)]),
-            timeout=300, metadata=md(a)))
+        row(
+            "AppendSlots",
+            f"1 seq, {n} token ids",
+            lambda a=a, n=n, s=s: stub.AppendSlots(
+                pb.AppendSlotsRequest(lease_id=a, appends=[pb.SlotAppend(seq_id=s, num_tokens=n, token_ids=[7] * n)]),
+                timeout=300,
+                metadata=md(a),
+            ),
+        )
         release(a)
 
     for children, blocks in ((MAX_FORK_CHILDREN, MAX_FORK_BLOCK_IDS // MAX_FORK_CHILDREN), (4096, 1024)):
         a = lease()
         (p,) = allocate(a, 1, blocks * BLOCK_SIZE)
-        row("ForkSequences", f"{children} children x {blocks} blocks", lambda a=a, p=p, c=children: stub.ForkSequences(
-            pb.ForkSequencesRequest(lease_id=a, forks=[pb.SequenceFork(parent_seq_id=p)] * c), timeout=300,
-            metadata=md(a)))
+        row(
+            "ForkSequences",
+            f"{children} children x {blocks} blocks",
+            lambda a=a, p=p, c=children: stub.ForkSequences(
+                pb.ForkSequencesRequest(lease_id=a, forks=[pb.SequenceFork(parent_seq_id=p)] * c),
+                timeout=300,
+                metadata=md(a),
+            ),
+        )
         release(a)
     a = lease()
     (p,) = allocate(a, 1, 1)
-    row("ForkSequences", "40000 children", lambda: stub.ForkSequences(pb.ForkSequencesRequest(
-        lease_id=a, forks=[pb.SequenceFork(parent_seq_id=p)] * 40_000), timeout=300, metadata=md(a)))
+    row(
+        "ForkSequences",
+        "40000 children",
+        lambda: stub.ForkSequences(
+            pb.ForkSequencesRequest(lease_id=a, forks=[pb.SequenceFork(parent_seq_id=p)] * 40_000),
+            timeout=300,
+            metadata=md(a),
+        ),
+    )
     release(a)
     return rows
 
@@ -301,8 +372,21 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
-        svc = Service(["memory", "--model", str(model), "--num-blocks", str(num_blocks),
-                       "--block-size", str(BLOCK_SIZE), "--lease-ttl", "3600"], "memory", Path(tmp))
+        svc = Service(
+            [
+                "memory",
+                "--model",
+                str(model),
+                "--num-blocks",
+                str(num_blocks),
+                "--block-size",
+                str(BLOCK_SIZE),
+                "--lease-ttl",
+                "3600",
+            ],
+            "memory",
+            Path(tmp),
+        )
         worker = None
         try:
             worker = Service(["compute", "--memory", svc.address, "--model", str(model)], "worker", Path(tmp))
@@ -323,12 +407,16 @@ def main() -> None:
             if worker is not None:
                 worker.stop()
             svc.stop()
-    text = table(f"memory-service calls on the event loop ({num_blocks} blocks of {BLOCK_SIZE} tokens; "
-                 f"keep-alive median {idle[len(idle) // 2] * 1e3:.2f} ms over the run)",
-                 ["call", "size", "outcome", "call ms", "keep-alive max ms"], rows)
+    text = table(
+        f"memory-service calls on the event loop ({num_blocks} blocks of {BLOCK_SIZE} tokens; "
+        f"keep-alive median {idle[len(idle) // 2] * 1e3:.2f} ms over the run)",
+        ["call", "size", "outcome", "call ms", "keep-alive max ms"],
+        rows,
+    )
     print(f"load average {info['load_avg_1m']:.2f} at the start; {time.perf_counter() - t0:.0f} s in all")
-    write_result("bench_memory_latency", {"machine": info, "num_blocks": num_blocks, "big": big, "table": text,
-                                          "rows": rows})
+    write_result(
+        "bench_memory_latency", {"machine": info, "num_blocks": num_blocks, "big": big, "table": text, "rows": rows}
+    )
 
 
 if __name__ == "__main__":

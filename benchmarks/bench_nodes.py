@@ -12,14 +12,14 @@ GB/s = 10^9 bytes / s. Twice: ``progress thr on`` as shipped (NIXL's progress th
 agent, pausing ``transfer_agent.PROGRESS_DELAY_US`` between rounds) and ``off`` (the source then
 progresses NIXL every 1 ms, which UCX's set-up needs).
 
-Part 2, TTFT. Two nodes as in tests/test_node_transfers.py (two memory services with one
+Part 2, TTFT. Two nodes as in tests/system/test_node_transfers.py (two memory services with one
 ``--transfer-key-file`` and their own ``--node-name``, a worker each with ``--node-transfers``). Per
 prefix length P, a fresh corpus window of P tokens + 8 is computed on node A (which caches its P/16
 full blocks); then node B (``Client(B, peers=[A])``, ``max_num_batched_tokens`` 512) gets that prefix
 with another 8-token suffix, max_tokens 1: ``pull`` reads P tokens from A and computes 8;
 ``recompute`` is the same prompt under a cache salt of its own (B computes P + 8). A new window per
 repetition, so B never holds the prefix itself; B's pull threshold is 1 block, to measure below the
-default (``client.transfers.DEFAULT_MIN_BLOCKS``, 2). TTFT: the client's arrival to first token,
+default (``client.engine.transfers.DEFAULT_MIN_BLOCKS``, 2). TTFT: the client's arrival to first token,
 medians (the two orders alternate); ``fwd``: of it, the worker's forward. ``plain``: one node started
 without ``--node-transfers`` (no NIXL agent anywhere), a fresh prompt (computed) then its prefix with
 another suffix (``plain hit``: the node's own cache, the floor a pull can approach). The crossover
@@ -55,11 +55,11 @@ from common import Stack, machine, median, pyplot, save_plot, table, write_resul
 from prompts import corpus_ids
 
 from client.api import Client
+from client.engine.transfers import DEFAULT_MIN_BLOCKS
 from client.params import SamplingParams
-from client.transfers import DEFAULT_MIN_BLOCKS
 from compute_service.transfer_agent import TransferAgent, TransferSource
 from memory_service.layout import make_layout
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 
 BS = 16
 SUFFIX = 8
@@ -214,7 +214,8 @@ class Windows:
 
 def node_stack(name: str, dtype: str, prefixes: list[int], key: Path | None) -> Stack:
     """A node: memory service + one worker; with ``key``, a transfer key and ``--node-transfers``."""
-    args = ["--num-blocks", str(2 * (max(prefixes) + SUFFIX) // BS + 256), "--block-size", str(BS), "--kv-cache-dtype", dtype]
+    args = ["--num-blocks", str(2 * (max(prefixes) + SUFFIX) // BS + 256), "--block-size", str(BS), "--kv-cache-dtype",
+            dtype]
     node = Stack(args + (["--transfer-key-file", str(key), "--node-name", name] if key else []), f"nodes-{name}")
     node.worker_args = ["--node-transfers"] if key else []
     return node

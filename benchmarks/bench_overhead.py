@@ -29,10 +29,10 @@ import time
 from common import Stack, machine, median, pyplot, save_plot, table, write_result
 from prompts import corpus_ids
 
+from client.engine.scheduler import SchedulerConfig
 from client.params import SamplingParams
 from client.request import Request
-from client.scheduler import SchedulerConfig
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 
 MEMORY_CALLS = ("append", "allocate", "free", "stats", "commit", "fork", "sequences")
 PARTS = ("model", "worker_other", "step_rpc", "memory", "client")

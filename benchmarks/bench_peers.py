@@ -63,8 +63,8 @@ from bench_serving import (
 )
 from common import fmt, machine, median, pyplot, save_plot, table, write_result
 
-from pagedkv.paths import smollm2_gguf_path
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
+from pagedkv.runtime.paths import smollm2_gguf_path
 
 SYSTEMS = ("vllm", "pagedkv")
 #: The goal of issue 16, at each system's best dtype: pagedkv throughput / vLLM's, single stream.
@@ -134,9 +134,11 @@ def run_server(system: str, dtype: str, args, requests: list[Request], single: l
     run = {"system": system, "dtype": dtype, "start_s": start_s, **summarize(requests, outcomes, wall),
            **checks(requests, outcomes), "single": {**single_stream(single, s_outcomes), **checks(single, s_outcomes)},
            "load_avg_1m": [load, os.getloadavg()[0]], "tokens": [o.token_ids for o in outcomes]}
-    print(f"{system} {dtype}: started in {start_s:.0f} s; {run['completed']}/{len(requests)} ok, "
-          f"{run['output_tokens_per_s']:.1f} out tok/s; single stream {fmt(run['single']['decode_tok_s'], '.1f')} tok/s "
-          f"(load {load:.1f} -> {os.getloadavg()[0]:.1f})")
+    print(
+        f"{system} {dtype}: started in {start_s:.0f} s; {run['completed']}/{len(requests)} ok, "
+        f"{run['output_tokens_per_s']:.1f} out tok/s; single stream {fmt(run['single']['decode_tok_s'], '.1f')} tok/s "
+        f"(load {load:.1f} -> {os.getloadavg()[0]:.1f})"
+    )
     for e in run["errors"] + run["single"]["errors"]:
         print(f"  {e}")
     for key in ("prompt_len_mismatches", "token_ids_mismatches", "output_len_mismatches"):
@@ -149,8 +151,14 @@ def run_llama_cpp(single: list[Request]) -> dict:
     """llama.cpp (llama-cpp-python, in this process) on the single-stream prompts, one at a time."""
     from llama_cpp import Llama
 
-    model = Llama(model_path=str(smollm2_gguf_path()), n_ctx=1024, n_batch=512, n_threads=os.cpu_count() or 1,
-                  logits_all=False, verbose=False)
+    model = Llama(
+        model_path=str(smollm2_gguf_path()),
+        n_ctx=1024,
+        n_batch=512,
+        n_threads=os.cpu_count() or 1,
+        logits_all=False,
+        verbose=False,
+    )
 
     def generate(ids: list[int], n: int) -> Outcome:
         model.reset()
@@ -165,8 +173,12 @@ def run_llama_cpp(single: list[Request]) -> dict:
 
     generate(single[0].prompt_ids[:8], 4)  # warm up
     outcomes = [generate(r.prompt_ids, r.max_tokens) for r in single]
-    return {"system": "llama.cpp", "dtype": "Q4_1", "single": single_stream(single, outcomes),
-            "version": __import__("llama_cpp").__version__}
+    return {
+        "system": "llama.cpp",
+        "dtype": "Q4_1",
+        "single": single_stream(single, outcomes),
+        "version": __import__("llama_cpp").__version__,
+    }
 
 
 # ------------------------------------------------------------------ verdict
@@ -184,23 +196,34 @@ def verdict(runs: dict) -> dict | None:
     if not {"pagedkv", "vllm"} <= best.keys() or not {"pagedkv", "vllm"} <= single.keys():
         return None
     p, v, ps, vs = best["pagedkv"], best["vllm"], single["pagedkv"], single["vllm"]
-    out = {"throughput": {"pagedkv": [p["dtype"], p["output_tokens_per_s"]], "vllm": [v["dtype"], v["output_tokens_per_s"]],
-                          "ratio": p["output_tokens_per_s"] / v["output_tokens_per_s"], "goal": GOAL_THROUGHPUT},
-           "single_stream": {"pagedkv": [ps["dtype"], ps["single"]["decode_tok_s"]],
-                             "vllm": [vs["dtype"], vs["single"]["decode_tok_s"]],
-                             "ratio": ps["single"]["decode_tok_s"] / vs["single"]["decode_tok_s"], "goal": GOAL_SINGLE}}
+    out = {
+        "throughput": {
+            "pagedkv": [p["dtype"], p["output_tokens_per_s"]],
+            "vllm": [v["dtype"], v["output_tokens_per_s"]],
+            "ratio": p["output_tokens_per_s"] / v["output_tokens_per_s"],
+            "goal": GOAL_THROUGHPUT,
+        },
+        "single_stream": {
+            "pagedkv": [ps["dtype"], ps["single"]["decode_tok_s"]],
+            "vllm": [vs["dtype"], vs["single"]["decode_tok_s"]],
+            "ratio": ps["single"]["decode_tok_s"] / vs["single"]["decode_tok_s"],
+            "goal": GOAL_SINGLE,
+        },
+    }
     t, s = out["throughput"], out["single_stream"]
     out["text"] = (
         f"pagedkv / vLLM at each one's best dtype: throughput {t['pagedkv'][1]:.1f} ({t['pagedkv'][0]}) / "
         f"{t['vllm'][1]:.1f} ({t['vllm'][0]}) tok/s = x{t['ratio']:.2f} (goal >= {GOAL_THROUGHPUT}: "
         f"{'holds' if t['ratio'] >= GOAL_THROUGHPUT else 'not yet'}); single stream {s['pagedkv'][1]:.1f} "
         f"({s['pagedkv'][0]}) / {s['vllm'][1]:.1f} ({s['vllm'][0]}) tok/s = x{s['ratio']:.2f} "
-        f"(goal >= {GOAL_SINGLE}: {'holds' if s['ratio'] >= GOAL_SINGLE else 'not yet'})")
+        f"(goal >= {GOAL_SINGLE}: {'holds' if s['ratio'] >= GOAL_SINGLE else 'not yet'})"
+    )
     return out
 
 
 def add_agreement(runs: dict) -> None:
     """``vs_own_fp32`` and ``vs_vllm_fp32`` on each run of a sitting whose references completed."""
+
     def tokens(label):
         r = runs.get(label)
         return r["tokens"] if r and r.get("completed") == len(r["tokens"]) and not r.get("failed") else None
@@ -220,7 +243,9 @@ def parse_args() -> argparse.Namespace:
     who.add_argument("--systems", default=",".join(SYSTEMS), help="vllm, pagedkv (comma-separated)")
     who.add_argument("--dtypes", default="float32,bfloat16", help="each system at each of these")
     who.add_argument("--sittings", type=int, default=1, help="repeat the whole cycle (every other one reversed)")
-    who.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's single-stream row (needs llama-cpp-python)")
+    who.add_argument(
+        "--llama-cpp", action="store_true", help="add llama.cpp's single-stream row (needs llama-cpp-python)"
+    )
     add_server_args(who, max_num_seqs=32)
     ap.set_defaults(no_prefix_caching=True)  # prefix caching off for both (the flag stays for bench_serving)
     add_trace_args(ap)
@@ -247,8 +272,10 @@ def plot(result: dict, name: str) -> None:
     dtypes = list(dict.fromkeys(s["dtype"] for s in sitting.values() if s["system"] in SYSTEMS))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / len(SYSTEMS)
-    for ax, title, value in ((axes[0], "throughput, output tokens / s", lambda s: s.get("output_tokens_per_s")),
-                             (axes[1], "single stream, decode tokens / s", lambda s: s["single"]["decode_tok_s"])):
+    for ax, title, value in (
+        (axes[0], "throughput, output tokens / s", lambda s: s.get("output_tokens_per_s")),
+        (axes[1], "single stream, decode tokens / s", lambda s: s["single"]["decode_tok_s"]),
+    ):
         for i, system in enumerate(SYSTEMS):
             vals = [value(sitting.get(f"{system} {d}", {"single": {"decode_tok_s": None}})) or 0 for d in dtypes]
             ax.bar([x + i * width for x in range(len(dtypes))], vals, width, label=system)
@@ -256,8 +283,10 @@ def plot(result: dict, name: str) -> None:
         ax.set_title(title)
         ax.legend()
     c = result["config"]
-    fig.suptitle(f"pagedkv serve vs vllm serve (CPU), {c['num_requests']} requests, batch cap {c['max_num_seqs']} "
-                 f"(sitting 1 of {len(result['sittings'])})")
+    fig.suptitle(
+        f"pagedkv serve vs vllm serve (CPU), {c['num_requests']} requests, batch cap {c['max_num_seqs']} "
+        f"(sitting 1 of {len(result['sittings'])})"
+    )
     save_plot(fig, name)
 
 
@@ -265,24 +294,40 @@ def main() -> int:
     args = parse_args()
     tok = load_tokenizer("smollm2")
     requests = make_requests(args, tok)
-    single = [Request(r.prompt, r.prompt_len, args.single_tokens, 0.0, r.prompt_ids) for r in requests[:args.single_requests]]
+    single = [
+        Request(r.prompt, r.prompt_len, args.single_tokens, 0.0, r.prompt_ids) for r in requests[: args.single_requests]
+    ]
     order = [(system, dtype) for dtype in args.dtypes for system in args.systems]
     n = len(requests)
-    result = {"machine": machine(), "config": {
-        "num_requests": n, "dataset": args.dataset, "scale": args.scale, "seed": args.seed,
-        "max_num_seqs": args.max_num_seqs, "kv_cache_gib": args.kv_cache_gib, "prefix_caching": False,
-        "mean_prompt_tokens": sum(r.prompt_len for r in requests) / n,
-        "output_tokens": sum(r.max_tokens for r in requests), "single_requests": len(single),
-        "single_tokens": args.single_tokens, "order": [" ".join(o) for o in order], "command": " ".join(sys.argv)},
-        "sittings": []}
+    result = {
+        "machine": machine(),
+        "config": {
+            "num_requests": n,
+            "dataset": args.dataset,
+            "scale": args.scale,
+            "seed": args.seed,
+            "max_num_seqs": args.max_num_seqs,
+            "kv_cache_gib": args.kv_cache_gib,
+            "prefix_caching": False,
+            "mean_prompt_tokens": sum(r.prompt_len for r in requests) / n,
+            "output_tokens": sum(r.max_tokens for r in requests),
+            "single_requests": len(single),
+            "single_tokens": args.single_tokens,
+            "order": [" ".join(o) for o in order],
+            "command": " ".join(sys.argv),
+        },
+        "sittings": [],
+    }
     c = result["config"]
-    print(f"{n} requests: mean prompt {c['mean_prompt_tokens']:.0f} tokens, {c['output_tokens']} output tokens; "
-          f"single stream: {len(single)} x {args.single_tokens} tokens")
+    print(
+        f"{n} requests: mean prompt {c['mean_prompt_tokens']:.0f} tokens, {c['output_tokens']} output tokens; "
+        f"single stream: {len(single)} x {args.single_tokens} tokens"
+    )
     log_dir = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     print(f"server logs: {log_dir}")
     for k in range(args.sittings):
         runs = {}
-        for system, dtype in (order if k % 2 == 0 else order[::-1]):
+        for system, dtype in order if k % 2 == 0 else order[::-1]:
             runs[f"{system} {dtype}"] = run_server(system, dtype, args, requests, single, log_dir)
         if args.llama_cpp:
             runs["llama.cpp Q4_1"] = run_llama_cpp(single)
@@ -293,18 +338,40 @@ def main() -> int:
     for k, sitting in enumerate(result["sittings"], 1):
         for s in sitting["runs"].values():
             one = s["single"]
-            rows.append([*([k] if args.sittings > 1 else []), s["system"], s["dtype"],
-                         f"{s['completed']}/{n}" if "completed" in s else "-", fmt(s.get("output_tokens_per_s"), ".1f"),
-                         fmt(s.get("ttft_p50_ms"), ".0f"), fmt(s.get("tpot_p50_ms"), ".0f"), fmt(one["decode_tok_s"], ".1f"),
-                         fmt(one["e2e_p50_s"], ".2f"),
-                         shown_agreement(s.get("vs_own_fp32"), s["dtype"] == "float32"),
-                         shown_agreement(s.get("vs_vllm_fp32"), (s["system"], s["dtype"]) == ("vllm", "float32"))])
+            rows.append(
+                [
+                    *([k] if args.sittings > 1 else []),
+                    s["system"],
+                    s["dtype"],
+                    f"{s['completed']}/{n}" if "completed" in s else "-",
+                    fmt(s.get("output_tokens_per_s"), ".1f"),
+                    fmt(s.get("ttft_p50_ms"), ".0f"),
+                    fmt(s.get("tpot_p50_ms"), ".0f"),
+                    fmt(one["decode_tok_s"], ".1f"),
+                    fmt(one["e2e_p50_s"], ".2f"),
+                    shown_agreement(s.get("vs_own_fp32"), s["dtype"] == "float32"),
+                    shown_agreement(s.get("vs_vllm_fp32"), (s["system"], s["dtype"]) == ("vllm", "float32")),
+                ]
+            )
     result["table"] = table(
         f"pagedkv serve vs vllm serve, {n} requests at once (mean {c['mean_prompt_tokens']:.0f} prompt tokens, "
         f"{c['output_tokens']} output tokens), batch cap {args.max_num_seqs}, prefix caching off, greedy; "
         f"single stream: {len(single)} x {args.single_tokens} tokens; {os.cpu_count()} cores",
-        [*(["sitting"] if args.sittings > 1 else []), "system", "dtype", "ok", "out tok/s", "TTFT p50 ms",
-         "TPOT p50 ms", "1-stream tok/s", "1-stream e2e s", "= own fp32", "= vLLM fp32"], rows)
+        [
+            *(["sitting"] if args.sittings > 1 else []),
+            "system",
+            "dtype",
+            "ok",
+            "out tok/s",
+            "TTFT p50 ms",
+            "TPOT p50 ms",
+            "1-stream tok/s",
+            "1-stream e2e s",
+            "= own fp32",
+            "= vLLM fp32",
+        ],
+        rows,
+    )
     print("(= ...: requests with identical greedy tokens / N, and the mean matching prefix)")
     for k, sitting in enumerate(result["sittings"], 1):
         if sitting["verdict"]:
@@ -314,8 +381,11 @@ def main() -> int:
             s.pop("tokens", None)
     write_result(args.result_name, result)
     plot(result, args.result_name)
-    ok = all(s.get("failed", 0) == 0 and s["single"]["completed"] == len(single)
-             for sitting in result["sittings"] for s in sitting["runs"].values())
+    ok = all(
+        s.get("failed", 0) == 0 and s["single"]["completed"] == len(single)
+        for sitting in result["sittings"]
+        for s in sitting["runs"].values()
+    )
     return 0 if ok else 1
 
 

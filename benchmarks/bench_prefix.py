@@ -25,10 +25,10 @@ import time
 from common import Stack, machine, median, pyplot, run_engine, save_plot, table, write_result
 from prompts import corpus_ids
 
+from client.engine.scheduler import SchedulerConfig
 from client.params import SamplingParams
 from client.request import Request
-from client.scheduler import SchedulerConfig
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 
 PAPER = {"short": 1.67, "long": 3.58}
 
@@ -84,7 +84,8 @@ def main() -> int:
                                                "question_tokens": 24, "block_size": 16, "num_blocks": num_blocks},
               "runs": {}, "paper_speedup": PAPER}
     for caching in (True, False):
-        mem_args = ["--num-blocks", str(num_blocks), "--block-size", "16"] + ([] if caching else ["--no-prefix-caching"])
+        mem_args = ["--num-blocks", str(num_blocks), "--block-size",
+                    "16"] + ([] if caching else ["--no-prefix-caching"])
         with Stack(mem_args, "prefix") as stack:
             for name, plen in (("short", args.short), ("long", args.long)):
                 r = run(stack, tok, ids, plen, args)

@@ -1,8 +1,8 @@
 """KV-aware routing vs round-robin over two nodes, on a trace of shared system prompts.
 
-Two nodes on one machine as in tests/test_node_transfers.py (a memory service with one
+Two nodes on one machine as in tests/system/test_node_transfers.py (a memory service with one
 ``--transfer-key-file`` and a worker with ``--node-transfers`` each), SmolLM2 in bf16, block size
-16, behind one :class:`client.cluster.Cluster` (what ``pagedkv serve --node ...`` runs). The trace:
+16, behind one :class:`client.cluster.core.Cluster` (what ``pagedkv serve --node ...`` runs). The trace:
 ``--systems`` system prompts of ``--system-tokens`` tokens (corpus windows), each followed by a
 distinct ``--user-tokens``-token question, ``--requests`` requests in all, greedy, ``ignore_eos``,
 ``--max-tokens`` each; every request of a run carries one cache salt (tenants opted into sharing;
@@ -12,7 +12,7 @@ requests/s (Poisson, seeded: the same arrival times for every policy), and it wa
 
 Policies, side by side:
 
-- ``kv``: :class:`client.router.Router`'s cost (blocks to prefill + blocks the node is busy with),
+- ``kv``: :class:`client.cluster.router.Router`'s cost (blocks to prefill + blocks the node is busy with),
   from the nodes' KV events; a node that lacks a prefix the other caches reads it (prefix pull);
 - ``round-robin``: each node in turn, pulls on (what a node lacks it may still read from the other);
 - ``kv, no pulls`` and ``round-robin, no pulls``: the same two, every miss computed on the node it
@@ -40,10 +40,10 @@ from pathlib import Path
 from common import Stack, machine, median, pyplot, save_plot, table, write_result
 from prompts import corpus_ids
 
-from client.cluster import Cluster, NodeSpec
+from client.cluster.core import Cluster, NodeSpec
 from client.params import SamplingParams
 from client.services import MemoryClient
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 
 BS = 16
 POLICIES = [("kv", "kv", True), ("round-robin", "round-robin", True), ("kv, no pulls", "kv", False),
@@ -148,13 +148,37 @@ def main() -> int:
         for label, routing, pulls in POLICIES:
             result["runs"].append(run(stacks, label, routing, pulls, reqs, params, systems, args.rate))
     rows = result["runs"]
-    table(f"KV-aware routing vs round-robin, 2 nodes, {requests - systems} timed requests at {args.rate}/s ({systems} "
-          f"system prompts x {system_tokens} tokens + {args.user_tokens}, {args.max_tokens} out)",
-          ["policy", "out tok/s", "TTFT p50 ms", "p90 ms", "own cache", "pulled", "computed", "prompt tokens",
-           "per node", "to prefix"],
-          [[r["policy"], f"{r['output_tok_s']:.1f}", f"{1e3 * r['ttft_median_s']:.0f}", f"{1e3 * r['ttft_p90_s']:.0f}", f"{r['own_cache_tokens']} ({r['own_cache_tokens'] / r['prompt_tokens']:.0%})",
-            r["pulled_tokens"], r["computed_tokens"], r["prompt_tokens"], "/".join(str(v) for v in r["routed"].values()),
-            r["routed_to_prefix"]] for r in rows])
+    table(
+        f"KV-aware routing vs round-robin, 2 nodes, {requests - systems} timed requests at {args.rate}/s ({systems} "
+        f"system prompts x {system_tokens} tokens + {args.user_tokens}, {args.max_tokens} out)",
+        [
+            "policy",
+            "out tok/s",
+            "TTFT p50 ms",
+            "p90 ms",
+            "own cache",
+            "pulled",
+            "computed",
+            "prompt tokens",
+            "per node",
+            "to prefix",
+        ],
+        [
+            [
+                r["policy"],
+                f"{r['output_tok_s']:.1f}",
+                f"{1e3 * r['ttft_median_s']:.0f}",
+                f"{1e3 * r['ttft_p90_s']:.0f}",
+                f"{r['own_cache_tokens']} ({r['own_cache_tokens'] / r['prompt_tokens']:.0%})",
+                r["pulled_tokens"],
+                r["computed_tokens"],
+                r["prompt_tokens"],
+                "/".join(str(v) for v in r["routed"].values()),
+                r["routed_to_prefix"],
+            ]
+            for r in rows
+        ],
+    )
     write_result("bench_routing", result)
     plt = pyplot()
     if plt is not None:
@@ -163,8 +187,11 @@ def main() -> int:
         ax1.bar(names, [r["output_tok_s"] for r in rows])
         ax1.set(ylabel="output tokens/s", title="throughput")
         bottom = [0] * len(rows)
-        for key, label in (("own_cache_tokens", "own prefix cache"), ("pulled_tokens", "read from the other node"),
-                           ("computed_tokens", "computed")):
+        for key, label in (
+            ("own_cache_tokens", "own prefix cache"),
+            ("pulled_tokens", "read from the other node"),
+            ("computed_tokens", "computed"),
+        ):
             vals = [r[key] for r in rows]
             ax2.bar(names, vals, bottom=bottom, label=label)
             bottom = [b + v for b, v in zip(bottom, vals)]

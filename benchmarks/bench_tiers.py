@@ -37,11 +37,11 @@ import time
 from common import Stack, machine, pct, pyplot, run_engine, save_plot, table, write_result
 from prompts import corpus_ids
 
+from client.engine.scheduler import SchedulerConfig
 from client.params import SamplingParams
 from client.request import Request
-from client.scheduler import SchedulerConfig
 from memory_service.layout import make_layout
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 
 
 def block_nbytes(block_size: int, dtype: str = "float32") -> int:
@@ -124,7 +124,8 @@ def main() -> int:
     ap.add_argument("--swap-requests", type=int, default=6)
     ap.add_argument("--swap-prompt", type=int, default=160)
     ap.add_argument("--swap-output", type=int, default=96)
-    ap.add_argument("--block-sizes", default=None, help="swap vs recompute block sizes (default 8,16,32,64; quick 16,32)")
+    ap.add_argument("--block-sizes", default=None,
+                    help="swap vs recompute block sizes (default 8,16,32,64; quick 16,32)")
     ap.add_argument("--skip-swap", action="store_true", help="only the multi-turn chat")
     ap.add_argument("--skip-chat", action="store_true", help="only swap vs recompute")
     args = ap.parse_args()
@@ -153,13 +154,26 @@ def main() -> int:
               f"reloads {r['reloads']}", flush=True)
     if result["chat"]:
         off = result["chat"]["tier off"]["ttft_mean_s"]
-        rows = [[name, f"{r['ttft_mean_s']:.3f}", f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p99_s']:.3f}",
-                 f"{r['output_tokens_per_s']:.1f}", r["tokens_computed"], r["reloads"], f"{off / r['ttft_mean_s']:.2f}x"]
-                for name, r in result["chat"].items()]
-        table(f"Multi-turn chat: {args.conversations} conversations x {args.turns} turns (+{args.turn_tokens} user, "
-              f"{args.answer_tokens} answer tokens), {args.concurrency} at a time, device pool {device} blocks, "
-              f"working set {working_set}; TTFT over turns >= 2",
-              ["run", "TTFT mean s", "p50 s", "p99 s", "out tok/s", "tokens computed", "reloads", "TTFT vs off"], rows)
+        rows = [
+            [
+                name,
+                f"{r['ttft_mean_s']:.3f}",
+                f"{r['ttft_p50_s']:.3f}",
+                f"{r['ttft_p99_s']:.3f}",
+                f"{r['output_tokens_per_s']:.1f}",
+                r["tokens_computed"],
+                r["reloads"],
+                f"{off / r['ttft_mean_s']:.2f}x",
+            ]
+            for name, r in result["chat"].items()
+        ]
+        table(
+            f"Multi-turn chat: {args.conversations} conversations x {args.turns} turns (+{args.turn_tokens} user, "
+            f"{args.answer_tokens} answer tokens), {args.concurrency} at a time, device pool {device} blocks, "
+            f"working set {working_set}; TTFT over turns >= 2",
+            ["run", "TTFT mean s", "p50 s", "p99 s", "out tok/s", "tokens computed", "reloads", "TTFT vs off"],
+            rows,
+        )
         result["ttft_gain_tier_on"] = off / result["chat"]["tier on"]["ttft_mean_s"]
 
     if not args.skip_swap:
@@ -168,23 +182,46 @@ def main() -> int:
         for b in sizes:
             dev = -(-total // b) * 5 // 8  # about 5/8 of what every request needs at full length
             host_bytes = (-(-total // b) + 8) * block_nbytes(b)
-            mem = ["--num-blocks", str(dev), "--block-size", str(b), "--no-prefix-caching",
-                   "--host-cache-memory", str(host_bytes)]
+            mem = [
+                "--num-blocks",
+                str(dev),
+                "--block-size",
+                str(b),
+                "--no-prefix-caching",
+                "--host-cache-memory",
+                str(host_bytes),
+            ]
             with Stack(mem, "swap") as stack:
                 for mode in ("recompute", "swap"):
                     r = result["swap"][f"{b}/{mode}"] = swap_run(stack, tok, ids, mode, args)
-                    print(f"  block {b:>2} {mode:<9} {r['wall_s']:.2f} s (model {r['model_s']:.2f} s, {r['steps']} "
-                          f"steps)  preemptions {r['preemptions']}  swaps {r['swap_outs']}", flush=True)
+                    print(
+                        f"  block {b:>2} {mode:<9} {r['wall_s']:.2f} s (model {r['model_s']:.2f} s, {r['steps']} "
+                        f"steps)  preemptions {r['preemptions']}  swaps {r['swap_outs']}",
+                        flush=True,
+                    )
             same = result["swap"][f"{b}/recompute"].pop("outputs") == result["swap"][f"{b}/swap"].pop("outputs")
             result["swap"][f"{b}/swap"]["outputs_equal_recompute"] = same
         rows = []
         for b in sizes:
             rc, sw = result["swap"][f"{b}/recompute"], result["swap"][f"{b}/swap"]
-            rows.append([b, f"{rc['wall_s']:.2f}", rc["preemptions"], f"{sw['wall_s']:.2f}", sw["preemptions"],
-                         sw["swap_outs"], f"{rc['wall_s'] / sw['wall_s']:.2f}x", sw["outputs_equal_recompute"]])
-        table(f"Swap vs recompute: {args.swap_requests} requests x ({args.swap_prompt} prompt + {args.swap_output} "
-              "output tokens) in ~5/8 of the blocks they need, prefix caching off",
-              ["block", "recompute s", "preempt", "swap s", "preempt", "swap-outs", "swap speedup", "same output"], rows)
+            rows.append(
+                [
+                    b,
+                    f"{rc['wall_s']:.2f}",
+                    rc["preemptions"],
+                    f"{sw['wall_s']:.2f}",
+                    sw["preemptions"],
+                    sw["swap_outs"],
+                    f"{rc['wall_s'] / sw['wall_s']:.2f}x",
+                    sw["outputs_equal_recompute"],
+                ]
+            )
+        table(
+            f"Swap vs recompute: {args.swap_requests} requests x ({args.swap_prompt} prompt + {args.swap_output} "
+            "output tokens) in ~5/8 of the blocks they need, prefix caching off",
+            ["block", "recompute s", "preempt", "swap s", "preempt", "swap-outs", "swap speedup", "same output"],
+            rows,
+        )
     write_result("bench_tiers", result)
     plt = pyplot()
     if plt is not None:

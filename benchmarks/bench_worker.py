@@ -48,14 +48,14 @@ import torch
 from common import machine
 
 import kernels
-from client.stack import LocalStack
+from client.ops.stack import LocalStack
 from compute_service.pool_map import map_pool
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
-from pagedkv.credentials import LEASE_SECRET_METADATA
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+from pagedkv.runtime.credentials import LEASE_SECRET_METADATA
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_worker.json"
@@ -118,7 +118,8 @@ class PagedRun:
         """Sequence ``i``'s entry in a Step: ``tokens`` at the positions its grant makes writable next."""
         g = self.grants[i]
         return cpb.StepSequence(
-            seq_id=self.seq_ids[i], token_ids=tokens, positions=range(g.readable_tokens, g.readable_tokens + len(tokens)),
+            seq_id=self.seq_ids[i], token_ids=tokens,
+            positions=range(g.readable_tokens, g.readable_tokens + len(tokens)),
             block_ids=self.tables[i], skip_sampling=not sample, output_index=output_index, grant=g)  # fmt: skip
 
     def fill(self) -> None:
@@ -140,16 +141,21 @@ class PagedRun:
             new = [(i, n) for i, n in plan if self.seq_ids[i] is None]
             old = [(i, n) for i, n in plan if self.seq_ids[i] is not None]
             if new:  # the whole prompt goes along (the prefix-cache lookup); num_tokens is this chunk
-                resp = self.memory.AllocateSequences(mpb.AllocateSequencesRequest(lease_id=self.lease, sequences=[
-                    mpb.SequenceAllocation(num_tokens=n, token_ids=self.prompts[i]) for i, n in new]), metadata=self.md)
+                resp = self.memory.AllocateSequences(
+                    mpb.AllocateSequencesRequest(
+                        lease_id=self.lease,
+                        sequences=[mpb.SequenceAllocation(num_tokens=n, token_ids=self.prompts[i]) for i, n in new],
+                    ),
+                    metadata=self.md,
+                )
                 for (i, _), t, g in zip(new, resp.sequences, resp.grants):
                     self.seq_ids[i], self.tables[i], self.grants[i] = t.seq_id, list(t.block_ids), g
             if old:
-                self._append([(i, n, self.prompts[i][self.lengths[i]:self.lengths[i] + n]) for i, n in old])
+                self._append([(i, n, self.prompts[i][self.lengths[i] : self.lengths[i] + n]) for i, n in old])
             seqs = []
             for i, _ in plan:
                 g = self.grants[i]  # a cached prefix starts later: the grant says where
-                seqs.append(self._seq(i, self.prompts[i][g.readable_tokens:g.write_end], g.write_end == self.ctx, 0))
+                seqs.append(self._seq(i, self.prompts[i][g.readable_tokens : g.write_end], g.write_end == self.ctx, 0))
             out = self.worker.Step(cpb.StepRequest(pool_generation=self.generation, sequences=seqs))
             self._commit(out.results)
             index = self._index()
@@ -160,9 +166,13 @@ class PagedRun:
 
     def _append(self, appends: list[tuple[int, int, list[int]]]) -> list[cpb.BlockCopy]:
         """AppendSlots of (sequence index, tokens, their ids); updates tables and grants, returns the copies."""
-        resp = self.memory.AppendSlots(mpb.AppendSlotsRequest(lease_id=self.lease, appends=[
-            mpb.SlotAppend(seq_id=self.seq_ids[i], num_tokens=n, token_ids=ids) for i, n, ids in appends]),
-            metadata=self.md)
+        resp = self.memory.AppendSlots(
+            mpb.AppendSlotsRequest(
+                lease_id=self.lease,
+                appends=[mpb.SlotAppend(seq_id=self.seq_ids[i], num_tokens=n, token_ids=ids) for i, n, ids in appends],
+            ),
+            metadata=self.md,
+        )
         index = self._index()
         for u in resp.updates:  # only the tables that changed come back
             self.tables[index[u.seq_id]][u.first_changed :] = list(u.block_ids)
@@ -294,9 +304,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps per case")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the worker and this process")
-    ap.add_argument("--no-packed-linear", action="store_true",
-                    help="the worker's projections through F.linear (MKL), as transformers', not oneDNN's packed matmul")
-    ap.add_argument("--no-native", action="store_true", help="the worker's CPU attention on the torch path (gather + SDPA)")
+    ap.add_argument(
+        "--no-packed-linear",
+        action="store_true",
+        help="the worker's projections through F.linear (MKL), as transformers', not oneDNN's packed matmul",
+    )
+    ap.add_argument(
+        "--no-native", action="store_true", help="the worker's CPU attention on the torch path (gather + SDPA)"
+    )
     args = ap.parse_args(argv)
     env = {}
     if args.no_packed_linear:
@@ -314,14 +329,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from transformers import AutoModelForCausalLM
 
-    from compute_service.model import LlamaForPagedLM
-    from compute_service.weights import load_model_source, smollm2_gguf_path
+    from compute_service.model.llama import LlamaForPagedLM
+    from compute_service.weights.source import load_model_source, smollm2_gguf_path
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_worker_") as tmp:
         tmp = Path(tmp)
-        stack = LocalStack(["--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE), "--lease-ttl", "600",
-                            "--admin-token-file", str(tmp / "admin-token")], run_dir=tmp, env=env, cwd=ROOT, timeout=180.0).start()
+        stack = LocalStack(
+            [
+                "--num-blocks",
+                str(num_blocks),
+                "--block-size",
+                str(BLOCK_SIZE),
+                "--lease-ttl",
+                "600",
+                "--admin-token-file",
+                str(tmp / "admin-token"),
+            ],
+            run_dir=tmp,
+            env=env,
+            cwd=ROOT,
+            timeout=180.0,
+        ).start()
         memory, worker = stack.memory, stack.workers[0]
         try:
             mch = grpc.insecure_channel(memory.address, options=_OPTIONS)
@@ -353,8 +382,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     rows.append(make_row(batch, ctx, timings, share, hf_times))
                     rows[-1]["prefill_steps"] = run.prefill_steps
                     print_row(rows[-1], header=len(rows) == 1)
-            mstub.ReleaseLease(mpb.ReleaseLeaseRequest(lease_id=lease.lease_id),
-                               metadata=((LEASE_SECRET_METADATA, lease.lease_secret),))
+            mstub.ReleaseLease(
+                mpb.ReleaseLeaseRequest(lease_id=lease.lease_id),
+                metadata=((LEASE_SECRET_METADATA, lease.lease_secret),),
+            )
             pool.close()
         except Exception:
             for svc in (memory, worker):  # the services' logs go with the temporary directory
@@ -363,9 +394,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         finally:
             stack.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {**machine(), "torch_threads": torch.get_num_threads(), "steps": steps, "warmup_steps": WARMUP_STEPS,
-            "block_size": BLOCK_SIZE, "packed_linear": not args.no_packed_linear,
-            "native_cpu_kernels": not args.no_native and kernels.cpu_native.available()}
+    meta = {
+        **machine(),
+        "torch_threads": torch.get_num_threads(),
+        "steps": steps,
+        "warmup_steps": WARMUP_STEPS,
+        "block_size": BLOCK_SIZE,
+        "packed_linear": not args.no_packed_linear,
+        "native_cpu_kernels": not args.no_native and kernels.cpu.native.available(),
+    }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"machine: {meta['cpu']}, {meta['cores']} cores, torch {meta['torch']}")
     print(f"wrote {args.out}")

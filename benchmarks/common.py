@@ -24,7 +24,7 @@ RESULTS = Path(os.environ.get("PAGEDKV_BENCH_RESULTS") or ROOT / "benchmarks" / 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from client.stack import LocalStack, ServiceProcess  # noqa: E402 - the source tree is on sys.path from here
+from client.ops.stack import LocalStack, ServiceProcess  # noqa: E402 - the source tree is on sys.path from here
 
 os.environ.setdefault("PAGEDKV_LOG_LEVEL", "warning")
 
@@ -58,7 +58,7 @@ def machine() -> dict:
 
 # ----------------------------------------------------------------- services
 def Service(args: list[str], name: str, tmp: Path, timeout: float = 180.0, env: dict | None = None):  # noqa: N802
-    """``python -m client.cli <args>`` on a free port as a child process (a :class:`ServiceProcess`).
+    """``python -m client.ops.cli <args>`` on a free port as a child process (a :class:`ServiceProcess`).
 
     A memory service writes its admin token to ``tmp/<name>.admin-token`` (:func:`admin_token`),
     not to ``$PAGEDKV_HOME/admin-token``, which belongs to the host's ``pagedkv up``.
@@ -98,10 +98,10 @@ class Stack(LocalStack):
         return self.workers[0]
 
     def engine(self, config=None, tokenizer=None):
-        """A :class:`client.engine.Engine` on this stack (the caller closes it)."""
-        from client.engine import Engine
+        """A :class:`client.engine.core.Engine` on this stack (the caller closes it)."""
+        from client.engine.core import Engine
         from client.services import MemoryClient, WorkerClient
-        from pagedkv.tokenizer import load_tokenizer
+        from pagedkv.model.tokenizer import load_tokenizer
 
         tok = tokenizer or load_tokenizer("smollm2")
         return Engine(MemoryClient(self.memory.address), [WorkerClient(self.worker.address)], tok,

@@ -9,7 +9,7 @@ Example::
                            SamplingParams(temperature=0, max_tokens=32))
         print(out[0].outputs[0].text)
 
-A background thread runs the :class:`~client.engine.Engine`: requests submitted
+A background thread runs the :class:`~client.engine.core.Engine`: requests submitted
 from any thread join the running batch at the next step (continuous batching).
 Service errors surface as :mod:`client.errors` exceptions.
 """
@@ -22,20 +22,20 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 
-from client.engine import Engine
-from client.engine_stats import EngineLimits, EngineStats, StepLog
+from client.engine.core import Engine
+from client.engine.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
+from client.engine.scheduler import SchedulerConfig
+from client.engine.stats import EngineLimits, EngineStats, StepLog
+from client.engine.transfers import connect_peers
 from client.params import SamplingParams
-from client.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.request import Request
 from client.request_output import CompletionOutput, Prompt, RequestOutput, build_output
-from client.scheduler import SchedulerConfig
 from client.services import MemoryClient, WorkerClient
 from client.tokenizer import encode_prompt, tokenizer_source
-from client.transfers import connect_peers
 from pagedkv.config import DEFAULT_MEMORY, DEFAULT_WORKER
-from pagedkv.logs import get_logger
-from pagedkv.tls import TlsFiles
-from pagedkv.tokenizer import load_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
+from pagedkv.runtime.logs import get_logger
+from pagedkv.runtime.tls import TlsFiles
 
 log = get_logger("client")
 
@@ -112,18 +112,18 @@ class Client:
         recovery_timeout: when the lease is lost (the memory service restarted, or the lease
             expired), the engine waits at most this many seconds for the services, then carries
             on with a new lease and its running requests recomputed, or fails every request if
-            the services are not back (client.recovery; ``engine.lease_recoveries`` counts them).
-        tls: mutual TLS files (:class:`pagedkv.tls.TlsFiles`) for both services; None: plaintext.
+            the services are not back (client.engine.recovery; ``engine.lease_recoveries`` counts them).
+        tls: mutual TLS files (:class:`pagedkv.runtime.tls.TlsFiles`) for both services; None: plaintext.
         preemption_mode: how a running request is preempted when the pool runs out: "recompute"
             (free its blocks, compute its tokens again later) or "swap" (move its KV to the
             memory service's host tier and back; needs a memory service started with
-            ``--host-cache-memory``, else it recomputes). See client.swap.
+            ``--host-cache-memory``, else it recomputes). See client.engine.swap.
         peers: memory-service addresses of other nodes whose cached prefixes this node may read
-            instead of computing them (client.transfers; every memory service started with the same
+            instead of computing them (client.engine.transfers; every memory service started with the same
             ``--transfer-key-file``, workers with ``--node-transfers``).
         worker_roles: each worker's role, "prefill", "decode" or "both" (default all "both"): a
             request prefills on a prefill worker and is handed to a decode worker with no copy
-            (both map the pool; client.scheduler.Scheduler.hand_off).
+            (both map the pool; client.engine.scheduler.Scheduler.hand_off).
 
     Raises:
         ValueError: no worker address, or an unknown ``preemption_mode``.
@@ -193,7 +193,8 @@ class Client:
             self._wake.notify()
         return handle
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, progress: bool = False, cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate for every prompt together (continuous batching); one output per prompt, in order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
@@ -234,7 +235,7 @@ class Client:
         return self._engine.limits
 
     def engine_stats(self) -> EngineStats:
-        """The engine's stats after its last step (client.engine_stats)."""
+        """The engine's stats after its last step (client.engine.stats)."""
         return self._engine.stats()
 
     def node_stats(self) -> dict[str, EngineStats]:
@@ -312,7 +313,8 @@ class AsyncClient:
     async def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
         return await asyncio.to_thread(self._client.generate, prompts, sampling_params)
 
-    async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(self, prompt: Prompt,
+                     sampling_params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         handle = self._client.submit(prompt, sampling_params)
         try:
             while (out := await asyncio.to_thread(handle._next)) is not None:

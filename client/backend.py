@@ -1,8 +1,8 @@
 """What ``pagedkv serve`` uses of the generation side: one :class:`~client.api.Client`, or a
-:class:`~client.cluster.Cluster` of nodes (one Client each), behind one protocol.
+:class:`~client.cluster.core.Cluster` of nodes (one Client each), behind one protocol.
 
 The front submits and aborts requests, reads the engines' published stats
-(client.engine_stats) and the pools' GetStats, and never reaches into an engine. A Cluster
+(client.engine.stats) and the pools' GetStats, and never reaches into an engine. A Cluster
 reports every node: its :meth:`Backend.engine_stats` and :meth:`Backend.stats` add up its nodes',
 and :meth:`Backend.node_stats` / :meth:`Backend.step_logs` name each node's.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from client.engine_stats import EngineLimits, EngineStats, StepLog
+from client.engine.stats import EngineLimits, EngineStats, StepLog
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
 #: GetStats fields that describe a pool rather than count in it: a sum over nodes takes the first

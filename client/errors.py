@@ -12,7 +12,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from pagedkv.errors import OUT_OF_BLOCKS, OUT_OF_HOST_BLOCKS, QUOTA_EXCEEDED
+from pagedkv.runtime.errors import OUT_OF_BLOCKS, OUT_OF_HOST_BLOCKS, QUOTA_EXCEEDED
 
 
 class ServiceError(Exception):

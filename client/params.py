@@ -18,8 +18,8 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pagedkv.limits import MAX_LOGPROBS
-from pagedkv.logs import get_logger
+from pagedkv.runtime.limits import MAX_LOGPROBS
+from pagedkv.runtime.logs import get_logger
 
 log = get_logger("client")
 

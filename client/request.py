@@ -69,7 +69,7 @@ class Seq:
     #: The memory service's latest grant for it (pagedkv.grant.v1.StepGrant: what its next step
     #: may touch), handed to the worker unchanged; None while not allocated.
     grant: object = None
-    #: The other node's TransferSource its next step reads blocks from (client.transfers), or None.
+    #: The other node's TransferSource its next step reads blocks from (client.engine.transfers), or None.
     transfer_source: object = None
 
     @property
@@ -131,7 +131,7 @@ class Request:
     #: Index of the worker every sequence of this request runs on.
     worker: int | None = None
     metrics: Metrics = field(default_factory=Metrics)
-    #: Beam search state (client.beam.BeamState) when params.num_beams > 1.
+    #: Beam search state (client.engine.beam.BeamState) when params.num_beams > 1.
     beam: object = None
     #: Error that failed the request, if any.
     error: Exception | None = None
@@ -142,7 +142,7 @@ class Request:
     #: its first figure: it is what the request was served from the cache, as vLLM reports it.
     num_cached_tokens: int | None = None
     #: A request whose node transfer failed, or whose ticket was refused, computes everything here
-    #: from then on (client.transfers).
+    #: from then on (client.engine.transfers).
     no_pull: bool = False
 
     def __post_init__(self) -> None:

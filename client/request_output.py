@@ -61,7 +61,8 @@ def build_output(req: Request, tokenizer) -> RequestOutput:
     outs: list[CompletionOutput] = []
     if req.beam is not None and req.beam.done:
         for rank, h in enumerate(req.beam.best(req.params.n)):
-            outs.append(CompletionOutput(rank, text_of(h.tokens), h.tokens, "stop" if h.tokens and h.tokens[-1] in req.beam.eos_ids else "length",
+            outs.append(CompletionOutput(rank, text_of(h.tokens), h.tokens,
+                                         "stop" if h.tokens and h.tokens[-1] in req.beam.eos_ids else "length",
                                          cumulative_logprob=h.sum_logprobs, score=h.score))
     else:
         for s in sorted(req.seqs, key=lambda s: (s.index, -s.beam_score)):

@@ -26,13 +26,13 @@ from client.errors import ServiceError, from_rpc_error
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
 from pagedkv.config import env
-from pagedkv.credentials import LEASE_SECRET_METADATA, default_admin_token_file
-from pagedkv.errors import LEASE_EXPIRED, LEASE_NOT_FOUND
-from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
-from pagedkv.tls import TlsFiles
-from pagedkv.tls import channel as plane_channel
+from pagedkv.runtime.credentials import LEASE_SECRET_METADATA, default_admin_token_file
+from pagedkv.runtime.errors import LEASE_EXPIRED, LEASE_NOT_FOUND
+from pagedkv.runtime.logs import get_logger
+from pagedkv.runtime.tls import TlsFiles
+from pagedkv.runtime.tls import channel as plane_channel
 
 log = get_logger("client")
 
@@ -73,7 +73,7 @@ def _typed(fn):
 class _Channel:
     """A channel to ``address`` (``host:port``) and the service's stub on it; ``timeout`` in seconds.
 
-    With ``tls`` (:class:`pagedkv.tls.TlsFiles`) the channel is mutual TLS: the server must present
+    With ``tls`` (:class:`pagedkv.runtime.tls.TlsFiles`) the channel is mutual TLS: the server must present
     a certificate signed by ``tls.ca`` that names the host dialled, and this client presents
     ``tls.cert`` (its role); without, plaintext (the services then listen on loopback only).
     """
@@ -95,7 +95,7 @@ class MemoryClient(_Channel):
     Args:
         address: ``host:port``.
         timeout: seconds per call.
-        tls: mutual-TLS files (pagedkv.tls); None = plaintext (loopback only).
+        tls: mutual-TLS files (pagedkv.runtime.tls); None = plaintext (loopback only).
         admin_token: the service's admin token (:func:`read_admin_token`), for the admin calls;
             None = no admin rights (under TLS, an admin certificate gives them instead).
 
@@ -275,7 +275,7 @@ class Lease:
 
     When a keep-alive is refused because the memory service no longer knows the lease (reason
     LEASE_NOT_FOUND: it restarted) or it expired (LEASE_EXPIRED), renewing stops and :attr:`lost`
-    holds that error; the engine then recovers with a new lease (client.recovery).
+    holds that error; the engine then recovers with a new lease (client.engine.recovery).
     """
 
     def __init__(self, memory: MemoryClient, ttl: float | None = None):

@@ -57,8 +57,10 @@ def same_model(infos: list, addresses: list[str]):
         for f in SAME_MODEL_FIELDS:
             a, b = getattr(first, f), getattr(info, f)
             if a != b:
-                raise ValueError(f"workers {addresses[0]} and {address} run different models: {f} "
-                                 f"{list(a) if f == 'eos_token_ids' else a!r} vs {list(b) if f == 'eos_token_ids' else b!r}")
+                raise ValueError(
+                    f"workers {addresses[0]} and {address} run different models: {f} "
+                    f"{list(a) if f == 'eos_token_ids' else a!r} vs {list(b) if f == 'eos_token_ids' else b!r}"
+                )
     return first
 
 

@@ -3,14 +3,14 @@
 DESIGN.md, "Defaults and discovery": the client tokenizes itself. ``GetModelInfo``
 gives the model source, its resolved revision and the worker's weights path
 (:func:`tokenizer_source`: where that tokenizer is on this host); loading it is
-:func:`pagedkv.tokenizer.load_tokenizer`, which the worker shares.
+:func:`pagedkv.model.tokenizer.load_tokenizer`, which the worker shares.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pagedkv.model_source import is_repo_id, resolve_model
+from pagedkv.model.source import is_repo_id, resolve_model
 
 Messages = list[dict[str, str]]
 

@@ -47,10 +47,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedkv.compute.v1 import compute_service_pb2 as pb
-from pagedkv.errors import PermissionDeniedError
 from pagedkv.grant.v1 import grant_pb2
-from pagedkv.grants import copy_tuple, grant_parts_message, granted_copy, mac, receipt_parts_message, token_digest
-from pagedkv.transfer import source_digest
+from pagedkv.runtime.errors import PermissionDeniedError
+from pagedkv.runtime.grants import (
+    copy_tuple,
+    grant_parts_message,
+    granted_copy,
+    mac,
+    receipt_parts_message,
+    token_digest,
+)
+from pagedkv.runtime.transfer import source_digest
 
 _DEVICE, _HOST, _REMOTE = grant_pb2.MEDIUM_DEVICE, grant_pb2.MEDIUM_HOST, grant_pb2.MEDIUM_REMOTE
 _MEDIUM_NAMES = {_DEVICE: "device", _HOST: "host", _REMOTE: "remote"}
@@ -71,7 +78,8 @@ class Checked:
     block_ids: list[int]  # the grant's (== the step's) block table
     block_epochs: list[int]  # their epochs, as granted (== the pool's at the check)
     token_digest: bytes  # digest of the step's token ids (the grant's when it names one: checked equal)
-    #: The grant's offloads, reloads and node transfers as :func:`pagedkv.grants.copy_tuple` tuples, grant order.
+    #: The grant's offloads, reloads and node transfers as :func:`pagedkv.runtime.grants.copy_tuple` tuples, grant
+    #: order.
     tier_copies: tuple = ()
 
 

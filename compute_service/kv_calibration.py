@@ -1,7 +1,7 @@
 """A worker's fp8 KV scales: the pool's own, or calibrated once and set on the memory service.
 
 An ``fp8_e4m3`` pool (``--kv-cache-dtype fp8``) stores keys and values divided by static scales
-per (layer, KV head) (:mod:`pagedkv.kv_scales`; vLLM's fp8 KV cache with static scales). They are
+per (layer, KV head) (:mod:`pagedkv.runtime.kv_scales`; vLLM's fp8 KV cache with static scales). They are
 fixed for a pool generation, carried in its descriptor, and every worker reads and writes with the
 same ones. A worker that maps an fp8 pool without scales calibrates them (`calibrate`): it runs its
 model over a fixed text (``kv_calibration.txt``: prose, code, dialogue, figures, a poem, JSON,
@@ -27,15 +27,15 @@ from pathlib import Path
 import grpc
 import torch
 
-from compute_service.model import LayerScales, LlamaForPagedLM
-from compute_service.packed_forward import packed_forward
+from compute_service.model.llama import LayerScales, LlamaForPagedLM
+from compute_service.model.packed_forward import packed_forward
 from compute_service.pool_map import MappedPool
-from pagedkv import tls
 from pagedkv.config import FP8
-from pagedkv.kv_scales import FP8_MAX, check_scales, sign_scales
-from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
+from pagedkv.runtime import tls
+from pagedkv.runtime.kv_scales import FP8_MAX, check_scales, sign_scales
+from pagedkv.runtime.logs import get_logger
 
 log = get_logger("kv_calibration")
 
@@ -58,7 +58,7 @@ def calibration_sequences(model_source: str) -> list[list[int]]:
     Raises:
         FileNotFoundError: no tokenizer for ``model_source``.
     """
-    from pagedkv.tokenizer import load_tokenizer
+    from pagedkv.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_source)
     passages = [p.strip() for p in CALIBRATION_TEXT.read_text().split("\n\n") if p.strip()]

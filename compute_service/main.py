@@ -6,12 +6,13 @@ Example::
     pagedkv compute --memory 127.0.0.1:50051 --model Qwen/Qwen2.5-0.5B-Instruct --revision main
 
 Start-up: resolve ``--model`` (a repo id through the Hugging Face cache, downloading only when it
-is not cached and HF_HUB_OFFLINE is unset; :mod:`pagedkv.model_source`), wait for the memory
+is not cached and HF_HUB_OFFLINE is unset; :mod:`pagedkv.model.source`), wait for the memory
 service, read its pool descriptor (the layout
 and the path of its worker socket), load the model, receive the pool's handle,
 epoch table and plane key on that socket (``--memory-socket`` overrides the
 path, for a container that mounts it elsewhere), map the pool and check that
-its layout fits the model (a mismatch is a start-up error naming both); over an fp8 pool without scales yet, calibrate them
+its layout fits the model (a mismatch is a start-up error naming both); over an fp8 pool without scales yet, calibrate
+them
 (:mod:`compute_service.kv_calibration`) and set them on the memory service; then
 serve. A background task watches the memory service's health: on NOT_SERVING
 (shutdown) or a new pool generation it drops the mapping, fails steps with
@@ -33,20 +34,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kernels
 from compute_service.kv_calibration import fit_kv_scales
-from compute_service.load_progress import load_progress
-from compute_service.model import LlamaForPagedLM
+from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool, map_pool
 from compute_service.server import SERVICE_NAME, ComputeServicer
-from compute_service.weights import ModelConfig, check_model_source, load_model_source
+from compute_service.weights.load_progress import load_progress
+from compute_service.weights.source import ModelConfig, check_model_source, load_model_source
 from compute_service.worker import Worker
-from pagedkv import config, test_hooks, tls
+from pagedkv import config
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
 from pagedkv.config import env, flags
-from pagedkv.logs import configure_logging, get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
-from pagedkv.model_source import resolve_model
-from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
+from pagedkv.model.source import resolve_model
+from pagedkv.runtime import test_hooks, tls
+from pagedkv.runtime.logs import configure_logging, get_logger
+from pagedkv.runtime.service import ServerSpec, run_server, serve_main, server_tls
 
 log = get_logger("compute_service")
 
@@ -62,7 +64,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                 "float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--memory-socket", default=env("PAGEDKV_MEMORY_SOCKET"),
                    help="the memory service's worker socket here (default: the path its pool descriptor names)")
-    p.add_argument("--memory-timeout", type=float, default=60.0, help="seconds to wait for the memory service at start (default 60)")
+    p.add_argument("--memory-timeout", type=float, default=60.0,
+                   help="seconds to wait for the memory service at start (default 60)")
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
     p.add_argument("--node-transfers", action="store_true", default=env("PAGEDKV_NODE_TRANSFERS"),
                    help="register the mapped pool with a NIXL agent and publish it through the memory service, so "
@@ -224,8 +227,8 @@ def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str,
     """Load the model, map the pool and check that they fit; returns the worker and its device.
 
     The config is read and checked against the pool before any weight; the weights then stream
-    from the checkpoint tensor by tensor into the model (`compute_service.checkpoint`), with a
-    progress bar (`compute_service.load_progress`). An fp8 pool then gets its scales
+    from the checkpoint tensor by tensor into the model (`compute_service.weights.checkpoint`), with a
+    progress bar (`compute_service.weights.load_progress`). An fp8 pool then gets its scales
     (`compute_service.kv_calibration`).
     """
     t = time.perf_counter()
@@ -248,11 +251,11 @@ def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str,
         pool.close()
         raise
     pool = _map_with_scales(desc, args.memory_socket, model, args.model, (args.memory, files), pool)
-    native = model_device == "cpu" and kernels.cpu_native.available()
+    native = model_device == "cpu" and kernels.cpu.native.available()
     log.info("model_loaded", model=config.name, architecture=config.architecture,
              seconds=round(time.perf_counter() - t, 2), weight_bytes=model.nbytes(), device=model_device,
              threads=torch.get_num_threads(),
-             cpu_kernels="native" if native else f"torch ({kernels.cpu_native.unavailable_reason})")
+             cpu_kernels="native" if native else f"torch ({kernels.cpu.native.unavailable_reason})")
     return Worker(model, config, pool, args.model), model_device
 
 
@@ -282,7 +285,8 @@ async def serve(args: argparse.Namespace) -> None:
         args, SERVICE_NAME, lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
         ready_info={"memory": args.memory, "model": args.model, "revision": model.revision, "device": model_device,
                     "generation": pool.generation},
-        background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute, args.memory_socket, files,
+        background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute, args.memory_socket,
+                                                 files,
                                                  args.node_transfers)],
         health=health_servicer,
     )

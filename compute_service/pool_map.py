@@ -2,7 +2,7 @@
 
 DESIGN.md, "The pool" and "Trust model". GetPoolDescriptor (gRPC) gives anyone the layout and
 the path of the memory service's worker socket; the handle comes only over that socket
-(:mod:`pagedkv.pool_socket`, same uid only), with the epoch table and the plane key:
+(:mod:`pagedkv.runtime.pool_socket`, same uid only), with the epoch table and the plane key:
 
 - ``cpu``: the pool is a memfd: mmap it (MAP_SHARED) and wrap it with ``torch.frombuffer``;
   writes are seen by every process mapping it.
@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from pagedkv import config
-from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
-from pagedkv.pool_socket import PoolHandle, receive_handle
+from pagedkv.runtime.logs import get_logger
+from pagedkv.runtime.pool_socket import PoolHandle, receive_handle
 
 log = get_logger("pool_map")
 
@@ -98,7 +98,8 @@ class _CudaArray:
     """Minimal ``__cuda_array_interface__`` exporter for a raw device pointer (bytes)."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                         "strides": None}
 
 
 class _CudaIpcMapping:
@@ -233,7 +234,7 @@ def map_handle(handle: PoolHandle) -> MappedPool:
         else:
             import cupy
 
-            from pagedkv.cuda_ipc import device_index_for_uuid
+            from pagedkv.runtime.cuda_ipc import device_index_for_uuid
 
             index = device_index_for_uuid(desc.cuda_device_uuid)
             with cupy.cuda.Device(index):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from compute_service.penalties import TokenHistory, penalised
-from pagedkv.limits import MAX_LOGPROBS
+from pagedkv.runtime.limits import MAX_LOGPROBS
 
 _MASK64 = (1 << 64) - 1
 

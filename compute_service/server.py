@@ -14,9 +14,9 @@ from concurrent.futures import Executor
 from compute_service.worker import Worker
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
-from pagedkv.model_source import ResolvedModel
-from pagedkv.service import map_errors
-from pagedkv.tls import require_role
+from pagedkv.model.source import ResolvedModel
+from pagedkv.runtime.service import map_errors
+from pagedkv.runtime.tls import require_role
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
 
@@ -24,7 +24,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputeService"].full_name
 @map_errors
 class ComputeServicer(pb_grpc.ComputeServiceServicer):
     """Serves one :class:`Worker` of ``model`` (its name, local files and resolved revision,
-    pagedkv.model_source): GetModelInfo reports them, so that a client loads the same tokenizer and
+    pagedkv.model.source): GetModelInfo reports them, so that a client loads the same tokenizer and
     keys its prefix cache on the revision."""
 
     def __init__(self, worker: Worker, model: ResolvedModel, device: str, compute: Executor | None = None):

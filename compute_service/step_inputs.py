@@ -31,7 +31,7 @@ from compute_service.penalties import TokenHistory
 from compute_service.sampling import SamplingParams
 from compute_service.step_sampling import ints, sampling_from_proto, token_history
 from pagedkv.compute.v1 import compute_service_pb2 as pb
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.runtime.errors import InvalidArgumentError
 
 #: Most new tokens one step may carry (prefill chunks + decode tokens).
 MAX_STEP_TOKENS = 65_536
@@ -134,13 +134,15 @@ def _first_violation(request: pb.StepRequest, block_size: int, num_blocks: int, 
             if params.has_penalties:
                 token_history(s, params, vocab, where)
     if len(slots) > MAX_STEP_TOKENS:
-        raise InvalidArgumentError(f"Step: {len(slots)} tokens is more than {MAX_STEP_TOKENS} per step; chunk the prefill")
+        raise InvalidArgumentError(f"Step: {len(slots)} tokens is more than {MAX_STEP_TOKENS} per step; "
+                                   "chunk the prefill")
     if len(set(slots)) != len(slots):
         raise InvalidArgumentError("Step: two tokens of the batch map to the same KV slot; block tables overlap")
     for c in request.copies:
         if c.src >= num_blocks or c.dst >= num_blocks or c.src == c.dst:
             raise InvalidArgumentError(
-                f"Step: copy ({c.src} -> {c.dst}) must name two different blocks inside the pool (0..{num_blocks - 1})")
+                f"Step: copy ({c.src} -> {c.dst}) must name two different blocks inside the pool (0..{num_blocks - 1})"
+            )
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import numpy as np
 
 from compute_service.sampling import SamplingParams
 from pagedkv.compute.v1 import compute_service_pb2 as pb
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.runtime.errors import InvalidArgumentError
 
 #: Parsed sampling parameters by their message's bytes (a batch mostly repeats a few settings).
 _SAMPLING_CACHE: dict[bytes, SamplingParams] = {}

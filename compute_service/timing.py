@@ -12,7 +12,7 @@ import time
 
 from torch import nn
 
-from compute_service.model import PagedAttention
+from compute_service.model.llama import PagedAttention
 
 
 class AttentionClock:
@@ -39,7 +39,7 @@ class AttentionClock:
         self.seconds = 0.0
 
     def _fused(self, module: nn.Module, args: tuple, output) -> None:
-        # A step whose layers ran as one native call (compute_service.fused_decode) timed them inside.
+        # A step whose layers ran as one native call (compute_service.model.fused_decode) timed them inside.
         self.seconds += getattr(module, "native_attention_seconds", 0.0)
 
     def _enter(self, module: nn.Module, args: tuple) -> None:

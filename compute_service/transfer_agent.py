@@ -24,7 +24,7 @@ forwards 1.7-4x slower on 2 cores; with the pause, under 2% idle): :func:`_make_
 agent through a config whose delay the wrapper cannot zero.
 
 Fault injection, for tests of the callers: a test hook at ``transfer.read_blocks``
-(:mod:`pagedkv.test_hooks`) that returns k makes a call given more than k pairs transfer only its
+(:mod:`pagedkv.runtime.test_hooks`) that returns k makes a call given more than k pairs transfer only its
 first k pairs and then raise ``TransferError(blocks_done=k)``; a call with at most k pairs runs
 normally.
 """
@@ -42,11 +42,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedkv import test_hooks
 from pagedkv.config import env_is_set
 from pagedkv.grant.v1 import grant_pb2
-from pagedkv.logs import get_logger
-from pagedkv.transfer import source_digest
+from pagedkv.runtime import test_hooks
+from pagedkv.runtime.logs import get_logger
+from pagedkv.runtime.transfer import source_digest
 
 log = get_logger("transfer_agent")
 
@@ -105,7 +105,8 @@ class TransferSource:
             raise ValueError(f"TransferSource: mem_type {self.mem_type!r} is not 'DRAM' or 'VRAM'")
 
     def digest(self) -> bytes:
-        """SHA-256 (32 bytes) naming this source in grants: ``pagedkv.transfer.source_digest`` of :meth:`to_proto`."""
+        """SHA-256 (32 bytes) naming this source in grants: ``pagedkv.runtime.transfer.source_digest`` of
+        :meth:`to_proto`."""
         return source_digest(self.to_proto())
 
     def to_proto(self) -> grant_pb2.TransferSource:
@@ -276,8 +277,10 @@ class TransferAgent:
         for s, d in pairs:
             s, d = operator.index(s), operator.index(d)
             if not (0 <= s < source.num_blocks and 0 <= d < self.num_blocks):
-                raise ValueError(f"block pair ({s}, {d}) is out of range: source blocks are 0..{source.num_blocks - 1}, "
-                                 f"local blocks 0..{self.num_blocks - 1}")
+                raise ValueError(
+                    f"block pair ({s}, {d}) is out of range: source blocks are 0..{source.num_blocks - 1}, "
+                    f"local blocks 0..{self.num_blocks - 1}"
+                )
             if d in seen:
                 raise ValueError(f"local block {d} is written twice in one read_blocks call")
             seen.add(d)
@@ -290,12 +293,24 @@ class TransferAgent:
         try:
             peer = self._remote(source)
             runs = np.array(merge_runs(pairs), dtype=np.uint64).reshape(-1, 3)
-            local = np.stack([self.base_address + runs[:, 1] * bb, runs[:, 2] * bb,
-                              np.full(len(runs), self.device_id, np.uint64)], axis=1)
-            remote = np.stack([source.base_address + runs[:, 0] * bb, runs[:, 2] * bb,
-                               np.full(len(runs), source.device_id, np.uint64)], axis=1)
-            handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, self.mem_type),
-                                                 self._agent.get_xfer_descs(remote, source.mem_type), peer)
+            local = np.stack(
+                [self.base_address + runs[:, 1] * bb, runs[:, 2] * bb, np.full(len(runs), self.device_id, np.uint64)],
+                axis=1,
+            )
+            remote = np.stack(
+                [
+                    source.base_address + runs[:, 0] * bb,
+                    runs[:, 2] * bb,
+                    np.full(len(runs), source.device_id, np.uint64),
+                ],
+                axis=1,
+            )
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local, self.mem_type),
+                self._agent.get_xfer_descs(remote, source.mem_type),
+                peer,
+            )
             state, pause = self._agent.transfer(handle), 0.0
             while state == "PROC":
                 if time.monotonic() - start > timeout:
@@ -316,10 +331,16 @@ class TransferAgent:
                     log.error("transfer_handle_not_released", peer=source.agent_name, error=repr(e))
             if not ok:
                 self._forget(source.agent_name)
-                log.warning("blocks_read_failed", peer=source.agent_name, num_pairs=len(pairs),
-                            error=str(sys.exc_info()[1]))
-        log.debug("blocks_read", peer=source.agent_name, num_pairs=len(pairs), num_descs=len(runs),
-                  seconds=round(time.monotonic() - start, 6))
+                log.warning(
+                    "blocks_read_failed", peer=source.agent_name, num_pairs=len(pairs), error=str(sys.exc_info()[1])
+                )
+        log.debug(
+            "blocks_read",
+            peer=source.agent_name,
+            num_pairs=len(pairs),
+            num_descs=len(runs),
+            seconds=round(time.monotonic() - start, 6),
+        )
 
     def _remote(self, source: TransferSource) -> str:
         """The peer's name, its agent added once per (name, metadata digest)."""

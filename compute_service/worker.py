@@ -25,15 +25,15 @@ from torch import nn
 
 import kernels
 from compute_service.grant_check import CopyPlan, check_grants, sign_receipts
-from compute_service.model import LlamaForPagedLM
+from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool
 from compute_service.sampling import sample
 from compute_service.step_inputs import StepInputs, build_step_inputs
 from compute_service.timing import AttentionClock
-from compute_service.weights import ModelConfig
-from pagedkv import test_hooks
+from compute_service.weights.source import ModelConfig
 from pagedkv.compute.v1 import compute_service_pb2 as pb
-from pagedkv.errors import (
+from pagedkv.runtime import test_hooks
+from pagedkv.runtime.errors import (
     POOL_GENERATION_MISMATCH,
     POOL_NOT_MAPPED,
     TRANSFERS_OFF,
@@ -177,7 +177,8 @@ class Worker:
             k = inputs.sampling[r].logprobs
             if chosen is not None and k is not None:
                 res.logprob = chosen[r]
-                res.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(top_ids[r][:k], top_lp[r][:k]))
+                res.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t,
+                                        lp in zip(top_ids[r][:k], top_lp[r][:k]))
         return results
 
 

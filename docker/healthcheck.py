@@ -1,6 +1,7 @@
 """Container health check: exit 0 when a pagedkv server is healthy, 1 otherwise.
 
-    python docker/healthcheck.py ADDRESS [--service NAME] [--timeout SECONDS] [--tls-cert PEM --tls-key PEM --tls-ca PEM]
+    python docker/healthcheck.py ADDRESS [--service NAME] [--timeout SECONDS] [--tls-cert PEM --tls-key PEM --tls-ca
+    PEM]
     python docker/healthcheck.py http://HOST:PORT/health [--timeout SECONDS]
 
 ADDRESS host:port (e.g. 127.0.0.1:50051): the server must answer SERVING on the standard gRPC
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)"
     )
     for name in ("cert", "key", "ca"):
-        p.add_argument(f"--tls-{name}", default=None, metavar="PEM", help=f"mutual TLS: the {name} file (all three or none)")
+        p.add_argument(f"--tls-{name}", default=None, metavar="PEM",
+                       help=f"mutual TLS: the {name} file (all three or none)")
     args = p.parse_args(argv)
     tls = (args.tls_cert, args.tls_key, args.tls_ca)
     if any(tls) and not all(tls):

@@ -2,7 +2,7 @@
 
 PagedAttention (Kwon et al., SOSP 2023, §4.1). Triton kernels on CUDA; the same ops as vectorized
 torch on CPU, where decode attention and cache writes go to small native C kernels when the host
-can build them (`kernels.cpu_native`). Triton is imported only when a Triton kernel runs.
+can build them (`kernels.cpu.native`). Triton is imported only when a Triton kernel runs.
 
 Attention is planned once per step and run per layer (FlashInfer's plan/run):
 `plan_attention(block_tables, query_start_loc, seq_lens, block_size, host_query_start_loc=...,

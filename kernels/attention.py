@@ -9,8 +9,8 @@ prefill, prefill after a prefix-cache hit, and decode tokens.
 `kernels.plan_attention` checks the step's metadata once and picks the kernel; this op, called by
 every layer, takes no metadata and dispatches (FlashInfer's `run()`):
 
-- "triton_decode": `kernels.triton_decode` (split-KV / flash-decoding, Dao et al. 2023);
-- "triton_prefill": `kernels.triton_prefill`;
+- "triton_decode": `kernels.triton.decode` (split-KV / flash-decoding, Dao et al. 2023);
+- "triton_prefill": `kernels.triton.prefill`;
 - "torch": `kernels.torch_planned.planned_attention` (native CPU decode kernel for decode rows,
   padded batched SDPA for the rest), or its chunked general path when the cache has no flat row
   view or a group is too large.
@@ -92,13 +92,13 @@ def paged_attention(
     if not query.is_cuda:
         triton_ready(query)
     if kernel == "triton_decode":
-        from kernels import triton_decode
+        from kernels.triton import decode as triton_decode
 
         return triton_decode.paged_decode_attention(
             query, key_cache, value_cache, plan.block_tables, plan.seq_lens, float(scale),
             plan.splits_for(key_cache.shape[2]), plan.max_seq_len, k_scale, v_scale,
         )  # fmt: skip
-    from kernels import triton_prefill
+    from kernels.triton import prefill as triton_prefill
 
     return triton_prefill.paged_prefill_attention(
         query, key_cache, value_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens,

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_native, torch_impl
+from kernels import torch_impl
 from kernels._common import QUERY_DTYPES, check_cache, check_int_vector, choose_backend
+from kernels.cpu import native as cpu_native
 from kernels.fp8 import check_kv_scales, is_fp8
 
 
@@ -46,7 +47,7 @@ def reshape_and_cache(
         backend: None (Triton for CUDA tensors, torch otherwise), "triton" or "torch".
 
     On CPU with fp32 or bf16 tensors of one dtype the write is one native call
-    (`kernels.cpu_native`) when built; an fp8 write on CPU is the torch path (quantize, then
+    (`kernels.cpu.native`) when built; an fp8 write on CPU is the torch path (quantize, then
     copy the bytes).
 
     Raises:
@@ -91,7 +92,7 @@ def reshape_and_cache(
         return
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key/value head_dim axis must be contiguous for the triton backend")
-    from kernels import triton_cache_ops
+    from kernels.triton import cache_ops as triton_cache_ops
 
     triton_cache_ops.reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping.contiguous(), k_scale, v_scale
@@ -146,7 +147,7 @@ def copy_blocks(
             "the triton copy_blocks needs each block to be one contiguous range "
             f"(block-major pool); got strides {pool.stride()}"
         )
-    from kernels import triton_cache_ops
+    from kernels.triton import cache_ops as triton_cache_ops
 
     if is_fp8(pool):  # bytes: a uint8 pointer needs no fp8 support of the GPU
         pool = pool.view(torch.uint8)

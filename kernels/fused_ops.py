@@ -3,8 +3,8 @@ elsewhere.
 
 `rms_norm`, `add_rms_norm` (vLLM's `fused_add_rms_norm`: the residual add and the next norm),
 `silu_mul` (SwiGLU's silu(gate) * up) and `rope` (rotate-half RoPE). On CPU fp32 / bf16 tensors,
-with the native library built (`kernels.cpu_native.available()`), each goes to one C kernel
-(`kernels.cpu_fused`); otherwise (CUDA, fp16, PAGEDKV_NATIVE_CPU=0) to the torch ops below, which
+with the native library built (`kernels.cpu.native.available()`), each goes to one C kernel
+(`kernels.cpu.fused`); otherwise (CUDA, fp16, PAGEDKV_NATIVE_CPU=0) to the torch ops below, which
 are also the references the kernels are tested against. Both paths compute in fp32 and round to
 the dtype; in bf16 they may differ by one ulp (torch rounds between its ops).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused
+from kernels.cpu import fused as cpu_fused
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,10 +8,10 @@ no device-to-host sync and no value validation.
 The plan picks the kernel (`AttentionPlan.kernel`):
 
 - "triton_decode": Triton backend, every sequence has exactly one new token. The split-KV
-  decode kernel (flash-decoding: `kernels.triton_decode`) with its number of context splits
+  decode kernel (flash-decoding: `kernels.triton.decode`) with its number of context splits
   fixed here from the batch's shape (`default_num_splits`).
 - "triton_prefill": Triton backend, any other batch (prompts, chunked prefill, prefix hits and
-  decode tokens mixed): `kernels.triton_prefill`.
+  decode tokens mixed): `kernels.triton.prefill`.
 - "torch": the torch backend (the CPU production path): decode rows to the native CPU kernel
   when it is built (`plan.decode`), every other row in padded gather groups (`plan.groups`;
   `kernels.torch_groups`).
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_native
 from kernels._common import BACKENDS, check_host_lengths, check_int_vector
+from kernels.cpu import native as cpu_native
 from kernels.torch_groups import AttentionGroup, DecodeRows, make_groups
 from pagedkv.config import env
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedkv import test_hooks
+from pagedkv.runtime import test_hooks
 
 
 def block_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -46,7 +46,7 @@ def copy_blocks_between(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tu
         pairs: (src block, dst block) ids, host ints; destinations distinct (then order among
             the pairs does not matter).
 
-    With a test hook at ``tier.copy_block`` (:mod:`pagedkv.test_hooks`) the blocks go one by one,
+    With a test hook at ``tier.copy_block`` (:mod:`pagedkv.runtime.test_hooks`) the blocks go one by one,
     in destination order, the hook called before each: one that raises stops the copy there.
 
     Raises:

@@ -13,7 +13,7 @@ exactly its shape, so whole prompts need no mask (`is_causal`) and a chunk after
 one [Q, L] bottom-right mask shared by the group; padding pays only for many short rows.
 Masked and causal groups gather a context aligned to `CTX_ALIGN` positions (clamped rows,
 hidden by the mask or by causality), the shapes torch's bf16 CPU flash attention runs fast.
-When the native CPU decode kernel is available (`kernels.cpu_native`), sequences with one new
+When the native CPU decode kernel is available (`kernels.cpu.native`), sequences with one new
 token are not grouped: the plan lists them (`DecodeRows`) and the kernel reads their blocks in
 place; their gather groups are built only if a call cannot use the kernel (a cache dtype or
 layout it does not support).

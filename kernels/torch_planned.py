@@ -4,7 +4,7 @@ The grouping and every index are built once per step by `kernels.plan.plan_atten
 (`kernels.torch_groups`); each layer gathers the groups' context rows from a flat row view of the
 pool (`kernels.torch_impl.row_view`) into a reused workspace and runs one padded batched
 `scaled_dot_product_attention` per group; decode rows go to the native CPU kernel when it is
-built (`kernels.cpu_native`), which reads their blocks in place instead. When the cache has no
+built (`kernels.cpu.native`), which reads their blocks in place instead. When the cache has no
 flat row view or a group would gather too much, `planned_attention` returns None and the caller
 runs the general chunked path (`kernels.torch_impl.paged_attention`). fp8 (e4m3) caches are
 gathered as bytes and widened, their per-KV-head scales applied to the query and the output, as
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from kernels.cpu import native as cpu_native
 from kernels.fp8 import FP8_DTYPE, WIDENED_UNIT, is_fp8, widen_to_fp16
 from kernels.torch_impl import row_view
 
@@ -37,7 +37,7 @@ def planned_attention(
     """Causal (bottom-right aligned) paged attention of a planned batch: no host work, no sync.
 
     The plan's decode rows (if any) go to the native CPU kernel, which reads their blocks in
-    place (`kernels.cpu_native`); when these tensors do not suit it, those rows are gathered like
+    place (`kernels.cpu.native`); when these tensors do not suit it, those rows are gathered like
     the rest. Per gather group of the plan: gather its context rows (clamped to each sequence's
     length, so only written slots are read) into the plan's workspace, then one padded batched
     SDPA (in `sdpa_dtype`: bf16 for a bf16 query over bf16 or fp8 caches, else fp32) with the

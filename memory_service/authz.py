@@ -6,7 +6,7 @@ A call's :class:`Caller` comes from its credentials, strongest first:
   start (``--admin-token-file``, mode 0600) -> ``admin`` (``via="admin-token"``); any
   other bearer token is refused with UNAUTHENTICATED;
 - a TLS client certificate whose SAN URI names a role (``pagedkv:role:<role>``, read by
-  :func:`pagedkv.tls.peer_role`) -> that role (``via="tls-certificate"``);
+  :func:`pagedkv.runtime.tls.peer_role`) -> that role (``via="tls-certificate"``);
 - nothing -> ``anonymous-loopback`` (``via="loopback"``): without TLS the service binds
   loopback only, so such a caller is a process on this host.
 
@@ -40,11 +40,11 @@ from pathlib import Path
 import grpc
 
 from memory_service.leases import Lease, LeaseTable
-from memory_service.sequence import Sequence
-from pagedkv.credentials import AUTHORIZATION_METADATA, LEASE_SECRET_METADATA
-from pagedkv.errors import PermissionDeniedError, UnauthenticatedError
-from pagedkv.paths import pagedkv_home
-from pagedkv.tls import over_tls, peer_role
+from memory_service.manager.sequence import Sequence
+from pagedkv.runtime.credentials import AUTHORIZATION_METADATA, LEASE_SECRET_METADATA
+from pagedkv.runtime.errors import PermissionDeniedError, UnauthenticatedError
+from pagedkv.runtime.paths import pagedkv_home
+from pagedkv.runtime.tls import over_tls, peer_role
 
 ADMIN = "admin"
 WORKER = "worker"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from pagedkv import config
 from pagedkv.config import DType
-from pagedkv.gguf_config import read_gguf_config
-from pagedkv.model_config import read_hf_config
+from pagedkv.model.config import read_hf_config
+from pagedkv.model.gguf_config import read_gguf_config
 
 #: Dimension names of the pool tensor, outermost first.
 DIM_NAMES = ("num_blocks", "num_layers", "kv", "block_size", "num_kv_heads", "head_dim")
@@ -34,7 +34,7 @@ class PoolLayout:
     #: Tokens per block.
     block_size: int
     #: The element type (:data:`pagedkv.config.DTYPES`; fp8_e4m3 has static per-head scales:
-    #: :mod:`pagedkv.kv_scales`). A wire name given here is turned into its :class:`~pagedkv.config.DType`.
+    #: :mod:`pagedkv.runtime.kv_scales`). A wire name given here is turned into its :class:`~pagedkv.config.DType`.
     dtype: DType
     #: Blocks in the pool.
     num_blocks: int
@@ -75,7 +75,7 @@ class PoolLayout:
 
 def gguf_attention_layout(path: Path) -> dict[str, int]:
     """``num_layers``, ``num_kv_heads``, ``head_dim`` of a llama-architecture GGUF file, from its
-    metadata alone (`pagedkv.gguf_config.read_gguf_config`: no tensor is read).
+    metadata alone (`pagedkv.model.gguf_config.read_gguf_config`: no tensor is read).
 
     Raises:
         ValueError: not a GGUF file, or not the llama architecture.
@@ -88,7 +88,7 @@ def model_attention_layout(model: str) -> dict[str, int]:
     """``num_layers``, ``num_kv_heads``, ``head_dim`` of ``"smollm2"``, a Hugging Face directory or
     a GGUF file (or a directory holding one GGUF and no config.json), as the worker reads them.
 
-    Read from config.json alone (`pagedkv.model_config.read_hf_config`) or the GGUF's metadata,
+    Read from config.json alone (`pagedkv.model.config.read_hf_config`) or the GGUF's metadata,
     no weights.
 
     Raises:
@@ -105,7 +105,9 @@ def model_attention_layout(model: str) -> dict[str, int]:
     try:
         c = read_hf_config(model)
     except FileNotFoundError as e:
-        raise ValueError(f"--model {model!r}: expected 'smollm2' or a Hugging Face directory with config.json ({e})") from e
+        raise ValueError(
+            f"--model {model!r}: expected 'smollm2' or a Hugging Face directory with config.json ({e})"
+        ) from e
     return {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
 
@@ -129,7 +131,5 @@ def make_layout(
         probe = PoolLayout(**attn, block_size=block_size, dtype=dtype, num_blocks=1)
         num_blocks = kv_cache_memory // probe.block_nbytes
         if num_blocks < 1:
-            raise ValueError(
-                f"--kv-cache-memory {kv_cache_memory} bytes holds no block of {probe.block_nbytes} bytes"
-            )
+            raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no block of {probe.block_nbytes} bytes")
     return PoolLayout(**attn, block_size=block_size, dtype=dtype, num_blocks=num_blocks)

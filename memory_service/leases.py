@@ -56,9 +56,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memory_service.live_table import LiveTable
-from pagedkv.credentials import LEASE_SECRET_METADATA
-from pagedkv.errors import (
+from memory_service.manager.live_table import LiveTable
+from pagedkv.runtime.credentials import LEASE_SECRET_METADATA
+from pagedkv.runtime.errors import (
     LEASE_EXPIRED,
     LEASE_NOT_FOUND,
     FailedPreconditionError,
@@ -68,7 +68,7 @@ from pagedkv.errors import (
     QuotaExceededError,
     UnauthenticatedError,
 )
-from pagedkv.logs import get_logger
+from pagedkv.runtime.logs import get_logger
 
 log = get_logger("block_manager")
 

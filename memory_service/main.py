@@ -5,7 +5,7 @@ Example::
     pagedkv memory --host 127.0.0.1 --port 50051 --device cpu --block-size 16 \\
         --kv-cache-memory 1GiB --model smollm2 --lease-ttl 10 --ready-file /tmp/mem.json
 
-``--model`` (with ``--revision``) is resolved as the workers resolve it (:mod:`pagedkv.model_source`),
+``--model`` (with ``--revision``) is resolved as the workers resolve it (:mod:`pagedkv.model.source`),
 fetching only the repo's config.json and generation_config.json: the pool's layout comes from
 the config alone, no weights.
 ``--port 0`` binds a free port; the ready file (JSON: address, host, port, pid,
@@ -17,7 +17,8 @@ writes a fresh admin token to ``--admin-token-file`` (mode 0600; default
 admin (memory_service/authz.py). ``--max-blocks-per-lease`` and
 ``--max-sequences-per-lease`` set per-lease quotas (default: no block quota, 16,384 sequences,
 so that dropping one lease stays bounded work on the event loop). Automatic prefix caching is on
-unless ``--no-prefix-caching``; ``--metrics-port`` serves Prometheus metrics. SIGTERM marks the service NOT_SERVING (workers
+unless ``--no-prefix-caching``; ``--metrics-port`` serves Prometheus metrics. SIGTERM marks the service NOT_SERVING
+(workers
 watching health drop their mapping), closes the worker socket, waits the grace
 period, stops the server, then releases the pool.
 """
@@ -30,14 +31,14 @@ import os
 from dataclasses import dataclass
 
 from memory_service.authz import create_admin_token
-from memory_service.block_manager import BlockManager
 from memory_service.layout import make_layout
+from memory_service.manager.block_manager import BlockManager
 from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
 from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
 from memory_service.worker_socket import WorkerSocketServer
-from pagedkv import config, test_hooks
+from pagedkv import config
 from pagedkv.config import (
     DEFAULT_CPU_KV_MEMORY,
     DEFAULT_CUDA_KV_MEMORY,
@@ -47,13 +48,14 @@ from pagedkv.config import (
     host_cache_bytes,
     parse_bytes,
 )
-from pagedkv.credentials import default_admin_token_file
-from pagedkv.kv_scales import load_scales_file
-from pagedkv.logs import configure_logging, get_logger
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
-from pagedkv.model_source import ResolvedModel, resolve_model
-from pagedkv.service import ServerSpec, run_server, serve_main, server_tls
-from pagedkv.transfer import load_transfer_key
+from pagedkv.model.source import ResolvedModel, resolve_model
+from pagedkv.runtime import test_hooks
+from pagedkv.runtime.credentials import default_admin_token_file
+from pagedkv.runtime.kv_scales import load_scales_file
+from pagedkv.runtime.logs import configure_logging, get_logger
+from pagedkv.runtime.service import ServerSpec, run_server, serve_main, server_tls
+from pagedkv.runtime.transfer import load_transfer_key
 
 log = get_logger("memory_service")
 
@@ -92,35 +94,72 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="an fp8 pool's scales, JSON {\"k_scale\": [[...]], \"v_scale\": [[...]]} of [num_layers]"
                         "[num_kv_heads] (default: the first worker calibrates them)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds without keep-alive (default 10)")
-    p.add_argument("--max-kv-events", type=int, default=10_000,
-                   help="KV events kept for StreamKvEvents replay; a subscriber further behind is told what it lost (default 10000)")
+    p.add_argument(
+        "--max-kv-events",
+        type=int,
+        default=10_000,
+        help="KV events kept for StreamKvEvents replay; a subscriber further behind is told what it lost "
+        "(default 10000)",
+    )
     p.add_argument("--pool-id", default=None, help="pool name (default: random)")
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="turn automatic prefix caching off (on by default)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0 = any free port)")
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="turn automatic prefix caching off (on by default)",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0 = any free port)"
+    )
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
-    p.add_argument("--worker-socket", default=env("PAGEDKV_WORKER_SOCKET"),
-                   help="Unix socket where workers (same uid) receive the pool's handle "
-                        "(default $PAGEDKV_HOME/run/memory-<pid>.sock)")
-    p.add_argument("--grace", type=float, default=2.0, help="seconds between NOT_SERVING and releasing the pool (default 2)")
+    p.add_argument(
+        "--worker-socket",
+        default=env("PAGEDKV_WORKER_SOCKET"),
+        help="Unix socket where workers (same uid) receive the pool's handle "
+        "(default $PAGEDKV_HOME/run/memory-<pid>.sock)",
+    )
+    p.add_argument(
+        "--grace", type=float, default=2.0, help="seconds between NOT_SERVING and releasing the pool (default 2)"
+    )
     flags.add_tls_args(p)
     flags.add_logging_args(p)
-    p.add_argument("--admin-token-file", default=None,
-                   help="write a fresh admin token here at start, mode 0600 (default $PAGEDKV_HOME/admin-token)")
-    p.add_argument("--max-blocks-per-lease", type=_quota, default=None,
-                   help="quota of block-table entries per lease, a shared block counting for each holder (default: none)")
-    p.add_argument("--max-leases", type=_quota, default=DEFAULT_MAX_LEASES,
-                   help=f"most live leases (default {DEFAULT_MAX_LEASES}); CreateLease past it is RESOURCE_EXHAUSTED "
-                        "with reason QUOTA_EXCEEDED, so per-lease quotas bound what leases can hold in all")
-    p.add_argument("--max-sequences-per-lease", type=_quota, default=DEFAULT_MAX_SEQUENCES_PER_LEASE,
-                   help=f"quota of live sequences per lease (default {DEFAULT_MAX_SEQUENCES_PER_LEASE}: dropping a "
-                        "lease removes its sequences in one turn of the event loop)")
-    p.add_argument("--node-name", default=env("PAGEDKV_NODE_NAME"),
-                   help="this node's name among a deployment's nodes (default: the pool id)")
-    p.add_argument("--transfer-key-file", default=env("PAGEDKV_TRANSFER_KEY_FILE"),
-                   help="the 32-byte hex secret every memory service of a deployment shares, mode 0600 "
-                        "(openssl rand -hex 32): with it this node exports cached prefixes to other nodes and takes "
-                        "theirs (node transfers over NIXL, trusted network only: docs/security.md)")
+    p.add_argument(
+        "--admin-token-file",
+        default=None,
+        help="write a fresh admin token here at start, mode 0600 (default $PAGEDKV_HOME/admin-token)",
+    )
+    p.add_argument(
+        "--max-blocks-per-lease",
+        type=_quota,
+        default=None,
+        help="quota of block-table entries per lease, a shared block counting for each holder (default: none)",
+    )
+    p.add_argument(
+        "--max-leases",
+        type=_quota,
+        default=DEFAULT_MAX_LEASES,
+        help=f"most live leases (default {DEFAULT_MAX_LEASES}); CreateLease past it is RESOURCE_EXHAUSTED "
+        "with reason QUOTA_EXCEEDED, so per-lease quotas bound what leases can hold in all",
+    )
+    p.add_argument(
+        "--max-sequences-per-lease",
+        type=_quota,
+        default=DEFAULT_MAX_SEQUENCES_PER_LEASE,
+        help=f"quota of live sequences per lease (default {DEFAULT_MAX_SEQUENCES_PER_LEASE}: dropping a "
+        "lease removes its sequences in one turn of the event loop)",
+    )
+    p.add_argument(
+        "--node-name",
+        default=env("PAGEDKV_NODE_NAME"),
+        help="this node's name among a deployment's nodes (default: the pool id)",
+    )
+    p.add_argument(
+        "--transfer-key-file",
+        default=env("PAGEDKV_TRANSFER_KEY_FILE"),
+        help="the 32-byte hex secret every memory service of a deployment shares, mode 0600 "
+        "(openssl rand -hex 32): with it this node exports cached prefixes to other nodes and takes "
+        "theirs (node transfers over NIXL, trusted network only: docs/security.md)",
+    )
     return p
 
 
@@ -159,8 +198,15 @@ class PoolSpec:
         memory = None
         if args.num_blocks is None:
             memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if cuda else DEFAULT_CPU_KV_MEMORY))
-        return cls(args.device, dtype, args.block_size, args.num_blocks, memory,
-                   host_cache_bytes(args.host_cache_memory), args.kv_scales_file)
+        return cls(
+            args.device,
+            dtype,
+            args.block_size,
+            args.num_blocks,
+            memory,
+            host_cache_bytes(args.host_cache_memory),
+            args.kv_scales_file,
+        )
 
 
 def create_pool(args: argparse.Namespace, model: ResolvedModel | None = None) -> Pool:
@@ -173,12 +219,19 @@ def create_pool(args: argparse.Namespace, model: ResolvedModel | None = None) ->
     """
     spec = PoolSpec.from_args(args)
     model = model or resolve_model(args.model, args.revision, files="config")
-    layout = make_layout(model.load_source, block_size=spec.block_size, dtype=spec.dtype, num_blocks=spec.num_blocks,
-                         kv_cache_memory=spec.kv_cache_memory)
+    layout = make_layout(
+        model.load_source,
+        block_size=spec.block_size,
+        dtype=spec.dtype,
+        num_blocks=spec.num_blocks,
+        kv_cache_memory=spec.kv_cache_memory,
+    )
     host_blocks = spec.host_cache_memory // layout.block_nbytes
     if spec.host_cache_memory and not host_blocks:
-        raise ValueError(f"--host-cache-memory {spec.host_cache_memory} bytes holds no block of {layout.block_nbytes} "
-                         "bytes; give at least one block's size, or 0 for no host tier")
+        raise ValueError(
+            f"--host-cache-memory {spec.host_cache_memory} bytes holds no block of {layout.block_nbytes} "
+            "bytes; give at least one block's size, or 0 for no host tier"
+        )
     scales = None
     if spec.kv_scales_file:
         try:
@@ -210,22 +263,41 @@ async def serve(args: argparse.Namespace) -> None:
     except BaseException:
         pool.close()
         raise
-    manager = BlockManager(pool.layout.num_blocks, pool.layout.block_size, lease_ttl=args.lease_ttl,
-                           prefix_caching=args.prefix_caching, epochs=pool.epochs, max_events=args.max_kv_events,
-                           max_blocks_per_lease=args.max_blocks_per_lease,
-                           max_sequences_per_lease=args.max_sequences_per_lease, max_leases=args.max_leases,
-                           host_num_blocks=pool.host_num_blocks, host_epochs=pool.host_epochs)
-    ready_info = {"pool_id": pool.pool_id, "generation": pool.generation, "num_blocks": pool.layout.num_blocks,
-                  "worker_socket": pool.worker_socket, "admin_token_file": token_file, "revision": model.revision}
+    manager = BlockManager(
+        pool.layout.num_blocks,
+        pool.layout.block_size,
+        lease_ttl=args.lease_ttl,
+        prefix_caching=args.prefix_caching,
+        epochs=pool.epochs,
+        max_events=args.max_kv_events,
+        max_blocks_per_lease=args.max_blocks_per_lease,
+        max_sequences_per_lease=args.max_sequences_per_lease,
+        max_leases=args.max_leases,
+        host_num_blocks=pool.host_num_blocks,
+        host_epochs=pool.host_epochs,
+    )
+    ready_info = {
+        "pool_id": pool.pool_id,
+        "generation": pool.generation,
+        "num_blocks": pool.layout.num_blocks,
+        "worker_socket": pool.worker_socket,
+        "admin_token_file": token_file,
+        "revision": model.revision,
+    }
     if args.metrics_port is not None:
         from memory_service.metrics import start_metrics_server
 
         ready_info["metrics_port"] = start_metrics_server(manager, args.host, args.metrics_port)
-    signer = GrantSigner(pool.plane_key, pool.generation, manager.pool.epochs,
-                         host_epochs=manager.tiers.host.epochs if manager.tiers.host is not None else None)
+    signer = GrantSigner(
+        pool.plane_key,
+        pool.generation,
+        manager.pool.epochs,
+        host_epochs=manager.tiers.host.epochs if manager.tiers.host is not None else None,
+    )
     transfers = NodeTransfers(args.node_name or pool.pool_id, pool.descriptor(), transfer_key)
-    servicer = MemoryServicer(manager, pool, signer,
-                              admin_token=admin_token, admin_token_file=token_file, transfers=transfers)
+    servicer = MemoryServicer(
+        manager, pool, signer, admin_token=admin_token, admin_token_file=token_file, transfers=transfers
+    )
 
     async def grace() -> None:
         # Workers watching health see NOT_SERVING now; no new one gets the pool; give them time
@@ -237,7 +309,9 @@ async def serve(args: argparse.Namespace) -> None:
         pool.close()
 
     spec = ServerSpec.from_flags(
-        args, SERVICE_NAME, lambda server: pb_grpc.add_MemoryServiceServicer_to_server(servicer, server),
+        args,
+        SERVICE_NAME,
+        lambda server: pb_grpc.add_MemoryServiceServicer_to_server(servicer, server),
         ready_info=ready_info,
         on_shutdown=grace,
         on_stopped=release,

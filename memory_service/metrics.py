@@ -9,33 +9,61 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
-from memory_service.block_manager import BlockManager
+from memory_service.manager.block_manager import BlockManager
 
 #: Exported metrics: name -> (family, help, the :class:`Stats` attribute it reads).
 METRICS = {
     "pagedkv_kv_cache_usage_perc": (GaugeMetricFamily, "Fraction of KV blocks in use (0-1).", "usage"),
-    "pagedkv_kv_cache_utilization": (GaugeMetricFamily, "Token states stored / token capacity of used blocks.", "utilization"),
+    "pagedkv_kv_cache_utilization": (
+        GaugeMetricFamily,
+        "Token states stored / token capacity of used blocks.",
+        "utilization",
+    ),
     "pagedkv_num_blocks_total": (GaugeMetricFamily, "Blocks in the pool.", "total_blocks"),
     "pagedkv_num_blocks_used": (GaugeMetricFamily, "Blocks with refcount > 0.", "used_blocks"),
     "pagedkv_num_blocks_free": (GaugeMetricFamily, "Blocks with no content.", "free_blocks"),
-    "pagedkv_num_blocks_cached": (GaugeMetricFamily, "Refcount-0 blocks keeping content (prefix cache, swapped-out blocks).", "cached_blocks"),
+    "pagedkv_num_blocks_cached": (
+        GaugeMetricFamily,
+        "Refcount-0 blocks keeping content (prefix cache, swapped-out blocks).",
+        "cached_blocks",
+    ),
     "pagedkv_num_sequences": (GaugeMetricFamily, "Live sequences.", "num_sequences"),
     "pagedkv_num_leases": (GaugeMetricFamily, "Live leases.", "num_leases"),
     "pagedkv_tokens_stored": (GaugeMetricFamily, "Token states held in used blocks.", "tokens_stored"),
-    "pagedkv_prefix_cache_queries": (CounterMetricFamily, "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    "pagedkv_prefix_cache_queries": (
+        CounterMetricFamily,
+        "Prompt tokens looked up in the prefix cache.",
+        "prefix_cache_queries",
+    ),
     "pagedkv_prefix_cache_hits": (CounterMetricFamily, "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     "pagedkv_prefix_cache_evictions": (CounterMetricFamily, "Cached blocks evicted.", "prefix_cache_evictions"),
     "pagedkv_num_preemptions": (CounterMetricFamily, "Sequences freed as preempted by clients.", "preemptions"),
     "pagedkv_allocation_failures": (CounterMetricFamily, "Requests refused with OUT_OF_BLOCKS.", "allocation_failures"),
     # The host tier (all 0 without one).
     "pagedkv_host_num_blocks_total": (GaugeMetricFamily, "Blocks in the host tier.", "host_total_blocks"),
-    "pagedkv_host_num_blocks_used": (GaugeMetricFamily, "Host blocks held: pending copies, swapped sequences.", "host_used_blocks"),
+    "pagedkv_host_num_blocks_used": (
+        GaugeMetricFamily,
+        "Host blocks held: pending copies, swapped sequences.",
+        "host_used_blocks",
+    ),
     "pagedkv_host_num_blocks_free": (GaugeMetricFamily, "Host blocks with no content.", "host_free_blocks"),
-    "pagedkv_host_num_blocks_cached": (GaugeMetricFamily, "Host blocks holding offloaded prefix-cache blocks.", "host_cached_blocks"),
-    "pagedkv_host_cache_hits": (CounterMetricFamily, "Prompt tokens found in the host tier (reloaded).", "host_cache_hits"),
+    "pagedkv_host_num_blocks_cached": (
+        GaugeMetricFamily,
+        "Host blocks holding offloaded prefix-cache blocks.",
+        "host_cached_blocks",
+    ),
+    "pagedkv_host_cache_hits": (
+        CounterMetricFamily,
+        "Prompt tokens found in the host tier (reloaded).",
+        "host_cache_hits",
+    ),
     "pagedkv_host_cache_evictions": (CounterMetricFamily, "Cached host blocks evicted.", "host_cache_evictions"),
     "pagedkv_offloads": (CounterMetricFamily, "Blocks offloaded device to host (copies proven).", "offloads"),
-    "pagedkv_offloads_dropped": (CounterMetricFamily, "Offloads that did not happen (no host room, or never proven).", "offloads_dropped"),
+    "pagedkv_offloads_dropped": (
+        CounterMetricFamily,
+        "Offloads that did not happen (no host room, or never proven).",
+        "offloads_dropped",
+    ),
     "pagedkv_reloads": (CounterMetricFamily, "Blocks reloaded host to device (copies proven).", "reloads"),
     "pagedkv_swap_outs": (CounterMetricFamily, "Sequences swapped out to the host tier.", "swap_outs"),
     "pagedkv_swap_ins": (CounterMetricFamily, "Sequences swapped back in.", "swap_ins"),

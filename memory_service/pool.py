@@ -44,12 +44,12 @@ import numpy as np
 
 from memory_service.layout import DIM_NAMES, PoolLayout
 from pagedkv.config import FP8
-from pagedkv.cuda_ipc import cuda_uuid_string
-from pagedkv.errors import FailedPreconditionError, InvalidArgumentError
-from pagedkv.kv_scales import check_scales
-from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
-from pagedkv.pool_socket import PLANE_KEY_BYTES
+from pagedkv.runtime.cuda_ipc import cuda_uuid_string
+from pagedkv.runtime.errors import FailedPreconditionError, InvalidArgumentError
+from pagedkv.runtime.kv_scales import check_scales
+from pagedkv.runtime.logs import get_logger
+from pagedkv.runtime.pool_socket import PLANE_KEY_BYTES
 
 log = get_logger("pool")
 

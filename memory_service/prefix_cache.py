@@ -2,7 +2,7 @@
 
 Follows vLLM v1's automatic prefix caching (vllm/v1/core/kv_cache_manager.py,
 block_pool.py): once the client reports a full block's KV computed, the block
-is registered under its chain hash (:mod:`pagedkv.block_hash`); a later
+is registered under its chain hash (:mod:`pagedkv.runtime.block_hash`); a later
 sequence whose leading full blocks have the same hashes, and the same token ids
 (re-checked), shares those blocks instead of allocating and computing them.
 The pool keeps a freed cached block at the tail of its free queue and, when it
@@ -32,10 +32,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from memory_service.block_pool import BlockPool
-from memory_service.sequence import Sequence
-from pagedkv.block_hash import CacheKey, chain_hashes, leading_hits
-from pagedkv.errors import FailedPreconditionError, InvalidArgumentError
-from pagedkv.logs import get_logger
+from memory_service.manager.sequence import Sequence
+from pagedkv.runtime.block_hash import CacheKey, chain_hashes, leading_hits
+from pagedkv.runtime.errors import FailedPreconditionError, InvalidArgumentError
+from pagedkv.runtime.logs import get_logger
 
 log = get_logger("block_manager")
 
@@ -75,7 +75,7 @@ class PrefixCache:
 
     Args:
         pool: the pool whose blocks are cached; this cache registers itself as its ``on_evict``
-            (:mod:`memory_service.tiers` puts itself in between when swapped blocks may be evicted).
+            (:mod:`memory_service.tiers.manager` puts itself in between when swapped blocks may be evicted).
         enabled: False turns caching off (lookups miss, commits register nothing).
         max_events: KV events retained for replay.
     """
@@ -261,13 +261,16 @@ class PrefixCache:
 
     def check(self, held: Container[int] = ()) -> None:
         """Assert the module's invariants (O(num_blocks + events)); ``held``: blocks that keep content
-        for a swapped-out sequence instead (:mod:`memory_service.tiers`)."""
+        for a swapped-out sequence instead (:mod:`memory_service.tiers.manager`)."""
         assert all(self.hash_of[b] == h for h, b in self.cached.items())
         assert sum(h is not None for h in self.hash_of) == len(self.cached)
         for b, h in enumerate(self.hash_of):
-            assert (h is not None) == (self.block_tokens[b] is not None) == (self.pool.has_content[b] and b not in held), (
+            assert (
+                (h is not None) == (self.block_tokens[b] is not None) == (self.pool.has_content[b] and b not in held)
+            ), (
                 f"block {b}: hash {h is not None}, tokens {self.block_tokens[b] is not None}, "
-                f"content {self.pool.has_content[b]}, held for a swapped sequence {b in held}")
+                f"content {self.pool.has_content[b]}, held for a swapped sequence {b in held}"
+            )
         numbers = [e.sequence_number for e in self.events]
         assert numbers == list(range(self._next_event - len(numbers), self._next_event)), "event numbers have a gap"
 
@@ -295,7 +298,8 @@ class KvEventCursor:
             raise FailedPreconditionError(
                 f"KV event {self.next_number} is lost: the service keeps only the last {events.maxlen} events and "
                 f"the oldest kept is {oldest}; resync the cache and resubscribe from {oldest} (or from now on)",
-                metadata={"first_lost": str(self.next_number), "oldest_retained": str(oldest)})
+                metadata={"first_lost": str(self.next_number), "oldest_retained": str(oldest)},
+            )
 
     def poll(self, limit: int | None = None) -> list[KvEvent]:
         """Up to ``limit`` (None: all) events numbered :attr:`next_number` and on, oldest first; moves past them.

@@ -1,7 +1,7 @@
 """Computed tokens: a sequence's positions count as computed only with a worker's receipt.
 
 DESIGN.md, "Trust model": the memory service never sees KV bytes, so what a worker wrote is
-known only from the receipt it signs for each step (pagedkv.grants). Taking a receipt makes its
+known only from the receipt it signs for each step (pagedkv.runtime.grants). Taking a receipt makes its
 positions proven (readable by the sequence's next step, the next grant's ``readable_tokens``) and
 enters full blocks of known tokens into the prefix cache; the receipt's token digest must equal
 the tokens the sequence was given, so no block is cached as tokens it was not computed from.
@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from memory_service.block_pool import BlockPool
+from memory_service.manager.requests import Commit, CommitResult, Receipt, check_batch
+from memory_service.manager.sequence import Sequence, SequenceTable
 from memory_service.prefix_cache import PrefixCache
-from memory_service.requests import Commit, CommitResult, Receipt, check_batch
-from memory_service.sequence import Sequence, SequenceTable
-from memory_service.tiers import Tiers
-from pagedkv.errors import InvalidArgumentError, NotFoundError
-from pagedkv.grants import token_digest
-from pagedkv.logs import get_logger
+from memory_service.tiers.manager import Tiers
+from pagedkv.runtime.errors import InvalidArgumentError, NotFoundError
+from pagedkv.runtime.grants import token_digest
+from pagedkv.runtime.logs import get_logger
 
 log = get_logger("block_manager")
 

@@ -1,9 +1,9 @@
 """The memory service's gRPC API (``pagedkv.memory.v1.MemoryService``).
 
 Thin: each handler converts the request's protos to the block manager's typed
-requests (:mod:`memory_service.requests`), calls the :class:`BlockManager`
+requests (:mod:`memory_service.manager.requests`), calls the :class:`BlockManager`
 (synchronously, on the event loop, so every call is atomic) and converts the
-typed result back. Errors map to codes in one place (:func:`pagedkv.service.map_errors`).
+typed result back. Errors map to codes in one place (:func:`pagedkv.runtime.service.map_errors`).
 Each handler's first line checks the caller's right to make the call
 (:mod:`memory_service.authz` has the table), before anything changes.
 """
@@ -15,23 +15,28 @@ import hmac
 import time
 
 from memory_service.authz import ROUTER, SCHEDULER, WORKER, Authorizer
-from memory_service.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
 from memory_service.leases import Lease
-from memory_service.paging import decode_page_token, encode_page_token, page_size
+from memory_service.manager.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
+from memory_service.manager.paging import decode_page_token, encode_page_token, page_size
+from memory_service.manager.requests import Allocation, Append, BlockCopy, OutOfBlocks, check_batch, check_request_size
+from memory_service.manager.sequence import Sequence, SequenceInfo
 from memory_service.pool import Pool
 from memory_service.prefix_cache import KvEvent, PrefixCache
-from memory_service.requests import Allocation, Append, BlockCopy, OutOfBlocks, check_batch, check_request_size
-from memory_service.sequence import Sequence, SequenceInfo
 from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
-from pagedkv.block_hash import CacheKey
-from pagedkv.errors import FailedPreconditionError, InvalidArgumentError, OutOfBlocksError, PermissionDeniedError
-from pagedkv.kv_scales import sign_scales
-from pagedkv.logs import get_logger
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
-from pagedkv.service import map_errors
-from pagedkv.tls import require_role
+from pagedkv.runtime.block_hash import CacheKey
+from pagedkv.runtime.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    PermissionDeniedError,
+)
+from pagedkv.runtime.kv_scales import sign_scales
+from pagedkv.runtime.logs import get_logger
+from pagedkv.runtime.service import map_errors
+from pagedkv.runtime.tls import require_role
 
 log = get_logger("memory_service")
 
@@ -62,9 +67,9 @@ def _event(e: KvEvent, with_token_ids: bool) -> pb.KvEvent:
 
 def _info(info: SequenceInfo, with_lease_id: bool) -> pb.SequenceInfo:
     """The snapshot as sent; its lease id only when ``with_lease_id`` (the admin)."""
-    return pb.SequenceInfo(seq_id=info.seq_id, lease_id=info.lease_id if with_lease_id else "", num_tokens=info.num_tokens,
-                           block_ids=info.block_ids, ref_counts=info.ref_counts, parent_seq_id=info.parent_seq_id,
-                           media=info.media, swapped=info.swapped)
+    return pb.SequenceInfo(seq_id=info.seq_id, lease_id=info.lease_id if with_lease_id else "",
+                           num_tokens=info.num_tokens, block_ids=info.block_ids, ref_counts=info.ref_counts,
+                           parent_seq_id=info.parent_seq_id, media=info.media, swapped=info.swapped)
 
 
 def _ok(result, what: str):
@@ -154,7 +159,8 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def ExportPrefix(self, request, context):
         lease = self.authz.lease(context, request.lease_id)
         self.transfers.require_export()  # before pinning anything
-        seq = self.manager.export_prefix(request.lease_id, request.token_ids, CacheKey(request.model_id, request.cache_salt))
+        seq = self.manager.export_prefix(request.lease_id, request.token_ids,
+                                         CacheKey(request.model_id, request.cache_salt))
         if seq is None:
             return pb.ExportPrefixResponse()
         try:
@@ -167,7 +173,8 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def AllocateSequences(self, request, context):
         lease = self.authz.lease(context, request.lease_id)
         check_request_size(request.sequences, "AllocateSequences")  # before the work of converting it
-        reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None, CacheKey(s.model_id, s.cache_salt),
+        reqs = [Allocation(s.num_tokens, tuple(s.token_ids) if s.token_ids else None,
+                           CacheKey(s.model_id, s.cache_salt),
                            self.transfers.take(s.remote_prefix) if s.HasField("remote_prefix") else None)
                 for s in request.sequences]
         seqs = _ok(self.manager.allocate(request.lease_id, reqs), "allocation")
@@ -359,7 +366,7 @@ async def expire_leases_forever(manager: BlockManager, period: float) -> None:
     to every lease and nothing expires for one more period, while the keep-alives that queued
     meanwhile are served; the sweep also yields to the loop before each expiry so RPCs already
     received run first. Blocks of dropped leases return to the pool
-    :data:`~memory_service.block_manager.RELEASE_CHUNK_BLOCKS` references at a time, with a
+    :data:`~memory_service.manager.block_manager.RELEASE_CHUNK_BLOCKS` references at a time, with a
     rest as long as each chunk took between chunks (at most half the loop's time).
     """
     leases = manager.leases

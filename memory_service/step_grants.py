@@ -16,11 +16,11 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from memory_service.requests import BlockCopy, Receipt
-from memory_service.sequence import Sequence
-from pagedkv.errors import PermissionDeniedError
+from memory_service.manager.requests import BlockCopy, Receipt
+from memory_service.manager.sequence import Sequence
 from pagedkv.grant.v1 import grant_pb2
-from pagedkv.grants import copy_tuple, grant_parts_message, granted_copy, mac, receipt_signed, token_digest
+from pagedkv.runtime.errors import PermissionDeniedError
+from pagedkv.runtime.grants import copy_tuple, grant_parts_message, granted_copy, mac, receipt_signed, token_digest
 
 #: ``pagedkv.grant.v1.Medium`` of another node's pool.
 REMOTE = grant_pb2.MEDIUM_REMOTE
@@ -30,7 +30,7 @@ class GrantSigner:
     """Signs grants and checks receipts for one pool generation.
 
     Args:
-        key: the plane key (pagedkv.grants.KEY_BYTES bytes).
+        key: the plane key (pagedkv.runtime.grants.KEY_BYTES bytes).
         generation: the pool generation grants name.
         epochs: the pool's epoch table, int64 [num_blocks] (read when signing).
         wall_clock: Unix time in seconds (grant expiry is wall time: workers compare it with theirs).

@@ -1,6 +1,6 @@
 """A node's side of node transfers: its workers' transfer sources, the tickets it signs, the tickets it takes.
 
-DESIGN.md, "Nodes" and "Tiers and transfers"; :mod:`pagedkv.transfer` has the trust argument.
+DESIGN.md, "Nodes" and "Tiers and transfers"; :mod:`pagedkv.runtime.transfer` has the trust argument.
 Moving a prompt's cached blocks from node A to node B (a cross-node prefix pull, or a request
 prefilled on A and decoded on B)::
 
@@ -23,19 +23,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from memory_service.requests import RemotePrefix
-from memory_service.sequence import Sequence
+from memory_service.manager.requests import RemotePrefix
+from memory_service.manager.sequence import Sequence
 from pagedkv.config import FP8
-from pagedkv.errors import (
+from pagedkv.grant.v1 import grant_pb2
+from pagedkv.memory.v1 import memory_service_pb2 as pb
+from pagedkv.runtime.errors import (
     TRANSFER_TICKET_REFUSED,
     TRANSFERS_OFF,
     FailedPreconditionError,
     InvalidArgumentError,
     PermissionDeniedError,
 )
-from pagedkv.grant.v1 import grant_pb2
-from pagedkv.memory.v1 import memory_service_pb2 as pb
-from pagedkv.transfer import layouts_match, sign_ticket, source_digest, ticket_signed
+from pagedkv.runtime.transfer import layouts_match, sign_ticket, source_digest, ticket_signed
 
 #: Most transfer sources one node keeps (one per worker; a worker that publishes again replaces its own).
 MAX_SOURCES = 16
@@ -79,11 +79,14 @@ class NodeTransfers:
             raise InvalidArgumentError(f"PublishTransferSource: the agent name must have 1 to {MAX_AGENT_NAME} "
                                        f"characters and its metadata 1 to {MAX_AGENT_METADATA} bytes")
         if source.mem_type not in ("", "DRAM", "VRAM"):
-            raise InvalidArgumentError(f"PublishTransferSource: mem_type must be DRAM or VRAM, got {source.mem_type[:16]!r}")
+            raise InvalidArgumentError(
+                f"PublishTransferSource: mem_type must be DRAM or VRAM, got {source.mem_type[:16]!r}"
+            )
         if source.num_blocks != d.layout.num_blocks or source.block_bytes != d.block_nbytes or not source.base_address:
             raise InvalidArgumentError(
                 f"PublishTransferSource: the source describes {source.num_blocks} blocks of {source.block_bytes} bytes "
-                f"at {source.base_address:#x}; this pool has {d.layout.num_blocks} blocks of {d.block_nbytes} bytes")
+                f"at {source.base_address:#x}; this pool has {d.layout.num_blocks} blocks of {d.block_nbytes} bytes"
+            )
         self.sources.pop(source.agent_name, None)
         if len(self.sources) >= MAX_SOURCES:
             self.sources.pop(next(iter(self.sources)))
@@ -98,7 +101,9 @@ class NodeTransfers:
         if self.key is None:
             raise FailedPreconditionError(
                 f"{what}: this memory service takes no part in node transfers; start every memory service of the "
-                "deployment with the same --transfer-key-file", reason=TRANSFERS_OFF)
+                "deployment with the same --transfer-key-file",
+                reason=TRANSFERS_OFF,
+            )
 
     def require_export(self) -> None:
         """Refuse ExportPrefix unless this node takes part in transfers and its blocks can be taken
@@ -111,7 +116,9 @@ class NodeTransfers:
         if self.descriptor.layout.dtype == FP8.name:
             raise FailedPreconditionError(
                 "ExportPrefix: this pool holds fp8 KV, which reads right only with the scales it was written with; "
-                "tickets do not carry a node's scales, so fp8 pools take no part in node transfers", reason=TRANSFERS_OFF)
+                "tickets do not carry a node's scales, so fp8 pools take no part in node transfers",
+                reason=TRANSFERS_OFF,
+            )
 
     def ticket(self, seq: Sequence, ttl: float, epochs) -> pb.TransferTicket:
         """The signed ticket for ``seq``, an export's pinning sequence, valid ``ttl`` seconds (its lease's TTL).
@@ -123,12 +130,21 @@ class NodeTransfers:
         if not self.sources:
             raise FailedPreconditionError(
                 "ExportPrefix: no worker of this node has published a transfer source yet (workers publish one when "
-                "they map the pool with node transfers on); start a worker, or retry shortly", reason=TRANSFERS_OFF)
+                "they map the pool with node transfers on); start a worker, or retry shortly",
+                reason=TRANSFERS_OFF,
+            )
         d = self.descriptor
-        t = pb.TransferTicket(node_name=self.node_name, pool_generation=d.generation, layout=d.layout,
-                              block_ids=seq.block_ids, block_epochs=[int(epochs[b]) for b in seq.block_ids],
-                              block_hashes=seq.block_hashes, source=next(reversed(self.sources.values())),
-                              expires_at=self.wall_clock() + ttl, model=d.model)
+        t = pb.TransferTicket(
+            node_name=self.node_name,
+            pool_generation=d.generation,
+            layout=d.layout,
+            block_ids=seq.block_ids,
+            block_epochs=[int(epochs[b]) for b in seq.block_ids],
+            block_hashes=seq.block_hashes,
+            source=next(reversed(self.sources.values())),
+            expires_at=self.wall_clock() + ttl,
+            model=d.model,
+        )
         return sign_ticket(self.key, t)
 
     def take(self, t: pb.TransferTicket) -> RemotePrefix:
@@ -144,33 +160,46 @@ class NodeTransfers:
         """
         self.require("AllocateSequences with remote_prefix")
         if not ticket_signed(self.key, t):
-            raise PermissionDeniedError("AllocateSequences: the remote_prefix ticket is not signed with this "
-                                        "deployment's transfer key; pass ExportPrefix's ticket unchanged (nothing "
-                                        "was allocated)", reason=TRANSFER_TICKET_REFUSED)
+            raise PermissionDeniedError(
+                "AllocateSequences: the remote_prefix ticket is not signed with this "
+                "deployment's transfer key; pass ExportPrefix's ticket unchanged (nothing "
+                "was allocated)",
+                reason=TRANSFER_TICKET_REFUSED,
+            )
         d = self.descriptor
         why = None
         if not layouts_match(t.layout, d.layout) or t.source.block_bytes != d.block_nbytes:
-            why = (f"its pool holds {t.layout.dtype} blocks of {t.layout.block_size} tokens x {t.layout.num_layers} "
-                   f"layers x {t.layout.num_kv_heads} heads x {t.layout.head_dim}; this one {d.layout.dtype} blocks of "
-                   f"{d.layout.block_size} x {d.layout.num_layers} x {d.layout.num_kv_heads} x {d.layout.head_dim}")
+            why = (
+                f"its pool holds {t.layout.dtype} blocks of {t.layout.block_size} tokens x {t.layout.num_layers} "
+                f"layers x {t.layout.num_kv_heads} heads x {t.layout.head_dim}; this one {d.layout.dtype} blocks of "
+                f"{d.layout.block_size} x {d.layout.num_layers} x {d.layout.num_kv_heads} x {d.layout.head_dim}"
+            )
         elif t.model != d.model:
             why = f"it holds KV of model {t.model!r}, this node of {d.model!r}"
         elif d.layout.dtype == FP8.name:
-            why = ("fp8 KV reads right only with the scales it was written with, and tickets do not carry a "
-                   "node's scales: fp8 pools take no part in node transfers")
+            why = (
+                "fp8 KV reads right only with the scales it was written with, and tickets do not carry a "
+                "node's scales: fp8 pools take no part in node transfers"
+            )
         elif t.node_name == self.node_name:
             why = "it is this node's own (its blocks are here already)"
         elif t.expires_at < self.wall_clock():
             why = f"it expired {self.wall_clock() - t.expires_at:.1f} s ago; export the prefix again"
         if why is not None:
-            raise FailedPreconditionError(f"AllocateSequences: the remote_prefix ticket of node {t.node_name!r} cannot "
-                                          f"be taken: {why} (nothing was allocated)", reason=TRANSFER_TICKET_REFUSED)
+            raise FailedPreconditionError(
+                f"AllocateSequences: the remote_prefix ticket of node {t.node_name!r} cannot "
+                f"be taken: {why} (nothing was allocated)",
+                reason=TRANSFER_TICKET_REFUSED,
+            )
         n = len(t.block_ids)
         if len(t.block_epochs) != n or len(t.block_hashes) != n or any(b >= t.source.num_blocks for b in t.block_ids):
-            raise InvalidArgumentError("AllocateSequences: the remote_prefix ticket is malformed (nothing was allocated)",
-                                       reason=TRANSFER_TICKET_REFUSED)
-        return RemotePrefix(tuple(t.block_ids), tuple(t.block_epochs), tuple(bytes(h) for h in t.block_hashes),
-                            source_digest(t.source))
+            raise InvalidArgumentError(
+                "AllocateSequences: the remote_prefix ticket is malformed (nothing was allocated)",
+                reason=TRANSFER_TICKET_REFUSED,
+            )
+        return RemotePrefix(
+            tuple(t.block_ids), tuple(t.block_epochs), tuple(bytes(h) for h in t.block_hashes), source_digest(t.source)
+        )
 
 
 __all__ = ["MAX_SOURCES", "NodeTransfers"]

@@ -6,7 +6,7 @@ table and the plane key go only to workers; everyone else reads the layout over 
 socket, mode 0600 (created so, under a 0700 folder for the default path); on each connection
 the server reads the peer's credentials (``SO_PEERCRED``), closes the connection with a logged
 refusal unless the peer runs as this process's uid, and otherwise sends one message
-(:mod:`pagedkv.pool_socket`: descriptor with handle, plane key, fds) and closes.
+(:mod:`pagedkv.runtime.pool_socket`: descriptor with handle, plane key, fds) and closes.
 
 The default path is ``$PAGEDKV_HOME/run/memory-<pid>.sock``; a starting service removes sockets
 there that nobody listens on any more (their service was killed). Containers share one folder
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memory_service.pool import Pool
-from pagedkv.logs import get_logger
-from pagedkv.paths import pagedkv_home
-from pagedkv.pool_socket import MAX_SOCKET_PATH_BYTES, send_handle
+from pagedkv.runtime.logs import get_logger
+from pagedkv.runtime.paths import pagedkv_home
+from pagedkv.runtime.pool_socket import MAX_SOCKET_PATH_BYTES, send_handle
 
 log = get_logger("worker_socket")
 

@@ -269,7 +269,7 @@ log "same request again: answered in ${again##*$'\n'}s"
 mem=$(container memory)
 stats_py='
 from client.services import MemoryClient
-from pagedkv.tls import TlsFiles
+from pagedkv.runtime.tls import TlsFiles
 tls = TlsFiles("/etc/pagedkv/tls/admin.pem", "/etc/pagedkv/tls/admin-key.pem", "/etc/pagedkv/tls/ca.pem")
 m = MemoryClient("127.0.0.1:50051", tls=tls)
 s = m.stats()

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from headless_chromium import chromium, log_in  # noqa: E402 - scripts/ is not a package
 
-from client.stack import ServiceProcess  # noqa: E402
+from client.ops.stack import ServiceProcess  # noqa: E402
 
 KEY = "screenshot-operator"
 SYSTEM = ("You are a careful assistant for a team that runs language models on shared machines. "

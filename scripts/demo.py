@@ -27,9 +27,9 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from client import launcher  # noqa: E402
+from client.ops import launcher  # noqa: E402
+from client.ops.report import sequences_table, stats_table  # noqa: E402
 from client.params import SamplingParams  # noqa: E402
-from client.report import sequences_table, stats_table  # noqa: E402
 
 PROMPTS = [
     ("capital", "What is the capital of France?"),
@@ -127,16 +127,22 @@ def main() -> int:
                                     f"{out.metrics['ttft']:.2f}", escape(o.text.strip()))
             console.print(answers)
             steps = llm.engine.traces
-            console.print(f"[bold]{total_out} output tokens in {elapsed:.1f} s = {total_out / elapsed:.1f} tokens/s[/] "
-                          f"over {len(steps)} steps, mean batch {sum(len(s.request_ids) for s in steps) / max(1, len(steps)):.1f} "
-                          f"requests, peak {monitor.peak_used} blocks in use")
+            console.print(
+                f"[bold]{total_out} output tokens in {elapsed:.1f} s = {total_out / elapsed:.1f} tokens/s[/] "
+                f"over {len(steps)} steps, "
+                f"mean batch {sum(len(s.request_ids) for s in steps) / max(1, len(steps)):.1f} "
+                f"requests, peak {monitor.peak_used} blocks in use"
+            )
             if monitor.best is not None:
                 _, stats, seqs, labels = monitor.best
                 console.print("Block allocation while the n=3 samples shared their prompt blocks:")
                 console.print(stats_table(stats))
                 console.print(sequences_table(seqs, labels))
             final = llm.stats()
-        console.print(f"after the run: used blocks {final.used_blocks}, available {final.available_blocks} of {final.total_blocks}")
+        console.print(
+            f"after the run: used blocks {final.used_blocks}, "
+            f"available {final.available_blocks} of {final.total_blocks}"
+        )
     finally:
         stopped = launcher.down()
         console.print(f"stopped {', '.join(stopped)}")

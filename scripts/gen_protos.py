@@ -3,7 +3,7 @@
 One command (``make protos`` or ``python scripts/gen_protos.py``) writes
 ``*_pb2.py``, ``*_pb2_grpc.py`` and ``*_pb2.pyi`` next to each ``.proto`` under
 ``protos/``; ``--check`` regenerates into a temporary folder and exits 1 when the
-committed files differ (tests/test_protos.py runs it).
+committed files differ (tests/pagedkv/test_protos.py runs it).
 
 The generator is pinned: grpcio-tools ``GRPCIO_TOOLS_VERSION`` (requirements/protos.in). Its
 output carries no protobuf version guard (gencode 5.26.1) and needs grpcio 1.65.5 or newer,

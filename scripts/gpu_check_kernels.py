@@ -9,7 +9,7 @@ Needs one CUDA device, torch and triton (tested for torch 2.11 + triton 3.6). Th
    forced split-KV), and a mixed batch; every call is the model's (`plan_attention` from host
    lengths, then `paged_attention`), and the plan must pick the decode kernel for the decode
    batch and the prefill kernel for the mixed one. The reference is the fp64 dense one of
-   tests/kernel_reference.py computed on the CPU. fp8 (e4m3) caches: the same batches, every
+   tests/helpers/kernel_reference.py computed on the CPU. fp8 (e4m3) caches: the same batches, every
    pair of (heads, block_size) values with head_dim 48/64/80/128 and bf16/fp16 queries, per-KV-head
    scales orders of magnitude apart (`make_fp8_case`), against the reference over the
    dequantized cache (outputs over their head's magnitude; needs compute capability >= 8.9,
@@ -51,7 +51,7 @@ DTYPES = ["float16", "bfloat16"]
 LONG = 5000  # long enough for the default split policy to split
 FP8_HEAD_DIMS = [64, 48, 128, 80]
 # fp8 caches against the reference over the unquantized values, over the head's magnitude:
-# e4m3's relative half-ulp (tests/test_kernels_fp8.py); reported in the detail, not failed.
+# e4m3's relative half-ulp (tests/kernels/test_kernels_fp8.py); reported in the detail, not failed.
 FP8_UNQUANTIZED_BOUND = 2.0**-4
 
 Report = Callable[[str, bool, str], None]

@@ -9,7 +9,7 @@ its own with `read_blocks`, as a step's node transfers do (`compute_service.work
   byte equal to A's; GB/s each, best of a few repeats (figures, not checks). Between two processes
   of one GPU, UCX takes CUDA IPC or copies through host memory, whichever the build has; on a
   cluster the same calls go over NVLink or RDMA;
-- a fault injected after k blocks (a test hook at ``transfer.read_blocks``, `pagedkv.test_hooks`):
+- a fault injected after k blocks (a test hook at ``transfer.read_blocks``, `pagedkv.runtime.test_hooks`):
   TransferError naming k, and exactly the first k blocks written.
 
 `run(report, device="cpu")` does the same with cpu pools (checks this file without a GPU).
@@ -48,8 +48,8 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
     import torch
 
     from compute_service.transfer_agent import TransferAgent, TransferError, TransferSource
-    from pagedkv import test_hooks
     from pagedkv.grant.v1 import grant_pb2
+    from pagedkv.runtime import test_hooks
 
     cuda = device == "cuda"
     blocks = blocks or (256 if cuda else 16)
@@ -99,9 +99,11 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
             remove_fault()
         sync()
         written = [d for d in range(2 * blocks) if pool[d].view(torch.int16).any()]
-        report(f"{label}: a fault after 3 blocks raises and writes exactly those",
-               failed is not None and failed.blocks_done == 3 and written == sorted(d for _, d in runs["scattered"][:3]),
-               f"error={failed!r}, blocks written={written}")
+        report(
+            f"{label}: a fault after 3 blocks raises and writes exactly those",
+            failed is not None and failed.blocks_done == 3 and written == sorted(d for _, d in runs["scattered"][:3]),
+            f"error={failed!r}, blocks written={written}",
+        )
     except Exception as e:  # noqa: BLE001 - a section reports, it does not stop the script
         report(f"{label}: ran", False, repr(e))
     finally:

@@ -58,7 +58,7 @@ def _step(mapped, pairs, src_medium, dst_medium):
     from compute_service.grant_check import check_grants
     from pagedkv.compute.v1 import compute_service_pb2 as cpb
     from pagedkv.grant.v1 import grant_pb2
-    from pagedkv.grants import sign_grant, token_digest
+    from pagedkv.runtime.grants import sign_grant, token_digest
 
     ep, hep = mapped.epochs, mapped.host_epochs
 
@@ -104,7 +104,8 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
     label = f"host tier ({'cuda' if cuda else 'cpu'} pool, {blocks} blocks)"
     env = env or {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos"), *sys.path])}
     sock = str(Path(work or "/tmp") / f"tiers-{os.getpid()}.sock")
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, device, str(blocks), "bfloat16" if cuda else "float32", sock],
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, device, str(blocks), "bfloat16" if cuda else "float32",
+                              sock],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
     mapped = None
     try:

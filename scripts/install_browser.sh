@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Headless Chromium and ChromeDriver for the dashboard's browser tests (tests/test_dashboard_page.py),
+# Headless Chromium and ChromeDriver for the dashboard's browser tests (tests/client/serve/test_dashboard_page.py),
 # from Debian's packages `chromium` and `chromium-driver`. Does nothing when both are on PATH.
 # Needs root or password-less sudo to install; otherwise says what to run and fails, so the
 # browser tests never pass by being skipped.

@@ -32,7 +32,7 @@ fi
 HF_DIR=$(HF_DIR=${HF_DIR:-} "$PROJECT_PY" - <<'EOF'
 import os
 
-from pagedkv.paths import pagedkv_home
+from pagedkv.runtime.paths import pagedkv_home
 
 print(os.environ.get("HF_DIR") or pagedkv_home() / "smollm2-hf")
 EOF
@@ -44,7 +44,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagedkv.paths import smollm2_gguf_path
+from pagedkv.runtime.paths import smollm2_gguf_path
 
 out = os.environ["HF_DIR"]
 gguf = smollm2_gguf_path()

@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 # Session fixtures shared by every module: one reference model and one loaded GGUF per run.
-from model_fixtures import gguf_dir, hf_model, hf_tokenizer, ours, pagedkv_home  # noqa: F401
+from helpers.model_fixtures import gguf_dir, hf_model, hf_tokenizer, ours, pagedkv_home  # noqa: F401
 
-from client.stack import LocalStack, ServiceProcess
+from client.ops.stack import LocalStack, ServiceProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds a service may take to write its ready file (and again to turn healthy).
@@ -25,7 +25,7 @@ START_TIMEOUT = 120.0
 
 
 def hook_env(*modules: str, **params: str) -> dict[str, str]:
-    """The environment that installs test hook modules (``tests.hooks.<name>``, :mod:`pagedkv.test_hooks`)
+    """The environment that installs test hook modules (``tests.hooks.<name>``, :mod:`pagedkv.runtime.test_hooks`)
     into a service process, with the hooks' own ``params`` (environment variables); the repository
     root goes first on the process's ``PYTHONPATH`` so ``tests.hooks`` imports there."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -100,7 +100,7 @@ def start_service(tmp_path):
 def tiny_model(tmp_path_factory):
     """(directory, transformers model): the tiny random Llama of ``tiny_llama.make_tiny_llama``
     (seed 0), written once for the session. Read-only: a test that edits its files copies it."""
-    from tiny_llama import make_tiny_llama
+    from helpers.tiny_llama import make_tiny_llama
 
     path = tmp_path_factory.mktemp("tiny_llama") / "model"
     return path, make_tiny_llama(path)
@@ -109,7 +109,8 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def memory_service(tmp_path_factory):
     """One memory service for a test module: 64 blocks of 4 tokens, SmolLM2 layout."""
-    with local_stack(tmp_path_factory.mktemp("memory"), ["--num-blocks", "64", "--block-size", "4", "--lease-ttl", "30"],
+    with local_stack(tmp_path_factory.mktemp("memory"),
+                     ["--num-blocks", "64", "--block-size", "4", "--lease-ttl", "30"],
                      num_workers=0, name="") as s:
         yield s.memory
 
@@ -125,7 +126,8 @@ def memory_stub(memory_service):
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
     """Memory service (512 blocks of 16 tokens, SmolLM2 layout) + two workers mapping its pool."""
-    with local_stack(tmp_path_factory.mktemp("stack"), ["--num-blocks", "512", "--block-size", "16", "--lease-ttl", "30"],
+    with local_stack(tmp_path_factory.mktemp("stack"),
+                     ["--num-blocks", "512", "--block-size", "16", "--lease-ttl", "30"],
                      num_workers=2) as s:
         yield s
 

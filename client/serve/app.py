@@ -8,7 +8,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /health``, ``GET /metrics``, the admin-only ``GET /debug/steps`` (the engine's step
 trace: which requests each step carried, and at which step each abort was asked; with several
 nodes, the first node's, and every node's under ``nodes``), and the
-operator's dashboard feed under ``/dashboard/`` (client.serve.dashboard_routes).
+operator's dashboard feed under ``/dashboard/`` (client.serve.dashboard.routes).
 
 Errors use the OpenAI error body (:class:`~client.serve.protocol.APIError`): 400 bad parameter or
 a prompt longer than the context, 401 missing or wrong key, 403 a tenant key on an admin route,
@@ -35,14 +35,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from client.backend import Backend
-from client.engine_stats import EngineStats, StepLog
+from client.engine.stats import EngineStats, StepLog
 from client.errors import ServiceError, Unavailable
 from client.serve.backends import Backends
 from client.serve.config import Tenants
-from client.serve.dashboard_auth import LoginThrottle, Sessions, same_key
-from client.serve.dashboard_feed import DEFAULT_INTERVAL, DashboardFeed
-from client.serve.dashboard_page import add_dashboard_page
-from client.serve.dashboard_routes import add_dashboard_routes
+from client.serve.dashboard.auth import LoginThrottle, Sessions, same_key
+from client.serve.dashboard.feed import DEFAULT_INTERVAL, DashboardFeed
+from client.serve.dashboard.page import add_dashboard_page
+from client.serve.dashboard.routes import add_dashboard_routes
 from client.serve.generation import generate
 from client.serve.metrics import ServeMetrics
 from client.serve.protocol import (
@@ -55,7 +55,7 @@ from client.serve.protocol import (
     prompts_of,
 )
 from client.tokenizer import encode_prompt
-from pagedkv.logs import get_logger
+from pagedkv.runtime.logs import get_logger
 
 log = get_logger("serve")
 
@@ -86,11 +86,11 @@ class Server:
     in_flight: collections.Counter = field(default_factory=collections.Counter, init=False, repr=False)
     #: Seconds between dashboard snapshots while someone watches.
     dashboard_interval: float = DEFAULT_INTERVAL
-    #: Dashboard logins (client.serve.dashboard_auth).
+    #: Dashboard logins (client.serve.dashboard.auth).
     sessions: Sessions = field(default_factory=Sessions, init=False, repr=False)
-    #: Failed dashboard logins per client address (client.serve.dashboard_auth).
+    #: Failed dashboard logins per client address (client.serve.dashboard.auth).
     login_throttle: LoginThrottle = field(default_factory=LoginThrottle, init=False, repr=False)
-    #: The dashboard's feed, made at the first viewer (client.serve.dashboard_feed).
+    #: The dashboard's feed, made at the first viewer (client.serve.dashboard.feed).
     _feed: DashboardFeed | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):

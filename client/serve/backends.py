@@ -5,7 +5,7 @@ In order (the first that names a memory service wins):
 1. ``--memory`` / ``--workers`` (or ``PAGEDKV_MEMORY`` / ``PAGEDKV_WORKERS``, which are their
    flags' defaults);
 2. the state file of ``pagedkv up`` whose processes are all alive;
-3. embedded: a :class:`~client.stack.LocalStack` of one memory service and one worker as child
+3. embedded: a :class:`~client.ops.stack.LocalStack` of one memory service and one worker as child
    processes on loopback free ports, stopped when the server stops.
 
 Every channel (health checks, the pool check, the engine's) uses ``args.tls``, the scheduler's
@@ -13,7 +13,8 @@ mutual-TLS files (``--tls-cert/--tls-key/--tls-ca``), and embedded services get 
 without them everything is plaintext on loopback.
 
 Attaching, the pool flags given (``--block-size``, ``--kv-cache-memory``, ``--host-cache-memory``,
-``--kv-cache-dtype``, ``--dtype``, ``--model``, ``--revision``) are checked against the running pool's descriptor and the worker's
+``--kv-cache-dtype``, ``--dtype``, ``--model``, ``--revision``) are checked against the running pool's descriptor and
+the worker's
 model, and refused when they differ: a server must never believe in a pool it does not have.
 ``--no-prefix-caching`` configures embedded services only, and is refused when attaching.
 """
@@ -25,14 +26,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from client.launcher import alive, check_tls, default_device, read_state
+from client.ops.launcher import alive, check_tls, default_device, read_state
+from client.ops.stack import LocalStack, serving
 from client.services import MemoryClient, WorkerClient, admin_token_path
-from client.stack import LocalStack, serving
 from pagedkv import config
 from pagedkv.config import host_cache_bytes, parse_bytes
-from pagedkv.model_source import resolve_model
-from pagedkv.tls import TlsFiles, from_args
-from pagedkv.tls import channel as plane_channel
+from pagedkv.model.source import resolve_model
+from pagedkv.runtime.tls import TlsFiles, from_args
+from pagedkv.runtime.tls import channel as plane_channel
 
 
 @dataclass
@@ -112,7 +113,7 @@ def embedded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The flags of the embedded memory service and of its workers, from ``pagedkv serve``'s.
 
     Every pool flag is explicit (the children inherit this process's environment, whose
-    variables must not configure them behind the server's back); :class:`~client.stack.LocalStack`
+    variables must not configure them behind the server's back); :class:`~client.ops.stack.LocalStack`
     adds ``--host``, ``--port``, ``--device``, ``--model``, ``--revision`` and TLS, and :func:`_embedded`
     ``--log-level``. Workers get ``--dtype`` (the model's), the memory service the pool's flags.
     """

@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.cluster import parse_node
-from client.serve.dashboard_auth import same_key
+from client.cluster.core import parse_node
+from client.serve.dashboard.auth import same_key
 from pagedkv import config
 from pagedkv.config import flags
 
@@ -55,14 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the memory service's admin token, read by the dashboard to show every lease's "
                        "sequences (default: an embedded service's own, else $PAGEDKV_ADMIN_TOKEN_FILE, else "
                        "$PAGEDKV_HOME/admin-token; unreadable: the dashboard shows this server's lease only)")
-    where.add_argument("--device", default=_env("SERVE_DEVICE"), help="embedded services: cpu or cuda (default: cuda when present)")
+    where.add_argument("--device", default=_env("SERVE_DEVICE"),
+                       help="embedded services: cpu or cuda (default: cuda when present)")
     plane = p.add_argument_group("internal plane (mutual TLS; the scheduler's certificate, also given to embedded "
                                  "services; none: plaintext, loopback only)")
     flags.add_tls_args(plane)
     flags.add_logging_args(p)
     http = p.add_argument_group("HTTP")
     http.add_argument("--host", default=_env("SERVE_HOST"), help="address to bind (default 127.0.0.1)")
-    http.add_argument("--port", type=int, default=_env("SERVE_PORT", config.SERVE_PORT), help="port; 0 = any free port (default 8000)")
+    http.add_argument("--port", type=int, default=_env("SERVE_PORT", config.SERVE_PORT),
+                      help="port; 0 = any free port (default 8000)")
     http.add_argument("--api-key", action="append", default=None,
                       help="a key callers must send as 'Authorization: Bearer KEY' (repeatable; env PAGEDKV_API_KEY, "
                       "comma-separated); its tenant is 'default'")
@@ -93,28 +95,54 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the name in the API's 'model' field (default: --model)")
     flags.add_dtype_arg(model, default=None,
                         help="model weights and activations (default auto: float32 on cpu, bfloat16 on cuda)")
-    model.add_argument("--kv-scales-file", default=_env("KV_SCALES_FILE"),
-                       help="with --kv-cache-dtype fp8: the pool's scales, JSON {\"k_scale\": [[...]], \"v_scale\": [[...]]} "
-                            "of [num_layers][num_kv_heads] (default: the first worker calibrates them); embedded "
-                            "services only")
-    flags.add_pool_args(model, num_blocks=False, kv_cache_dtype=True, given_only=True, kv_cache_dtype_help=(
-        "the pool's dtype (default auto: the model's); fp8 stores keys and values in one byte (e4m3) with static "
-        "scales per (layer, KV head) that the first worker calibrates: 4x the tokens of float32, 2x of bfloat16, "
-        "in the same memory. Embedded services get the pool flags; attaching, they must match"))
-    model.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                       help="embedded memory service without automatic prefix caching (on by default)")
+    model.add_argument(
+        "--kv-scales-file",
+        default=_env("KV_SCALES_FILE"),
+        help='with --kv-cache-dtype fp8: the pool\'s scales, JSON {"k_scale": [[...]], "v_scale": [[...]]} '
+        "of [num_layers][num_kv_heads] (default: the first worker calibrates them); embedded "
+        "services only",
+    )
+    flags.add_pool_args(
+        model,
+        num_blocks=False,
+        kv_cache_dtype=True,
+        given_only=True,
+        kv_cache_dtype_help=(
+            "the pool's dtype (default auto: the model's); fp8 stores keys and values in one byte (e4m3) with static "
+            "scales per (layer, KV head) that the first worker calibrates: 4x the tokens of float32, 2x of bfloat16, "
+            "in the same memory. Embedded services get the pool flags; attaching, they must match"
+        ),
+    )
+    model.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="embedded memory service without automatic prefix caching (on by default)",
+    )
     sched = p.add_argument_group("scheduler")
-    sched.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 64),
-                       help="most requests running at once (default 64)")
-    sched.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", 512),
-                       help="token budget of one step, chunked prefill (default 512)")
-    sched.add_argument("--preemption-mode", choices=("recompute", "swap"),
-                       default=_env("PREEMPTION_MODE", "recompute"),
-                       help="when the pool runs out, preempt a running request by 'recompute' (free its blocks, "
-                       "compute its tokens again later; the default) or by 'swap' (move its KV to the host tier "
-                       "and back, nothing recomputed; needs --host-cache-memory, else it recomputes)")
-    sched.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None),
-                       help="longest context, prompt + output tokens (default: the model's, capped by the pool)")
+    sched.add_argument(
+        "--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 64), help="most requests running at once (default 64)"
+    )
+    sched.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_env("MAX_NUM_BATCHED_TOKENS", 512),
+        help="token budget of one step, chunked prefill (default 512)",
+    )
+    sched.add_argument(
+        "--preemption-mode",
+        choices=("recompute", "swap"),
+        default=_env("PREEMPTION_MODE", "recompute"),
+        help="when the pool runs out, preempt a running request by 'recompute' (free its blocks, "
+        "compute its tokens again later; the default) or by 'swap' (move its KV to the host tier "
+        "and back, nothing recomputed; needs --host-cache-memory, else it recomputes)",
+    )
+    sched.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_env("MAX_MODEL_LEN", None),
+        help="longest context, prompt + output tokens (default: the model's, capped by the pool)",
+    )
     return p
 
 
@@ -141,8 +169,9 @@ class Tenants:
         return self.keys.get(key) if key is not None else None
 
     @classmethod
-    def load(cls, api_keys: list[str], keys_file: str | None, admin_key: str | None,
-             sharing_groups: list[str] = ()) -> Tenants:
+    def load(
+        cls, api_keys: list[str], keys_file: str | None, admin_key: str | None, sharing_groups: list[str] = ()
+    ) -> Tenants:
         """Keys from ``--api-key`` (tenant "default") and ``--api-keys-file``; cache-sharing groups
         from ``--cache-sharing-group`` values ``NAME=TENANT,TENANT``.
 
@@ -191,24 +220,30 @@ def _sharing_groups(values: list[str], known: set[str]) -> dict[str, str]:
         name = name.strip()
         tenants = [t.strip() for t in members.split(",")]
         if not sep or not name or not all(tenants):
-            raise ValueError(f"--cache-sharing-group {value!r}: expected NAME=TENANT[,TENANT...], e.g. "
-                             "team=tenant-a,tenant-b")
+            raise ValueError(
+                f"--cache-sharing-group {value!r}: expected NAME=TENANT[,TENANT...], e.g. team=tenant-a,tenant-b"
+            )
         if not known:
-            raise ValueError(f"--cache-sharing-group {value!r}: groups need tenants; give API keys with "
-                             "--api-key or --api-keys-file")
+            raise ValueError(
+                f"--cache-sharing-group {value!r}: groups need tenants; give API keys with --api-key or --api-keys-file"
+            )
         if name in names:
             raise ValueError(f"--cache-sharing-group: group {name!r} is given twice; list all its tenants once")
         names.add(name)
         for tenant in tenants:
             if tenant not in known:
-                raise ValueError(f"--cache-sharing-group {value!r}: no API key maps to tenant {tenant!r}; name "
-                                 "tenants as --api-keys-file does ('default' for --api-key)")
+                raise ValueError(
+                    f"--cache-sharing-group {value!r}: no API key maps to tenant {tenant!r}; name "
+                    "tenants as --api-keys-file does ('default' for --api-key)"
+                )
             if tenant in groups:
                 other = groups[tenant]
-                raise ValueError(f"--cache-sharing-group: tenant {tenant!r} is in group {other!r} and in group "
-                                 f"{name!r}; a tenant may share its prefix cache with one group only"
-                                 if other != name else
-                                 f"--cache-sharing-group {value!r}: tenant {tenant!r} is listed twice")
+                raise ValueError(
+                    f"--cache-sharing-group: tenant {tenant!r} is in group {other!r} and in group "
+                    f"{name!r}; a tenant may share its prefix cache with one group only"
+                    if other != name
+                    else f"--cache-sharing-group {value!r}: tenant {tenant!r} is listed twice"
+                )
             groups[tenant] = name
     return groups
 

@@ -46,17 +46,30 @@ def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | 
         mt = max_tokens if max_tokens is not None else limit - len(ids)
         _check_fits(server, req, len(ids), mt)
         if len(ids) + mt > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{len(ids) + mt} tokens ({len(ids)} in the input, {mt} in the completion). Please reduce "
-                              "the length of the input or of the completion.", "max_tokens")
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + mt} tokens ({len(ids)} in the input, {mt} in the completion). Please reduce "
+                "the length of the input or of the completion.",
+                "max_tokens",
+            )
         try:
-            out.append(SamplingParams(
-                max_tokens=mt, temperature=req.temperature, top_p=req.top_p,
-                top_k=None if req.top_k is None else max(0, req.top_k), seed=req.seed,
-                repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-                stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, n=req.n, logprobs=logprobs))
+            out.append(
+                SamplingParams(
+                    max_tokens=mt,
+                    temperature=req.temperature,
+                    top_p=req.top_p,
+                    top_k=None if req.top_k is None else max(0, req.top_k),
+                    seed=req.seed,
+                    repetition_penalty=req.repetition_penalty,
+                    presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
+                    stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                    stop_token_ids=list(req.stop_token_ids or []),
+                    ignore_eos=req.ignore_eos,
+                    n=req.n,
+                    logprobs=logprobs,
+                )
+            )
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
     return out
@@ -76,11 +89,17 @@ def _check_fits(server: Server, req, prompt_len: int, max_tokens: int) -> None:
         return shared + req.n * (-(-length // bs) - shared)
 
     if need(prompt_len + 1) > total:
-        raise bad_request(f"{req.n} samples of a {prompt_len}-token prompt need at least {need(prompt_len + 1)} KV "
-                          f"blocks; the pool has {total}", "n")
+        raise bad_request(
+            f"{req.n} samples of a {prompt_len}-token prompt need at least {need(prompt_len + 1)} KV "
+            f"blocks; the pool has {total}",
+            "n",
+        )
     if req.ignore_eos and need(prompt_len + max_tokens) > total:
-        raise bad_request(f"{req.n} x {max_tokens} tokens after a {prompt_len}-token prompt (ignore_eos) need "
-                          f"{need(prompt_len + max_tokens)} KV blocks; the pool has {total}", "max_tokens")
+        raise bad_request(
+            f"{req.n} x {max_tokens} tokens after a {prompt_len}-token prompt (ignore_eos) need "
+            f"{need(prompt_len + max_tokens)} KV blocks; the pool has {total}",
+            "max_tokens",
+        )
 
 
 def _service_error(e: Exception) -> APIError:
@@ -92,8 +111,17 @@ def _service_error(e: Exception) -> APIError:
     return APIError(500, f"the engine failed the request: {e}", type="server_error")
 
 
-async def generate(server: Server, request: Request, tenant: str, req, prompt_ids: list[list[int]], *, chat: bool,
-                    logprobs: int | None, max_tokens: int | None):
+async def generate(
+    server: Server,
+    request: Request,
+    tenant: str,
+    req,
+    prompt_ids: list[list[int]],
+    *,
+    chat: bool,
+    logprobs: int | None,
+    max_tokens: int | None,
+):
     """Run one parsed request (``prompt_ids``: one token-id list per prompt) for ``tenant``.
 
     Returns the whole reply (JSON), an SSE ``StreamingResponse`` when ``req.stream``, or 499 when
@@ -108,23 +136,41 @@ async def generate(server: Server, request: Request, tenant: str, req, prompt_id
     params = _sampling(server, req, prompt_ids, logprobs, max_tokens)
     waiting = server.client.engine_stats().num_waiting
     if len(prompt_ids) > server.max_queued_requests:
-        raise bad_request(f"{len(prompt_ids)} prompts in one request; the server queues at most "
-                          f"{server.max_queued_requests} (--max-queued-requests)", "prompt")
+        raise bad_request(
+            f"{len(prompt_ids)} prompts in one request; the server queues at most "
+            f"{server.max_queued_requests} (--max-queued-requests)",
+            "prompt",
+        )
     if waiting + len(prompt_ids) > server.max_queued_requests:
-        raise APIError(429, f"the waiting queue is full ({waiting} requests wait; "
-                       f"--max-queued-requests {server.max_queued_requests})", type="rate_limit_error",
-                       code="queue_full")
+        raise APIError(
+            429,
+            f"the waiting queue is full ({waiting} requests wait; --max-queued-requests {server.max_queued_requests})",
+            type="rate_limit_error",
+            code="queue_full",
+        )
     limit = server.max_requests_per_tenant
     weight = sum(max(p.n, p.num_beams) for p in params)  # sequences: n samples or beams count each
     if limit is not None and tenant and server.in_flight[tenant] + weight > limit:
-        raise APIError(429, f"tenant {tenant!r} has {server.in_flight[tenant]} sequences in flight and this request "
-                       f"adds {weight} (n samples or beams per prompt); --max-requests-per-tenant {limit}",
-                       type="rate_limit_error", code="tenant_limit")
+        raise APIError(
+            429,
+            f"tenant {tenant!r} has {server.in_flight[tenant]} sequences in flight and this request "
+            f"adds {weight} (n samples or beams per prompt); --max-requests-per-tenant {limit}",
+            type="rate_limit_error",
+            code="tenant_limit",
+        )
     if not await server.backends_up():
         raise APIError(503, "the memory service or every worker is down", type="server_error", code="unavailable")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    choices = Choices(rid, server.model_name, chat, req.n, server.client.tokenizer, logprobs,
-                      req.return_tokens_as_token_ids, req.return_token_ids)
+    choices = Choices(
+        rid,
+        server.model_name,
+        chat,
+        req.n,
+        server.client.tokenizer,
+        logprobs,
+        req.return_tokens_as_token_ids,
+        req.return_token_ids,
+    )
     run = _Run(server, rid, len(prompt_ids), tenant, weight)
     salt = server.cache_salt(tenant, req.cache_salt)
     try:
@@ -136,8 +182,9 @@ async def generate(server: Server, request: Request, tenant: str, req, prompt_id
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         # The background task closes the run even when the client left before the body began.
-        return StreamingResponse(_stream(run, choices, include_usage), media_type="text/event-stream",
-                                 background=BackgroundTask(run.close))
+        return StreamingResponse(
+            _stream(run, choices, include_usage), media_type="text/event-stream", background=BackgroundTask(run.close)
+        )
     waiter = asyncio.create_task(run.wait())
     gone = asyncio.create_task(_disconnected(request))
     try:

@@ -20,13 +20,13 @@ from pathlib import Path
 import uvicorn
 
 from client.api import Client
-from client.cluster import Cluster
+from client.cluster.core import Cluster
 from client.serve.app import Server, create_app
 from client.serve.backends import resolve
 from client.serve.config import parse_args
-from pagedkv import test_hooks
-from pagedkv.logs import configure_logging, get_logger
-from pagedkv.tls import TlsFiles
+from pagedkv.runtime import test_hooks
+from pagedkv.runtime.logs import configure_logging, get_logger
+from pagedkv.runtime.tls import TlsFiles
 
 log = get_logger("serve")
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         limits = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=args.max_model_len, tls=backends.tls, preemption_mode=args.preemption_mode)
-        if args.nodes:  # several nodes: one engine each, requests routed (client.cluster)
+        if args.nodes:  # several nodes: one engine each, requests routed (client.cluster.core)
             router = None
             if backends.tls is not None and args.router_tls_cert and args.router_tls_key:
                 router = TlsFiles(args.router_tls_cert, args.router_tls_key, backends.tls.ca)

@@ -15,7 +15,8 @@ prefix-cache counters are read when scraped (:class:`_LiveCollector`), so they a
 | ``pagedkv:request_success_total{finished_reason}`` | counter | a request finishes ("stop", "length", "abort") |
 | ``pagedkv:num_preemptions_total`` | counter | the engine preempts a request (by recompute or swap) |
 | ``pagedkv:num_swaps_total`` | counter | the engine preempts a request by swap (its KV to the host tier) |
-| ``pagedkv:lease_recoveries_total`` | counter | the engine recovers from a lost lease or a new pool generation (client.recovery) |
+| ``pagedkv:lease_recoveries_total`` | counter | the engine recovers from a lost lease or a new pool generation
+(client.engine.recovery) |
 | ``pagedkv:kv_cache_usage_perc`` | gauge | used / total blocks of the pool, at scrape |
 | ``pagedkv:prefix_cache_queries_total`` / ``_hits_total`` | counter | the pool's, in tokens, at scrape |
 """
@@ -59,11 +60,13 @@ class ServeMetrics:
         self._labels = {"model_name": model_name}
         self.ttft = Histogram("pagedkv:time_to_first_token_seconds", "Time to first token, seconds.",
                               buckets=_LATENCY_BUCKETS, **label).labels(**self._labels)
-        self.tpot = Histogram("pagedkv:time_per_output_token_seconds", "Time per output token after the first, seconds.",
+        self.tpot = Histogram("pagedkv:time_per_output_token_seconds",
+                              "Time per output token after the first, seconds.",
                               buckets=_LATENCY_BUCKETS, **label).labels(**self._labels)
         self.e2e = Histogram("pagedkv:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
                              buckets=_LATENCY_BUCKETS, **label).labels(**self._labels)
-        self.prompt_tokens = Counter("pagedkv:prompt_tokens", "Prompt tokens processed.", **label).labels(**self._labels)
+        self.prompt_tokens = Counter("pagedkv:prompt_tokens", "Prompt tokens processed.",
+                                     **label).labels(**self._labels)
         self.generation_tokens = Counter("pagedkv:generation_tokens", "Output tokens generated.",
                                          **label).labels(**self._labels)
         self.success = Counter("pagedkv:request_success", "Finished requests by finish reason.",
@@ -147,12 +150,14 @@ class _LiveCollector:
             stats = self.backend.stats()
         except Exception:  # noqa: BLE001 - the memory service is down: no pool metrics this scrape
             return
-        g = GaugeMetricFamily("pagedkv:kv_cache_usage_perc", "Used fraction of the KV pool's blocks (0-1).", labels=names)
+        g = GaugeMetricFamily("pagedkv:kv_cache_usage_perc", "Used fraction of the KV pool's blocks (0-1).",
+                              labels=names)
         g.add_metric(values, stats.used_blocks / stats.total_blocks if stats.total_blocks else 0.0)
         yield g
         for name, doc, value in (("prefix_cache_queries", "Prefix-cache lookups in the pool, tokens.",
                                   stats.prefix_cache_queries),
-                                 ("prefix_cache_hits", "Prefix-cache hits in the pool, tokens.", stats.prefix_cache_hits)):
+                                 ("prefix_cache_hits", "Prefix-cache hits in the pool, tokens.",
+                                  stats.prefix_cache_hits)):
             c = CounterMetricFamily(f"pagedkv:{name}", doc, labels=names)
             c.add_metric(values, value)
             yield c

@@ -134,7 +134,8 @@ class Choices:
                 name = self._token(tok)
                 alts = sorted(top.items(), key=lambda kv: -kv[1])[:self.logprobs]
                 content.append({"token": name, "logprob": lp, "bytes": list(name.encode()),
-                                "top_logprobs": [{"token": (t := self._token(i)), "logprob": v, "bytes": list(t.encode())}
+                                "top_logprobs": [{"token": (t := self._token(i)), "logprob": v,
+                                                  "bytes": list(t.encode())}
                                                  for i, v in alts]})
             return {"content": content}
         names = [self._token(t) for t in chosen]
@@ -143,7 +144,8 @@ class Choices:
             offsets.append(at)
             at += len(name)
         return {"tokens": names, "token_logprobs": lps,
-                "top_logprobs": [{self._token(i): v for i, v in sorted(top.items(), key=lambda kv: -kv[1])[:self.logprobs]}
+                "top_logprobs": [{self._token(i): v for i,
+                                  v in sorted(top.items(), key=lambda kv: -kv[1])[:self.logprobs]}
                                  for top in tops],
                 "text_offset": offsets}
 

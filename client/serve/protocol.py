@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedkv.limits import MAX_LOGPROBS
+from pagedkv.runtime.limits import MAX_LOGPROBS
 
 #: Largest request body, bytes (a full 8192-token prompt is ~40 KB of text or ~50 KB of ids).
 MAX_BODY_BYTES = 1 << 20
@@ -162,7 +162,8 @@ def parse(model: type[_Sampling], raw: bytes) -> _Sampling:
         raise bad_request(f"{'.'.join(loc)}: {err['msg']} (got {err.get('input')!r:.80})", loc[0]) from None
     for name in req.model_fields_set:
         if name in NEUTRAL and not NEUTRAL[name][0](getattr(req, name)):
-            raise bad_request(f"{name}={getattr(req, name)!r} is not supported; only {NEUTRAL[name][1]} is accepted", name)
+            raise bad_request(f"{name}={getattr(req, name)!r} is not supported; only {NEUTRAL[name][1]} is accepted",
+                              name)
     if req.stream_options is not None:
         if not req.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
@@ -201,8 +202,11 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
             parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}; "
-                                      "this model reads text only", "messages")
+                    raise bad_request(
+                        f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}; "
+                        "this model reads text only",
+                        "messages",
+                    )
                 parts.append(part["text"])
             content = "\n".join(parts)
         elif not isinstance(content, str):

@@ -46,7 +46,7 @@ class DType:
 
     @property
     def is_fp8(self) -> bool:
-        """Whether this is fp8 e4m3 with static scales (:mod:`pagedkv.kv_scales`)."""
+        """Whether this is fp8 e4m3 with static scales (:mod:`pagedkv.runtime.kv_scales`)."""
         return self.name == FP8.name
 
     def __str__(self) -> str:

@@ -33,7 +33,8 @@ class EnvVar:
 
     #: The canonical name.
     name: str
-    #: "str", "int", "float", "bool" (1/true/yes/on, 0/false/no/off; other text: the default) or "list" (comma-separated).
+    #: "str", "int", "float", "bool" (1/true/yes/on, 0/false/no/off; other text: the default) or "list"
+    #: (comma-separated).
     type: str
     #: The value when unset or empty.
     default: Any
@@ -80,9 +81,11 @@ E = EnvVar
 #: The registry, in the order of docs/configuration.md.
 ENV_VARS: dict[str, EnvVar] = _vars(
     # --- every process
-    E("PAGEDKV_HOME", "str", None, "folder of the state file, admin token, sockets and caches (default ~/.cache/pagedkv)"),
+    E("PAGEDKV_HOME", "str", None,
+      "folder of the state file, admin token, sockets and caches (default ~/.cache/pagedkv)"),
     E("PAGEDKV_LOG_LEVEL", "str", "info", "--log-level of memory, compute and serve: debug, info, warning, error"),
-    E("PAGEDKV_TLS_CERT", "str", None, "--tls-cert: this member's certificate (PEM) for mutual TLS on the internal plane"),
+    E("PAGEDKV_TLS_CERT", "str", None,
+      "--tls-cert: this member's certificate (PEM) for mutual TLS on the internal plane"),
     E("PAGEDKV_TLS_KEY", "str", None, "--tls-key: its private key (PEM)"),
     E("PAGEDKV_TLS_CA", "str", None, "--tls-ca: the plane's CA certificate (PEM)"),
     # --- model and pool (memory, compute, serve)
@@ -99,7 +102,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_MEMORY_PORT", "int", 50051, "--port of pagedkv memory (0: any free port)"),
     E("PAGEDKV_MEMORY_DEVICE", "str", "cpu", "--device of pagedkv memory: cpu, cuda or cuda:N",
       aliases=("PAGEDKV_DEVICE",)),
-    E("PAGEDKV_WORKER_SOCKET", "str", None, "--worker-socket of pagedkv memory: where workers receive the pool's handle"),
+    E("PAGEDKV_WORKER_SOCKET", "str", None,
+      "--worker-socket of pagedkv memory: where workers receive the pool's handle"),
     E("PAGEDKV_NODE_NAME", "str", None, "--node-name of pagedkv memory: this node's name (default: the pool id)"),
     E("PAGEDKV_TRANSFER_KEY_FILE", "str", None, "--transfer-key-file of pagedkv memory: the secret of node transfers"),
     # --- pagedkv compute
@@ -142,7 +146,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_NATIVE_CPU", "bool", True, "the native CPU kernels (C, built at first use); 0: torch's ops"),
     E("PAGEDKV_PACKED_LINEAR", "bool", True, "oneDNN-packed CPU projections; 0: F.linear"),
     E("PAGEDKV_AMX_LINEAR", "bool", True, "AMX bf16 projections on a CPU that has AMX; 0: off"),
-    E("PAGEDKV_FUSED_DECODE", "bool", True, "a decode-only bf16 step on an AMX CPU in one native call per step; 0: off"),
+    E("PAGEDKV_FUSED_DECODE", "bool", True,
+      "a decode-only bf16 step on an AMX CPU in one native call per step; 0: off"),
     # --- read from other projects' names
     E("HF_HUB_OFFLINE", "bool", False, "huggingface_hub's: 1 never downloads a model that is not cached"),
     E("TRITON_INTERPRET", "bool", False, "Triton's: 1 runs the Triton kernels on CPU tensors (interpreter)"),
@@ -202,7 +207,7 @@ def markdown() -> str:
         "# Configuration: environment variables",
         "",
         "Generated from `protos/pagedkv/config/envs.py` by `python -m pagedkv.config --markdown`;",
-        "`tests/test_config.py` fails when this file is stale. A flag given on the command line wins",
+        "`tests/pagedkv/test_config.py` fails when this file is stale. A flag given on the command line wins",
         "over its variable, which wins over the default. A flag that differs per process reads",
         "`PAGEDKV_<SERVICE>_<FLAG>`, one all processes share `PAGEDKV_<FLAG>`; an alias (an older",
         "name) is read when the canonical name is unset. An empty value counts as unset.",

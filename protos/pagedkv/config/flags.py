@@ -5,8 +5,8 @@
 - :func:`add_model_args`: ``--model`` and ``--revision``;
 - :func:`add_pool_args`: ``--block-size``, ``--kv-cache-memory`` (``--num-blocks``),
   ``--host-cache-memory``, ``--kv-cache-dtype``;
-- :func:`add_tls_args`: ``--tls-cert``, ``--tls-key``, ``--tls-ca`` (:mod:`pagedkv.tls`);
-- :func:`add_logging_args`: ``--log-level`` (``PAGEDKV_LOG_LEVEL``; :mod:`pagedkv.logs`);
+- :func:`add_tls_args`: ``--tls-cert``, ``--tls-key``, ``--tls-ca`` (:mod:`pagedkv.runtime.tls`);
+- :func:`add_logging_args`: ``--log-level`` (``PAGEDKV_LOG_LEVEL``; :mod:`pagedkv.runtime.logs`);
 - :func:`refuse_pool_dtype_flag`: ``pagedkv memory --dtype``, refused (the pool's is ``--kv-cache-dtype``).
 """
 
@@ -68,7 +68,8 @@ def add_pool_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, num_b
                    help="tokens per block (default 16)")
     size = p.add_mutually_exclusive_group() if num_blocks else p
     if num_blocks:
-        size.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool (instead of --kv-cache-memory)")
+        size.add_argument("--num-blocks", type=int, default=None,
+                          help="blocks in the pool (instead of --kv-cache-memory)")
     size.add_argument("--kv-cache-memory", default=_env("PAGEDKV_KV_CACHE_MEMORY", from_env, None),
                       help=f"pool size in bytes, e.g. 2GiB (default {DEFAULT_CPU_KV_MEMORY} on cpu, "
                            f"{DEFAULT_CUDA_KV_MEMORY} on cuda)")
@@ -101,7 +102,7 @@ def refuse_pool_dtype_flag(p: argparse.ArgumentParser) -> None:
 
 def add_tls_args(p: Parser) -> None:
     """``--tls-cert``, ``--tls-key`` and ``--tls-ca`` (defaults from ``PAGEDKV_TLS_*``): mutual TLS on
-    the internal plane (:mod:`pagedkv.tls`)."""
+    the internal plane (:mod:`pagedkv.runtime.tls`)."""
     helps = {
         "cert": "this member's certificate (PEM), for mutual TLS on the internal plane (env PAGEDKV_TLS_CERT)",
         "key": "its private key (PEM) (env PAGEDKV_TLS_KEY)",
@@ -113,12 +114,12 @@ def add_tls_args(p: Parser) -> None:
                        metavar="PEM", help=helps[name])
 
 
-#: ``--log-level`` choices (:mod:`pagedkv.logs`).
+#: ``--log-level`` choices (:mod:`pagedkv.runtime.logs`).
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_logging_args(p: Parser) -> None:
     """``--log-level`` (default ``PAGEDKV_LOG_LEVEL``, else info); the service's main applies it with
-    :func:`pagedkv.logs.configure_logging` before anything logs."""
+    :func:`pagedkv.runtime.logs.configure_logging` before anything logs."""
     p.add_argument("--log-level", default=env("PAGEDKV_LOG_LEVEL").lower(), type=str.lower, choices=LOG_LEVELS,
                    help="structlog level: debug, info, warning or error (default info; env PAGEDKV_LOG_LEVEL)")

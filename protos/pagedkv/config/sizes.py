@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-#: Where every service binds unless told otherwise (plaintext: loopback only, :mod:`pagedkv.tls`).
+#: Where every service binds unless told otherwise (plaintext: loopback only, :mod:`pagedkv.runtime.tls`).
 DEFAULT_HOST = "127.0.0.1"
 #: ``pagedkv memory``'s port.
 MEMORY_PORT = 50051

@@ -1,0 +1,348 @@
+"""The client's engine: executes each step's schedule over the memory service and the workers.
+
+One :meth:`Engine.step` (vLLM v1's schedule / execute / update_from_output, split across services)::
+
+    1. free      sequences aborted since the last step            (1 FreeSequences)
+    2. fork      parallel-sampling prompts and beams that branch   (client.engine.beam: 1 FreeSequences
+                 for dropped beams, 1 ForkSequences)
+    3. schedule  client.engine.scheduler, from the pool's free blocks     (1 GetStats, only when a
+                 waiting request may be admitted):
+                 running requests first (decode tokens, then the rest of chunked
+                 prefills), then admit waiting ones, under a token budget
+    4. swap in   readmitted swapped-out requests (client.engine.swap)   (1 SwapInSequences, only
+                 -> OUT_OF_BLOCKS: unadmit them (they wait)       when one was readmitted)
+    5. append    slots for every scheduled, allocated sequence    (1 AppendSlots)
+                 -> OUT_OF_BLOCKS: preempt the most recently admitted request by
+                    recompute (free its blocks, requeue it at the front), or with
+                    preemption_mode "swap" by swap (1 SwapOutSequences: its KV goes
+                    to the host tier, it keeps its sequences), and retry
+    6. allocate  sequences for newly admitted requests            (1 AllocateSequences)
+                 -> OUT_OF_BLOCKS: unadmit the last admitted (it waits) and retry
+    7. Step      one call per worker (client.engine.worker_step): copy-on-write pairs,
+                 tokens, positions, block tables, grants (with their tier copies),
+                 sampling; the worker samples
+    8. update    hand in the workers' receipts (computed tokens;   (1 CommitComputedTokens)
+                 full blocks enter the prefix cache)
+                 append sampled tokens, check stops (client.stop), advance beams;
+                 free finished sequences                          (1 FreeSequences)
+
+so a step makes a constant number of memory-service calls (plus one per
+preemption) and one Step call per worker. A lost lease or a new pool generation
+met by a step is recovered from before the next (client.engine.recovery): a new lease,
+and the running requests recomputed. Requests join between steps and
+leave as soon as they finish. Sampling is reproducible without worker state:
+the draw for output position t depends on (seed + sample index, t), so a
+preempted request resumes on the same draws.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from client.engine.beam import BeamState, Branching
+from client.engine.commits import Commits
+from client.engine.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
+from client.engine.recovery import Recovery
+from client.engine.scheduler import Scheduler, SchedulerConfig
+from client.engine.slots import Slots
+from client.engine.stats import EngineLimits, EngineStats, StepLog, StepTrace
+from client.engine.step_update import StepUpdate
+from client.engine.swap import SwapOut, Swapper, check_host_tier
+from client.engine.transfers import Peer, PrefixPull
+from client.engine.worker_step import StepRunner
+from client.errors import OutOfBlocks, ServiceError
+from client.params import model_defaults
+from client.request import Request, Status
+from client.services import Lease, MemoryClient, WorkerClient
+from client.stop import StopChecker, context_limit, same_model
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.model.source import model_identity
+from pagedkv.runtime.errors import TRANSFER_FAILED, TRANSFERS_OFF
+from pagedkv.runtime.limits import MAX_BATCH
+from pagedkv.runtime.logs import get_logger
+
+log = get_logger("engine")
+
+__all__ = ["Engine", "StepTrace"]
+
+
+class Engine:
+    """Runs requests over one memory service and one or more workers.
+
+    Not thread-safe except :meth:`add`, :meth:`abort` and :meth:`has_work`; one thread calls
+    :meth:`step` (and :meth:`fail_all`).
+    """
+
+    def __init__(self, memory: MemoryClient, workers: list[WorkerClient], tokenizer, *,
+                 config: SchedulerConfig | None = None, lease_ttl: float | None = None,
+                 max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
+                 peers: list[Peer] = (), worker_roles: list[str] | None = None):
+        self.memory = memory
+        self.workers = workers
+        self.tokenizer = tokenizer
+        pool = memory.pool()
+        self.block_size = pool.layout.block_size
+        self.num_blocks = pool.layout.num_blocks
+        self.model_info = info = same_model([w.model_info() for w in workers], [w.address for w in workers])
+        #: Prefix-cache identity of this model's KV: model, resolved revision and KV dtype.
+        self.model_id = model_identity(info.model_name, info.model_source, info.revision, info.dtype)
+        self.eos_ids = set(info.eos_token_ids)
+        #: The model's request defaults (its generation_config.json), applied at admission (:meth:`add`).
+        self.generation_defaults = model_defaults(info.generation_defaults, info.ignored_generation_keys)
+        self.max_context = context_limit(info.max_context, info.sliding_window, self.num_blocks * self.block_size,
+                                         max_model_len)
+        self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,  # checks the roles first
+                                   max_context=self.max_context, num_workers=len(workers), worker_roles=worker_roles)
+        self.lease = Lease(memory, lease_ttl)
+        #: The last step's receipts waiting for the next AppendSlots (client.engine.commits).
+        self.commits = Commits(memory, lambda: self.lease)
+        self.branching = Branching()
+        self.stop_checker = StopChecker(self.eos_ids, self.max_context, tokenizer)
+        self.step_count = 0
+        #: Requests preempted, by recompute or by swap.
+        self.preemptions = 0
+        #: Of ``preemptions``, those by swap (SwapOutSequences; client.engine.swap).
+        self.swaps = 0
+        #: Swap preemptions that fell back to recompute (host tier off or full, a swap-in's SWAP_LOST).
+        self.swap_fallbacks = 0
+        self.swapper = Swapper(memory, lambda: self.lease.lease_id)
+        check_host_tier(self.scheduler.config.preemption_mode, pool.host_num_blocks)
+        self.traces: collections.deque[StepTrace] = collections.deque(maxlen=100_000)
+        #: (request id, step_count when its abort was asked), most recent last.
+        self.abort_log: collections.deque[tuple[str, int]] = collections.deque(maxlen=10_000)
+        self.runner = StepRunner(workers, pool.generation)
+        self.recovery = Recovery(memory, workers, lambda: self.lease, pool, lease_ttl, recovery_timeout)
+        #: Cross-node prefix reuse from ``peers``, other nodes' memory services (client.engine.transfers); None: none.
+        self.pulls = PrefixPull(list(peers)) if peers else None
+        self.update = StepUpdate(self.scheduler, self.branching, self.stop_checker, self.commits, self.pulls,
+                                 lambda ids: self._free_ids(ids, mpb.FREE_REASON_FINISHED))
+        self.slots = Slots(memory, lambda: self.lease.lease_id, self.scheduler, self.commits, self.pulls,
+                           self.model_id, self.block_size)
+        #: What the front reads (client.engine.stats): fixed limits, and the stats of the last step.
+        self.limits = EngineLimits(info, self.model_id, self.max_context, self.block_size, self.num_blocks)
+        self._stats = EngineStats()
+        self._stats_lock = threading.Lock()
+        self._publish()
+
+    def add(self, request: Request) -> None:
+        """Queue a request (thread-safe); its unset sampling fields take the model's defaults here,
+        once (``request.params`` becomes a resolved copy). Raises ValueError when it can never fit
+        (:meth:`Scheduler.add`)."""
+        request.params = request.params.with_defaults(self.generation_defaults)
+        if request.params.use_beam_search:
+            limit = min(request.params.max_tokens, self.max_context - len(request.prompt_token_ids))
+            request.beam = BeamState.of(request.params, limit, self.eos_ids)
+        self.scheduler.add(request)
+        self._publish()  # the front counts it in the queue at once
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe): its blocks are freed at the start of the next step."""
+        self.abort_log.append((request_id, self.step_count))
+        self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def lease_recoveries(self) -> int:
+        """Times a lost lease or a new pool generation was recovered from (client.engine.recovery)."""
+        return self.recovery.recoveries
+
+    def fail_all(self, error: Exception) -> list[Request]:
+        """End every running and waiting request with ``error``, freeing their sequences (best
+        effort: the lease expires otherwise); returns them, running ones first."""
+        reqs = self.scheduler.drain()
+        self.commits.clear()
+        try:
+            self._free(reqs, mpb.FREE_REASON_FINISHED)
+        except Exception:  # noqa: BLE001 - the lease will expire
+            pass
+        for r in reqs:
+            r.fail(error)
+        self._publish()
+        return reqs
+
+    # ------------------------------------------------------------ the seam
+    def stats(self) -> EngineStats:
+        """The stats published after the last step or request joined (thread-safe; client.engine.stats)."""
+        return self._stats
+
+    def step_log(self, since: int = 0) -> StepLog:
+        """The traces of steps ``since`` on and the aborts asked since that step (thread-safe)."""
+        steps = [t for t in list(self.traces) if t.step >= since]
+        return StepLog(self.step_count, steps, [(r, s) for r, s in list(self.abort_log) if s >= since])
+
+    def _publish(self) -> None:
+        """Build the stats the front reads; under a lock, so the last one published is the newest."""
+        with self._stats_lock:
+            pulled, failed = (self.pulls.tokens_pulled, self.pulls.transfers_failed) if self.pulls else (0, 0)
+            self._stats = EngineStats(self.step_count, *self.scheduler.queues(), self.preemptions, self.swaps,
+                                      self.swap_fallbacks, self.lease_recoveries, self.scheduler.handoffs, pulled,
+                                      failed, self.lease.lease_id, self.lease.secret)
+
+    def close(self) -> None:
+        self.recovery.cancel()
+        self.runner.close()
+        if self.pulls is not None:
+            self.pulls.close()
+        self.lease.close()
+
+    def step(self) -> list[Request]:
+        """Run one step (the module's diagram); returns the requests it updated (finished ones included).
+
+        A step that finds the lease or the pool generation gone recovers instead (client.engine.recovery)
+        and returns the requests it updated before that.
+
+        Raises:
+            client.errors.ServiceError: a service refused a call, or recovery failed.
+        """
+        updated: dict[str, Request] = {}
+        try:
+            self.recovery.check_lease()
+            out = self._step(updated)
+        except ServiceError as e:
+            if self.pulls is not None:
+                self.pulls.clear()
+            got = self.recovery.recover(e, self.scheduler.requeue_running)  # raises what it cannot recover from
+            self.lease, self.runner.pool_generation = got.lease, got.generation
+            self.commits.clear()  # receipts of the old lease's sequences
+            return list(updated.values())
+        finally:
+            self._publish()
+        self.recovery.step_done()
+        return out
+
+    def _step(self, updated: dict) -> list[Request]:
+        t0 = time.perf_counter()
+        self._handle_aborts(updated)
+        self._fork()
+        may_admit = self.scheduler.may_admit()  # only then the pool's free blocks (a GetStats call)
+        out = self.scheduler.schedule(self._available_blocks() if may_admit else 0)
+        if not out.scheduled and not may_admit:  # a request came in meanwhile: schedule it on the real count
+            out = self.scheduler.schedule(self._available_blocks())
+        if not out.scheduled:
+            self._fail_unschedulable(updated)
+            return list(updated.values())
+        swapped_in = self._swap_in(out) if out.swapped else set()
+        appended = self.slots.append(out, swapped_in, self._preempt, lambda r, e: self._fail(r, e, updated))
+        scheduled = self.slots.allocate(out)
+        if not scheduled:
+            return list(updated.values())
+        try:
+            results = self.runner.run(scheduled, appended.copies_by_worker)
+        except ServiceError as e:
+            if e.reason not in (TRANSFER_FAILED, TRANSFERS_OFF) or self.pulls is None:
+                raise
+            for req in self.pulls.transfer_failed([x.request for x in scheduled]):  # recomputed
+                self._preempt(req)
+                appended.preempted.append(req.request_id)
+            log.warning("transfer_failed", requests=len(appended.preempted))
+            return list(updated.values())
+        finished_ids = self.update.apply(scheduled, results, updated)
+        self._handle_aborts(updated)  # cancelled during the step: freed now, not a step later
+        trace = StepTrace(self.step_count, list(dict.fromkeys(x.request.request_id for x in scheduled)),
+                          sum(x.num_new_tokens for x in scheduled), finished_ids, appended.preempted,
+                          results.model_seconds, time.perf_counter() - t0, appended.swapped)
+        self.traces.append(trace)
+        self.step_count += 1
+        return list(updated.values())
+
+    def _handle_aborts(self, updated: dict) -> None:
+        victims = self.scheduler.take_aborted()
+        try:
+            if victims:
+                self.commits.flush()  # their last receipts still fill the cache
+            self._free(victims, mpb.FREE_REASON_ABORTED)
+        finally:  # aborted even when the lease is gone
+            for r in victims:
+                r.abort()
+                updated[r.request_id] = r
+
+    def _free(self, reqs: list[Request], reason: int) -> None:
+        """Free the sequences of ``reqs`` that hold blocks (1 FreeSequences, none when there are none)."""
+        if self.pulls is not None:
+            for r in reqs:
+                for s in r.seqs:
+                    self.pulls.release(s)
+        self._free_ids([i for r in reqs for i in r.seq_ids()], reason)
+
+    def _free_ids(self, seq_ids: list[int], reason: int) -> None:
+        """Free sequences by id, in calls of at most MAX_BATCH (none when there are none)."""
+        for at in range(0, len(seq_ids), MAX_BATCH):
+            self.memory.free(self.lease.lease_id, seq_ids[at:at + MAX_BATCH], reason)
+
+    def _fork(self) -> None:
+        """Fork parallel-sampling prompts and branching beams in one call; free dropped beams first."""
+        plan = self.recovery.fork_in_flight = self.branching.plan()
+        if plan.drop or plan.forkable:
+            self.commits.flush()
+        self._free_ids(plan.drop, mpb.FREE_REASON_ABORTED)
+        plan.apply(*self.slots.fork([b.parent for b in plan.forkable]))
+        self.recovery.fork_in_flight = None
+
+    def _available_blocks(self) -> int:
+        """The pool's free blocks now (0 when GetStats fails: nothing is admitted)."""
+        try:
+            stats = self.memory.stats()
+        except ServiceError:
+            return 0
+        self.recovery.check_generation(stats.generation)
+        return stats.available_blocks
+
+    def _swap_in(self, out) -> set[int]:
+        """Swap in the readmitted swapped-out requests (client.engine.swap) and apply the outcome to the
+        scheduler; returns the ids of the sequences swapped in."""
+        self.commits.flush()  # swap-in's reloads follow proven positions only
+        result = self.swapper.swap_in(out, lambda r: self._free([r], mpb.FREE_REASON_PREEMPTED))
+        self.scheduler.swap_in_done(result.unadmitted, result.swapped_in)
+        self.swap_fallbacks += result.fallbacks
+        return result.seq_ids
+
+    def _preempt(self, req: Request, grown: set[int] = frozenset()) -> bool:
+        """Preempt running ``req``: by swap when the mode asks and the memory service can (client.engine.swap),
+        else by recompute; returns whether by swap. ``grown``: sequence ids that may not be swapped
+        out now (grown by AppendSlots, or swapped in, in this step)."""
+        outcome = self.swapper.swap_out(req, grown) if self.scheduler.config.preemption_mode == "swap" else None
+        if outcome == SwapOut.SWAPPED:
+            self.scheduler.preempt(req, swap=True)
+            self.swaps += 1
+        else:
+            self.swap_fallbacks += outcome == SwapOut.REFUSED
+            self._free([req], mpb.FREE_REASON_PREEMPTED)
+            self.scheduler.preempt(req)
+        self.preemptions += 1
+        return outcome == SwapOut.SWAPPED
+
+    def _fail_unschedulable(self, updated: dict) -> None:
+        """Nothing could run: a waiting request that cannot fit even in an empty pool fails. A
+        swapped-out one at the head is recomputed instead (its sequences freed: the blocks they
+        still share on the device may be what keeps it out)."""
+        if not self.scheduler.stalled():
+            return
+        head = self.scheduler.head()
+        if head is not None and head.status == Status.SWAPPED:
+            self._free([head], mpb.FREE_REASON_PREEMPTED)
+            self.scheduler.recompute_swapped(head)
+            self.swap_fallbacks += 1
+            return
+        try:
+            stats = self.memory.stats()
+        except ServiceError:
+            return
+        if stats.used_blocks > 0:
+            return  # other clients hold blocks; wait for them
+        req = self.scheduler.pop_waiting()
+        need = -(-len(req.seqs[0].tokens) // self.block_size)
+        self._fail(req, OutOfBlocks.of(need, stats.available_blocks, f"request {req.request_id} needs {need} blocks "
+                                       f"for its first chunk but the pool has {stats.available_blocks}"), updated)
+
+    def _fail(self, req: Request, error: Exception, updated: dict) -> None:
+        """End ``req`` with ``error``, freeing whatever it holds."""
+        self._free([req], mpb.FREE_REASON_ABORTED)
+        self.scheduler.finish(req)
+        req.fail(error)
+        req.metrics.finished = time.time()
+        updated[req.request_id] = req
+        log.warning("request_failed", request_id=req.request_id, error=str(error))

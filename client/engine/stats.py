@@ -1,0 +1,114 @@
+"""What an engine publishes for the front to read: a frozen snapshot per step, its step log, its limits.
+
+``pagedkv serve`` (its routes, metrics and dashboard) reads these and never the engine's
+scheduler, lease or counters: the engine thread owns those. :class:`EngineStats` is built by the
+engine at the end of every step and again whenever a request joins the queue (so a front that
+checks the queue's length sees every request already accepted); reading it takes no lock.
+:class:`StepLog` is the engine's step trace from a step on (``GET /debug/steps``).
+:class:`EngineLimits` is fixed at the engine's start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from client.request import Request
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """What one step ran (for tests, the demo and ``GET /debug/steps``)."""
+
+    step: int
+    #: Request ids with a sequence in the batch.
+    request_ids: list[str]
+    #: Tokens computed (prefill + decode).
+    num_tokens: int
+    #: Request ids that finished in this step.
+    finished: list[str]
+    #: Requests preempted in this step (by recompute or by swap).
+    preempted: list[str] = field(default_factory=list)
+    #: Seconds in the workers' forward (max over workers) and in the whole step.
+    model_seconds: float = 0.0
+    step_seconds: float = 0.0
+    #: Of ``preempted``, those preempted by swap (client.engine.swap).
+    swapped: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One engine's state after a step (or after a request joined), as the front reads it.
+
+    The request objects are the engine's own (read them, never change them); the tuples are copies.
+    """
+
+    #: Steps the engine completed.
+    step_count: int = 0
+    #: Requests in the running batch (admission order), and waiting for admission (queue order).
+    running: tuple[Request, ...] = ()
+    waiting: tuple[Request, ...] = ()
+    #: Requests preempted, by recompute or by swap; of them by swap; swap preemptions that fell back
+    #: to recompute (client.engine.swap).
+    preemptions: int = 0
+    swaps: int = 0
+    swap_fallbacks: int = 0
+    #: Times a lost lease or a new pool generation was recovered from (client.engine.recovery).
+    lease_recoveries: int = 0
+    #: Requests moved from a prefill worker to a decode worker (client.engine.scheduler.Scheduler.hand_off).
+    handoffs: int = 0
+    #: Tokens read from other nodes' pools, and steps whose node transfer failed (client.engine.transfers).
+    tokens_pulled: int = 0
+    transfers_failed: int = 0
+    #: The engine's lease (its sequences are this engine's) and the lease's secret, which lets
+    #: another channel list that lease's sequences (ListSequences). Empty in a :meth:`total`.
+    lease_id: str = ""
+    lease_secret: str = field(default="", repr=False)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @classmethod
+    def total(cls, parts: list[EngineStats]) -> EngineStats:
+        """Several engines' stats as one (a cluster's nodes): queues joined in order, counts added;
+        no lease. One part is returned as it is."""
+        if len(parts) == 1:
+            return parts[0]
+        summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls)
+                  if f.name not in ("running", "waiting", "lease_id", "lease_secret")}
+        return cls(running=tuple(r for p in parts for r in p.running),
+                   waiting=tuple(r for p in parts for r in p.waiting), **summed)
+
+
+@dataclass(frozen=True, slots=True)
+class StepLog:
+    """An engine's step trace from a given step on."""
+
+    #: Steps the engine completed.
+    step_count: int
+    #: The traces of the steps asked for, oldest first (the engine keeps the last 100,000).
+    steps: list[StepTrace]
+    #: (request id, step_count when its abort was asked) of the aborts asked for, oldest first.
+    aborts: list[tuple[str, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What an engine serves, fixed at its start."""
+
+    #: The workers' GetModelInfo (one model on every worker).
+    model_info: object
+    #: Prefix-cache identity of the model's KV: model, resolved revision and KV dtype.
+    model_id: str
+    #: Longest sequence (prompt + output), tokens: the model's context capped by the pool.
+    max_context: int
+    #: Tokens per KV block, and blocks in the device pool.
+    block_size: int
+    num_blocks: int
+
+
+__all__ = ["EngineLimits", "EngineStats", "StepLog", "StepTrace"]

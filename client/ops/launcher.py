@@ -1,0 +1,157 @@
+"""``pagedkv up`` / ``down``: run a memory service and a worker on this machine in the background.
+
+``up`` starts a detached :class:`~client.ops.stack.LocalStack` (the services outlive the command);
+``down`` stops them by pid, since they are not its children.
+
+DESIGN.md, "Defaults and discovery": addresses and pids go to a state file
+``$PAGEDKV_HOME/state.json`` (default ``~/.cache/pagedkv/``) that ``generate``,
+``stats`` and ``down`` read; ``PAGEDKV_MEMORY`` and ``PAGEDKV_WORKERS``
+(comma-separated) override it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from client.ops.stack import LocalStack, ServiceProcess
+from pagedkv.config import COMPUTE_PORT, DEFAULT_MEMORY, DEFAULT_WORKER, MEMORY_PORT, env
+from pagedkv.runtime.paths import pagedkv_home
+from pagedkv.runtime.tls import TlsFiles
+
+
+def state_path() -> Path:
+    return pagedkv_home() / "state.json"
+
+
+def read_state() -> dict | None:
+    """The state file written by ``pagedkv up``, or None."""
+    try:
+        return json.loads(state_path().read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def addresses() -> tuple[str, list[str]]:
+    """(memory address, worker addresses): environment, then state file, then defaults."""
+    state = read_state() or {}
+    memory = env("PAGEDKV_MEMORY") or state.get("memory", {}).get("address") or DEFAULT_MEMORY
+    workers = env("PAGEDKV_WORKERS")  # None: unset; "," gives no worker
+    if workers is None:
+        workers = [w["address"] for w in state.get("workers", [])] or [DEFAULT_WORKER]
+    return memory, workers
+
+
+def default_device() -> str:
+    """``cuda`` when a GPU and CuPy are present, else ``cpu``."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            import cupy  # noqa: F401
+
+            return "cuda"
+    except ImportError:
+        pass
+    return "cpu"
+
+
+def _entry(svc: ServiceProcess) -> dict:
+    """One service's record in the state file."""
+    return {"address": svc.address, "pid": svc.pid, "log": str(svc.log_path)}
+
+
+def check_tls(tls: TlsFiles | None) -> None:
+    """Refuse plaintext towards services that ``pagedkv up`` started with mutual TLS (the state
+    file says so), rather than fail later with an opaque handshake error.
+
+    Raises:
+        ValueError: the state file says TLS and ``tls`` is None.
+    """
+    state = read_state() or {}
+    if tls is None and state.get("tls") and not env("PAGEDKV_MEMORY"):
+        raise ValueError("the services of `pagedkv up` run with mutual TLS: give --tls-cert, --tls-key and --tls-ca "
+                         "(e.g. the scheduler or admin files of `pagedkv certs`), or the PAGEDKV_TLS_* variables")
+
+
+def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = MEMORY_PORT,
+       worker_port: int = COMPUTE_PORT,
+       block_size: int = 16, kv_cache_memory: str | None = None, num_blocks: int | None = None,
+       host_cache_memory: str | None = None, timeout: float = 300.0, tls: TlsFiles | None = None,
+       revision: str | None = None) -> dict:
+    """Start a memory service and one worker, wait for both to be healthy, write the state file.
+
+    ``model`` is "smollm2", a local directory or .gguf file, or a Hugging Face repo id at
+    ``revision`` (branch, tag or commit; None: main), resolved by both services through the
+    Hugging Face cache (pagedkv.model.source).
+
+    ``host_cache_memory`` (e.g. "4GiB"; None or "0": none) sizes the memory service's host tier
+    (``--host-cache-memory``): offloaded prefix-cache blocks and swapped-out requests.
+
+    With ``tls`` both services get these files (``--tls-cert/--tls-key/--tls-ca``) and serve
+    mutual TLS; without, plaintext on loopback.
+
+    Raises:
+        RuntimeError: services from an earlier ``up`` still run, or one failed to start.
+    """
+    state = read_state()
+    if state and any(alive(p["pid"]) for p in [state["memory"], *state["workers"]]):
+        raise RuntimeError(f"pagedkv is already up (memory {state['memory']['address']}); run `pagedkv down` first")
+    device = device or default_device()
+    mem_args = ["--block-size", str(block_size)]
+    if num_blocks is not None:
+        mem_args += ["--num-blocks", str(num_blocks)]
+    elif kv_cache_memory:
+        mem_args += ["--kv-cache-memory", kv_cache_memory]
+    if host_cache_memory:
+        mem_args += ["--host-cache-memory", host_cache_memory]
+    stack = LocalStack(mem_args, device=device, model=model, revision=revision, host="127.0.0.1",
+                       run_dir=pagedkv_home() / "run",
+                       memory_port=memory_port, worker_port=worker_port, timeout=timeout, detach=True, tls=tls).start()
+    state = {"memory": _entry(stack.memory), "workers": [_entry(w) for w in stack.workers], "device": device,
+             "model": model, "revision": stack.workers[0].info.get("revision"), "tls": tls is not None,
+             "started": time.time()}
+    state_path().write_text(json.dumps(state, indent=2))
+    return state
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as gone
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
+
+
+def _stop(pid: int, timeout: float = 30.0) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def down() -> list[str]:
+    """Stop what ``up`` started (workers first, then the memory service); returns what was stopped."""
+    state = read_state()
+    if not state:
+        return []
+    stopped = []
+    for proc in [*state["workers"], state["memory"]]:
+        if alive(proc["pid"]):
+            _stop(proc["pid"])
+            stopped.append(proc["address"])
+    state_path().unlink(missing_ok=True)
+    return stopped

@@ -1,0 +1,182 @@
+"""Triton paged decode attention with an optional split-KV (flash-decoding) pass.
+
+One program handles one (sequence, KV head, split): it loads the `G = num_q_heads //
+num_kv_heads` query heads that share the KV head as one [G_PAD, D] tile (GQA packing), walks its
+range of context positions `TILE` tokens at a time, finds each token's slot through the block
+table (block size is independent of `TILE`, so any block size works, powers of two or not), and
+keeps an online softmax in fp32 (vLLM paper §4.1; flash attention). With several splits each
+program writes an unnormalized partial result and its log-sum-exp, and `kernel_reduce_splits`
+merges them (flash-decoding, Dao et al. 2023).
+
+Imported lazily by `kernels.attention` (this module imports triton).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.paged import attend_context, attention_strides, fp8_scales
+
+# Context positions processed per loop iteration.
+TILE = 32
+
+
+@triton.jit
+def kernel_paged_decode(
+    out_ptr,  # [num_seqs, num_q_heads, head_dim] (NUM_SPLITS == 1) query dtype
+    part_out_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
+    part_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] fp32 (NUM_SPLITS > 1)
+    query_ptr,  # [num_seqs, num_q_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    k_scale_ptr,  # [num_kv_heads] fp32 (FP8; else any pointer, unread)
+    v_scale_ptr,  # [num_kv_heads] fp32 (FP8; else any pointer, unread)
+    scale,  # softmax scale (fp32)
+    tokens_per_split,  # context positions per split (multiple of TILE)
+    stride_q_seq, stride_q_head,  # query strides
+    stride_o_seq, stride_o_head,  # out strides
+    stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # cache strides
+    stride_bt_seq,  # block_tables row stride
+    GROUP: tl.constexpr,  # query heads per KV head
+    G_PAD: tl.constexpr,  # >= max(16, GROUP), power of two (tl.dot minimum)
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    TILE: tl.constexpr,  # context positions per iteration
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
+    FP8: tl.constexpr,  # e4m3 caches with per-KV-head scales
+):  # fmt: skip
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    g = tl.arange(0, G_PAD)  # [G_PAD]
+    d = tl.arange(0, DIM_PAD)  # [DIM_PAD]
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kv_head * GROUP + g  # [G_PAD] query head of each row
+    q = tl.load(
+        query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [G_PAD, DIM_PAD]
+    q_pos = tl.zeros([G_PAD], tl.int32) + seq_len - 1  # [G_PAD] the new token is the last position
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    bt_row = block_tables_ptr + seq * stride_bt_seq
+    m_i, l_i, acc = attend_context(
+        q, q_pos, start, end, scale, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+        bt_row, kv_head, d, d_mask,
+        stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
+        G_PAD, DIM_PAD, BLOCK_SIZE, TILE, IEEE, FP8,
+    )  # [G_PAD], [G_PAD], [G_PAD, DIM_PAD]  # fmt: skip
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / l_i[:, None]
+        o_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # An empty split (past the sequence's end) stores out 0 and lse -inf: weight 0.
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))  # log2 units
+        row = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [G_PAD] int64
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def kernel_reduce_splits(
+    out_ptr,  # [num_seqs, num_q_heads, head_dim] query dtype
+    part_out_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, head_dim] fp32, contiguous
+    part_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] fp32 (log2 units), contiguous
+    stride_o_seq, stride_o_head,  # out strides
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+):  # fmt: skip
+    # Grid: (num_seqs, num_q_heads). Merge the splits' partial outputs by their log-sum-exp.
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    sp = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
+    d = tl.arange(0, DIM_PAD)  # [DIM_PAD]
+    row0 = (seq * NUM_Q_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row0 + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, axis=0))  # [SPLITS_PAD]; split 0 is never empty
+    o = tl.load(
+        part_out_ptr + (row0 + sp[:, None]) * HEAD_DIM + d[None, :],
+        mask=(sp[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM),
+        other=0.0,
+    )  # [SPLITS_PAD, DIM_PAD]
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)  # [DIM_PAD]
+    tl.store(
+        out_ptr + seq * stride_o_seq + head * stride_o_head + d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim], head_dim contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], query dtype or fp8
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], as key_cache
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, rows contiguous
+    seq_lens: torch.Tensor,  # [num_seqs] int32 contiguous, tokens in cache including the new one
+    scale: float,  # softmax scale
+    num_splits: int,  # split-KV ranges per sequence (>= 1); > 1 adds the reduce kernel
+    max_seq_len: int,  # max(seq_lens): sizes the splits without a device-to-host sync
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim], query dtype
+    """Launch `kernel_paged_decode` (and `kernel_reduce_splits` when split); the metadata was
+    checked by `kernels.plan_attention`, the tensors by `kernels.paged_attention`."""
+    num_seqs, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query)
+    strides = attention_strides(query, out, key_cache, value_cache, block_tables, seq_lens)
+    k_scale, v_scale, fp8 = fp8_scales(key_cache, k_scale, v_scale, seq_lens)
+    if num_seqs == 0:
+        return out
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), TILE) * TILE
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=query.device
+        )
+    else:
+        part_out = part_lse = out  # unused
+    kernel_paged_decode[(num_seqs, num_kv_heads, num_splits)](
+        out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
+        k_scale, v_scale, scale, tokens_per_split, *strides,
+        GROUP=group,
+        G_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        TILE=TILE,
+        NUM_SPLITS=num_splits,
+        IEEE=query.dtype == torch.float32,
+        FP8=fp8,
+    )  # fmt: skip
+    if num_splits > 1:
+        kernel_reduce_splits[(num_seqs, num_q_heads)](
+            out, part_out, part_lse, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            HEAD_DIM=head_dim,
+            DIM_PAD=triton.next_power_of_2(head_dim),
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )  # fmt: skip
+    return out
