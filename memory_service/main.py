@@ -123,6 +123,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     flags.add_tls_args(p)
     flags.add_logging_args(p)
+    _add_trust_args(p)
+    return p
+
+
+def _add_trust_args(p: argparse.ArgumentParser) -> None:
+    """Who may do what: the admin token, per-lease quotas, node transfers."""
     p.add_argument(
         "--admin-token-file",
         default=None,
@@ -160,7 +166,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "(openssl rand -hex 32): with it this node exports cached prefixes to other nodes and takes "
         "theirs (node transfers over NIXL, trusted network only: docs/security.md)",
     )
-    return p
 
 
 @dataclass(frozen=True, slots=True)

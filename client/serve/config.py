@@ -35,6 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``pagedkv serve`` (defaults from the environment, read when it is built)."""
     p = argparse.ArgumentParser(prog="pagedkv serve", description="An OpenAI-compatible HTTP server that owns the "
                                 "scheduler: every caller's requests join one continuous batch.")
+    _add_backend_args(p)
+    plane = p.add_argument_group("internal plane (mutual TLS; the scheduler's certificate, also given to embedded "
+                                 "services; none: plaintext, loopback only)")
+    flags.add_tls_args(plane)
+    flags.add_logging_args(p)
+    _add_http_args(p)
+    _add_model_args(p)
+    _add_scheduler_args(p)
+    return p
+
+
+def _add_backend_args(p: argparse.ArgumentParser) -> None:
+    """Where the memory service and workers are (none: embedded children)."""
     where = p.add_argument_group("backends (none given: start a memory service and a worker as child processes)")
     where.add_argument("--memory", default=_env("MEMORY"), help="memory service address host:port (env PAGEDKV_MEMORY)")
     where.add_argument("--workers", default=config.env_text("PAGEDKV_WORKERS"),
@@ -57,10 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "$PAGEDKV_HOME/admin-token; unreadable: the dashboard shows this server's lease only)")
     where.add_argument("--device", default=_env("SERVE_DEVICE"),
                        help="embedded services: cpu or cuda (default: cuda when present)")
-    plane = p.add_argument_group("internal plane (mutual TLS; the scheduler's certificate, also given to embedded "
-                                 "services; none: plaintext, loopback only)")
-    flags.add_tls_args(plane)
-    flags.add_logging_args(p)
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP front: address, API keys and tenants, queue limits, the dashboard."""
     http = p.add_argument_group("HTTP")
     http.add_argument("--host", default=_env("SERVE_HOST"), help="address to bind (default 127.0.0.1)")
     http.add_argument("--port", type=int, default=_env("SERVE_PORT", config.SERVE_PORT),
@@ -84,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--dashboard-interval", type=float, default=_env("DASHBOARD_INTERVAL", 1.0),
                       help="seconds between the dashboard's snapshots while someone watches (default 1)")
     http.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and, for embedded services, the pool."""
     model = p.add_argument_group("model and pool")
     model.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                        help="the model, as --model (pagedkv serve MODEL, as vllm serve MODEL)")
@@ -119,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="embedded memory service without automatic prefix caching (on by default)",
     )
+
+
+def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    """The engine's scheduler: batch, token budget, preemption, context."""
     sched = p.add_argument_group("scheduler")
     sched.add_argument(
         "--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 64), help="most requests running at once (default 64)"
@@ -143,7 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("MAX_MODEL_LEN", None),
         help="longest context, prompt + output tokens (default: the model's, capped by the pool)",
     )
-    return p
 
 
 @dataclass(frozen=True, slots=True)

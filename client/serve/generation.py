@@ -134,30 +134,7 @@ async def generate(
     if req.model is not None and req.model != server.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
     params = _sampling(server, req, prompt_ids, logprobs, max_tokens)
-    waiting = server.client.engine_stats().num_waiting
-    if len(prompt_ids) > server.max_queued_requests:
-        raise bad_request(
-            f"{len(prompt_ids)} prompts in one request; the server queues at most "
-            f"{server.max_queued_requests} (--max-queued-requests)",
-            "prompt",
-        )
-    if waiting + len(prompt_ids) > server.max_queued_requests:
-        raise APIError(
-            429,
-            f"the waiting queue is full ({waiting} requests wait; --max-queued-requests {server.max_queued_requests})",
-            type="rate_limit_error",
-            code="queue_full",
-        )
-    limit = server.max_requests_per_tenant
-    weight = sum(max(p.n, p.num_beams) for p in params)  # sequences: n samples or beams count each
-    if limit is not None and tenant and server.in_flight[tenant] + weight > limit:
-        raise APIError(
-            429,
-            f"tenant {tenant!r} has {server.in_flight[tenant]} sequences in flight and this request "
-            f"adds {weight} (n samples or beams per prompt); --max-requests-per-tenant {limit}",
-            type="rate_limit_error",
-            code="tenant_limit",
-        )
+    weight = _admit(server, tenant, prompt_ids, params)
     if not await server.backends_up():
         raise APIError(503, "the memory service or every worker is down", type="server_error", code="unavailable")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -200,6 +177,40 @@ async def generate(
     if error is not None:
         raise _service_error(error)
     return JSONResponse(choices.reply(outputs))
+
+
+def _admit(server: Server, tenant: str, prompt_ids: list[list[int]], params: list) -> int:
+    """Check a request against the waiting queue's and its tenant's limits; return its weight in
+    sequences (n samples or beams per prompt).
+
+    Raises:
+        APIError: 400 more prompts than the queue holds; 429 the queue or the tenant's share is full.
+    """
+    waiting = server.client.engine_stats().num_waiting
+    if len(prompt_ids) > server.max_queued_requests:
+        raise bad_request(
+            f"{len(prompt_ids)} prompts in one request; the server queues at most "
+            f"{server.max_queued_requests} (--max-queued-requests)",
+            "prompt",
+        )
+    if waiting + len(prompt_ids) > server.max_queued_requests:
+        raise APIError(
+            429,
+            f"the waiting queue is full ({waiting} requests wait; --max-queued-requests {server.max_queued_requests})",
+            type="rate_limit_error",
+            code="queue_full",
+        )
+    limit = server.max_requests_per_tenant
+    weight = sum(max(p.n, p.num_beams) for p in params)  # sequences: n samples or beams count each
+    if limit is not None and tenant and server.in_flight[tenant] + weight > limit:
+        raise APIError(
+            429,
+            f"tenant {tenant!r} has {server.in_flight[tenant]} sequences in flight and this request "
+            f"adds {weight} (n samples or beams per prompt); --max-requests-per-tenant {limit}",
+            type="rate_limit_error",
+            code="tenant_limit",
+        )
+    return weight
 
 
 async def _disconnected(request: Request) -> None:

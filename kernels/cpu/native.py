@@ -158,27 +158,8 @@ def paged_decode(
                 args[26], args[27] = k_scale.data_ptr(), v_scale.data_ptr()
             _decode_rc(lib.paged_decode_packed(args.buffer_info()[0], scale), query, key_cache, block_tables)
             return
-    if out.shape != query.shape or out.dtype != query.dtype or not supports(out, key_cache, value_cache):
-        raise ValueError("out must be shaped and typed as the query (fp32 or bf16, as the caches), heads dense")
-    fp8 = key_cache.dtype == torch.float8_e4m3fn
-    scales = (k_scale, v_scale)
-    if fp8:
-        _check_fp8_scales(k_scale, v_scale, key_cache)
-    if not fp8 and any(s is not None for s in scales):
-        raise ValueError("k_scale and v_scale are for fp8 caches only")
-    if not (
-        block_tables.dtype == seq_lens.dtype == torch.int32
-        and seq_index.dtype == q_index.dtype == torch.int64
-        and block_tables.is_contiguous()
-        and seq_lens.is_contiguous()
-        and seq_index.is_contiguous()
-        and q_index.is_contiguous()
-        and block_tables.is_cpu
-        and seq_lens.is_cpu
-        and seq_index.is_cpu
-        and q_index.is_cpu
-    ):
-        raise ValueError("block_tables and seq_lens must be int32, seq_index and q_index int64, all contiguous on cpu")
+    fp8 = _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, seq_index, q_index, out,
+                             k_scale, v_scale)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     args = array.array(
         "q",
@@ -194,6 +175,23 @@ def paged_decode(
     _decode_rc(lib.paged_decode_packed(args.buffer_info()[0], scale), query, key_cache, block_tables)
     if memo is not None:
         memo[key] = args
+
+
+def _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, seq_index, q_index, out, k_scale,
+                       v_scale) -> bool:
+    """`paged_decode`'s dtype and layout checks (see its Raises); returns whether the caches are fp8."""
+    if out.shape != query.shape or out.dtype != query.dtype or not supports(out, key_cache, value_cache):
+        raise ValueError("out must be shaped and typed as the query (fp32 or bf16, as the caches), heads dense")
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        _check_fp8_scales(k_scale, v_scale, key_cache)
+    if not fp8 and (k_scale is not None or v_scale is not None):
+        raise ValueError("k_scale and v_scale are for fp8 caches only")
+    index = (block_tables, seq_lens, seq_index, q_index)
+    if not (block_tables.dtype == seq_lens.dtype == torch.int32 and seq_index.dtype == q_index.dtype == torch.int64
+            and all(t.is_contiguous() and t.is_cpu for t in index)):
+        raise ValueError("block_tables and seq_lens must be int32, seq_index and q_index int64, all contiguous on cpu")
+    return fp8
 
 
 def _check_fp8_scales(k_scale, v_scale, key_cache: torch.Tensor) -> None:
