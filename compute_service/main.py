@@ -12,8 +12,7 @@ and the path of its worker socket), load the model, receive the pool's handle,
 epoch table and plane key on that socket (``--memory-socket`` overrides the
 path, for a container that mounts it elsewhere), map the pool and check that
 its layout fits the model (a mismatch is a start-up error naming both); over an fp8 pool without scales yet, calibrate
-them
-(:mod:`compute_service.kv_calibration`) and set them on the memory service; then
+them (:mod:`compute_service.kv_calibration`) and set them on the memory service; then
 serve. A background task watches the memory service's health: on NOT_SERVING
 (shutdown) or a new pool generation it drops the mapping, fails steps with
 FAILED_PRECONDITION until a pool is mapped again, and re-maps the new pool

@@ -17,8 +17,7 @@
    the worker's K/V, the read-only epoch table and the plane key; a Step without the memory
    service's grant is refused and writes nothing), serving a seeded random Llama with SmolLM2's
    layout written as a Hugging Face directory. Its greedy tokens (fp32 pool and model, so the comparison is exact) must
-   equal
-   those of a second stack on the CPU torch path (cpu pool) on the same machine; parallel
+   equal those of a second stack on the CPU torch path (cpu pool) on the same machine; parallel
    sampling (fork + copy-on-write on the GPU pool) must repeat the greedy answer; nothing may
    leak; the production bf16 stack must generate, and so must an fp8 pool (bf16 model; the worker
    calibrates the scales on the GPU and sets them); `pagedkv serve` attached to the GPU stack must

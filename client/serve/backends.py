@@ -14,8 +14,7 @@ without them everything is plaintext on loopback.
 
 Attaching, the pool flags given (``--block-size``, ``--kv-cache-memory``, ``--host-cache-memory``,
 ``--kv-cache-dtype``, ``--dtype``, ``--model``, ``--revision``) are checked against the running pool's descriptor and
-the worker's
-model, and refused when they differ: a server must never believe in a pool it does not have.
+the worker's model, and refused when they differ: a server must never believe in a pool it does not have.
 ``--no-prefix-caching`` configures embedded services only, and is refused when attaching.
 """
 
