@@ -166,7 +166,8 @@ def test_bad_rows_raise_before_anything_runs(bad):
 def test_switch_and_missing_cpu_flags_give_a_reason(monkeypatch):
     env = {**os.environ, cpu_amx.ENV_SWITCH: "0"}
     out = subprocess.run(
-        [sys.executable, "-c", "from kernels import cpu_amx; print(cpu_amx.available(), cpu_amx.unavailable_reason)"],
+        [sys.executable, "-c",
+         "from kernels.cpu import amx as cpu_amx; print(cpu_amx.available(), cpu_amx.unavailable_reason)"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True,
     ).stdout.strip()
     assert out == f"False disabled by {cpu_amx.ENV_SWITCH}=0"
