@@ -56,7 +56,7 @@ def add_dtype_arg(p: Parser, *, default: str | None = "auto", help: str) -> None
     p.add_argument("--dtype", default=env("PAGEDKV_DTYPE", default), choices=MODEL_DTYPE_CHOICES, help=help)
 
 
-def add_pool_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, num_blocks: bool, kv_cache_dtype: bool,
+def add_pool_args(p: Parser, *, num_blocks: bool, kv_cache_dtype: bool,
                   given_only: bool = False, from_env: bool = True, kv_cache_dtype_help: str = "") -> None:
     """The pool's flags: ``--block-size``, ``--kv-cache-memory`` (with ``num_blocks``: and
     ``--num-blocks``, one of the two), ``--host-cache-memory``, with ``kv_cache_dtype``

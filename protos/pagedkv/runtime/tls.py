@@ -2,7 +2,7 @@
 
 DESIGN.md, "Trust model": the plane (memory service, workers, schedulers, routers) is for its own
 members. Two modes, chosen by three flags that every server and client takes
-(:func:`add_arguments`; each also read from ``PAGEDKV_TLS_CERT/KEY/CA``):
+(:func:`pagedkv.config.flags.add_tls_args`; each also read from ``PAGEDKV_TLS_CERT/KEY/CA``):
 
 - **mutual TLS** (``--tls-cert --tls-key --tls-ca`` all given): a server presents its certificate
   and requires one from every client, signed by the same CA (``require_client_auth``); a client
@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
-from pagedkv.config.flags import add_tls_args
 
 #: Roles a certificate may carry (DESIGN.md, "Trust model").
 ROLES = ("worker", "scheduler", "router", "admin")
@@ -69,11 +67,6 @@ class TlsFiles:
     def flags(self) -> list[str]:
         """The command-line flags that give these files to a child process."""
         return ["--tls-cert", str(self.cert), "--tls-key", str(self.key), "--tls-ca", str(self.ca)]
-
-
-#: ``--tls-cert``, ``--tls-key`` and ``--tls-ca`` (defaults from ``PAGEDKV_TLS_*``): the flag group lives
-#: with the others in :mod:`pagedkv.config.flags`.
-add_arguments = add_tls_args
 
 
 def from_args(args: argparse.Namespace) -> TlsFiles | None:
