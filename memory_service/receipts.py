@@ -43,6 +43,22 @@ def _check_unique(ids: list[int]) -> None:
         raise InvalidArgumentError("CommitComputedTokens: a sequence appears more than once in the batch")
 
 
+def _wrote_over_reload(tiers: Tiers, seq: Sequence, r: Receipt) -> bool:
+    """Whether receipt ``r`` writes into a block of ``seq`` whose reload it does not prove.
+
+    Only a swap-in's reload lands in a block the sequence writes (its partly or not yet computed
+    blocks; a prefix hit's reloads fill full blocks before the first position it computes). Such a
+    step computed over KV that was never restored, and repeating the reload later would copy over
+    what it wrote: the positions stay unproven and the reload stays in the next grant (workers copy
+    before they write). The tier copies it lists are still settled, and the blocks it wrote get a
+    new epoch, as for a taken receipt: no earlier grant can run its copies again over them.
+    """
+    if not seq.reloads:
+        return False
+    written, done = set(r.block_ids), set(r.copies)
+    return any(rl.copy.dst in written and tiers.copy_key(rl.copy) not in done for rl in seq.reloads)
+
+
 def take_receipts(sequences: SequenceTable, pool: BlockPool, cache: PrefixCache, lease_id: str,
                   receipts: Seq[Receipt], tiers: Tiers | None = None) -> CommitResult:
     """Take the receipts of ``lease_id``'s sequences (signatures already checked).
@@ -58,7 +74,8 @@ def take_receipts(sequences: SequenceTable, pool: BlockPool, cache: PrefixCache,
     cached since). Full blocks of proven, known tokens are then registered in the prefix cache.
     A taken receipt also settles the sequence's tier copies (``tiers``, :meth:`Tiers.settle`): the
     offloads and reloads it lists are proven; a reload it leaves unproven ends prefix caching for
-    the sequence. A receipt of a swapped-out sequence is stale.
+    the sequence; one that writes into a block whose reload it leaves unproven proves no position
+    and is counted as skipped (:func:`_wrote_over_reload`). A receipt of a swapped-out sequence is stale.
 
     Returns:
         blocks registered, receipts skipped, and the sequences whose receipt was taken.
@@ -79,6 +96,11 @@ def take_receipts(sequences: SequenceTable, pool: BlockPool, cache: PrefixCache,
                 tuple(seq.block_ids[first:last]) != r.block_ids or \
                 tuple(int(e) for e in epochs[list(r.block_ids)]) != r.block_epochs:
             log.info("receipt_stale", seq_id=r.seq_id, start=r.start, end=r.end, proven=seq.num_proven)
+            continue
+        if tiers is not None and _wrote_over_reload(tiers, seq, r):
+            log.warning("receipt_over_unproven_reload", seq_id=r.seq_id, start=r.start, end=r.end)
+            tiers.settle(seq, r.copies)  # the copies it lists ran before its writes
+            epochs[list(r.block_ids)] += 1  # no grant issued before may run again over these blocks
             continue
         taken.append((seq, r))
     for seq, r in taken:

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 # Session fixtures shared by every module: one reference model and one loaded GGUF per run.
-from helpers.model_fixtures import gguf_dir, hf_model, hf_tokenizer, ours, pagedkv_home  # noqa: F401
+from helpers.model_fixtures import gguf_dir, hf_model, hf_tokenizer, ours, pagedkv_home, private_home  # noqa: F401
 
 from client.ops.stack import LocalStack, ServiceProcess
 
@@ -30,18 +30,6 @@ def hook_env(*modules: str, **params: str) -> dict[str, str]:
     root goes first on the process's ``PYTHONPATH`` so ``tests.hooks`` imports there."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {"PAGEDKV_TEST_HOOKS": ",".join(modules), "PYTHONPATH": path, **params}
-
-
-def private_home(path: Path) -> Path:
-    """A fresh ``$PAGEDKV_HOME`` at ``path`` (its own state file and admin token) that shares the
-    default home's weight, tokenizer and compiled-kernel caches, so the services it starts load in
-    seconds."""
-    path.mkdir(parents=True, exist_ok=True)
-    default_home = Path(os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv")
-    for sub in ("weights", "tokenizers", "kernels"):
-        (default_home / sub).mkdir(parents=True, exist_ok=True)
-        (path / sub).symlink_to(default_home / sub)
-    return path
 
 
 def pagedkv_process(args: list[str], tmp: Path, name: str, env: dict | None = None, timeout: float = START_TIMEOUT,

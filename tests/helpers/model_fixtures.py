@@ -9,6 +9,7 @@ loaded GGUF); test modules import only the helpers.
 from __future__ import annotations
 
 import inspect
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +30,23 @@ def gguf_dir() -> Path:
     return smollm2_gguf_path().parent
 
 
+def private_home(path: Path, shared: tuple[str, ...] = ("weights", "tokenizers", "kernels")) -> Path:
+    """A fresh ``$PAGEDKV_HOME`` at ``path`` (its own state file and admin token) that shares the
+    default home's ``shared`` caches (weights, tokenizers, compiled kernels), so the services it
+    starts load in seconds and no kernel library is compiled twice."""
+    path.mkdir(parents=True, exist_ok=True)
+    default_home = Path(os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv")
+    for sub in shared:
+        (default_home / sub).mkdir(parents=True, exist_ok=True)
+        (path / sub).symlink_to(default_home / sub)
+    return path
+
+
 @pytest.fixture(scope="session")
 def pagedkv_home(tmp_path_factory) -> Path:
-    """A private $PAGEDKV_HOME for the session's dequantized-weights cache."""
-    return tmp_path_factory.mktemp("pagedkv_home")
+    """A private $PAGEDKV_HOME for the session's dequantized-weights cache (services started after
+    :func:`ours` use it too); tokenizers and compiled kernels are the default home's."""
+    return private_home(tmp_path_factory.mktemp("pagedkv_home"), shared=("tokenizers", "kernels"))
 
 
 @pytest.fixture(scope="session")

@@ -206,13 +206,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # Each offload's target: False a cached block's, None a freed swapped sequence's, else (sequence, index).
         before = {j.seq.seq_id: ([r.copy for r in j.seq.reloads],
                                  [(c, tiers.swap_targets.get(c.dst, False)) for c in j.seq.offloads]) for j in jobs}
-        result = self.m.commit_receipts(lease_id, run_step(self.m, self.kv, jobs))
-        assert [s.seq_id for s in result.accepted] == chosen and result.skipped == 0
+        receipts = run_step(self.m, self.kv, jobs)
+        # A receipt writing into a block whose reload (a swap-in's) it does not list proves no
+        # position: its tier copies settle, the reload stays, and the next step needs a new grant.
+        stale = {r.seq_id for r, j in zip(receipts, jobs) if any(
+            rl.copy.dst in r.block_ids and tiers.copy_key(rl.copy) not in r.copies for rl in j.seq.reloads)}
+        proven_before = {j.seq.seq_id: j.seq.num_proven for j in jobs}
+        result = self.m.commit_receipts(lease_id, receipts)
+        assert [s.seq_id for s in result.accepted] == [s for s in chosen if s not in stale]
+        assert result.skipped == len(stale)
         for job in jobs:
             seq = job.seq
             reloads, offloads = before[seq.seq_id]
             self.grants[seq.seq_id] = []
-            assert seq.num_proven == seq.num_tokens and not seq.offloads and not seq.fresh_offloads
+            if seq.seq_id in stale:
+                assert not job.list_tier and seq.num_proven == proven_before[seq.seq_id]
+                assert [r.copy for r in seq.reloads] == reloads and not seq.offloads
+                self._grant(seq)  # the scheduler's next step asks for a new one
+            else:
+                assert seq.num_proven == seq.num_tokens and not seq.offloads and not seq.fresh_offloads
             for c, target in offloads:  # proven when the receipt lists them, dropped otherwise
                 proven = job.list_tier and c in job.copies
                 if target is False:
@@ -223,7 +235,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     assert host.state[c.dst] == HELD and target[0].swap[target[1]].proven == proven
             if job.list_tier:
                 assert not seq.reloads
-            elif reloads:  # left out: they stay, and the sequence's blocks are not cached
+            elif reloads and seq.seq_id not in stale:  # left out: they stay, and its blocks are not cached
                 assert [r.copy for r in seq.reloads] == reloads and seq.token_ids is None
 
     @precondition(lambda self: self.history)

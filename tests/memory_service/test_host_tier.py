@@ -218,6 +218,27 @@ def test_a_swapped_block_handed_out_is_offloaded_then_reloaded_on_swap_in():
             s.host_cached_blocks) == (1, 1, 2, 1, 0, 1)
 
 
+
+def test_a_receipt_writing_over_a_swap_reload_it_left_out_is_stale():
+    """V's last block is half computed (positions 4-6 of 7) when it is swapped out and handed to W;
+    back in, its next token goes into that block after the reload. A step that writes the token but
+    leaves the reload out computed over KV never restored, and the reload repeated later would copy
+    over the token: the receipt is stale, and the next honest step (reload, then write) proves both."""
+    m, lease = manager(num_blocks=4, host=4)
+    (v,) = m.allocate(lease, [Allocation(7, tuple(range(300, 307)))])
+    step(m, lease, v)
+    m.swap_out(lease, [v.seq_id])
+    (w,) = m.allocate(lease, [Allocation(12, tuple(range(400, 412)))])
+    step(m, lease, w)  # proves the offload of V's block 1 into host block 1
+    m.free(lease, [w.seq_id])
+    (back,), _ = m.swap_in(lease, [v.seq_id], [Append(v.seq_id, 1, (307,))])
+    copies = granted(m, back)
+    assert copies[-1] == reload(1, 1) and back.num_proven == 7
+    result = step(m, lease, back, copies, do_copies=False)
+    assert (result.skipped, back.num_proven, [r.copy for r in back.reloads]) == (1, 7, [reload(1, 1)])
+    assert granted(m, back)[-1] == reload(1, 1)  # still in the next grant
+    result = step(m, lease, back)
+    assert (result.skipped, back.num_proven, back.reloads, m.stats().reloads) == (0, 8, [], 1)
 def test_swap_in_of_a_block_whose_offload_was_never_proven_is_swap_lost():
     m, lease = manager(num_blocks=4, host=4)
     (v,) = m.allocate(lease, [Allocation(7, tuple(range(300, 307)))])
