@@ -26,6 +26,7 @@ import asyncio
 import os
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
@@ -47,7 +48,7 @@ from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
 from pagedkv.model.source import resolve_model
 from pagedkv.runtime import test_hooks, tls
 from pagedkv.runtime.logs import configure_logging, get_logger
-from pagedkv.runtime.service import ServerSpec, run_server, serve_main, server_tls
+from pagedkv.runtime.service import Bind, ServerSpec, run_server, serve_main
 
 log = get_logger("compute_service")
 
@@ -75,7 +76,39 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-def model_dtype(flag: str, desc: mpb.PoolDescriptor) -> torch.dtype:
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """``pagedkv compute``'s flags, parsed and checked once (:meth:`from_args`)."""
+
+    #: Where this worker listens.
+    bind: Bind
+    #: The memory service's address, host:port.
+    memory: str
+    #: "cpu", "cuda" or "cuda:N".
+    device: str
+    #: ``--model`` (a name, a .gguf file, a Hugging Face directory or repo id; after resolving, its local path).
+    model: str
+    #: ``--revision`` of a repo id; None: main.
+    revision: str | None
+    #: ``--dtype``; None: auto (decided by the pool, :func:`pagedkv.config.worker_dtype`).
+    dtype: config.DType | None
+    #: ``--memory-socket``; None: the path the pool descriptor names.
+    memory_socket: str | None
+    #: Seconds to wait for the memory service at start.
+    memory_timeout: float
+    #: Publish the mapped pool to other nodes' workers over NIXL.
+    node_transfers: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerSpec:
+        """Raises ValueError: bad TLS or bind flags, a dtype no model computes in, or a timeout <= 0."""
+        if not args.memory_timeout > 0:
+            raise ValueError(f"--memory-timeout must be > 0 seconds, got {args.memory_timeout}")
+        return cls(Bind.from_args(args), args.memory, args.device, args.model, args.revision,
+                   config.model_dtype(args.dtype), args.memory_socket, args.memory_timeout, bool(args.node_transfers))
+
+
+def model_dtype(flag: config.DType | str | None, desc: mpb.PoolDescriptor) -> torch.dtype:
     """The model's dtype over the pool ``desc`` describes: :func:`pagedkv.config.worker_dtype` of
     ``--dtype`` (``flag``; ``auto``: the pool's, over an fp8 pool float32 on a cpu pool and
     bfloat16 on a cuda one).
@@ -221,8 +254,7 @@ def _map_with_scales(desc: mpb.PoolDescriptor, socket_path: str | None, model: L
     return pool
 
 
-def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str,
-          files: tls.TlsFiles | None = None) -> tuple[Worker, str]:
+def _load(spec: WorkerSpec, desc: mpb.PoolDescriptor, device: str) -> tuple[Worker, str]:
     """Load the model, map the pool and check that they fit; returns the worker and its device.
 
     The config is read and checked against the pool before any weight; the weights then stream
@@ -231,15 +263,15 @@ def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str,
     (`compute_service.kv_calibration`).
     """
     t = time.perf_counter()
-    config, weights = load_model_source(args.model)
+    config, weights = load_model_source(spec.model)
     log.info("model_config", model=config.name, architecture=config.architecture, num_layers=config.num_layers,
              sliding_window=config.sliding_window, eos_token_ids=list(config.eos_token_ids))
     if config.ignored_generation_keys:
         log.warning("generation_config_ignored_keys", keys=list(config.ignored_generation_keys),
                     message="generation_config.json keys not honoured: " + ", ".join(config.ignored_generation_keys))
     check_layout(desc, config)
-    dtype = model_dtype(args.dtype, desc)
-    pool: MappedPool = map_pool(desc, args.memory_socket)
+    dtype = model_dtype(spec.dtype, desc)
+    pool: MappedPool = map_pool(desc, spec.memory_socket)
     model_device = str(pool.tensor.device) if desc.backend == mpb.POOL_BACKEND_CUDA else device
     try:
         with load_progress(weights, config.name):
@@ -249,47 +281,46 @@ def _load(args: argparse.Namespace, desc: mpb.PoolDescriptor, device: str,
     except BaseException:
         pool.close()
         raise
-    pool = _map_with_scales(desc, args.memory_socket, model, args.model, (args.memory, files), pool)
+    pool = _map_with_scales(desc, spec.memory_socket, model, spec.model, (spec.memory, spec.bind.tls), pool)
     native = model_device == "cpu" and kernels.cpu.native.available()
     log.info("model_loaded", model=config.name, architecture=config.architecture,
              seconds=round(time.perf_counter() - t, 2), weight_bytes=model.nbytes(), device=model_device,
              threads=torch.get_num_threads(),
              cpu_kernels="native" if native else f"torch ({kernels.cpu.native.unavailable_reason})")
-    return Worker(model, config, pool, args.model), model_device
+    return Worker(model, config, pool, spec.model), model_device
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(spec: WorkerSpec) -> None:
     # Before waiting for the memory service: a model that is not there fails at once.
-    model = await asyncio.to_thread(resolve_model, args.model, args.revision)
+    model = await asyncio.to_thread(resolve_model, spec.model, spec.revision)
     log.info("model_resolved", model=model.name, revision=model.revision, path=str(model.path))
-    files = server_tls(args)
+    files = spec.bind.tls  # also this worker's credentials towards the memory service
     check_model_source(model.load_source)  # an unsupported model fails here, not after the memory service answers
-    desc = await asyncio.to_thread(fetch_descriptor, args.memory, args.memory_timeout, files)
-    device = _torch_device(args.device, desc)
+    desc = await asyncio.to_thread(fetch_descriptor, spec.memory, spec.memory_timeout, files)
+    device = _torch_device(spec.device, desc)
     # Every torch call of this process runs on one thread: torch's OpenMP runtime then keeps one
     # team of worker threads, which hand work over quickly; a second calling thread would add a
     # second team, and with more threads than cores each parallel region goes through futex sleeps.
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-    load_args = argparse.Namespace(**{**vars(args), "model": model.load_source})
-    worker, model_device = await asyncio.get_running_loop().run_in_executor(compute, _load, load_args, desc, device,
-                                                                            files)
-    if args.node_transfers:
-        await asyncio.get_running_loop().run_in_executor(compute, publish_transfer_agent, worker, args.memory, files)
+    loop = asyncio.get_running_loop()
+    worker, model_device = await loop.run_in_executor(compute, _load, replace(spec, model=model.load_source), desc,
+                                                      device)
+    if spec.node_transfers:
+        await loop.run_in_executor(compute, publish_transfer_agent, worker, spec.memory, files)
     pool = worker.pool
     servicer = ComputeServicer(worker, model, model_device, compute)
     from grpc_health.v1 import health
 
     health_servicer = health.aio.HealthServicer()
-    spec = ServerSpec.from_flags(
-        args, SERVICE_NAME, lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
-        ready_info={"memory": args.memory, "model": args.model, "revision": model.revision, "device": model_device,
+    server = ServerSpec.bound(
+        spec.bind, SERVICE_NAME, lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
+        ready_info={"memory": spec.memory, "model": spec.model, "revision": model.revision, "device": model_device,
                     "generation": pool.generation},
-        background=[lambda: watch_memory_service(args.memory, worker, health_servicer, compute, args.memory_socket,
-                                                 files,
-                                                 args.node_transfers)],
+        background=[lambda: watch_memory_service(spec.memory, worker, health_servicer, compute, spec.memory_socket,
+                                                 files, spec.node_transfers)],
         health=health_servicer,
     )
-    await run_server(spec)
+    await run_server(server)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     test_hooks.install_from_env()
-    return serve_main("compute", lambda: serve(args), (ValueError, RuntimeError, OSError, LookupError, ImportError))
+    errors = (ValueError, RuntimeError, OSError, LookupError, ImportError)
+    return serve_main("compute", lambda: serve(WorkerSpec.from_args(args)), errors)
 
 
 if __name__ == "__main__":

@@ -28,25 +28,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from dataclasses import dataclass
 
 from memory_service.authz import create_admin_token
 from memory_service.layout import make_layout
 from memory_service.manager.block_manager import BlockManager
 from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
+from memory_service.spec import MemorySpec
 from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
 from memory_service.worker_socket import WorkerSocketServer
 from pagedkv import config
 from pagedkv.config import (
-    DEFAULT_CPU_KV_MEMORY,
-    DEFAULT_CUDA_KV_MEMORY,
-    DType,
     env,
     flags,
-    host_cache_bytes,
-    parse_bytes,
 )
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.model.source import ResolvedModel, resolve_model
@@ -54,7 +49,7 @@ from pagedkv.runtime import test_hooks
 from pagedkv.runtime.credentials import default_admin_token_file
 from pagedkv.runtime.kv_scales import load_scales_file
 from pagedkv.runtime.logs import configure_logging, get_logger
-from pagedkv.runtime.service import ServerSpec, run_server, serve_main, server_tls
+from pagedkv.runtime.service import ServerSpec, run_server, serve_main
 from pagedkv.runtime.transfer import load_transfer_key
 
 log = get_logger("memory_service")
@@ -168,62 +163,16 @@ def _add_trust_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class PoolSpec:
-    """The pool the flags ask for, parsed and checked once (:meth:`from_args`)."""
-
-    #: "cpu", "cuda" or "cuda:N".
-    device: str
-    #: The pool's element type (``--kv-cache-dtype``; auto: :func:`pagedkv.config.default_dtype`).
-    dtype: DType
-    #: Tokens per block.
-    block_size: int
-    #: Blocks in the pool (``--num-blocks``); None: sized by ``kv_cache_memory``.
-    num_blocks: int | None
-    #: Bytes of the pool (``--kv-cache-memory`` or the device's default); None with ``num_blocks``.
-    kv_cache_memory: int | None
-    #: Bytes of the host tier (``--host-cache-memory``); 0: none.
-    host_cache_memory: int
-    #: An fp8 pool's scales file (``--kv-scales-file``).
-    kv_scales_file: str | None
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.startswith("cuda")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> PoolSpec:
-        """Raises ValueError: a device, dtype or size that is not valid, or scales for a pool that is not fp8."""
-        cuda = args.device.startswith("cuda")
-        if not cuda and args.device != "cpu":
-            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
-        dtype = config.pool_dtype(args.kv_cache_dtype, cuda=cuda)
-        if args.kv_scales_file and not dtype.is_fp8:
-            raise ValueError(f"--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds {dtype}")
-        memory = None
-        if args.num_blocks is None:
-            memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if cuda else DEFAULT_CPU_KV_MEMORY))
-        return cls(
-            args.device,
-            dtype,
-            args.block_size,
-            args.num_blocks,
-            memory,
-            host_cache_bytes(args.host_cache_memory),
-            args.kv_scales_file,
-        )
-
-
-def create_pool(args: argparse.Namespace, model: ResolvedModel | None = None) -> Pool:
-    """The pool the flags ask for (:class:`PoolSpec`); its layout from ``model`` (default: ``args.model``
-    resolved, config only).
+def create_pool(service: MemorySpec, model: ResolvedModel | None = None) -> Pool:
+    """The pool ``service`` asks for (:class:`PoolSpec`); its layout from ``model`` (default:
+    ``service.model`` resolved, config only).
 
     Raises:
-        ValueError: inconsistent or invalid flags.
+        ValueError: a pool that does not fit the layout, or an unreadable scales file.
         RuntimeError: cuda requested without CuPy.
     """
-    spec = PoolSpec.from_args(args)
-    model = model or resolve_model(args.model, args.revision, files="config")
+    spec = service.pool
+    model = model or resolve_model(service.model, service.revision, files="config")
     layout = make_layout(
         model.load_source,
         block_size=spec.block_size,
@@ -245,24 +194,24 @@ def create_pool(args: argparse.Namespace, model: ResolvedModel | None = None) ->
             raise ValueError(f"--kv-scales-file {spec.kv_scales_file}: cannot read it: {e.strerror or e}") from None
     if spec.cuda:
         index = int(spec.device.split(":", 1)[1]) if ":" in spec.device else 0
-        pool = CudaPool(layout, device_index=index, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
+        pool = CudaPool(layout, device_index=index, pool_id=service.pool_id, model=service.model,
+                        host_num_blocks=host_blocks)
     else:
-        pool = CpuPool(layout, pool_id=args.pool_id, model=args.model, host_num_blocks=host_blocks)
+        pool = CpuPool(layout, pool_id=service.pool_id, model=service.model, host_num_blocks=host_blocks)
     if scales is not None:
         pool.set_kv_scales(scales)
     return pool
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(spec: MemorySpec) -> None:
     """Create the pool and serve until SIGTERM."""
-    server_tls(args)  # refuse bad TLS flags or a plaintext non-loopback bind before making the pool
-    model = await asyncio.to_thread(resolve_model, args.model, args.revision, files="config")
+    model = await asyncio.to_thread(resolve_model, spec.model, spec.revision, files="config")
     log.info("model_resolved", model=model.name, revision=model.revision, path=str(model.path))
-    transfer_key = load_transfer_key(args.transfer_key_file) if args.transfer_key_file else None
-    token_file = os.path.abspath(args.admin_token_file or default_admin_token_file())
+    transfer_key = load_transfer_key(spec.transfer_key_file) if spec.transfer_key_file else None
+    token_file = os.path.abspath(spec.admin_token_file or default_admin_token_file())
     admin_token = create_admin_token(token_file)
-    pool = create_pool(args, model)
-    sock = WorkerSocketServer(pool, args.worker_socket)
+    pool = create_pool(spec, model)
+    sock = WorkerSocketServer(pool, spec.worker_socket)
     try:
         await sock.start()
     except BaseException:
@@ -271,13 +220,13 @@ async def serve(args: argparse.Namespace) -> None:
     manager = BlockManager(
         pool.layout.num_blocks,
         pool.layout.block_size,
-        lease_ttl=args.lease_ttl,
-        prefix_caching=args.prefix_caching,
+        lease_ttl=spec.lease_ttl,
+        prefix_caching=spec.prefix_caching,
         epochs=pool.epochs,
-        max_events=args.max_kv_events,
-        max_blocks_per_lease=args.max_blocks_per_lease,
-        max_sequences_per_lease=args.max_sequences_per_lease,
-        max_leases=args.max_leases,
+        max_events=spec.max_kv_events,
+        max_blocks_per_lease=spec.max_blocks_per_lease,
+        max_sequences_per_lease=spec.max_sequences_per_lease,
+        max_leases=spec.max_leases,
         host_num_blocks=pool.host_num_blocks,
         host_epochs=pool.host_epochs,
     )
@@ -289,17 +238,17 @@ async def serve(args: argparse.Namespace) -> None:
         "admin_token_file": token_file,
         "revision": model.revision,
     }
-    if args.metrics_port is not None:
+    if spec.metrics_port is not None:
         from memory_service.metrics import start_metrics_server
 
-        ready_info["metrics_port"] = start_metrics_server(manager, args.host, args.metrics_port)
+        ready_info["metrics_port"] = start_metrics_server(manager, spec.bind.host, spec.metrics_port)
     signer = GrantSigner(
         pool.plane_key,
         pool.generation,
         manager.pool.epochs,
         host_epochs=manager.tiers.host.epochs if manager.tiers.host is not None else None,
     )
-    transfers = NodeTransfers(args.node_name or pool.pool_id, pool.descriptor(), transfer_key)
+    transfers = NodeTransfers(spec.node_name or pool.pool_id, pool.descriptor(), transfer_key)
     servicer = MemoryServicer(
         manager, pool, signer, admin_token=admin_token, admin_token_file=token_file, transfers=transfers
     )
@@ -308,22 +257,22 @@ async def serve(args: argparse.Namespace) -> None:
         # Workers watching health see NOT_SERVING now; no new one gets the pool; give them time
         # to drop the mapping.
         await sock.close()
-        await asyncio.sleep(args.grace)
+        await asyncio.sleep(spec.grace)
 
     async def release() -> None:
         pool.close()
 
-    spec = ServerSpec.from_flags(
-        args,
+    server = ServerSpec.bound(
+        spec.bind,
         SERVICE_NAME,
         lambda server: pb_grpc.add_MemoryServiceServicer_to_server(servicer, server),
         ready_info=ready_info,
         on_shutdown=grace,
         on_stopped=release,
-        background=[lambda: expire_leases_forever(manager, min(1.0, args.lease_ttl / 4))],
+        background=[lambda: expire_leases_forever(manager, min(1.0, spec.lease_ttl / 4))],
     )
     try:
-        await run_server(spec)
+        await run_server(server)
     finally:
         await sock.close()
         pool.close()
@@ -334,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     test_hooks.install_from_env()
-    return serve_main("memory", lambda: serve(args), (ValueError, RuntimeError, OSError))
+    return serve_main("memory", lambda: serve(MemorySpec.from_args(args)), (ValueError, RuntimeError, OSError))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ In order (the first that names a memory service wins):
 3. embedded: a :class:`~client.ops.stack.LocalStack` of one memory service and one worker as child
    processes on loopback free ports, stopped when the server stops.
 
-Every channel (health checks, the pool check, the engine's) uses ``args.tls``, the scheduler's
+Every channel (health checks, the pool check, the engine's) uses ``Backends.tls``, the scheduler's
 mutual-TLS files (``--tls-cert/--tls-key/--tls-ca``), and embedded services get the same files;
 without them everything is plaintext on loopback.
 
@@ -20,13 +20,13 @@ the worker's model, and refused when they differ: a server must never believe in
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
 import grpc
 
 from client.ops.launcher import alive, check_tls, default_device, read_state
 from client.ops.stack import LocalStack, serving
+from client.serve.config import ServeConfig
 from client.services import MemoryClient, WorkerClient, admin_token_path
 from pagedkv import config
 from pagedkv.config import host_cache_bytes, parse_bytes
@@ -75,7 +75,7 @@ class Backends:
             self.stack = None
 
 
-def resolve(args: argparse.Namespace) -> Backends:
+def resolve(args: ServeConfig) -> Backends:
     """Attach to running services or start embedded ones (the module's order).
 
     Raises:
@@ -85,30 +85,30 @@ def resolve(args: argparse.Namespace) -> Backends:
         client.errors.ServiceError: an attached service refused the descriptor calls.
     """
     # The scheduler's files, read here (not at parsing) so a missing file is a start-up error.
-    args.tls = from_args(args)
-    if getattr(args, "nodes", None):
+    tls = from_args(args)
+    if args.nodes:
         first = args.nodes[0]
-        found = Backends(first.memory, first.workers, "nodes", tls=args.tls,
+        found = Backends(first.memory, first.workers, "nodes", tls=tls,
                          others=[(n.memory, n.workers) for n in args.nodes[1:]])
     elif args.memory:
-        found = Backends(args.memory, args.workers or [config.DEFAULT_WORKER], "flags", tls=args.tls)
+        found = Backends(args.memory, list(args.workers) or [config.DEFAULT_WORKER], "flags", tls=tls)
     elif args.workers:
         raise ValueError("--workers needs --memory (the memory service whose pool they map)")
     else:
         state = read_state()
         procs = [state["memory"], *state.get("workers", [])] if state else []
         if procs and all(alive(p["pid"]) for p in procs) and state.get("workers"):
-            check_tls(args.tls)
+            check_tls(tls)
             found = Backends(state["memory"]["address"], [w["address"] for w in state["workers"]], "state file",
-                             tls=args.tls)
+                             tls=tls)
         else:
-            return _embedded(args)
+            return _embedded(args, tls)
     check_pool(args, found)
     found.admin_token_file = str(args.memory_admin_token_file or admin_token_path())
     return found
 
 
-def embedded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+def embedded_args(args: ServeConfig) -> tuple[list[str], list[str]]:
     """The flags of the embedded memory service and of its workers, from ``pagedkv serve``'s.
 
     Every pool flag is explicit (the children inherit this process's environment, whose
@@ -128,18 +128,18 @@ def embedded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return memory_args, ["--dtype", args.model_dtype.name if args.model_dtype else "auto"]
 
 
-def _embedded(args: argparse.Namespace) -> Backends:
+def _embedded(args: ServeConfig, tls: TlsFiles | None) -> Backends:
     memory_args, worker_args = embedded_args(args)
     log_level = ["--log-level", args.log_level]
     memory_args, worker_args = [*log_level, *memory_args], [*log_level, *worker_args]
     stack = LocalStack(memory_args, worker_args=worker_args, device=args.device or default_device(),
                        model=args.model or "smollm2",
-                       revision=args.revision, host="127.0.0.1", name="serve", tls=args.tls).start()
-    return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, tls=args.tls,
+                       revision=args.revision, host="127.0.0.1", name="serve", tls=tls).start()
+    return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, tls=tls,
                     admin_token_file=stack.memory.info.get("admin_token_file"))
 
 
-def check_pool(args: argparse.Namespace, backends: Backends) -> None:
+def check_pool(args: ServeConfig, backends: Backends) -> None:
     """Refuse pool flags that the running pool does not match.
 
     Raises:

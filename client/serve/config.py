@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from client.cluster.core import parse_node
+from client.cluster.core import NodeSpec, parse_node
 from client.serve.dashboard.auth import same_key
 from pagedkv import config
 from pagedkv.config import flags
@@ -268,7 +268,61 @@ def _sharing_groups(values: list[str], known: set[str]) -> dict[str, str]:
     return groups
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """``pagedkv serve``'s flags, parsed and checked once (:func:`parse_args`). Pool flags left out
+    are None, so attaching can tell "given" from "default" (:mod:`client.serve.backends`)."""
+
+    # -- backends
+    memory: str | None
+    workers: tuple[str, ...]
+    nodes: tuple[NodeSpec, ...]
+    router_tls_cert: str | None
+    router_tls_key: str | None
+    memory_admin_token_file: str | None
+    device: str | None
+    #: The internal plane's mutual-TLS files, as given (read when the backends are resolved).
+    tls_cert: str | None
+    tls_key: str | None
+    tls_ca: str | None
+    log_level: str
+    # -- HTTP
+    host: str
+    port: int
+    tenants: Tenants
+    max_queued_requests: int
+    max_requests_per_tenant: int | None
+    #: Seconds between dashboard snapshots.
+    dashboard_interval: float
+    ready_file: str | None
+    # -- model and pool
+    model: str | None
+    revision: str | None
+    served_model_name: str | None
+    #: ``--dtype`` and the pool's dtype (``--kv-cache-dtype``, else the model's); None: auto.
+    model_dtype: config.DType | None
+    pool_dtype: config.DType | None
+    #: ``--kv-cache-dtype`` as given (None: not given).
+    kv_cache_dtype: str | None
+    kv_scales_file: str | None
+    block_size: int | None
+    kv_cache_memory: str | None
+    host_cache_memory: str | None
+    prefix_caching: bool
+    # -- scheduler
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    preemption_mode: str
+    max_model_len: int | None
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> ServeConfig:
+        """The fields of parsed and checked ``args`` (lists become tuples)."""
+        value = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731
+        return cls(**{f.name: value(getattr(args, f.name)) for f in fields(cls)})
+
+
+def parse_args(argv: list[str]) -> ServeConfig:
     """Parse ``argv`` (after ``serve``); exits with a usage error on bad values."""
     p = build_parser()
     args = p.parse_args(argv)
@@ -323,4 +377,4 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.tenants = Tenants.load(args.api_key, args.api_keys_file, args.admin_api_key, args.cache_sharing_group)
     except (OSError, ValueError) as e:
         p.error(str(e))
-    return args
+    return ServeConfig.from_namespace(args)

@@ -5,7 +5,6 @@ No model runs here; the worker side (calibration, generation) is in tests/system
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -14,6 +13,7 @@ import pytest
 
 from client.errors import error_info
 from memory_service.main import build_parser, create_pool
+from memory_service.spec import MemorySpec
 from pagedkv.config import BFLOAT16, FP8
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
@@ -147,8 +147,8 @@ def test_kv_scales_file_round_trip_and_its_refusals(tmp_path):
         load_scales_file(path, L, H)
 
 
-def _pool_args(*flags: str) -> argparse.Namespace:
-    return build_parser().parse_args(["--num-blocks", "4", "--block-size", "16", *flags])
+def _pool_args(*flags: str) -> MemorySpec:
+    return MemorySpec.from_args(build_parser().parse_args(["--num-blocks", "4", "--block-size", "16", *flags]))
 
 
 def test_kv_scales_file_sets_the_pool_at_start(tmp_path):

@@ -265,7 +265,6 @@ def test_serve_gives_its_embedded_services_explicit_flags(monkeypatch, tmp_path)
     monkeypatch.setenv("PAGEDKV_LOG_LEVEL", "error")
     args = parse_args(["--device", "cpu", "--dtype", "bfloat16", "--block-size", "8", "--log-level", "warning"])
     assert args.port == 9101
-    args.tls = None
     commands = []
 
     def fake_service(cls, argv, run_dir, name, *, port=0, **kwargs):
@@ -274,7 +273,7 @@ def test_serve_gives_its_embedded_services_explicit_flags(monkeypatch, tmp_path)
 
     monkeypatch.setattr(stack_module.ServiceProcess, "pagedkv", classmethod(fake_service))
     monkeypatch.setattr(stack_module, "wait_healthy", lambda *a, **k: None)
-    found = backends._embedded(args)
+    found = backends._embedded(args, None)
     found.close()
     (memory_cmd, compute_cmd) = commands
     assert memory_cmd[0] == "memory" and compute_cmd[0] == "compute"
@@ -285,6 +284,44 @@ def test_serve_gives_its_embedded_services_explicit_flags(monkeypatch, tmp_path)
     worker = compute_parser().parse_args(compute_cmd[1:])
     assert (worker.port, worker.host, worker.device, worker.dtype) == (0, "127.0.0.1", "cpu", "bfloat16")
     assert (worker.memory, worker.model, worker.log_level) == ("127.0.0.1:20001", "smollm2", "warning")
+
+
+def test_each_service_parses_its_flags_once_into_a_frozen_spec(monkeypatch, capsys):
+    """Past the parser, a service holds checked values (dtypes as values, TLS as files): a bad value
+    is refused before any slow work, and nothing downstream can change a flag."""
+    import dataclasses
+
+    from client.serve.config import parse_args
+    from compute_service.main import WorkerSpec
+    from compute_service.main import build_parser as compute_parser
+    from memory_service.main import build_parser as memory_parser
+    from memory_service.spec import MemorySpec
+
+    for name in ("PAGEDKV_DTYPE", "PAGEDKV_KV_CACHE_DTYPE", "PAGEDKV_MEMORY_HOST", "PAGEDKV_COMPUTE_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    worker = WorkerSpec.from_args(compute_parser().parse_args(["--dtype", "bfloat16", "--port", "0"]))
+    assert (worker.dtype, worker.bind.port, worker.bind.tls) == (BFLOAT16, 0, None)
+    assert WorkerSpec.from_args(compute_parser().parse_args([])).dtype is None  # auto: the pool decides
+    memory = MemorySpec.from_args(memory_parser().parse_args(["--kv-cache-dtype", "fp8", "--num-blocks", "8"]))
+    assert (memory.pool.dtype, memory.pool.num_blocks, memory.pool.kv_cache_memory) == (FP8, 8, None)
+    serve = parse_args(["--dtype", "float16"])
+    assert (serve.model_dtype, serve.pool_dtype, serve.workers) == (FLOAT16, FLOAT16, ())
+    for spec in (worker, memory, memory.pool, worker.bind, serve):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(spec, dataclasses.fields(spec)[0].name, None)
+    bad = [
+        (compute_parser, ["--host", "0.0.0.0"], WorkerSpec, "without TLS"),
+        (compute_parser, ["--memory-timeout", "0"], WorkerSpec, "--memory-timeout must be > 0"),
+        (memory_parser, ["--lease-ttl", "0"], MemorySpec, "--lease-ttl must be > 0"),
+        (memory_parser, ["--port", "70000"], MemorySpec, "--port must lie in 0-65535"),
+        (memory_parser, ["--device", "tpu"], MemorySpec, "--device must be cpu, cuda or cuda:N"),
+    ]
+    for parser, argv, spec_type, message in bad:
+        with pytest.raises(ValueError, match=message):
+            spec_type.from_args(parser().parse_args(argv))
+    monkeypatch.setenv("PAGEDKV_DTYPE", "int4")
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        WorkerSpec.from_args(compute_parser().parse_args([]))
 
 
 def test_every_subcommand_adds_the_shared_flag_groups():

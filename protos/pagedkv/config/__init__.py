@@ -24,6 +24,7 @@ from pagedkv.config.dtypes import (
     check_pair,
     default_dtype,
     dtype,
+    model_dtype,
     pairs,
     pool_dtype,
     serve_dtypes,
@@ -48,6 +49,6 @@ __all__ = [
     "BFLOAT16", "COMPUTE_PORT", "DEFAULT_CPU_KV_MEMORY", "DEFAULT_CUDA_KV_MEMORY", "DEFAULT_HOST", "DEFAULT_MEMORY",
     "DEFAULT_SERVE_URL", "DEFAULT_WORKER", "DTYPES", "ENV_VARS", "FLOAT16", "FLOAT32", "FP8", "FP8_FLAGS",
     "KV_CACHE_DTYPE_CHOICES", "MEMORY_PORT", "MODEL_DTYPE_CHOICES", "SERVE_PORT", "DType", "EnvVar", "check_pair",
-    "default_dtype", "dtype", "env", "env_is_set", "env_text", "host_cache_bytes", "markdown", "pairs",
+    "default_dtype", "dtype", "env", "env_is_set", "env_text", "host_cache_bytes", "markdown", "model_dtype", "pairs",
     "parse_bytes", "pool_dtype", "serve_dtypes", "worker_dtype",
 ]

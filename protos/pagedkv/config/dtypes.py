@@ -116,19 +116,34 @@ def check_pair(model: DType, pool: DType) -> None:
                          f"takes another); start the memory service with --kv-cache-dtype {model}, or drop --dtype")
 
 
-def worker_dtype(flag: str, pool: DType, cuda: bool) -> DType:
-    """A worker's model dtype: ``--dtype`` (``flag``), or with ``auto`` the pool's (over an fp8 pool
-    :func:`default_dtype` of the pool's device, ``cuda``).
+def model_dtype(flag: str | None) -> DType | None:
+    """The model's dtype from ``--dtype`` (``flag``); None for ``auto`` or not given (decided once the
+    pool is known: :func:`worker_dtype`).
+
+    Raises:
+        ValueError: a value not in :data:`MODEL_DTYPE_CHOICES` (e.g. from the environment).
+    """
+    if flag in (None, "auto"):
+        return None
+    if flag not in MODEL_DTYPE_CHOICES:
+        raise ValueError(f"--dtype must be one of {', '.join(MODEL_DTYPE_CHOICES)}, got {flag!r}")
+    return DTYPES[flag]
+
+
+def worker_dtype(model: DType | str | None, pool: DType, cuda: bool) -> DType:
+    """A worker's model dtype: ``--dtype`` (``model``: parsed by :func:`model_dtype`, or its flag
+    text), or with ``auto`` (None) the pool's (over an fp8 pool :func:`default_dtype` of the pool's
+    device, ``cuda``).
 
     Raises:
         ValueError: a dtype no model computes in, or one that does not pair with the pool.
     """
-    if flag == "auto":
+    if not isinstance(model, DType):
+        model = model_dtype(model)
+    elif not model.computes:
+        raise ValueError(f"--dtype must be one of {', '.join(MODEL_DTYPE_CHOICES)}, got {model.name!r}")
+    if model is None:
         model = default_dtype(cuda) if pool.is_fp8 else pool
-    elif flag in MODEL_DTYPE_CHOICES:
-        model = DTYPES[flag]
-    else:
-        raise ValueError(f"--dtype must be one of {', '.join(MODEL_DTYPE_CHOICES)}, got {flag!r}")
     check_pair(model, pool)
     return model
 
@@ -140,11 +155,9 @@ def serve_dtypes(dtype_flag: str | None, kv_flag: str | None) -> tuple[DType | N
     Raises:
         ValueError: a value outside the choices, or a pair that breaks :func:`pairs`.
     """
-    if dtype_flag not in (None, *MODEL_DTYPE_CHOICES):
-        raise ValueError(f"--dtype must be one of {', '.join(MODEL_DTYPE_CHOICES)}, got {dtype_flag!r}")
+    model = model_dtype(dtype_flag)
     if kv_flag not in (None, *KV_CACHE_DTYPE_CHOICES):
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {kv_flag!r}")
-    model = None if dtype_flag in (None, "auto") else DTYPES[dtype_flag]
     pool = None if kv_flag in (None, "auto") else dtype(kv_flag)
     if model is not None and pool is not None and not pairs(model, pool):
         raise ValueError(f"--dtype {model} with --kv-cache-dtype {pool}: workers run the model in the pool's dtype "

@@ -241,42 +241,41 @@ class ServerSpec:
     tls: TlsFiles | None = None
 
     @classmethod
-    def from_flags(
-        cls,
-        args: argparse.Namespace,
-        service_name: str,
-        add_servicers: Callable[[grpc.aio.Server], None],
-        **rest,
-    ) -> ServerSpec:
-        """The spec of one service started from the command line: it binds ``args.host`` and
-        ``args.port``, with the TLS files of ``--tls-cert/--tls-key/--tls-ca``, and writes
-        ``args.ready_file`` (the flags every ``pagedkv`` service has); ``rest`` sets the other fields.
+    def bound(cls, bind: Bind, service_name: str, add_servicers: Callable[[grpc.aio.Server], None],
+              **rest) -> ServerSpec:
+        """The spec of one service started from the command line: it binds ``bind`` (the flags
+        every ``pagedkv`` service has, :class:`Bind`); ``rest`` sets the other fields."""
+        return cls(service_names=[service_name], add_servicers=add_servicers, host=bind.host, port=bind.port,
+                   ready_file=bind.ready_file, tls=bind.tls, **rest)
+
+
+@dataclass(frozen=True, slots=True)
+class Bind:
+    """Where a service listens, parsed and checked once from the flags every ``pagedkv`` service has
+    (:func:`pagedkv.config.flags.add_bind_args`, :func:`~pagedkv.config.flags.add_tls_args`)."""
+
+    #: Host to bind, e.g. "127.0.0.1" or "0.0.0.0".
+    host: str
+    #: Port to bind; 0: any free port.
+    port: int
+    #: Where to write the bound address as JSON once serving.
+    ready_file: str | None
+    #: Mutual TLS (``--tls-cert/--tls-key/--tls-ca``); None: plaintext, on loopback only.
+    tls: TlsFiles | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Bind:
+        """Call it first thing, so a bad start fails before any slow work.
 
         Raises:
-            ValueError: incomplete TLS flags, an unreadable TLS file, or a non-loopback host without TLS.
+            ValueError: incomplete TLS flags, an unreadable TLS file, a port outside 0-65535, or a
+                non-loopback host without TLS.
         """
-        tls = server_tls(args)
-        return cls(
-            service_names=[service_name],
-            add_servicers=add_servicers,
-            host=args.host,
-            port=args.port,
-            ready_file=args.ready_file,
-            tls=tls,
-            **rest,
-        )
-
-
-def server_tls(args: argparse.Namespace) -> TlsFiles | None:
-    """The TLS files of a server's ``--tls-cert/--tls-key/--tls-ca`` flags, checked against its
-    ``--host`` (call it first thing, so a bad start fails before any slow work).
-
-    Raises:
-        ValueError: incomplete TLS flags, an unreadable TLS file, or a non-loopback host without TLS.
-    """
-    tls = from_args(args)
-    check_bind(args.host, tls)
-    return tls
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must lie in 0-65535, got {args.port}")
+        tls = from_args(args)
+        check_bind(args.host, tls)
+        return cls(args.host, args.port, args.ready_file, tls)
 
 
 async def run_server(spec: ServerSpec) -> None:

@@ -1,0 +1,109 @@
+"""``pagedkv memory``'s flags, parsed and checked once into frozen values: the pool the service
+makes (:class:`PoolSpec`) and the rest of the service (:class:`MemorySpec`)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pagedkv import config
+from pagedkv.config import DEFAULT_CPU_KV_MEMORY, DEFAULT_CUDA_KV_MEMORY, DType, host_cache_bytes, parse_bytes
+from pagedkv.runtime.service import Bind
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """The pool the flags ask for, parsed and checked once (:meth:`from_args`)."""
+
+    #: "cpu", "cuda" or "cuda:N".
+    device: str
+    #: The pool's element type (``--kv-cache-dtype``; auto: :func:`pagedkv.config.default_dtype`).
+    dtype: DType
+    #: Tokens per block.
+    block_size: int
+    #: Blocks in the pool (``--num-blocks``); None: sized by ``kv_cache_memory``.
+    num_blocks: int | None
+    #: Bytes of the pool (``--kv-cache-memory`` or the device's default); None with ``num_blocks``.
+    kv_cache_memory: int | None
+    #: Bytes of the host tier (``--host-cache-memory``); 0: none.
+    host_cache_memory: int
+    #: An fp8 pool's scales file (``--kv-scales-file``).
+    kv_scales_file: str | None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PoolSpec:
+        """Raises ValueError: a device, dtype or size that is not valid, or scales for a pool that is not fp8."""
+        cuda = args.device.startswith("cuda")
+        if not cuda and args.device != "cpu":
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        dtype = config.pool_dtype(args.kv_cache_dtype, cuda=cuda)
+        if args.kv_scales_file and not dtype.is_fp8:
+            raise ValueError(f"--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds {dtype}")
+        memory = None
+        if args.num_blocks is None:
+            memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if cuda else DEFAULT_CPU_KV_MEMORY))
+        return cls(
+            args.device,
+            dtype,
+            args.block_size,
+            args.num_blocks,
+            memory,
+            host_cache_bytes(args.host_cache_memory),
+            args.kv_scales_file,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySpec:
+    """The memory service the flags ask for (:meth:`from_args`)."""
+
+    #: Where the service listens.
+    bind: Bind
+    #: The pool.
+    pool: PoolSpec
+    #: Layout source (``--model``, config only) and its ``--revision``.
+    model: str
+    revision: str | None
+    #: The pool's name; None: random.
+    pool_id: str | None
+    #: The Unix socket workers map the pool through; None: ``$PAGEDKV_HOME/run/memory-<pid>.sock``.
+    worker_socket: str | None
+    #: Where the admin token is written; None: ``$PAGEDKV_HOME/admin-token``.
+    admin_token_file: str | None
+    #: The shared secret of node transfers, and this node's name among a deployment's (None: the pool id).
+    transfer_key_file: str | None
+    node_name: str | None
+    #: Seconds a lease lives without keep-alive.
+    lease_ttl: float
+    prefix_caching: bool
+    #: KV events kept for replay.
+    max_kv_events: int
+    #: Quotas: block-table entries and live sequences per lease (None: no block quota), live leases.
+    max_blocks_per_lease: int | None
+    max_sequences_per_lease: int
+    max_leases: int
+    #: Port of Prometheus /metrics (0: any free port); None: none.
+    metrics_port: int | None
+    #: Seconds between NOT_SERVING and releasing the pool.
+    grace: float
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MemorySpec:
+        """Raises ValueError: bad bind or TLS flags, a bad pool (:meth:`PoolSpec.from_args`), or a TTL,
+        event count or grace period out of range."""
+        if not args.lease_ttl > 0:
+            raise ValueError(f"--lease-ttl must be > 0 seconds, got {args.lease_ttl}")
+        if args.max_kv_events < 1:
+            raise ValueError(f"--max-kv-events must be >= 1, got {args.max_kv_events}")
+        if args.grace < 0:
+            raise ValueError(f"--grace must be >= 0 seconds, got {args.grace}")
+        return cls(
+            Bind.from_args(args), PoolSpec.from_args(args), args.model, args.revision, args.pool_id,
+            args.worker_socket, args.admin_token_file, args.transfer_key_file, args.node_name, args.lease_ttl,
+            args.prefix_caching, args.max_kv_events, args.max_blocks_per_lease, args.max_sequences_per_lease,
+            args.max_leases, args.metrics_port, args.grace,
+        )
