@@ -41,6 +41,8 @@ def pagedkv_process(args: list[str], tmp: Path, name: str, env: dict | None = No
     """
     if args[:1] == ["memory"] and "--admin-token-file" not in args:
         args = [*args, "--admin-token-file", str(Path(tmp) / f"{name}.admin-token")]
+    if args[:1] == ["memory"] and "--grace" not in args:  # a test stops its workers first: nothing to wait for
+        args = [*args, "--grace", "0"]
     return ServiceProcess.pagedkv(args, tmp, name, port=port, env=env, timeout=timeout, cwd=ROOT)
 
 
@@ -54,6 +56,8 @@ def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: s
     """
     if "--admin-token-file" not in memory_args:
         memory_args = [*memory_args, "--admin-token-file", str(Path(tmp) / f"{name or 'stack'}.admin-token")]
+    if "--grace" not in memory_args:  # the stack stops its workers first: nothing to wait for at the end
+        memory_args = [*memory_args, "--grace", "0"]
     return LocalStack(memory_args, num_workers=num_workers, run_dir=tmp, name=name, cwd=ROOT, timeout=START_TIMEOUT,
                       model=None if model is None else str(model))
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers.model_fixtures import CHATS, hf_greedy_tokens
 
 from client import Client, SamplingParams
 from client.backend import Backend
@@ -19,13 +20,6 @@ from client.request import Request
 from client.services import MemoryClient, WorkerClient
 from client.tokenizer import encode_prompt
 from pagedkv.model.tokenizer import load_tokenizer
-
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about memory.",
-    "List three prime numbers.",
-    "Explain in one sentence what a block table is in an operating system's paging.",
-]
 
 
 def chat(text: str) -> list[dict]:
@@ -66,7 +60,7 @@ def hf_generate(model, ids: list[int], max_new: int, **kw):
 def test_greedy_chat_equals_transformers(llm, hf_model):
     outs = llm.generate([chat(c) for c in CHATS], SamplingParams(temperature=0, max_tokens=24))
     for text, out in zip(CHATS, outs):
-        ref = hf_generate(hf_model, out.prompt_token_ids, 24)[0, len(out.prompt_token_ids):].tolist()
+        ref = hf_greedy_tokens(hf_model, out.prompt_token_ids, 24)
         got = out.outputs[0].token_ids
         assert got == ref, f"{text!r}: {got} != {ref}"
         assert out.outputs[0].finish_reason == ("stop" if ref[-1] == 2 else "length")

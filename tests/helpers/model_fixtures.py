@@ -9,8 +9,10 @@ loaded GGUF); test modules import only the helpers.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,15 +32,18 @@ def gguf_dir() -> Path:
     return smollm2_gguf_path().parent
 
 
+#: The home the suite started with (read at import: :func:`ours` points PAGEDKV_HOME elsewhere later).
+DEFAULT_HOME = Path(os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv")
+
+
 def private_home(path: Path, shared: tuple[str, ...] = ("weights", "tokenizers", "kernels")) -> Path:
     """A fresh ``$PAGEDKV_HOME`` at ``path`` (its own state file and admin token) that shares the
     default home's ``shared`` caches (weights, tokenizers, compiled kernels), so the services it
     starts load in seconds and no kernel library is compiled twice."""
     path.mkdir(parents=True, exist_ok=True)
-    default_home = Path(os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv")
     for sub in shared:
-        (default_home / sub).mkdir(parents=True, exist_ok=True)
-        (path / sub).symlink_to(default_home / sub)
+        (DEFAULT_HOME / sub).mkdir(parents=True, exist_ok=True)
+        (path / sub).symlink_to(DEFAULT_HOME / sub)
     return path
 
 
@@ -66,13 +71,43 @@ def hf_tokenizer(gguf_dir):
     return AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
 
 
+def _save_unquantized(model, path: Path) -> None:
+    """Save ``model`` (read from a GGUF, its weights already dequantized) as a plain transformers
+    checkpoint: its config without the GGUF quantization entry, and its tensors (tied ones once)."""
+    from safetensors.torch import save_model
+
+    path.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (path / "config.json").write_text(json.dumps(config))
+    save_model(model, str(path / "model.safetensors"))
+
+
 @pytest.fixture(scope="session")
 def hf_model(gguf_dir):
-    """transformers' own LlamaForCausalLM read from the GGUF (the correctness reference)."""
+    """transformers' own LlamaForCausalLM read from the GGUF (the correctness reference).
+
+    transformers' GGUF reader takes about 20 s on a small CPU (it parses the file twice), so its
+    result is kept as transformers saves it, under the default home's ``reference/`` folder keyed by
+    the GGUF's digest and transformers' version, and read back from there by later runs."""
+    import hashlib
+
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    return m.eval()
+    gguf = gguf_dir / SMOLLM2_GGUF
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()[:16]
+    saved = DEFAULT_HOME / "reference" / f"{gguf.stem}-{digest}-transformers-{transformers.__version__}"
+    if not (saved / "config.json").exists():
+        m = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
+        _save_unquantized(m, tmp)
+        if saved.exists():  # another run saved it meanwhile
+            shutil.rmtree(tmp)
+        else:
+            tmp.replace(saved)
+        return m.eval()
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -97,6 +132,31 @@ def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], torch.Tenso
         logits.append(out.logits[0, -1].float())
     tokens.append(int(logits[-1].argmax()))
     return tokens, torch.stack(logits)
+
+
+#: Chats the client and serve tests generate from (greedy, compared with :func:`hf_greedy_tokens`).
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about memory.",
+    "List three prime numbers.",
+    "Explain in one sentence what a block table is in an operating system's paging.",
+]
+#: (model, prompt, tokens) -> transformers' greedy continuation: the session's references, made once.
+_GREEDY_TOKENS: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+
+
+@torch.inference_mode()
+def hf_greedy_tokens(model, ids: list[int], max_new: int) -> list[int]:
+    """transformers' own greedy ``generate`` of up to ``max_new`` tokens after ``ids`` (stopping at
+    EOS), the reference. Memoized for the session: a shorter request is the front of a longer one
+    made before (greedy does not look ahead)."""
+    prompt = tuple(ids)
+    for (m, p, n), tokens in _GREEDY_TOKENS.items():
+        if m == id(model) and p == prompt and n >= max_new:
+            return tokens[:max_new]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
+    _GREEDY_TOKENS[(id(model), prompt, max_new)] = tokens = out[0, len(ids):].tolist()
+    return list(tokens)
 
 
 @dataclass

@@ -19,18 +19,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 from conftest import START_TIMEOUT, pagedkv_process, private_home
+from helpers.model_fixtures import CHATS, hf_greedy_tokens
 from prometheus_client.parser import text_string_to_metric_families
 
 from client.services import MemoryClient
 
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about memory.",
-    "List three prime numbers.",
-    "Explain in one sentence what a block table is in an operating system's paging.",
-]
 KEY_A, KEY_B, ADMIN = "key-tenant-a", "key-tenant-b", "key-admin"
 #: Tenants c and d share one prefix cache (--cache-sharing-group team=tenant-c,tenant-d).
 KEY_C, KEY_D = "key-tenant-c", "key-tenant-d"
@@ -84,12 +78,6 @@ def metrics(url: str) -> dict[tuple[str, tuple], float]:
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
             out[(s.name, labels)] = s.value
     return out
-
-
-@torch.inference_mode()
-def hf_greedy_tokens(model, ids: list[int], max_new: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
-    return out[0, len(ids):].tolist()
 
 
 def test_greedy_chat_equals_transformers_and_stream_equals_reply(oai, hf_model, memory):
