@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 from client.engine.core import Engine
+from client.engine.failover import DEFAULT_STEP_TIMEOUT
 from client.engine.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.engine.scheduler import SchedulerConfig
 from client.engine.stats import EngineLimits, EngineStats, StepLog
@@ -112,7 +113,11 @@ class Client:
         recovery_timeout: when the lease is lost (the memory service restarted, or the lease
             expired), the engine waits at most this many seconds for the services, then carries
             on with a new lease and its running requests recomputed, or fails every request if
-            the services are not back (client.engine.recovery; ``engine.lease_recoveries`` counts them).
+            the services are not back (client.engine.recovery; ``engine.lease_recoveries`` counts them);
+            with every worker down, it waits as long for one to come back, then fails the requests
+            it holds and keeps its lease (client.engine.failover). Default 60.
+        step_timeout: seconds a worker's Step may take before the worker counts as hung: its
+            sequences go on on another worker from their KV (client.engine.failover). Default 600.
         tls: mutual TLS files (:class:`pagedkv.runtime.tls.TlsFiles`) for both services; None: plaintext.
         preemption_mode: how a running request is preempted when the pool runs out: "recompute"
             (free its blocks, compute its tokens again later) or "swap" (move its KV to the
@@ -126,7 +131,7 @@ class Client:
             (both map the pool; client.engine.scheduler.Scheduler.hand_off).
 
     Raises:
-        ValueError: no worker address, or an unknown ``preemption_mode``.
+        ValueError: no worker address, an unknown ``preemption_mode``, or a timeout <= 0.
         client.errors.ServiceError: a service refused the connection-time calls.
         FileNotFoundError: the model's tokenizer is not on this host (nor, for a Hugging Face repo
             id, in its Hugging Face cache at the worker's revision, with downloads off).
@@ -136,13 +141,15 @@ class Client:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None,
                  max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
                  tls: TlsFiles | None = None, preemption_mode: str = "recompute", peers: Iterable[str] = (),
-                 worker_roles: list[str] | None = None):
+                 worker_roles: list[str] | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT):
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode=preemption_mode)
         self.memory = MemoryClient(memory, tls=tls)
-        self.workers = [WorkerClient(w, tls=tls) for w in workers]
+        if not step_timeout > 0:
+            raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
+        self.workers = [WorkerClient(w, timeout=step_timeout, tls=tls) for w in workers]
         info = self.workers[0].model_info()
         # The worker's files when this host has them, else the same model and revision from this
         # host's Hugging Face cache (client.tokenizer.tokenizer_source).

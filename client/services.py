@@ -36,7 +36,11 @@ from pagedkv.runtime.tls import channel as plane_channel
 
 log = get_logger("client")
 
-_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+#: Message bounds; and reconnect backoff held to at most 1 s (gRPC's default grows to 120 s), so a
+#: service that comes back at its address is reached again within a second (worker failover).
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
 #: Sequences asked for in each page of ListSequences (the service's default; at most 2,000).
 LIST_PAGE_SIZE = 1000
 
@@ -176,9 +180,11 @@ class MemoryClient(_Channel):
         return self.stub.CommitComputedTokens(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
-    def fork(self, lease_id: str, parents: list[int]) -> mpb.ForkSequencesResponse:
-        """Fork each parent; the reply has the children's block tables and grants."""
-        req = mpb.ForkSequencesRequest(lease_id=lease_id, forks=[mpb.SequenceFork(parent_seq_id=p) for p in parents])
+    def fork(self, lease_id: str, parents: list[int], proven_only: bool = False) -> mpb.ForkSequencesResponse:
+        """Fork each parent; the reply has the children's block tables and grants. ``proven_only``:
+        each child holds only its parent's proven tokens (a failover fork: SequenceFork.proven_only)."""
+        req = mpb.ForkSequencesRequest(lease_id=lease_id, forks=[
+            mpb.SequenceFork(parent_seq_id=p, proven_only=proven_only) for p in parents])
         return self.stub.ForkSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
@@ -262,8 +268,8 @@ class WorkerClient(_Channel):
         super().__init__(address, timeout, cpb_grpc.ComputeServiceStub, tls)
 
     @_typed
-    def model_info(self) -> cpb.GetModelInfoResponse:
-        return self.stub.GetModelInfo(cpb.GetModelInfoRequest(), timeout=30)
+    def model_info(self, timeout: float = 30.0) -> cpb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(cpb.GetModelInfoRequest(), timeout=timeout)
 
     @_typed
     def step(self, request: cpb.StepRequest) -> cpb.StepResponse:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 from concurrent.futures import Executor
 
 from compute_service.worker import Worker
@@ -38,6 +39,8 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         #: Commit hash of a hub snapshot, or the local files' fingerprint.
         self.revision = model.revision
         self.device = device
+        #: New at every start of the process (GetModelInfoResponse.instance_id).
+        self.instance_id = secrets.token_hex(8)
         if model.name == "smollm2":
             self.model_name = "SmolLM2-135M-Instruct"
         else:  # a snapshot folder is named by its commit: the repo id names the model better
@@ -73,4 +76,5 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             generation_defaults=pb.GenerationDefaults(**{
                 k: v for k, v in dataclasses.asdict(c.generation).items() if v is not None}),
             ignored_generation_keys=c.ignored_generation_keys,
+            instance_id=self.instance_id,
         )

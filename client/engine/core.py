@@ -43,13 +43,15 @@ import time
 
 from client.engine.beam import BeamState, Branching
 from client.engine.commits import Commits
+from client.engine.failover import Failover, WorkersDown
+from client.engine.preemption import Preemption
 from client.engine.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
 from client.engine.recovery import Recovery
 from client.engine.scheduler import Scheduler, SchedulerConfig
 from client.engine.slots import Slots
 from client.engine.stats import EngineLimits, EngineStats, StepLog, StepTrace
 from client.engine.step_update import StepUpdate
-from client.engine.swap import SwapOut, Swapper, check_host_tier
+from client.engine.swap import Swapper, check_host_tier
 from client.engine.transfers import Peer, PrefixPull
 from client.engine.worker_step import StepRunner
 from client.errors import OutOfBlocks, ServiceError
@@ -85,7 +87,8 @@ class Engine:
         pool = memory.pool()
         self.block_size = pool.layout.block_size
         self.num_blocks = pool.layout.num_blocks
-        self.model_info = info = same_model([w.model_info() for w in workers], [w.address for w in workers])
+        infos = [w.model_info() for w in workers]
+        self.model_info = info = same_model(infos, [w.address for w in workers])
         #: Prefix-cache identity of this model's KV: model, resolved revision and KV dtype.
         self.model_id = model_identity(info.model_name, info.model_source, info.revision, info.dtype)
         self.eos_ids = set(info.eos_token_ids)
@@ -101,19 +104,19 @@ class Engine:
         self.branching = Branching()
         self.stop_checker = StopChecker(self.eos_ids, self.max_context, tokenizer)
         self.step_count = 0
-        #: Requests preempted, by recompute or by swap.
-        self.preemptions = 0
-        #: Of ``preemptions``, those by swap (SwapOutSequences; client.engine.swap).
-        self.swaps = 0
-        #: Swap preemptions that fell back to recompute (host tier off or full, a swap-in's SWAP_LOST).
-        self.swap_fallbacks = 0
-        self.swapper = Swapper(memory, lambda: self.lease.lease_id)
+        self.preemption = Preemption(self.scheduler, Swapper(memory, lambda: self.lease.lease_id), self._free,
+                                     self.commits.flush)
         check_host_tier(self.scheduler.config.preemption_mode, pool.host_num_blocks)
         self.traces: collections.deque[StepTrace] = collections.deque(maxlen=100_000)
         #: (request id, step_count when its abort was asked), most recent last.
         self.abort_log: collections.deque[tuple[str, int]] = collections.deque(maxlen=10_000)
         self.runner = StepRunner(workers, pool.generation)
         self.recovery = Recovery(memory, workers, lambda: self.lease, pool, lease_ttl, recovery_timeout)
+        self.failover = Failover(memory, workers, self.scheduler, lambda: self.lease.lease_id,
+                                 lambda: self.runner.pool_generation, recovery_timeout, [i.instance_id for i in infos])
+        #: Tokens computed again after a worker failure and after a lost lease; when a step last completed.
+        self.recomputed = {"worker_failure": 0, "lease_lost": 0}
+        self.last_step_at = 0.0
         #: Cross-node prefix reuse from ``peers``, other nodes' memory services (client.engine.transfers); None: none.
         self.pulls = PrefixPull(list(peers)) if peers else None
         self.update = StepUpdate(self.scheduler, self.branching, self.stop_checker, self.commits, self.pulls,
@@ -121,7 +124,8 @@ class Engine:
         self.slots = Slots(memory, lambda: self.lease.lease_id, self.scheduler, self.commits, self.pulls,
                            self.model_id, self.block_size)
         #: What the front reads (client.engine.stats): fixed limits, and the stats of the last step.
-        self.limits = EngineLimits(info, self.model_id, self.max_context, self.block_size, self.num_blocks)
+        self.limits = EngineLimits(info, self.model_id, self.max_context, self.block_size, self.num_blocks,
+                                   min(w.timeout for w in workers))
         self._stats = EngineStats()
         self._stats_lock = threading.Lock()
         self._publish()
@@ -178,9 +182,12 @@ class Engine:
         """Build the stats the front reads; under a lock, so the last one published is the newest."""
         with self._stats_lock:
             pulled, failed = (self.pulls.tokens_pulled, self.pulls.transfers_failed) if self.pulls else (0, 0)
-            self._stats = EngineStats(self.step_count, *self.scheduler.queues(), self.preemptions, self.swaps,
-                                      self.swap_fallbacks, self.lease_recoveries, self.scheduler.handoffs, pulled,
-                                      failed, self.lease.lease_id, self.lease.secret)
+            f, r, p = self.failover, self.recomputed, self.preemption
+            self._stats = EngineStats(
+                self.step_count, *self.scheduler.queues(), p.preemptions, p.swaps, p.swap_fallbacks,
+                self.lease_recoveries, self.scheduler.handoffs, pulled, failed, self.lease.lease_id, self.lease.secret,
+                f.failovers, len(f.ready), len(self.workers), r["worker_failure"], p.recomputed_tokens, r["lease_lost"],
+                tuple((w.address, st.state) for w, st in zip(self.workers, f.states)), self.last_step_at)
 
     def close(self) -> None:
         self.recovery.cancel()
@@ -202,12 +209,15 @@ class Engine:
         try:
             self.recovery.check_lease()
             out = self._step(updated)
+        except WorkersDown:
+            raise  # the lease stays: the caller fails the requests, the next runs once a worker is back
         except ServiceError as e:
             if self.pulls is not None:
                 self.pulls.clear()
-            got = self.recovery.recover(e, self.scheduler.requeue_running)  # raises what it cannot recover from
+            got = self.recovery.recover(e, self._requeue_running)  # raises what it cannot recover from
             self.lease, self.runner.pool_generation = got.lease, got.generation
             self.commits.clear()  # receipts of the old lease's sequences
+            self.failover.forget_quarantines()
             return list(updated.values())
         finally:
             self._publish()
@@ -217,6 +227,10 @@ class Engine:
     def _step(self, updated: dict) -> list[Request]:
         t0 = time.perf_counter()
         self._handle_aborts(updated)
+        self.failover.probe()
+        if not self.failover.ready:  # every worker is down: wait for one (client.engine.failover)
+            self.failover.wait_for_a_worker(self.scheduler.has_work())
+            return list(updated.values())
         self._fork()
         may_admit = self.scheduler.may_admit()  # only then the pool's free blocks (a GetStats call)
         out = self.scheduler.schedule(self._available_blocks() if may_admit else 0)
@@ -225,8 +239,9 @@ class Engine:
         if not out.scheduled:
             self._fail_unschedulable(updated)
             return list(updated.values())
-        swapped_in = self._swap_in(out) if out.swapped else set()
-        appended = self.slots.append(out, swapped_in, self._preempt, lambda r, e: self._fail(r, e, updated))
+        swapped_in = self.preemption.swap_in(out) if out.swapped else set()
+        appended = self.slots.append(out, swapped_in, self.preemption.preempt,
+                                     lambda r, e: self._fail(r, e, updated))
         scheduled = self.slots.allocate(out)
         if not scheduled:
             return list(updated.values())
@@ -236,11 +251,17 @@ class Engine:
             if e.reason not in (TRANSFER_FAILED, TRANSFERS_OFF) or self.pulls is None:
                 raise
             for req in self.pulls.transfer_failed([x.request for x in scheduled]):  # recomputed
-                self._preempt(req)
+                self.preemption.preempt(req)
                 appended.preempted.append(req.request_id)
             log.warning("transfer_failed", requests=len(appended.preempted))
             return list(updated.values())
+        if results.failed:  # a worker is gone: its sequences go on elsewhere (client.engine.failover)
+            scheduled, lost = self.failover.fail_over(results.failed, scheduled, appended.copies_by_worker,
+                                                      self.scheduler.preempt)
+            self.recomputed["worker_failure"] += lost
+        self.failover.step_done({x.request.worker for x in scheduled})
         finished_ids = self.update.apply(scheduled, results, updated)
+        self.last_step_at = time.monotonic()
         self._handle_aborts(updated)  # cancelled during the step: freed now, not a step later
         trace = StepTrace(self.step_count, list(dict.fromkeys(x.request.request_id for x in scheduled)),
                           sum(x.num_new_tokens for x in scheduled), finished_ids, appended.preempted,
@@ -248,6 +269,11 @@ class Engine:
         self.traces.append(trace)
         self.step_count += 1
         return list(updated.values())
+
+    def _requeue_running(self) -> list[Request]:
+        """A lost lease: every running request is recomputed (counted as lease_lost)."""
+        self.recomputed["lease_lost"] += sum(s.num_computed for r in self.scheduler.running for s in r.seqs)
+        return self.scheduler.requeue_running()
 
     def _handle_aborts(self, updated: dict) -> None:
         victims = self.scheduler.take_aborted()
@@ -291,30 +317,6 @@ class Engine:
         self.recovery.check_generation(stats.generation)
         return stats.available_blocks
 
-    def _swap_in(self, out) -> set[int]:
-        """Swap in the readmitted swapped-out requests (client.engine.swap) and apply the outcome to the
-        scheduler; returns the ids of the sequences swapped in."""
-        self.commits.flush()  # swap-in's reloads follow proven positions only
-        result = self.swapper.swap_in(out, lambda r: self._free([r], mpb.FREE_REASON_PREEMPTED))
-        self.scheduler.swap_in_done(result.unadmitted, result.swapped_in)
-        self.swap_fallbacks += result.fallbacks
-        return result.seq_ids
-
-    def _preempt(self, req: Request, grown: set[int] = frozenset()) -> bool:
-        """Preempt running ``req``: by swap when the mode asks and the memory service can (client.engine.swap),
-        else by recompute; returns whether by swap. ``grown``: sequence ids that may not be swapped
-        out now (grown by AppendSlots, or swapped in, in this step)."""
-        outcome = self.swapper.swap_out(req, grown) if self.scheduler.config.preemption_mode == "swap" else None
-        if outcome == SwapOut.SWAPPED:
-            self.scheduler.preempt(req, swap=True)
-            self.swaps += 1
-        else:
-            self.swap_fallbacks += outcome == SwapOut.REFUSED
-            self._free([req], mpb.FREE_REASON_PREEMPTED)
-            self.scheduler.preempt(req)
-        self.preemptions += 1
-        return outcome == SwapOut.SWAPPED
-
     def _fail_unschedulable(self, updated: dict) -> None:
         """Nothing could run: a waiting request that cannot fit even in an empty pool fails. A
         swapped-out one at the head is recomputed instead (its sequences freed: the blocks they
@@ -323,9 +325,7 @@ class Engine:
             return
         head = self.scheduler.head()
         if head is not None and head.status == Status.SWAPPED:
-            self._free([head], mpb.FREE_REASON_PREEMPTED)
-            self.scheduler.recompute_swapped(head)
-            self.swap_fallbacks += 1
+            self.preemption.recompute_swapped(head)
             return
         try:
             stats = self.memory.stats()

@@ -14,8 +14,10 @@ after a long pause); every block its sequences held is gone with it. The engine 
 
     1. release  the old lease (stops its keep-alives; frees its blocks if the service still has it)
     2. wait     until the memory service is SERVING, its layout equals the engine's (else
-                every request fails: LayoutChanged), every worker maps its pool generation
-                (GetModelInfo.pool_generation) and a new lease is created; each try that
+                every request fails: LayoutChanged), every worker that answers maps its pool
+                generation (GetModelInfo.pool_generation; at least one must answer: one that does
+                not is failed over from at its next step, client.engine.failover) and a new
+                lease is created; each try that
                 fails waits 0.1 s, doubling to 2 s, with a log line; at most ``timeout`` seconds
     3. requeue  every running request waits again at the front of the queue, recomputed
                 (Scheduler.requeue_running: like a preemption); a fork planned by the
@@ -235,13 +237,17 @@ class Recovery:
                 "earlier layout, or create a new client",
                 "LAYOUT_CHANGED",
             )
+        unreachable = []
         for i, w in enumerate(self.workers):
             try:
-                mapped = w.model_info().pool_generation
-            except ServiceError as e:
-                return f"worker {i} at {w.address} ({e})"
+                mapped = w.model_info(timeout=2.0).pool_generation
+            except ServiceError as e:  # gone: the engine fails over from it (client.engine.failover)
+                unreachable.append(f"worker {i} at {w.address} ({e})")
+                continue
             if mapped != pool.generation:
                 return f"worker {i} at {w.address} to map pool generation {pool.generation} (it maps {mapped})"
+        if len(unreachable) == len(self.workers):
+            return "; ".join(unreachable)
         try:
             lease = Lease(memory, self.lease_ttl)
         except ServiceError as e:

@@ -65,6 +65,8 @@ class Scheduler:
             raise ValueError(f"worker roles {roles}: at least one worker must prefill and one must decode")
         #: Requests moved from a prefill worker to a decode worker (:meth:`hand_off`).
         self.handoffs = 0
+        #: Workers that take no work now (failed: client.engine.failover).
+        self.down: set[int] = set()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._lock = threading.Lock()
@@ -226,14 +228,27 @@ class Scheduler:
         self.running.append(req)
 
     def _least_loaded(self, workers: list[int]) -> int:
+        """The least loaded of ``workers`` that is not down (of any live worker when none of them is)."""
+        live = [w for w in workers if w not in self.down] or \
+            [w for w in range(self.num_workers) if w not in self.down] or workers
         load = collections.Counter(r.worker for r in self.running)
-        return min(workers, key=lambda w: load[w])
+        return min(live, key=lambda w: load[w])
+
+    def repin(self, worker: int) -> list[Request]:
+        """Pin every request pinned to ``worker`` (running, waiting or swapped) to the least loaded
+        live worker of its phase; returns them."""
+        with self._lock:
+            pinned = [r for r in [*self.running, *self.waiting] if r.worker == worker]
+        for r in pinned:
+            prefilled = all(s.num_computed >= len(s.tokens) - 1 for s in r.live_seqs()) and r.seqs
+            r.worker = self._least_loaded(self.decode_workers if prefilled else self.prefill_workers)
+        return pinned
 
     def hand_off(self, req: Request) -> bool:
         """Move ``req`` from a prefill-only worker to the least loaded decode worker once its prompt is
         computed (every live sequence past its prompt); True when it moved. Its KV stays where it is:
         every worker maps the pool (DESIGN.md: a sequence may move between workers between steps)."""
-        if req.worker in self.decode_workers or req.finished:
+        if (req.worker in self.decode_workers and req.worker not in self.down) or req.finished:
             return False
         if any(s.num_computed < len(s.tokens) - 1 for s in req.live_seqs()):
             return False

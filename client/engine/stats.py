@@ -63,6 +63,19 @@ class EngineStats:
     #: another channel list that lease's sequences (ListSequences). Empty in a :meth:`total`.
     lease_id: str = ""
     lease_secret: str = field(default="", repr=False)
+    #: Workers failed over from (client.engine.failover); workers ready to take work, and in all.
+    worker_failovers: int = 0
+    workers_ready: int = 0
+    workers_total: int = 0
+    #: Tokens whose KV was computed again, by reason: the lost steps of failed workers, requests
+    #: preempted by recompute, requests requeued after a lost lease.
+    recomputed_worker_failure: int = 0
+    recomputed_preemption: int = 0
+    recomputed_lease_lost: int = 0
+    #: Each worker's address and state ("ready" or "down").
+    workers: tuple[tuple[str, str], ...] = ()
+    #: When the last step completed (time.monotonic()); 0: none yet.
+    last_step_at: float = 0.0
 
     @property
     def num_running(self) -> int:
@@ -79,9 +92,11 @@ class EngineStats:
         if len(parts) == 1:
             return parts[0]
         summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls)
-                  if f.name not in ("running", "waiting", "lease_id", "lease_secret")}
+                  if f.name not in ("running", "waiting", "lease_id", "lease_secret", "workers", "last_step_at")}
         return cls(running=tuple(r for p in parts for r in p.running),
-                   waiting=tuple(r for p in parts for r in p.waiting), **summed)
+                   waiting=tuple(r for p in parts for r in p.waiting),
+                   workers=tuple(w for p in parts for w in p.workers),
+                   last_step_at=max(p.last_step_at for p in parts), **summed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +124,8 @@ class EngineLimits:
     #: Tokens per KV block, and blocks in the device pool.
     block_size: int
     num_blocks: int
+    #: Seconds a worker's Step may take before the worker counts as hung (client.engine.failover).
+    step_timeout: float = 600.0
 
 
 __all__ = ["EngineLimits", "EngineStats", "StepLog", "StepTrace"]

@@ -15,9 +15,11 @@ another node's pool (client.engine.transfers) adds that node's transfer source t
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from client.engine.failover import is_worker_failure
 from client.engine.scheduler import ScheduledSeq
+from client.errors import ServiceError
 from client.request import Request, Seq
 from client.services import WorkerClient
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
@@ -105,6 +107,8 @@ class StepResults:
     by_seq: dict[int, cpb.StepResult]
     #: Seconds in the slowest worker's forward.
     model_seconds: float
+    #: Workers whose Step failed as a worker failure (client.engine.failover), by index.
+    failed: dict[int, ServiceError] = field(default_factory=dict)
 
 
 class StepRunner:
@@ -116,19 +120,31 @@ class StepRunner:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(workers)), thread_name_prefix="pagedkv-step")
 
     def run(self, scheduled: list[ScheduledSeq], copies_by_worker: dict[int, list[tuple[int, int]]]) -> StepResults:
-        """Step every worker that runs a scheduled sequence (:func:`build_steps`).
+        """Step every worker that runs a scheduled sequence (:func:`build_steps`); a worker that is
+        gone or hung (:func:`client.engine.failover.is_worker_failure`) is reported in ``failed``,
+        the others' results are kept.
 
         Raises:
-            client.errors.ServiceError: a worker refused its Step.
+            client.errors.ServiceError: a worker refused its Step (not a worker failure).
         """
         steps = build_steps(scheduled, copies_by_worker, self.pool_generation)
-        futures = [self._pool.submit(self.workers[w].step, req) for w, req in steps.items()]
+        futures = {w: self._pool.submit(self.workers[w].step, req) for w, req in steps.items()}
         out = StepResults({}, 0.0)
-        for f in futures:
-            resp = f.result()
+        refused: ServiceError | None = None
+        for w, f in futures.items():
+            try:
+                resp = f.result()
+            except ServiceError as e:
+                if is_worker_failure(e):
+                    out.failed[w] = e
+                else:
+                    refused = refused or e
+                continue
             out.model_seconds = max(out.model_seconds, resp.model_seconds)
             for r in resp.results:
                 out.by_seq[r.seq_id] = r
+        if refused is not None:
+            raise refused
         return out
 
     def close(self) -> None:

@@ -180,9 +180,16 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if await server.backends_up(max_age=0):
-            return Response(status_code=200)
-        raise APIError(503, "the memory service or every worker is down", type="server_error", code="unavailable")
+        """200 while the memory service and a worker serve and the engine makes progress (a step
+        finished within the step timeout while requests run); 503 otherwise. The body says which:
+        {"status": "ok" | "degraded" | "down", "workers": {"ready": R, "total": T}}."""
+        up, ready, total = await asyncio.to_thread(server.backends.health)
+        stats = server.client.engine_stats()
+        stuck = stats.num_running > 0 and stats.last_step_at and \
+            time.monotonic() - stats.last_step_at > server.client.limits.step_timeout
+        status = "down" if not up or stuck else "ok" if ready == total else "degraded"
+        body = {"status": status, "workers": {"ready": ready, "total": total}}
+        return JSONResponse(body, status_code=503 if status == "down" else 200)
 
     @app.get("/metrics")
     async def metrics():

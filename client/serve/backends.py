@@ -56,8 +56,17 @@ class Backends:
 
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether the memory service and at least one worker answer SERVING (standard health service)."""
-        return all(self._serving(m, timeout) and any(self._serving(w, timeout) for w in ws)
-                   for m, ws in [(self.memory, self.workers), *self.others])
+        return self.health(timeout)[0]
+
+    def health(self, timeout: float = 1.0) -> tuple[bool, int, int]:
+        """(every node's memory service and at least one of its workers answer SERVING, workers that
+        answer SERVING, workers in all), over every node."""
+        up, ready, total = True, 0, 0
+        for m, ws in [(self.memory, self.workers), *self.others]:
+            serving_here = sum(self._serving(w, timeout) for w in ws)
+            up = up and serving_here > 0 and self._serving(m, timeout)
+            ready, total = ready + serving_here, total + len(ws)
+        return up, ready, total
 
     def _serving(self, address: str, timeout: float) -> bool:
         ch = self._channels.get(address)

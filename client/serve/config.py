@@ -159,6 +159,14 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         "and back, nothing recomputed; needs --host-cache-memory, else it recomputes)",
     )
     sched.add_argument(
+        "--step-timeout", type=float, default=_env("STEP_TIMEOUT", 600.0),
+        help="seconds a worker's step may take before the worker counts as hung: its sequences go on on "
+        "another worker from their KV, only the lost step recomputed (default 600)")
+    sched.add_argument(
+        "--recovery-timeout", type=float, default=_env("RECOVERY_TIMEOUT", 60.0),
+        help="seconds to wait for the services after a lost lease, or for a worker when every worker is "
+        "down, before the requests held fail (default 60)")
+    sched.add_argument(
         "--max-model-len",
         type=int,
         default=_env("MAX_MODEL_LEN", None),
@@ -314,6 +322,9 @@ class ServeConfig:
     max_num_batched_tokens: int
     preemption_mode: str
     max_model_len: int | None
+    #: Seconds before a worker's step counts as hung; to wait for the services after a failure.
+    step_timeout: float
+    recovery_timeout: float
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServeConfig:
@@ -348,6 +359,9 @@ def parse_args(argv: list[str]) -> ServeConfig:
         p.error(f"--dashboard-interval {args.dashboard_interval!r} is not a number of seconds")
     if not 0.05 <= args.dashboard_interval <= 3600:
         p.error("--dashboard-interval must lie in 0.05-3600 seconds")
+    for name in ("step_timeout", "recovery_timeout"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0 seconds")
     if args.max_model_len is not None and args.max_model_len < 2:
         p.error("--max-model-len must be >= 2")
     if args.preemption_mode not in ("recompute", "swap"):  # from PAGEDKV_PREEMPTION_MODE

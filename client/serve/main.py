@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     client = None
     try:
         limits = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      max_model_len=args.max_model_len, tls=backends.tls, preemption_mode=args.preemption_mode)
+                      max_model_len=args.max_model_len, tls=backends.tls, preemption_mode=args.preemption_mode,
+                      step_timeout=args.step_timeout, recovery_timeout=args.recovery_timeout)
         if args.nodes:  # several nodes: one engine each, requests routed (client.cluster.core)
             router = None
             if backends.tls is not None and args.router_tls_cert and args.router_tls_key:

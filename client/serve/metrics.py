@@ -17,6 +17,9 @@ prefix-cache counters are read when scraped (:class:`_LiveCollector`), so they a
 | ``pagedkv:num_swaps_total`` | counter | the engine preempts a request by swap (its KV to the host tier) |
 | ``pagedkv:lease_recoveries_total`` | counter | the engine recovers from a lost lease or a new pool generation
 (client.engine.recovery) |
+| ``pagedkv:worker_failovers_total`` | counter | a worker fails and its sequences move to another (client.engine.failover) |
+| ``pagedkv:workers_ready`` | gauge | workers that take work, at scrape |
+| ``pagedkv:recomputed_tokens_total{reason}`` | counter | tokens computed a second time: ``worker_failure``, ``preemption``, ``lease_lost`` |
 | ``pagedkv:kv_cache_usage_perc`` | gauge | used / total blocks of the pool, at scrape |
 | ``pagedkv:prefix_cache_queries_total`` / ``_hits_total`` | counter | the pool's, in tokens, at scrape |
 """
@@ -142,10 +145,20 @@ class _LiveCollector:
                                  ("num_swaps", "Requests preempted by swap (KV moved to the host tier and back).",
                                   engine_stats.swaps),
                                  ("lease_recoveries", "Recoveries from a lost lease or a new pool generation "
-                                  "(running requests recomputed).", engine_stats.lease_recoveries)):
+                                  "(running requests recomputed).", engine_stats.lease_recoveries),
+                                 ("worker_failovers", "Workers failed over from (their sequences moved to another "
+                                  "worker).", engine_stats.worker_failovers)):
             c = CounterMetricFamily(f"pagedkv:{name}", doc, labels=names)
             c.add_metric(values, value)
             yield c
+        g = GaugeMetricFamily("pagedkv:workers_ready", "Workers that take work now.", labels=names)
+        g.add_metric(values, engine_stats.workers_ready)
+        yield g
+        c = CounterMetricFamily("pagedkv:recomputed_tokens", "Tokens whose KV a worker computed a second time, "
+                                "by reason.", labels=[*names, "reason"])
+        for reason in ("worker_failure", "preemption", "lease_lost"):
+            c.add_metric([*values, reason], getattr(engine_stats, f"recomputed_{reason}"))
+        yield c
         try:
             stats = self.backend.stats()
         except Exception:  # noqa: BLE001 - the memory service is down: no pool metrics this scrape

@@ -288,11 +288,16 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
                 result.updates.append(BlockTableUpdate(seq.seq_id, n + k, first, tuple(table[first:])))
         return result
 
-    def fork(self, lease_id: str, parent_ids: Seq[int]) -> list[Sequence]:
+    def fork(self, lease_id: str, parent_ids: Seq[int], proven_only: Seq[bool] = ()) -> list[Sequence]:
         """Fork each parent (ids may repeat): a child sharing every block (refcount + 1).
 
         Forking allocates nothing, so it cannot run out of blocks; the copy
         happens on the first append into a shared, partly filled block.
+
+        ``proven_only[i]`` (default False): child ``i`` holds only its parent's proven tokens and the
+        blocks that hold them -- a failover fork. The parent keeps the blocks a step in flight may
+        still write (the caller frees it once that step's worker is gone); the child continues in
+        fresh blocks, its partly filled last block copied on its first append.
 
         Raises:
             InvalidArgumentError: empty or oversized batch, more than :data:`MAX_FORK_CHILDREN`
@@ -310,7 +315,12 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
         check_batch(len(parent_ids), "ForkSequences")
         unique = list(dict.fromkeys(parent_ids))
         by_id = dict(zip(unique, self.sequences.owned(lease_id, unique, "ForkSequences")))
-        entries = sum(len(by_id[p].block_ids) for p in parent_ids)
+        if len(proven_only) not in (0, len(parent_ids)):
+            raise InvalidArgumentError(f"ForkSequences: proven_only names {len(proven_only)} forks of {len(parent_ids)}")
+        bs = self.block_size
+        keep = [-(-by_id[p].num_proven // bs) if proven_only and proven_only[i] else len(by_id[p].block_ids)
+                for i, p in enumerate(parent_ids)]
+        entries = sum(keep)
         if entries > MAX_FORK_BLOCK_IDS:
             raise InvalidArgumentError(
                 f"ForkSequences: the children's block tables would hold {entries} entries, more "
@@ -327,9 +337,10 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
                 raise FailedPreconditionError(f"ForkSequences: sequence {p.seq_id} {what}; nothing was forked")
         self._check_quota(lease, "ForkSequences", entries, len(parent_ids))
         children = []
-        for parent in (by_id[p] for p in parent_ids):
-            self.pool.incref(parent.block_ids)
-            children.append(self.sequences.fork(lease, parent))
+        for i, parent in enumerate(by_id[p] for p in parent_ids):
+            self.pool.incref(parent.block_ids[:keep[i]])
+            proven = parent.num_proven if proven_only and proven_only[i] else None
+            children.append(self.sequences.fork(lease, parent, proven, bs))
         return children
 
     def free(self, lease_id: str, seq_ids: Seq[int], *, preempted: bool = False) -> int:

@@ -168,12 +168,17 @@ class SequenceTable(LiveTable[int, Sequence]):
         lease.num_block_entries += len(block_ids)
         return seq
 
-    def fork(self, lease: Lease, parent: Sequence) -> Sequence:
-        """A child of ``parent`` with a copy of its block table and prefix-cache state (the caller increfs)."""
-        child = self.add(lease, parent.num_tokens, list(parent.block_ids), parent.seq_id)
-        child.token_ids = list(parent.token_ids) if parent.token_ids is not None else None
-        child.block_hashes, child.cache_key = list(parent.block_hashes), parent.cache_key
-        child.num_proven = parent.num_proven
+    def fork(self, lease: Lease, parent: Sequence, num_tokens: int | None = None, block_size: int = 1) -> Sequence:
+        """A child of ``parent`` with a copy of its block table and prefix-cache state (the caller increfs).
+
+        ``num_tokens``: the child holds only the parent's leading ``num_tokens`` (at most its proven
+        ones) and the ``block_size``-token blocks that hold them; None: all of them."""
+        n = parent.num_tokens if num_tokens is None else num_tokens
+        child = self.add(lease, n, list(parent.block_ids[:-(-n // block_size)] if num_tokens is not None
+                                        else parent.block_ids), parent.seq_id)
+        child.token_ids = list(parent.token_ids[:n]) if parent.token_ids is not None else None
+        child.block_hashes, child.cache_key = list(parent.block_hashes[:n // block_size]), parent.cache_key
+        child.num_proven = min(parent.num_proven, n)
         return child
 
     def remove(self, seq: Sequence, lease: Lease) -> None:

@@ -310,7 +310,7 @@ UNDISTURBED = sum(len(p) + MAX_TOKENS - 1 for p in PROMPTS)
 def test_out_of_blocks_swaps_the_victim_out_and_back_in(tokenizer):
     engine, memory, worker = make_engine(tokenizer)
     reqs = submit(engine)
-    run(engine, until=lambda: engine.swaps > 0)
+    run(engine, until=lambda: engine.preemption.swaps > 0)
     # r1, the most recently admitted, went to the host tier with its sequence, table and progress.
     victim = reqs[1]
     s = victim.seqs[0]
@@ -323,7 +323,7 @@ def test_out_of_blocks_swaps_the_victim_out_and_back_in(tokenizer):
     run(engine)
     assert memory.named("swap_in") == [("swap_in", [sid])]
     assert not [c for c in memory.calls if c[0] == "free" and c[2] == mpb.FREE_REASON_PREEMPTED]
-    assert (engine.swaps, engine.preemptions, engine.swap_fallbacks) == (1, 1, 0)
+    assert (engine.preemption.swaps, engine.preemption.preemptions, engine.preemption.swap_fallbacks) == (1, 1, 0)
     assert (victim.metrics.swaps, victim.metrics.preemptions) == (1, 1)
     assert worker.tokens_computed == UNDISTURBED  # nothing computed twice
     check_outputs(reqs, memory)
@@ -337,7 +337,7 @@ def test_the_published_stats_count_what_the_steps_did(tokenizer, mode):
     waiting = engine.stats()
     assert waiting.step_count == 0 and [r.request_id for r in waiting.waiting] == ["r0", "r1"]
     assert waiting.running == () and waiting.lease_id == engine.lease.lease_id
-    run(engine, until=lambda: engine.preemptions > 0)
+    run(engine, until=lambda: engine.preemption.preemptions > 0)
     snap = engine.stats()
     assert snap.preemptions == 1 and snap.swaps == (mode == "swap") and snap.swap_fallbacks == 0
     assert snap.step_count == engine.step_count and snap.running == (reqs[0],) and snap.waiting == (reqs[1],)
@@ -357,7 +357,7 @@ def test_swap_out_refused_falls_back_to_recompute(tokenizer, host_blocks):
     (swap_out,) = memory.named("swap_out")
     assert ("free", swap_out[1], mpb.FREE_REASON_PREEMPTED) in memory.calls
     assert memory.named("swap_in") == []
-    assert (engine.swaps, engine.preemptions, engine.swap_fallbacks) == (0, 1, 1)
+    assert (engine.preemption.swaps, engine.preemption.preemptions, engine.preemption.swap_fallbacks) == (0, 1, 1)
     assert reqs[1].metrics.preemptions == 1 and reqs[1].metrics.swaps == 0
     assert worker.tokens_computed > UNDISTURBED  # the victim's tokens were computed again
     check_outputs(reqs, memory)
@@ -367,7 +367,7 @@ def test_recompute_mode_never_swaps(tokenizer):
     engine, memory, _ = make_engine(tokenizer, mode="recompute")
     reqs = submit(engine)
     run(engine)
-    assert memory.named("swap_out") == [] and engine.preemptions == 1 and engine.swaps == 0
+    assert memory.named("swap_out") == [] and engine.preemption.preemptions == 1 and engine.preemption.swaps == 0
     check_outputs(reqs, memory)
 
 
@@ -375,12 +375,12 @@ def test_swap_lost_frees_and_recomputes(tokenizer):
     engine, memory, worker = make_engine(tokenizer)
     memory.lose_swapped = True
     reqs = submit(engine)
-    run(engine, until=lambda: engine.swaps > 0)
+    run(engine, until=lambda: engine.preemption.swaps > 0)
     lost = reqs[1].seqs[0].seq_id
     run(engine)
     assert memory.named("swap_in") == [("swap_in", [lost])]
     assert ("free", [lost], mpb.FREE_REASON_PREEMPTED) in memory.calls
-    assert engine.swaps == 1 and engine.swap_fallbacks == 1
+    assert engine.preemption.swaps == 1 and engine.preemption.swap_fallbacks == 1
     assert worker.tokens_computed > UNDISTURBED
     check_outputs(reqs, memory)
 
@@ -394,21 +394,21 @@ def test_swap_in_out_of_blocks_waits_still_swapped(tokenizer):
     assert victim.status == Status.SWAPPED and engine.scheduler.waiting[0] is victim
     assert victim not in engine.scheduler.running and victim.seqs[0].seq_id in memory.seqs
     run(engine)
-    assert len(memory.named("swap_in")) == 2 and engine.swap_fallbacks == 0
+    assert len(memory.named("swap_in")) == 2 and engine.preemption.swap_fallbacks == 0
     check_outputs(reqs, memory)
 
 
 def test_a_swapped_request_that_cannot_come_back_while_nothing_runs_is_recomputed(tokenizer):
     engine, memory, _ = make_engine(tokenizer)
     reqs = submit(engine)
-    run(engine, until=lambda: engine.swaps > 0)
+    run(engine, until=lambda: engine.preemption.swaps > 0)
     run(engine, until=lambda: reqs[0].finished)
     victim = reqs[1]
     sid = victim.seqs[0].seq_id
     memory.hidden = memory.num_blocks - 1  # the pool looks too full for its table: nothing can run
     engine.step()
     assert ("free", [sid], mpb.FREE_REASON_PREEMPTED) in memory.calls and memory.named("swap_in") == []
-    assert victim.status == Status.WAITING and victim.seqs[0].seq_id is None and engine.swap_fallbacks == 1
+    assert victim.status == Status.WAITING and victim.seqs[0].seq_id is None and engine.preemption.swap_fallbacks == 1
     memory.hidden = 0
     run(engine)
     check_outputs(reqs, memory)
@@ -424,14 +424,14 @@ def test_a_victim_swapped_in_this_step_is_recomputed(tokenizer):
     assert ("free", swap_in[1], mpb.FREE_REASON_PREEMPTED) in memory.calls and len(memory.named("swap_out")) == 1
     assert reqs[1].status == Status.WAITING and reqs[1].metrics.preemptions == 2 and reqs[1].metrics.swaps == 1
     run(engine)
-    assert (engine.preemptions, engine.swaps) == (2, 1)
+    assert (engine.preemption.preemptions, engine.preemption.swaps) == (2, 1)
     check_outputs(reqs, memory)
 
 
 def test_abort_of_a_swapped_request_frees_its_sequences(tokenizer):
     engine, memory, _ = make_engine(tokenizer)
     reqs = submit(engine)
-    run(engine, until=lambda: engine.swaps > 0)
+    run(engine, until=lambda: engine.preemption.swaps > 0)
     sid = reqs[1].seqs[0].seq_id
     engine.abort("r1")
     engine.step()
@@ -445,7 +445,7 @@ def test_abort_of_a_swapped_request_frees_its_sequences(tokenizer):
 def test_fail_all_frees_swapped_requests(tokenizer):
     engine, memory, _ = make_engine(tokenizer)
     reqs = submit(engine)
-    run(engine, until=lambda: engine.swaps > 0)
+    run(engine, until=lambda: engine.preemption.swaps > 0)
     engine.fail_all(RuntimeError("stop"))
     assert memory.seqs == {} and len(memory.free_host) == memory.host_blocks
     assert all(r.error is not None for r in reqs)

@@ -407,9 +407,9 @@ def test_a_scheduler_over_its_block_quota_preempts_instead_of_failing(tmp_path, 
     ) as s:
         with Client(s.memory.address, s.worker_addresses) as c:
             alone = [c.generate(p, sp, cache_salt=f"alone-{i}")[0].outputs[0].token_ids for i, p in enumerate(prompts)]
-            assert c.engine.preemptions == 0
+            assert c.engine.preemption.preemptions == 0
             together = [r.outputs[0].token_ids for r in c.generate(prompts, sp, cache_salt="together")]
-            assert c.engine.preemptions > 0
+            assert c.engine.preemption.preemptions > 0
         assert together == alone
 
 

@@ -127,6 +127,33 @@ def test_block_aligned_fork_needs_no_copy(m: BlockManager):
     assert m.pool.ref_counts[:3] == [2, 2, 1]
 
 
+def test_a_failover_fork_keeps_the_proven_tokens_and_leaves_the_step_in_flight_its_blocks(m: BlockManager):
+    """A (9 tokens, 6 proven) had a step in flight writing positions 6-8 when its worker failed. Its
+    proven-only child holds blocks 0 and 1 only; block 2, which the lost step may still write, stays
+    the parent's alone, and the child's recompute of position 6 goes into a copy of block 1."""
+    from memory_service.manager.requests import Commit
+
+    lease = m.leases.create().lease_id
+    (a,) = m.allocate(lease, [Allocation(9, tuple(range(9)))])  # [0, 1, 2]
+    m.commit_computed(lease, [Commit(a.seq_id, 6)])
+    (b,) = m.fork(lease, [a.seq_id], [True])
+    assert (b.block_ids, b.num_tokens, b.num_proven, b.token_ids) == ([0, 1], 6, 6, list(range(6)))
+    assert m.pool.ref_counts[:4] == [2, 2, 1, 0]
+    result = m.append_slots(lease, [Append(b.seq_id, 3, (6, 7, 8))])
+    assert result.copies == [BlockCopy(1, 3)] and b.block_ids == [0, 3, 4]
+    assert m.pool.ref_counts[:5] == [2, 1, 1, 1, 1]
+    m.check_invariants()
+    assert m.free(lease, [a.seq_id]) == 2  # the lost step's block 2, and block 1
+    assert m.pool.ref_counts[:5] == [1, 0, 0, 1, 1]
+    (c,) = m.fork(lease, [b.seq_id], [True])  # nothing proven past the copy: no block of it
+    assert (c.block_ids, c.num_tokens) == ([0, 3], 6) and m.pool.ref_counts[:5] == [2, 0, 0, 2, 1]
+    before = snapshot(m)
+    with pytest.raises(InvalidArgumentError, match="proven_only names 1 forks of 2"):
+        m.fork(lease, [b.seq_id, b.seq_id], [True])
+    assert snapshot(m) == before
+    m.check_invariants()
+
+
 def test_out_of_blocks_changes_nothing(m: BlockManager):
     lease = m.leases.create().lease_id
     (a,) = m.allocate(lease, [30])  # 8 blocks, 2 left

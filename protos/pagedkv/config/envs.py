@@ -140,6 +140,10 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_MAX_NUM_SEQS", "int", 64, "--max-num-seqs of pagedkv serve"),
     E("PAGEDKV_MAX_NUM_BATCHED_TOKENS", "int", 512, "--max-num-batched-tokens of pagedkv serve"),
     E("PAGEDKV_MAX_MODEL_LEN", "int", None, "--max-model-len of pagedkv serve"),
+    E("PAGEDKV_STEP_TIMEOUT", "float", 600.0, "--step-timeout of pagedkv serve: seconds before a worker's step "
+      "counts as hung"),
+    E("PAGEDKV_RECOVERY_TIMEOUT", "float", 60.0, "--recovery-timeout of pagedkv serve: seconds to wait for the "
+      "services after a lost lease, or for a worker when every worker is down"),
     # --- pagedkv top
     E("PAGEDKV_URL", "str", "http://127.0.0.1:8000", "--url of pagedkv top: the pagedkv serve to watch"),
     # --- compute paths of a worker (0: off, for comparisons and ablations)

@@ -309,7 +309,12 @@ def test_keys_and_admin_routes(url, oai):
     assert httpx.get(f"{url}/debug/steps").status_code == 401
     (model,) = oai.models.list().data
     assert model.id == "smollm2" and model.model_extra["max_model_len"] == 512 * 16
-    assert httpx.get(f"{url}/health").status_code == 200
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok", "workers": {"ready": 2, "total": 2}}
+    m = metrics(url)
+    assert m[("pagedkv:workers_ready", ())] == 2 and m[("pagedkv:worker_failovers_total", ())] == 0
+    assert {labels for name, labels in m if name == "pagedkv:recomputed_tokens_total"} == {
+        (("reason", r),) for r in ("worker_failure", "preemption", "lease_lost")}
 
 
 def test_metrics_move_by_the_requests(url, oai):
@@ -394,7 +399,8 @@ def test_embedded_backends_stop_with_the_server(tmp_path):
         deadline = time.monotonic() + 30
         while httpx.get(f"{url}/health").status_code != 503 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert httpx.get(f"{url}/health").status_code == 503
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json() == {"status": "down", "workers": {"ready": 0, "total": 1}}
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
     finally:

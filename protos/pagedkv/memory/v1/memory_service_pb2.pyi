@@ -338,10 +338,12 @@ class AppendSlotsResponse(_message.Message):
     def __init__(self, updates: _Optional[_Iterable[_Union[BlockTableUpdate, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ..., blocks_registered: _Optional[int] = ..., receipts_skipped: _Optional[int] = ..., committed_grants: _Optional[_Iterable[_Union[_grant_pb2.StepGrant, _Mapping]]] = ...) -> None: ...
 
 class SequenceFork(_message.Message):
-    __slots__ = ("parent_seq_id",)
+    __slots__ = ("parent_seq_id", "proven_only")
     PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVEN_ONLY_FIELD_NUMBER: _ClassVar[int]
     parent_seq_id: int
-    def __init__(self, parent_seq_id: _Optional[int] = ...) -> None: ...
+    proven_only: bool
+    def __init__(self, parent_seq_id: _Optional[int] = ..., proven_only: bool = ...) -> None: ...
 
 class ForkSequencesRequest(_message.Message):
     __slots__ = ("lease_id", "forks")

@@ -1,0 +1,244 @@
+"""Worker failover: a worker that stops answering costs the step it had in flight, nothing more.
+
+Every worker of a node maps the same pool, so a sequence's proven KV does not live in the worker
+that computed it. When a worker's Step fails with UNAVAILABLE (the process died, the connection
+broke) or DEADLINE_EXCEEDED (it hung past the step timeout), :meth:`Failover.fail_over` runs on
+the engine thread, between steps::
+
+    1. mark     the worker down: no request is pinned to it, nothing is sent to it
+    2. move     each sequence its lost step ran gets a failover fork (ForkSequences with
+                proven_only): a child holding the proven tokens and the blocks that hold them;
+                the sequence goes on as the child on a live worker, recomputing only the lost
+                step's tokens (its partly filled last block is copied on its next append)
+    3. hold     the parents stay allocated (quarantined): their blocks past the proven tokens
+                are the ones the lost step may still write if its worker wakes up, so nobody
+                else is handed them
+    4. repin    every request pinned to the worker (running, waiting, swapped) moves to the
+                least loaded live worker
+
+A step that had a copy-on-write copy for a sequence on the lost worker left the copy undone:
+that sequence's new block does not hold its proven KV, so its request is recomputed instead
+(its old sequence is quarantined all the same).
+
+Down workers are probed between steps (GetModelInfo, at most every :data:`PROBE_INTERVAL`
+seconds); one that maps the engine's pool generation again is ready. Its quarantined sequences
+are freed once no step of the lost one can still write: the worker at that address is another
+process (a new ``instance_id``) or has completed a step since it came back (a worker computes one
+step at a time). With no worker ready the engine waits; past the recovery timeout it fails the
+requests it holds and keeps its lease, so the next request runs once a worker is back.
+
+The lease is never released for a worker failure, and no other sequence's blocks are touched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from client.engine.scheduler import ScheduledSeq, Scheduler
+from client.errors import ServiceError, Unavailable
+from client.request import Request
+from client.services import MemoryClient, WorkerClient
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.runtime.limits import MAX_BATCH
+from pagedkv.runtime.logs import get_logger
+
+log = get_logger("failover")
+
+#: Step errors that mean the worker is gone or hung (anything else is the request's or the pool's).
+WORKER_FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.CANCELLED})
+#: Seconds a Step may take before its worker counts as hung (Client(step_timeout=), --step-timeout).
+DEFAULT_STEP_TIMEOUT = 600.0
+#: Seconds between two probes of the down workers.
+PROBE_INTERVAL = 0.5
+
+
+def is_worker_failure(error: BaseException) -> bool:
+    """Whether a Step's ``error`` means its worker is gone or hung (the module's codes)."""
+    return isinstance(error, ServiceError) and error.code in WORKER_FAILURE_CODES
+
+
+class WorkersDown(Unavailable):
+    """No worker came back within the recovery timeout: the engine fails the requests it holds and
+    keeps its lease (the next request runs once a worker serves again)."""
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """What the engine knows of one worker."""
+
+    #: "ready" or "down".
+    state: str = "ready"
+    #: The worker process last seen at the address (GetModelInfoResponse.instance_id).
+    instance_id: str = ""
+    #: When it went down (time.monotonic()).
+    down_since: float = 0.0
+    #: Sequences its lost steps may still write: freed once that is impossible (the module's rule).
+    quarantine: list[int] = field(default_factory=list)
+    #: Times it failed.
+    failures: int = 0
+
+
+class Failover:
+    """Tracks the workers' health and moves the sequences of a failed one (the module's procedure).
+
+    Args:
+        memory: the engine's memory-service client.
+        workers: the engine's workers, by index.
+        scheduler: the engine's scheduler (its pins and its set of down workers).
+        lease_id: returns the engine's lease id now.
+        generation: returns the pool generation the engine's steps carry now.
+        timeout: seconds the engine waits with no worker ready before failing its requests.
+        instance_ids: each worker's process at the start (GetModelInfoResponse.instance_id).
+    """
+
+    def __init__(self, memory: MemoryClient, workers: list[WorkerClient], scheduler: Scheduler,
+                 lease_id: Callable[[], str], generation: Callable[[], int], timeout: float,
+                 instance_ids: list[str]):
+        self.memory, self.workers, self.scheduler = memory, workers, scheduler
+        self.lease_id, self.generation, self.timeout = lease_id, generation, timeout
+        self.states = [WorkerState(instance_id=i) for i in instance_ids]
+        #: Failovers done (one per failed worker and step).
+        self.failovers = 0
+        self._next_probe = 0.0
+        #: Since when the engine waits with no worker ready (None: it does not).
+        self._waiting_since: float | None = None
+
+    @property
+    def ready(self) -> list[int]:
+        """Indexes of the workers that take work."""
+        return [i for i, s in enumerate(self.states) if s.state == "ready"]
+
+    # ---------------------------------------------------------------- failure
+    def fail_over(self, failed: dict[int, ServiceError], scheduled: list[ScheduledSeq],
+                  copies_by_worker: dict[int, list[tuple[int, int]]],
+                  recompute: Callable[[Request], None]) -> tuple[list[ScheduledSeq], int]:
+        """Mark the ``failed`` workers down and move their requests (the module's procedure).
+
+        Args:
+            failed: worker index -> the error its Step met.
+            scheduled: the step's sequences.
+            copies_by_worker: the step's copy-on-write pairs by worker.
+            recompute: preempts a request by recompute (its sequences are quarantined, not freed).
+
+        Returns:
+            the step's sequences on the other workers (their results stand), and the tokens that
+            will be computed again (the lost steps', and the recomputed requests' computed ones).
+
+        Raises:
+            client.errors.ServiceError: the memory service refused the failover forks.
+        """
+        now = time.monotonic()
+        for w, error in failed.items():
+            s = self.states[w]
+            s.state, s.down_since, s.failures = "down", now, s.failures + 1
+            self.scheduler.down.add(w)
+            log.warning("worker_failed", worker=self.workers[w].address, code=error.code.name, error=error.message)
+        kept = [x for x in scheduled if x.request.worker not in failed]
+        dsts = {d for w in failed for _, d in copies_by_worker.get(w, ())}
+        by_request: dict[int, tuple[Request, list[ScheduledSeq]]] = {}
+        for x in scheduled:
+            if x.request.worker in failed:
+                by_request.setdefault(id(x.request), (x.request, []))[1].append(x)
+        moved, recomputed, forks, tokens = [], [], [], 0
+        for req, xs in by_request.values():
+            tokens += sum(x.num_new_tokens for x in xs)
+            if any(dsts & set(x.seq.block_table) for x in xs):  # its copy-on-write copy was lost
+                tokens += sum(s.num_computed for s in req.seqs)
+                self.states[req.worker].quarantine += req.seq_ids()
+                recompute(req)
+                recomputed.append(req)
+            else:
+                forks += [(req.worker, x.seq) for x in xs]
+                moved.append(req)
+        self._fork_proven(forks)
+        for w in failed:
+            moved += [r for r in self.scheduler.repin(w) if r not in moved and r not in recomputed]
+        self.failovers += len(failed)
+        log.warning("failover", workers=[self.workers[w].address for w in failed],
+                    moved=[r.request_id for r in moved], recomputed_requests=[r.request_id for r in recomputed],
+                    recomputed_tokens=tokens, ready=len(self.ready))
+        return kept, tokens
+
+    def _fork_proven(self, forks: list[tuple[int, object]]) -> None:
+        """Give each (worker, sequence) a failover fork; the parent goes to that worker's quarantine."""
+        for at in range(0, len(forks), MAX_BATCH):
+            chunk = forks[at:at + MAX_BATCH]
+            resp = self.memory.fork(self.lease_id(), [seq.seq_id for _, seq in chunk], proven_only=True)
+            for (w, seq), child, grant in zip(chunk, resp.children, resp.grants):
+                self.states[w].quarantine.append(seq.seq_id)
+                seq.seq_id, seq.block_table, seq.grant = child.seq_id, list(child.block_ids), grant
+
+    # ------------------------------------------------------------------ probes
+    def probe(self) -> None:
+        """Between steps: look at the down workers (at most every :data:`PROBE_INTERVAL` s) and take
+        back the ones that map the engine's pool generation; free quarantines no step can write."""
+        if all(s.state == "ready" for s in self.states) or time.monotonic() < self._next_probe:
+            return
+        self._next_probe = time.monotonic() + PROBE_INTERVAL
+        for w, s in enumerate(self.states):
+            if s.state != "down":
+                continue
+            try:
+                info = self.workers[w].model_info(timeout=1.0)
+            except ServiceError as e:
+                log.info("worker_still_down", worker=self.workers[w].address, code=e.code.name)
+                continue
+            if info.pool_generation != self.generation():
+                log.info("worker_maps_another_pool", worker=self.workers[w].address,
+                         generation=info.pool_generation, engine_generation=self.generation())
+                continue
+            s.state = "ready"
+            self.scheduler.down.discard(w)
+            restarted = info.instance_id != s.instance_id
+            s.instance_id = info.instance_id
+            log.warning("worker_back", worker=self.workers[w].address, restarted=restarted,
+                        down_seconds=round(time.monotonic() - s.down_since, 2))
+            if restarted:
+                self.release(w)
+
+    def step_done(self, workers: set[int]) -> None:
+        """``workers`` completed a step: no earlier step of theirs can still write."""
+        for w in workers:
+            if self.states[w].quarantine:
+                self.release(w)
+
+    def release(self, w: int) -> None:
+        """Free worker ``w``'s quarantined sequences (best effort: they go with the lease otherwise)."""
+        ids, self.states[w].quarantine = self.states[w].quarantine, []
+        try:
+            for at in range(0, len(ids), MAX_BATCH):
+                self.memory.free(self.lease_id(), ids[at:at + MAX_BATCH], mpb.FREE_REASON_PREEMPTED)
+        except ServiceError as e:
+            log.warning("quarantine_free_failed", worker=self.workers[w].address, sequences=len(ids), error=str(e))
+            return
+        log.info("quarantine_freed", worker=self.workers[w].address, sequences=len(ids))
+
+    def forget_quarantines(self) -> None:
+        """The lease is gone (a lost-lease recovery): so are the quarantined sequences."""
+        for s in self.states:
+            s.quarantine = []
+
+    def wait_for_a_worker(self, has_work: bool) -> None:
+        """With no worker ready: probe, and past the timeout fail what the engine holds.
+
+        Raises:
+            WorkersDown: no worker ready for ``timeout`` seconds while requests wait.
+        """
+        self.probe()
+        if self.ready:
+            self._waiting_since = None
+            return
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if has_work and now - self._waiting_since > self.timeout:
+            self._waiting_since = None  # the next request waits a full timeout again
+            raise WorkersDown(grpc.StatusCode.UNAVAILABLE, f"no worker answered within {self.timeout:g} s ("
+                              + ", ".join(w.address for w in self.workers) + "); the lease is kept: submit "
+                              "the requests again once a worker serves")
+        time.sleep(min(PROBE_INTERVAL, 0.1))

@@ -1,0 +1,95 @@
+"""Worker failover (client.engine.failover) through real processes: a memory service and two
+workers on the tiny random Llama. A worker SIGKILLed mid-stream costs the step it had in flight:
+its sequences go on on the other worker from their KV in the pool, the lease stays, and the
+outputs equal an undisturbed run's. The killed worker, started again at its address, is found
+again and takes new requests; the sequences held for its lost step are freed then."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import local_stack, pagedkv_process
+from helpers.tiny_llama import BASE_PROMPT
+
+from client import Client, SamplingParams
+from client.engine.failover import WorkersDown
+from client.services import MemoryClient, read_admin_token
+
+PROMPTS = [[*BASE_PROMPT, 100 + i, 200 + i] for i in range(4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_model):
+    """(stack, run folder): a memory service (blocks of 4 tokens: most steps leave a partly filled
+    block) and two workers, on the tiny Llama."""
+    tmp = tmp_path_factory.mktemp("failover")
+    stack = local_stack(tmp, ["--num-blocks", "256", "--block-size", "4"], num_workers=2, name="failover",
+                        model=tiny_model[0])
+    with stack:
+        yield stack, tmp
+
+
+def _admin(stack) -> MemoryClient:
+    return MemoryClient(stack.memory_address, admin_token=read_admin_token(stack.memory.info["admin_token_file"]))
+
+
+def test_a_killed_worker_costs_its_step_in_flight_and_comes_back(pair, tiny_model):
+    stack, tmp = pair
+    admin = _admin(stack)
+    with Client(stack.memory_address, stack.worker_addresses, step_timeout=5, recovery_timeout=20) as client:
+        undisturbed = [o.outputs[0].token_ids for o in client.generate(PROMPTS, GREEDY)]
+        lease = client.engine.lease.lease_id
+        handles = [client.submit(p, GREEDY) for p in PROMPTS]
+        while min(len(h.request.seqs[0].generated) for h in handles) < 6:
+            time.sleep(0.005)
+        on_killed = [h.request.request_id for h in handles if h.request.worker == 0]
+        assert on_killed, "the least-loaded pinning puts requests on both workers"
+        stack.workers[0].proc.kill()
+        got = [h.result(timeout=120).outputs[0].token_ids for h in handles]
+        assert got == undisturbed
+        engine, stats = client.engine, client.engine.stats()
+        assert engine.lease.lease_id == lease and engine.lease_recoveries == 0
+        assert (stats.worker_failovers, stats.workers_ready, stats.workers_total) == (1, 1, 2)
+        # Each moved sequence computes its lost decode step again (1 token), nothing more.
+        assert 0 < stats.recomputed_worker_failure <= len(on_killed)
+        assert stats.recomputed_preemption == stats.recomputed_lease_lost == 0
+        assert admin.stats().num_leases == 1
+        assert admin.check_invariants().ok
+        # The killed worker's lost step may still write what it was granted: those blocks are held.
+        held = admin.stats().used_blocks
+        assert held > 0
+
+        # Started again at its address: found again, takes new work, and the held blocks go.
+        port = int(stack.workers[0].address.rsplit(":", 1)[1])
+        stack.workers[0] = pagedkv_process(["compute", "--memory", stack.memory_address, "--model",
+                                            str(tiny_model[0])], tmp, "failover-worker0-again", port=port)
+        again = [client.submit(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) for p in PROMPTS]
+        assert [h.result(timeout=60).outputs[0].token_ids for h in again] == [u[:4] for u in undisturbed]
+        deadline = time.monotonic() + 30
+        while client.engine.stats().workers_ready < 2 and time.monotonic() < deadline:
+            client.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        assert client.engine.stats().workers_ready == 2
+        later = [client.submit(p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)) for p in PROMPTS]
+        [h.result(timeout=60) for h in later]
+        assert {h.request.worker for h in later} == {0, 1}
+        assert admin.stats().used_blocks == 0  # the quarantine was freed: that process is gone
+        assert admin.check_invariants().ok
+    admin.close()
+
+
+def test_with_every_worker_down_requests_fail_after_the_timeout_and_the_lease_stays(pair, tiny_model):
+    stack, tmp = pair
+    with Client(stack.memory_address, [stack.worker_addresses[1]], step_timeout=5, recovery_timeout=2) as client:
+        lease = client.engine.lease.lease_id
+        port = int(stack.workers[1].address.rsplit(":", 1)[1])
+        stack.workers[1].proc.kill()
+        stack.workers[1].proc.wait()
+        handle = client.submit(PROMPTS[0], GREEDY)
+        with pytest.raises(WorkersDown, match="the lease is kept"):
+            handle.result(timeout=60)
+        stack.workers[1] = pagedkv_process(["compute", "--memory", stack.memory_address, "--model",
+                                            str(tiny_model[0])], tmp, "failover-worker1-again", port=port)
+        (out,) = client.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 4 and client.engine.lease.lease_id == lease
