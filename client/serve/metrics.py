@@ -17,9 +17,11 @@ prefix-cache counters are read when scraped (:class:`_LiveCollector`), so they a
 | ``pagedkv:num_swaps_total`` | counter | the engine preempts a request by swap (its KV to the host tier) |
 | ``pagedkv:lease_recoveries_total`` | counter | the engine recovers from a lost lease or a new pool generation
 (client.engine.recovery) |
-| ``pagedkv:worker_failovers_total`` | counter | a worker fails and its sequences move to another (client.engine.failover) |
+| ``pagedkv:worker_failovers_total`` | counter | a worker fails, its sequences move to another
+(client.engine.failover) |
 | ``pagedkv:workers_ready`` | gauge | workers that take work, at scrape |
-| ``pagedkv:recomputed_tokens_total{reason}`` | counter | tokens computed a second time: ``worker_failure``, ``preemption``, ``lease_lost`` |
+| ``pagedkv:recomputed_tokens_total{reason}`` | counter | tokens computed again: ``worker_failure``,
+``preemption``, ``lease_lost`` |
 | ``pagedkv:kv_cache_usage_perc`` | gauge | used / total blocks of the pool, at scrape |
 | ``pagedkv:prefix_cache_queries_total`` / ``_hits_total`` | counter | the pool's, in tokens, at scrape |
 """
