@@ -316,7 +316,8 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
         unique = list(dict.fromkeys(parent_ids))
         by_id = dict(zip(unique, self.sequences.owned(lease_id, unique, "ForkSequences")))
         if len(proven_only) not in (0, len(parent_ids)):
-            raise InvalidArgumentError(f"ForkSequences: proven_only names {len(proven_only)} forks of {len(parent_ids)}")
+            raise InvalidArgumentError(
+                f"ForkSequences: proven_only names {len(proven_only)} forks of {len(parent_ids)}")
         bs = self.block_size
         keep = [-(-by_id[p].num_proven // bs) if proven_only and proven_only[i] else len(by_id[p].block_ids)
                 for i, p in enumerate(parent_ids)]
