@@ -79,7 +79,8 @@ class Server:
     #: Keys the per-tenant and per-group cache salts (DESIGN.md, trust model): new for each server start.
     secret: bytes = field(default_factory=lambda: os.urandom(32))
     #: (time.monotonic() of the last health check, its result); requests reuse it for a second.
-    _health: tuple[float, bool] = field(default=(float("-inf"), False), init=False, repr=False)
+    _health: tuple[float, tuple[bool, int, int]] = field(default=(float("-inf"), (False, 0, 0)), init=False,
+                                                         repr=False)
     #: Requests in flight (client.serve.generation's runs), failed with 503 at shutdown.
     runs: set = field(default_factory=set, init=False, repr=False)
     #: Engine requests in flight per tenant (one per prompt).
@@ -127,11 +128,15 @@ class Server:
 
     async def backends_up(self, max_age: float = 1.0) -> bool:
         """Whether the memory service and a worker serve (a check at most ``max_age`` seconds old)."""
-        at, ok = self._health
+        return (await self.backends_health(max_age))[0]
+
+    async def backends_health(self, max_age: float = 1.0) -> tuple[bool, int, int]:
+        """:meth:`Backends.health` (up, workers ready, workers in all), at most ``max_age`` seconds old."""
+        at, health = self._health
         if time.monotonic() - at > max_age:
-            ok = await asyncio.to_thread(self.backends.healthy)
-            self._health = (time.monotonic(), ok)
-        return ok
+            health = await asyncio.to_thread(self.backends.health)
+            self._health = (time.monotonic(), health)
+        return health
 
     def authorize(self, request: Request, *, admin: bool = False) -> str:
         """The caller's tenant. Raises APIError 401 (no or unknown key) or 403 (not the admin key)."""
@@ -183,7 +188,7 @@ def create_app(server: Server) -> FastAPI:
         """200 while the memory service and a worker serve and the engine makes progress (a step
         finished within the step timeout while requests run); 503 otherwise. The body says which:
         {"status": "ok" | "degraded" | "down", "workers": {"ready": R, "total": T}}."""
-        up, ready, total = await asyncio.to_thread(server.backends.health)
+        up, ready, total = await server.backends_health(max_age=0)
         stats = server.client.engine_stats()
         stuck = stats.num_running > 0 and stats.last_step_at and \
             time.monotonic() - stats.last_step_at > server.client.limits.step_timeout

@@ -166,11 +166,11 @@ def test_preemption_gives_the_unconstrained_outputs(small_stack, llm):
     with Client(small_stack.memory.address, small_stack.worker_addresses) as small:
         got = small.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in got] == expected
-        assert small.engine.preemptions > 0
+        assert small.engine.preemption.preemptions > 0
         stats = small.stats()
-        assert stats.preemptions == small.engine.preemptions
+        assert stats.preemptions == small.engine.preemption.preemptions
         published = small.engine_stats()  # what pagedkv serve reads (client.backend)
-        assert isinstance(small, Backend) and published.preemptions == small.engine.preemptions
+        assert isinstance(small, Backend) and published.preemptions == small.engine.preemption.preemptions
         assert published.step_count == small.engine.step_count and published.lease_id == small.lease_id
         assert (published.num_running, published.num_waiting) == (0, 0)
         assert sum(t.num_tokens for t in small.step_logs()[small.memory.address].steps) > 0

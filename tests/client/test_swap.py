@@ -235,13 +235,14 @@ class FakeWorker:
     """Writes each step's tokens into the KV store and samples from the context read back through the table."""
 
     address = "fake-worker"
+    timeout = 600.0
 
     def __init__(self, memory: FakeMemory):
         self.memory = memory
         self.requests: list[cpb.StepRequest] = []
         self.tokens_computed = 0
 
-    def model_info(self):
+    def model_info(self, timeout: float = 30.0):
         return cpb.GetModelInfoResponse(model_name="fake", model_source="fake", eos_token_ids=[0], max_context=1024,
                                         pool_generation=1)
 

@@ -118,7 +118,7 @@ def test_a_transfer_that_fails_part_way_is_recomputed_and_leaks_nothing(nodes):
         (on_a,) = ca.generate([PROMPT], GREEDY)
     with Client(c.memory_address, c.worker_addresses, peers=[a.memory_address]) as cc:
         (out,) = cc.generate([PROMPT], GREEDY)
-        assert cc.engine.pulls.transfers_failed == 1 and cc.engine.preemptions == 1
+        assert cc.engine.pulls.transfers_failed == 1 and cc.engine.preemption.preemptions == 1
         assert not cc.engine.pulls.pins
         assert any(t.num_tokens == len(PROMPT) for t in cc.engine.traces)  # recomputed in full on C
     assert out.outputs[0].token_ids == on_a.outputs[0].token_ids

@@ -68,8 +68,9 @@ def test_a_request_preempted_by_swap_resumes_on_the_undisturbed_tokens(tier_stac
         engine, reqs = run(tier_stack, "swap", prompts, uuid.uuid4().hex)
         assert [r.error for r in reqs] == [None, None]
         assert [r.seqs[0].generated for r in reqs] == expected
-        assert engine.swaps >= 1 and engine.swap_fallbacks == 0 and engine.preemptions == engine.swaps
-        assert sum(r.metrics.swaps for r in reqs) == engine.swaps
+        p = engine.preemption
+        assert p.swaps >= 1 and p.swap_fallbacks == 0 and p.preemptions == p.swaps
+        assert sum(r.metrics.swaps for r in reqs) == engine.preemption.swaps
         stats = memory.stats()
         assert stats.swap_outs - before.swap_outs >= 1 and stats.swap_ins - before.swap_ins >= 1
         assert stats.preemptions == before.preemptions  # nothing freed as preempted: no recompute
