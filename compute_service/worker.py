@@ -110,6 +110,7 @@ class Worker:
             checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs,
                                    host_epochs=getattr(pool, "host_epochs", None))  # None: no host tier
             plan = checked.plan
+            test_hooks.call("worker.step_checked", request=request)
             if plan.has_tier_copies or plan.copy_on_write or plan.transfers:
                 do_copies(pool, plan, self.transfer_agent)
             t1 = time.perf_counter()

@@ -2,14 +2,16 @@
 workers on the tiny random Llama. A worker SIGKILLed mid-stream costs the step it had in flight:
 its sequences go on on the other worker from their KV in the pool, the lease stays, and the
 outputs equal an undisturbed run's. The killed worker, started again at its address, is found
-again and takes new requests; the sequences held for its lost step are freed then."""
+again and takes new requests; the sequences held for its lost step are freed then. A worker that
+hangs past the step timeout after its grant check is failed over from the same way, and what it
+writes when it wakes up is never read or cached."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
-from conftest import local_stack, pagedkv_process
+from conftest import hook_env, local_stack, pagedkv_process
 from helpers.tiny_llama import BASE_PROMPT
 
 from client import Client, SamplingParams
@@ -93,3 +95,45 @@ def test_with_every_worker_down_requests_fail_after_the_timeout_and_the_lease_st
                                             str(tiny_model[0])], tmp, "failover-worker1-again", port=port)
         (out,) = client.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(out.outputs[0].token_ids) == 4 and client.engine.lease.lease_id == lease
+
+
+def test_a_worker_that_wakes_up_mid_step_writes_only_blocks_nobody_reads(pair, tiny_model):
+    """The hooked worker stops after its grant check (tests/hooks/gate_step.py) past the step timeout:
+    its requests go on on the other worker. Woken up, it writes the step it had: the blocks it was
+    granted are held by the moved sequences' parents, so the outputs, and the same prompts again
+    through the prefix cache the survivor filled, equal an undisturbed run's."""
+    stack, tmp = pair
+    gate = tmp / "gate"
+    hooked = pagedkv_process(["compute", "--memory", stack.memory_address, "--model", str(tiny_model[0])], tmp,
+                             "failover-hooked", env=hook_env("tests.hooks.gate_step",
+                                                             PAGEDKV_TEST_GATE_FILE=str(gate)))
+    admin = _admin(stack)
+    try:
+        with Client(stack.memory_address, [hooked.address, stack.worker_addresses[1]], step_timeout=2,
+                    recovery_timeout=20) as client:
+            undisturbed = [o.outputs[0].token_ids for o in client.generate(PROMPTS, GREEDY)]
+            admin.reset_prefix_cache()
+            gate.touch()
+            handles = [client.submit(p, GREEDY) for p in PROMPTS]
+            got = [h.result(timeout=120).outputs[0].token_ids for h in handles]
+            assert got == undisturbed
+            stats = client.engine.stats()
+            assert stats.worker_failovers >= 1 and client.engine.lease_recoveries == 0
+            assert "paused" in (tmp / "gate.log").read_text()
+            gate.unlink()  # it wakes up and writes its step into the held blocks
+            deadline = time.monotonic() + 30
+            while "resumed" not in (tmp / "gate.log").read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            again = [o.outputs[0].token_ids for o in client.generate(PROMPTS, GREEDY)]
+            assert again == undisturbed
+            assert admin.stats().prefix_cache_hits > 0
+            assert admin.check_invariants().ok
+            # Once the woken worker has completed a step, nothing of it can write: the held blocks go.
+            while client.engine.stats().workers_ready < 2 and time.monotonic() < deadline:
+                client.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+            client.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+            assert admin.stats().used_blocks == 0
+    finally:
+        gate.unlink(missing_ok=True)
+        hooked.stop()
+        admin.close()

@@ -33,6 +33,9 @@ ENV = "PAGEDKV_TEST_HOOKS"
 POINTS: dict[str, str] = {
     "worker.step_begin": "a worker's step starts, under the worker's step lock (one step at a time): "
                          "request (compute.v1 StepRequest). A hook that sleeps pauses the worker inside the step.",
+    "worker.step_checked": "a worker's step has checked its grants and not yet copied or written anything: "
+                           "request. A hook that sleeps here is a worker that wakes up mid-step after the "
+                           "scheduler failed over from it.",
     "worker.step_end": "a worker's step ends, its response built, still under the step lock: request, "
                        "response (compute.v1 StepResponse).",
     "transfer.read_blocks": "a node transfer's read (compute_service.transfer_agent.TransferAgent.read_blocks), "
