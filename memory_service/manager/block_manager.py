@@ -250,7 +250,8 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
         required = grown = 0
         dropped: Counter[int] = Counter()
         for seq, a in zip(seqs, appends):
-            n, last = seq.num_tokens, seq.block_ids[-1]
+            n = seq.num_tokens
+            last = seq.block_ids[-1] if seq.block_ids else None  # none: a failover fork of nothing proven
             if n % bs and ref_counts[last] > 1 and ref_counts[last] - dropped[last] > 1:
                 dropped[last] += 1
                 required += 1
@@ -269,7 +270,7 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
             k, n, table = a.num_tokens, seq.num_tokens, seq.block_ids
             seq.extend_tokens(a.token_ids)
             first = len(table)  # first table entry this append changes
-            last = table[-1]
+            last = table[-1] if table else None
             if n % bs and ref_counts[last] > 1:
                 (dst,) = pool.allocate(1)
                 result.copies.append(BlockCopy(last, dst, seq.seq_id))

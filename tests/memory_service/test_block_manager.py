@@ -147,6 +147,12 @@ def test_a_failover_fork_keeps_the_proven_tokens_and_leaves_the_step_in_flight_i
     assert m.pool.ref_counts[:5] == [1, 0, 0, 1, 1]
     (c,) = m.fork(lease, [b.seq_id], [True])  # nothing proven past the copy: no block of it
     assert (c.block_ids, c.num_tokens) == ([0, 3], 6) and m.pool.ref_counts[:5] == [2, 0, 0, 2, 1]
+    (d,) = m.allocate(lease, [Allocation(3, (1, 2, 3))])  # its prefill was the step lost: nothing proven
+    (e,) = m.fork(lease, [d.seq_id], [True])
+    assert (e.block_ids, e.num_tokens) == ([], 0)
+    assert m.append_slots(lease, [Append(e.seq_id, 3, (1, 2, 3))]).copies == [] and e.num_tokens == 3
+    assert len(e.block_ids) == 1 and e.block_ids != d.block_ids
+    m.free(lease, [d.seq_id, e.seq_id])
     before = snapshot(m)
     with pytest.raises(InvalidArgumentError, match="proven_only names 1 forks of 2"):
         m.fork(lease, [b.seq_id, b.seq_id], [True])
