@@ -249,6 +249,30 @@ class Client:
         """:meth:`engine_stats` by node name: this client's memory-service address."""
         return {self.memory.address: self._engine.stats()}
 
+    def drain(self, address: str, timeout: float = 30.0) -> dict:
+        """Drain the worker at ``address``: between two steps, its requests move to the other workers
+        (their KV stays in the pool: nothing is copied or computed again) and it gets no more work,
+        so it can stop. The drain ends with :meth:`undrain` or when that worker restarts.
+
+        Returns:
+            ``{"worker": address, "state": "draining", "moved_sequences": N}`` ("down" if it had failed).
+
+        Raises:
+            KeyError: ``address`` is not one of this client's workers.
+            TimeoutError: the engine did not reach a step boundary within ``timeout`` seconds.
+        """
+        return self._worker_request(address, True, timeout)
+
+    def undrain(self, address: str, timeout: float = 30.0) -> dict:
+        """End a drain (:meth:`drain`): the worker takes work again. Returns as :meth:`drain`."""
+        return self._worker_request(address, False, timeout)
+
+    def _worker_request(self, address: str, drain: bool, timeout: float) -> dict:
+        reply = self._engine.failover.request(address, drain)
+        with self._wake:
+            self._wake.notify()
+        return reply.result(timeout)
+
     def step_logs(self, since: int = 0) -> dict[str, StepLog]:
         """The engine's step trace from step ``since`` on, by node name (:meth:`node_stats`)."""
         return {self.memory.address: self._engine.step_log(since)}

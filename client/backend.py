@@ -59,6 +59,13 @@ class Backend(Protocol):
     def step_logs(self, since: int = 0) -> dict[str, StepLog]:
         """Each node's step trace from step ``since`` on, by node name, first node first."""
 
+    def drain(self, address: str, timeout: float = 30.0) -> dict:
+        """Move the requests of the worker at ``address`` to the others between two steps and give it
+        no more work (client.engine.failover). Raises KeyError for an unknown worker."""
+
+    def undrain(self, address: str, timeout: float = 30.0) -> dict:
+        """End a drain."""
+
     def close(self) -> None:
         """Stop the engines and release their leases."""
 

@@ -175,6 +175,24 @@ class Cluster:
         """Each node's engine stats, by node name."""
         return {name: n.client.engine_stats() for name, n in self.nodes.items()}
 
+    def drain(self, address: str, timeout: float = 30.0) -> dict:
+        """:meth:`client.api.Client.drain` on the node whose worker is at ``address``.
+
+        Raises:
+            KeyError: no node has a worker at ``address``.
+        """
+        return self._node_of(address).drain(address, timeout)
+
+    def undrain(self, address: str, timeout: float = 30.0) -> dict:
+        """:meth:`client.api.Client.undrain` on the node whose worker is at ``address``."""
+        return self._node_of(address).undrain(address, timeout)
+
+    def _node_of(self, address: str):
+        for n in self.nodes.values():
+            if any(w.address == address for w in n.client.workers):
+                return n.client
+        raise KeyError(f"no node has a worker at {address}")
+
     def step_logs(self, since: int = 0) -> dict[str, StepLog]:
         """Each node's step trace from step ``since`` on, by node name."""
         return {name: n.client.step_logs(since)[n.client.memory.address] for name, n in self.nodes.items()}

@@ -147,7 +147,7 @@ class Engine:
         self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.failover.pending()
 
     @property
     def lease_recoveries(self) -> int:
@@ -227,6 +227,7 @@ class Engine:
     def _step(self, updated: dict) -> list[Request]:
         t0 = time.perf_counter()
         self._handle_aborts(updated)
+        self.failover.apply_requests()  # drains asked since the last step
         self.failover.probe()
         if not self.failover.ready:  # every worker is down: wait for one (client.engine.failover)
             self.failover.wait_for_a_worker(self.scheduler.has_work())

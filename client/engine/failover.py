@@ -28,12 +28,19 @@ step at a time). With no worker ready the engine waits; past the recovery timeou
 requests it holds and keeps its lease, so the next request runs once a worker is back.
 
 The lease is never released for a worker failure, and no other sequence's blocks are touched.
+
+Drain (:meth:`Failover.request`, applied on the engine thread between two steps): the worker takes
+no more work and every request pinned to it moves to the others. No step of it is in flight then,
+so nothing is copied or computed again; the worker can stop. A drain ends with undrain, or when
+the worker at that address is another process (a restart).
 """
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import grpc
@@ -71,7 +78,7 @@ class WorkersDown(Unavailable):
 class WorkerState:
     """What the engine knows of one worker."""
 
-    #: "ready" or "down".
+    #: "ready", "down" or "draining".
     state: str = "ready"
     #: The worker process last seen at the address (GetModelInfoResponse.instance_id).
     instance_id: str = ""
@@ -107,6 +114,8 @@ class Failover:
         self._next_probe = 0.0
         #: Since when the engine waits with no worker ready (None: it does not).
         self._waiting_since: float | None = None
+        #: Drains and undrains asked from other threads: (worker address, drain?, reply).
+        self._requests: queue.SimpleQueue[tuple[str, bool, Future]] = queue.SimpleQueue()
 
     @property
     def ready(self) -> list[int]:
@@ -173,6 +182,40 @@ class Failover:
                 self.states[w].quarantine.append(seq.seq_id)
                 seq.seq_id, seq.block_table, seq.grant = child.seq_id, list(child.block_ids), grant
 
+    # ------------------------------------------------------------------- drain
+    def request(self, address: str, drain: bool) -> Future:
+        """Ask (thread-safe) to drain or undrain the worker at ``address``; the future's result is
+        ``{"worker", "state", "moved_sequences"}`` once the engine applied it between two steps.
+        It fails with KeyError for an address that is not one of the engine's workers."""
+        reply: Future = Future()
+        self._requests.put((address, drain, reply))
+        return reply
+
+    def pending(self) -> bool:
+        """Whether a drain or undrain waits to be applied."""
+        return not self._requests.empty()
+
+    def apply_requests(self) -> None:
+        """On the engine thread, between two steps: apply the drains and undrains asked."""
+        while not self._requests.empty():
+            address, drain, reply = self._requests.get()
+            w = next((i for i, c in enumerate(self.workers) if c.address == address), None)
+            if w is None:
+                reply.set_exception(KeyError(f"{address} is not one of this engine's workers: "
+                                             + ", ".join(c.address for c in self.workers)))
+                continue
+            s, moved = self.states[w], 0
+            if drain and s.state != "down":
+                s.state = "draining"
+                self.scheduler.down.add(w)
+                moved = sum(len(r.live_seqs()) for r in self.scheduler.repin(w))
+            elif not drain and s.state == "draining":
+                s.state = "ready"
+                self.scheduler.down.discard(w)
+            log.warning("worker_drain" if drain else "worker_undrain", worker=address, state=s.state,
+                        moved_sequences=moved)
+            reply.set_result({"worker": address, "state": s.state, "moved_sequences": moved})
+
     # ------------------------------------------------------------------ probes
     def probe(self) -> None:
         """Between steps: look at the down workers (at most every :data:`PROBE_INTERVAL` s) and take
@@ -181,7 +224,7 @@ class Failover:
             return
         self._next_probe = time.monotonic() + PROBE_INTERVAL
         for w, s in enumerate(self.states):
-            if s.state != "down":
+            if s.state == "ready":
                 continue
             try:
                 info = self.workers[w].model_info(timeout=1.0)
@@ -192,6 +235,8 @@ class Failover:
                 log.info("worker_maps_another_pool", worker=self.workers[w].address,
                          generation=info.pool_generation, engine_generation=self.generation())
                 continue
+            if s.state == "draining" and info.instance_id == s.instance_id:
+                continue  # drained until undrained or restarted
             s.state = "ready"
             self.scheduler.down.discard(w)
             restarted = info.instance_id != s.instance_id

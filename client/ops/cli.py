@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--num-beams", type=int, default=1)
     flags.add_tls_args(gen)
+    drain = sub.add_parser("drain", help="move a worker's requests to the others and stop sending it work")
+    drain.add_argument("address", help="the worker's address, host:port, as pagedkv serve knows it")
+    drain.add_argument("--url", default=config.env("PAGEDKV_URL"), help="the pagedkv serve (default $PAGEDKV_URL, else "
+                       "http://127.0.0.1:8000)")
+    drain.add_argument("--api-key", default=config.env("PAGEDKV_ADMIN_API_KEY"),
+                       help="its --admin-api-key (default $PAGEDKV_ADMIN_API_KEY)")
+    drain.add_argument("--undrain", action="store_true", help="end the drain: the worker takes work again")
     stats = sub.add_parser("stats", help="show the pool, leases and sequences")
     stats.add_argument("--admin-token-file", default=None,
                        help="the memory service's admin token (default $PAGEDKV_ADMIN_TOKEN_FILE, else "
@@ -127,6 +134,25 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drain(args) -> int:
+    """``pagedkv drain ADDRESS``: POST /admin/workers/{address}/drain (or undrain); prints the reply."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    action = "undrain" if args.undrain else "drain"
+    url = f"{args.url.rstrip('/')}/admin/workers/{urllib.parse.quote(args.address, safe='')}/{action}"
+    req = urllib.request.Request(url, method="POST", headers={"Authorization": f"Bearer {args.api_key or ''}"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            print(json.dumps(json.loads(r.read())))
+    except urllib.error.HTTPError as e:
+        print(f"pagedkv drain: error: {e.code}: {e.read().decode(errors='replace')}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pagedkv``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -158,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "stats":
             return _stats(args)
+        if args.command == "drain":
+            return _drain(args)
         if args.command == "certs":
             from pagedkv.runtime.certs import run
 

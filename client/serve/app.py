@@ -220,6 +220,24 @@ def create_app(server: Server) -> FastAPI:
         body = _step_log(next(iter(logs.values())))  # the first node's; with several, each under "nodes"
         return body | {"nodes": {name: _step_log(steps) for name, steps in logs.items()}} if len(logs) > 1 else body
 
+    async def worker_drain(address: str, request: Request, drain: bool):
+        server.authorize(request, admin=True)
+        try:
+            return await asyncio.to_thread(server.client.drain if drain else server.client.undrain, address)
+        except KeyError as e:
+            raise APIError(404, str(e.args[0]), param="address", code="worker_not_found") from None
+
+    @app.post("/admin/workers/{address}/drain")
+    async def drain(address: str, request: Request):
+        """Drain a worker (client.engine.failover): its requests move to the others with no copy and
+        no recompute; it gets no more work. Admin key. Reply: {"worker", "state", "moved_sequences"}."""
+        return await worker_drain(address, request, True)
+
+    @app.post("/admin/workers/{address}/undrain")
+    async def undrain(address: str, request: Request):
+        """End a drain. Admin key."""
+        return await worker_drain(address, request, False)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         tenant = server.authorize(request)

@@ -137,3 +137,29 @@ def test_a_worker_that_wakes_up_mid_step_writes_only_blocks_nobody_reads(pair, t
         gate.unlink(missing_ok=True)
         hooked.stop()
         admin.close()
+
+
+def test_a_drain_moves_requests_between_steps_with_no_copy_and_no_recompute(pair):
+    stack, _ = pair
+    with Client(stack.memory_address, stack.worker_addresses, step_timeout=5, recovery_timeout=20) as client:
+        undisturbed = [o.outputs[0].token_ids for o in client.generate(PROMPTS, GREEDY)]
+        with pytest.raises(KeyError, match="not one of this engine's workers"):
+            client.drain("127.0.0.1:1")
+        handles = [client.submit(p, GREEDY) for p in PROMPTS]
+        while min(len(h.request.seqs[0].generated) for h in handles) < 4:
+            time.sleep(0.005)
+        on_first = sum(h.request.worker == 0 for h in handles)
+        reply = client.drain(stack.worker_addresses[0])
+        assert reply == {"worker": stack.worker_addresses[0], "state": "draining", "moved_sequences": on_first}
+        assert {h.request.worker for h in handles} == {1}
+        assert [h.result(timeout=120).outputs[0].token_ids for h in handles] == undisturbed
+        stats = client.engine.stats()
+        assert (stats.recomputed_worker_failure, stats.recomputed_preemption, stats.worker_failovers) == (0, 0, 0)
+        assert dict(stats.workers)[stack.worker_addresses[0]] == "draining" and stats.workers_ready == 1
+        later = [client.submit(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in PROMPTS]
+        [h.result(timeout=60) for h in later]
+        assert {h.request.worker for h in later} == {1}  # no new work for the drained worker
+        assert client.undrain(stack.worker_addresses[0])["state"] == "ready"
+        again = [client.submit(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in PROMPTS]
+        [h.result(timeout=60) for h in again]
+        assert {h.request.worker for h in again} == {0, 1}

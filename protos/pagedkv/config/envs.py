@@ -130,7 +130,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_MEMORY_ADMIN_TOKEN_FILE", "str", None, "--memory-admin-token-file of pagedkv serve (the dashboard's)"),
     E("PAGEDKV_API_KEY", "list", None, "--api-key of pagedkv serve: keys of tenant 'default', comma-separated"),
     E("PAGEDKV_API_KEYS_FILE", "str", None, "--api-keys-file of pagedkv serve: keys and their tenants"),
-    E("PAGEDKV_ADMIN_API_KEY", "str", None, "--admin-api-key of pagedkv serve; --key of pagedkv top"),
+    E("PAGEDKV_ADMIN_API_KEY", "str", None, "--admin-api-key of pagedkv serve; --key of pagedkv top; "
+      "--api-key of pagedkv drain"),
     E("PAGEDKV_CACHE_SHARING_GROUP", "str", None, "--cache-sharing-group of pagedkv serve: groups separated by ';'"),
     E("PAGEDKV_MAX_QUEUED_REQUESTS", "int", 1024, "--max-queued-requests of pagedkv serve"),
     E("PAGEDKV_MAX_REQUESTS_PER_TENANT", "int", None, "--max-requests-per-tenant of pagedkv serve"),
@@ -145,7 +146,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_RECOVERY_TIMEOUT", "float", 60.0, "--recovery-timeout of pagedkv serve: seconds to wait for the "
       "services after a lost lease, or for a worker when every worker is down"),
     # --- pagedkv top
-    E("PAGEDKV_URL", "str", "http://127.0.0.1:8000", "--url of pagedkv top: the pagedkv serve to watch"),
+    E("PAGEDKV_URL", "str", "http://127.0.0.1:8000", "--url of pagedkv top and pagedkv drain: "
+      "the pagedkv serve to watch or ask"),
     # --- compute paths of a worker (0: off, for comparisons and ablations)
     E("PAGEDKV_NATIVE_CPU", "bool", True, "the native CPU kernels (C, built at first use); 0: torch's ops"),
     E("PAGEDKV_PACKED_LINEAR", "bool", True, "oneDNN-packed CPU projections; 0: F.linear"),

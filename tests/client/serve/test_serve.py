@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import httpx
@@ -296,7 +297,7 @@ def test_unset_sampling_fields_are_the_models_defaults_and_penalties_apply(url):
     assert greedy != tokens(temperature=0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=1.0)
 
 
-def test_keys_and_admin_routes(url, oai):
+def test_keys_and_admin_routes(url, oai, stack):
     before = steps(url)["step_count"]
     body = {"model": "smollm2", "messages": chat("hi"), "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY_A}):
@@ -311,6 +312,19 @@ def test_keys_and_admin_routes(url, oai):
     assert model.id == "smollm2" and model.model_extra["max_model_len"] == 512 * 16
     health = httpx.get(f"{url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok", "workers": {"ready": 2, "total": 2}}
+    worker = urllib.parse.quote(stack.worker_addresses[1], safe="")
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    assert httpx.post(f"{url}/admin/workers/{worker}/drain", headers={"Authorization": f"Bearer {KEY_A}"}) \
+        .status_code == 403
+    assert httpx.post(f"{url}/admin/workers/127.0.0.1%3A1/drain", headers=admin).status_code == 404
+    r = httpx.post(f"{url}/admin/workers/{worker}/drain", headers=admin)
+    assert r.status_code == 200 and r.json() == {"worker": stack.worker_addresses[1], "state": "draining",
+                                                 "moved_sequences": 0}
+    assert httpx.post(f"{url}/admin/workers/{worker}/undrain", headers=admin).json()["state"] == "ready"
+    cli = [sys.executable, "-m", "client.ops.cli", "drain", stack.worker_addresses[1], "--url", url, "--api-key", ADMIN]
+    for extra, state in (([], "draining"), (["--undrain"], "ready")):
+        out = subprocess.run([*cli, *extra], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and json.loads(out.stdout)["state"] == state, out.stderr
     m = metrics(url)
     assert m[("pagedkv:workers_ready", ())] == 2 and m[("pagedkv:worker_failovers_total", ())] == 0
     assert {labels for name, labels in m if name == "pagedkv:recomputed_tokens_total"} == {
