@@ -253,11 +253,12 @@ class Failover:
                 self.release(w)
 
     def release(self, w: int) -> None:
-        """Free worker ``w``'s quarantined sequences (best effort: they go with the lease otherwise)."""
+        """Free worker ``w``'s quarantined sequences (reason ABORTED: their step was lost, they were not
+        preempted; best effort: they go with the lease otherwise)."""
         ids, self.states[w].quarantine = self.states[w].quarantine, []
         try:
             for at in range(0, len(ids), MAX_BATCH):
-                self.memory.free(self.lease_id(), ids[at:at + MAX_BATCH], mpb.FREE_REASON_PREEMPTED)
+                self.memory.free(self.lease_id(), ids[at:at + MAX_BATCH], mpb.FREE_REASON_ABORTED)
         except ServiceError as e:
             log.warning("quarantine_free_failed", worker=self.workers[w].address, sequences=len(ids), error=str(e))
             return
