@@ -210,10 +210,9 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def ForkSequences(self, request, context):
         lease = self.authz.lease(context, request.lease_id)
-        children = self.manager.fork(request.lease_id, [f.parent_seq_id for f in request.forks],
-                                     [f.proven_only for f in request.forks])
-        return pb.ForkSequencesResponse(children=[_table(s) for s in children],
-                                        grants=self._grants(lease, children))
+        forks = request.forks
+        children = self.manager.fork(request.lease_id, [f.parent_seq_id for f in forks], [f.proven_only for f in forks])
+        return pb.ForkSequencesResponse(children=[_table(s) for s in children], grants=self._grants(lease, children))
 
     async def FreeSequences(self, request, context):
         self.authz.lease(context, request.lease_id)
