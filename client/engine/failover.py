@@ -86,8 +86,6 @@ class WorkerState:
     down_since: float = 0.0
     #: Sequences its lost steps may still write: freed once that is impossible (the module's rule).
     quarantine: list[int] = field(default_factory=list)
-    #: Times it failed.
-    failures: int = 0
 
 
 class Failover:
@@ -144,7 +142,7 @@ class Failover:
         now = time.monotonic()
         for w, error in failed.items():
             s = self.states[w]
-            s.state, s.down_since, s.failures = "down", now, s.failures + 1
+            s.state, s.down_since = "down", now
             self.scheduler.down.add(w)
             log.warning("worker_failed", worker=self.workers[w].address, code=error.code.name, error=error.message)
         kept = [x for x in scheduled if x.request.worker not in failed]
@@ -270,12 +268,12 @@ class Failover:
             s.quarantine = []
 
     def wait_for_a_worker(self, has_work: bool) -> None:
-        """With no worker ready: probe, and past the timeout fail what the engine holds.
+        """After :meth:`probe` found no worker ready: wait a little, and past the timeout fail what
+        the engine holds.
 
         Raises:
             WorkersDown: no worker ready for ``timeout`` seconds while requests wait.
         """
-        self.probe()
         if self.ready:
             self._waiting_since = None
             return

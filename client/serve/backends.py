@@ -54,13 +54,9 @@ class Backends:
     admin_token_file: str | None = None
     _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False)
 
-    def healthy(self, timeout: float = 1.0) -> bool:
-        """Whether the memory service and at least one worker answer SERVING (standard health service)."""
-        return self.health(timeout)[0]
-
     def health(self, timeout: float = 1.0) -> tuple[bool, int, int]:
-        """(every node's memory service and at least one of its workers answer SERVING, workers that
-        answer SERVING, workers in all), over every node."""
+        """(every node's memory service and at least one of its workers answer SERVING (standard health
+        service), workers that answer SERVING, workers in all), over every node."""
         up, ready, total = True, 0, 0
         for m, ws in [(self.memory, self.workers), *self.others]:
             serving_here = sum(self._serving(w, timeout) for w in ws)
