@@ -1,7 +1,8 @@
 """``pagedkv up`` / ``down``: run a memory service and a worker on this machine in the background.
 
-``up`` starts a detached :class:`~client.ops.stack.LocalStack` (the services outlive the command);
-``down`` stops them by pid, since they are not its children.
+``up`` starts a detached supervisor (:mod:`client.ops.supervisor`) that runs a
+:class:`~client.ops.stack.LocalStack` as its children and restarts a service that dies (the services
+outlive the command); ``down`` stops the supervisor, and so the services, by pid.
 
 DESIGN.md, "Defaults and discovery": addresses and pids go to a state file
 ``$PAGEDKV_HOME/state.json`` (default ``~/.cache/pagedkv/``) that ``generate``,
@@ -14,10 +15,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from client.ops.stack import LocalStack, ServiceProcess
+from client.ops.stack import LocalStack
 from pagedkv.config import COMPUTE_PORT, DEFAULT_MEMORY, DEFAULT_WORKER, MEMORY_PORT, env
 from pagedkv.runtime.paths import pagedkv_home
 from pagedkv.runtime.tls import TlsFiles
@@ -59,11 +62,6 @@ def default_device() -> str:
     return "cpu"
 
 
-def _entry(svc: ServiceProcess) -> dict:
-    """One service's record in the state file."""
-    return {"address": svc.address, "pid": svc.pid, "log": str(svc.log_path)}
-
-
 def check_tls(tls: TlsFiles | None) -> None:
     """Refuse plaintext towards services that ``pagedkv up`` started with mutual TLS (the state
     file says so), rather than fail later with an opaque handshake error.
@@ -82,7 +80,9 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
        block_size: int = 16, kv_cache_memory: str | None = None, num_blocks: int | None = None,
        host_cache_memory: str | None = None, timeout: float = 300.0, tls: TlsFiles | None = None,
        revision: str | None = None) -> dict:
-    """Start a memory service and one worker, wait for both to be healthy, write the state file.
+    """Start a supervisor (:mod:`client.ops.supervisor`, detached) that starts a memory service and
+    one worker as its children, restarts either when it dies, and writes the state file once both
+    are healthy; returns the state.
 
     ``model`` is "smollm2", a local directory or .gguf file, or a Hugging Face repo id at
     ``revision`` (branch, tag or commit; None: main), resolved by both services through the
@@ -95,11 +95,13 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
     mutual TLS; without, plaintext on loopback.
 
     Raises:
-        RuntimeError: services from an earlier ``up`` still run, or one failed to start.
+        RuntimeError: services from an earlier ``up`` still run, or one failed to start (with the
+            supervisor's log).
     """
     state = read_state()
-    if state and any(alive(p["pid"]) for p in [state["memory"], *state["workers"]]):
+    if state and any(alive(p) for p in _pids(state)):
         raise RuntimeError(f"pagedkv is already up (memory {state['memory']['address']}); run `pagedkv down` first")
+    forget_stale()
     device = device or default_device()
     mem_args = ["--block-size", str(block_size)]
     if num_blocks is not None:
@@ -108,14 +110,50 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
         mem_args += ["--kv-cache-memory", kv_cache_memory]
     if host_cache_memory:
         mem_args += ["--host-cache-memory", host_cache_memory]
-    stack = LocalStack(mem_args, device=device, model=model, revision=revision, host="127.0.0.1",
-                       run_dir=pagedkv_home() / "run",
-                       memory_port=memory_port, worker_port=worker_port, timeout=timeout, detach=True, tls=tls).start()
-    state = {"memory": _entry(stack.memory), "workers": [_entry(w) for w in stack.workers], "device": device,
-             "model": model, "revision": stack.workers[0].info.get("revision"), "tls": tls is not None,
-             "started": time.time()}
-    state_path().write_text(json.dumps(state, indent=2))
-    return state
+    run_dir = pagedkv_home() / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    LocalStack(memory_port=memory_port, worker_port=worker_port, timeout=timeout)  # checks the ports here
+    conf = {"memory_args": mem_args, "device": device, "model": model, "revision": revision, "host": "127.0.0.1",
+            "run_dir": str(run_dir), "memory_port": memory_port, "worker_port": worker_port, "timeout": timeout,
+            "tls": {k: str(getattr(tls, k)) for k in ("cert", "key", "ca")} if tls else None,
+            "state": str(state_path()), "log_level": env("PAGEDKV_LOG_LEVEL"),
+            "extra": {"device": device, "model": model, "tls": tls is not None, "started": time.time()}}
+    conf_path = run_dir / "supervisor.json"
+    conf_path.write_text(json.dumps(conf))
+    log_path = run_dir / "supervisor.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "client.ops.supervisor", "--config", str(conf_path)],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    deadline = time.monotonic() + 2 * timeout
+    while True:
+        state = read_state()
+        if state and state.get("supervisor", {}).get("pid") == proc.pid:
+            return state
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                _stop(proc.pid)
+            raise RuntimeError(f"pagedkv up: the services did not start (see {log_path}):\n"
+                               + log_path.read_text(errors="replace")[-3000:])
+        time.sleep(0.1)
+
+
+def _pids(state: dict) -> list[int]:
+    """Every pid a state file names: the supervisor (when there is one), the workers, the memory service."""
+    sup = state.get("supervisor")
+    return [*([sup["pid"]] if sup else []), *(w["pid"] for w in state.get("workers", [])), state["memory"]["pid"]]
+
+
+def forget_stale() -> bool:
+    """Remove a state file none of whose processes runs (the machine rebooted, or they were killed),
+    and say so on stderr; returns whether it did."""
+    state = read_state()
+    if not state or any(alive(p) for p in _pids(state)):
+        return False
+    state_path().unlink(missing_ok=True)
+    print(f"pagedkv: removed {state_path()}: none of its processes runs (memory {state['memory']['address']}, "
+          f"pids {', '.join(map(str, _pids(state)))})", file=sys.stderr)
+    return True
 
 
 def alive(pid: int) -> bool:
@@ -144,14 +182,19 @@ def _stop(pid: int, timeout: float = 30.0) -> None:
 
 
 def down() -> list[str]:
-    """Stop what ``up`` started (workers first, then the memory service); returns what was stopped."""
+    """Stop what ``up`` started: the supervisor, which stops the workers, then the memory service;
+    then whatever still runs by pid. Returns the addresses stopped."""
     state = read_state()
     if not state:
         return []
-    stopped = []
-    for proc in [*state["workers"], state["memory"]]:
+    if forget_stale():
+        return []
+    services = [*state["workers"], state["memory"]]
+    running = [p["address"] for p in services if alive(p["pid"])]
+    if state.get("supervisor"):
+        _stop(state["supervisor"]["pid"], timeout=60.0)
+    for proc in services:
         if alive(proc["pid"]):
             _stop(proc["pid"])
-            stopped.append(proc["address"])
     state_path().unlink(missing_ok=True)
-    return stopped
+    return running

@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedkv.runtime.lifetime import child_env
 from pagedkv.runtime.tls import TlsFiles
 from pagedkv.runtime.tls import channel as plane_channel
 
@@ -67,7 +68,8 @@ class ServiceProcess:
         env: its environment (default: this process's).
         cwd: its working folder.
         timeout: seconds to wait for the ready file.
-        detach: start it in a session of its own (it outlives this process).
+        detach: start it in a session of its own (it outlives this process); otherwise it stops
+            when this process is gone, even after a SIGKILL (pagedkv.runtime.lifetime).
 
     Raises:
         RuntimeError: it exited or did not get ready in time (with its log's tail).
@@ -75,12 +77,13 @@ class ServiceProcess:
 
     def __init__(self, command: list[str], ready_file: Path, log_path: Path, *, env: dict | None = None,
                  cwd: Path | None = None, timeout: float = 180.0, detach: bool = False):
-        self.ready_file, self.log_path = Path(ready_file), Path(log_path)
+        self.command, self.ready_file, self.log_path = list(command), Path(ready_file), Path(log_path)
+        self._options = {"env": env, "cwd": cwd, "timeout": timeout, "detach": detach}
         self.ready_file.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([*command, "--ready-file", str(self.ready_file)], stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-                                         start_new_session=detach)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env if detach else child_env(env), cwd=cwd, start_new_session=detach)
         deadline = time.monotonic() + timeout
         while not self.ready_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -104,6 +107,20 @@ class ServiceProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def respawn(self) -> ServiceProcess:
+        """The same service started again at the same address (its ``--port`` pinned to the one it
+        bound), once this process has exited; its log goes on in the same file.
+
+        Raises:
+            RuntimeError: this one still runs, or the new one did not get ready (with its log's tail).
+        """
+        if self.proc.poll() is None:
+            raise RuntimeError(f"{self.log_path.stem} (pid {self.pid}) still runs")
+        command = list(self.command)
+        if "--port" in command:
+            command[command.index("--port") + 1] = str(self.info["port"])
+        return ServiceProcess(command, self.ready_file, self.log_path, **self._options)
 
     def log(self) -> str:
         """Its output so far."""

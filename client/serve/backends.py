@@ -6,7 +6,9 @@ In order (the first that names a memory service wins):
    flags' defaults);
 2. the state file of ``pagedkv up`` whose processes are all alive;
 3. embedded: a :class:`~client.ops.stack.LocalStack` of one memory service and one worker as child
-   processes on loopback free ports, stopped when the server stops.
+   processes on loopback free ports, stopped when the server stops. A :class:`~client.ops.supervisor.Supervisor`
+   restarts one that dies at its address (bounded, with backoff), and they stop by themselves when
+   the server is gone, even after a SIGKILL (pagedkv.runtime.lifetime).
 
 Every channel (health checks, the pool check, the engine's) uses ``Backends.tls``, the scheduler's
 mutual-TLS files (``--tls-cert/--tls-key/--tls-ca``), and embedded services get the same files;
@@ -24,8 +26,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from client.ops.launcher import alive, check_tls, default_device, read_state
+from client.ops.launcher import alive, check_tls, default_device, forget_stale, read_state
 from client.ops.stack import LocalStack, serving
+from client.ops.supervisor import Supervisor
 from client.serve.config import ServeConfig
 from client.services import MemoryClient, WorkerClient, admin_token_path
 from pagedkv import config
@@ -44,6 +47,8 @@ class Backends:
     #: "flags", "state file" or "embedded".
     source: str
     stack: LocalStack | None = None
+    #: Restarts the embedded services that die (None when attached).
+    supervisor: Supervisor | None = None
     #: The scheduler's mutual-TLS files for every channel to the backends; None: plaintext.
     tls: TlsFiles | None = None
     #: The other nodes' (memory, workers) with ``--node``: healthy only when every node is.
@@ -75,6 +80,9 @@ class Backends:
         for ch in self._channels.values():
             ch.close()
         self._channels.clear()
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
         if self.stack is not None:
             self.stack.stop()
             self.stack = None
@@ -107,6 +115,7 @@ def resolve(args: ServeConfig) -> Backends:
             found = Backends(state["memory"]["address"], [w["address"] for w in state["workers"]], "state file",
                              tls=tls)
         else:
+            forget_stale()  # none of its processes runs: reported and removed
             return _embedded(args, tls)
     check_pool(args, found)
     found.admin_token_file = str(args.memory_admin_token_file or admin_token_path())
@@ -140,8 +149,8 @@ def _embedded(args: ServeConfig, tls: TlsFiles | None) -> Backends:
     stack = LocalStack(memory_args, worker_args=worker_args, device=args.device or default_device(),
                        model=args.model or "smollm2",
                        revision=args.revision, host="127.0.0.1", name="serve", tls=tls).start()
-    return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, tls=tls,
-                    admin_token_file=stack.memory.info.get("admin_token_file"))
+    return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, Supervisor(stack).start(),
+                    tls=tls, admin_token_file=stack.memory.info.get("admin_token_file"))
 
 
 def check_pool(args: ServeConfig, backends: Backends) -> None:

@@ -269,7 +269,8 @@ def test_serve_gives_its_embedded_services_explicit_flags(monkeypatch, tmp_path)
 
     def fake_service(cls, argv, run_dir, name, *, port=0, **kwargs):
         commands.append([*argv, "--port", str(port)])
-        return SimpleNamespace(address=f"127.0.0.1:{20000 + len(commands)}", info={}, stop=lambda: None)
+        return SimpleNamespace(address=f"127.0.0.1:{20000 + len(commands)}", info={}, stop=lambda: None,
+                               proc=SimpleNamespace(poll=lambda: None))
 
     monkeypatch.setattr(stack_module.ServiceProcess, "pagedkv", classmethod(fake_service))
     monkeypatch.setattr(stack_module, "wait_healthy", lambda *a, **k: None)

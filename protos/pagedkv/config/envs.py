@@ -88,6 +88,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
       "--tls-cert: this member's certificate (PEM) for mutual TLS on the internal plane"),
     E("PAGEDKV_TLS_KEY", "str", None, "--tls-key: its private key (PEM)"),
     E("PAGEDKV_TLS_CA", "str", None, "--tls-ca: the plane's CA certificate (PEM)"),
+    E("PAGEDKV_PARENT_PID", "int", None, "set by pagedkv serve and pagedkv up's supervisor on the services they "
+      "start: a service stops when that process is gone"),
     # --- model and pool (memory, compute, serve)
     E("PAGEDKV_MODEL", "str", "smollm2", "--model: 'smollm2', a .gguf file, a Hugging Face directory or repo id"),
     E("PAGEDKV_REVISION", "str", None, "--revision: branch, tag or commit of a repo id (default main)"),

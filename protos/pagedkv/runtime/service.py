@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from pagedkv.runtime.errors import ERROR_DOMAIN, PagedKVError
+from pagedkv.runtime.lifetime import watch_parent
 from pagedkv.runtime.logs import get_logger
 from pagedkv.runtime.tls import TlsFiles, check_bind, from_args, server_credentials
 from pagedkv.runtime.tls import mode as tls_mode
@@ -334,8 +335,12 @@ async def run_server(spec: ServerSpec) -> None:
 
 
 def serve_main(name: str, serve: Callable[[], Awaitable[None]], errors: tuple[type[BaseException], ...]) -> int:
-    """Run a service's ``serve()`` coroutine; a start-up error in ``errors`` prints and returns 2."""
+    """Run a service's ``serve()`` coroutine; a start-up error in ``errors`` prints and returns 2.
+
+    A service started as a child (``PAGEDKV_PARENT_PID``) stops when its parent is gone
+    (:func:`pagedkv.runtime.lifetime.watch_parent`)."""
     try:
+        watch_parent()
         asyncio.run(serve())
     except errors as e:
         log.error("startup_failed", service=name, error=str(e))
