@@ -85,3 +85,28 @@ def test_a_killed_supervisor_leaves_nothing_running_and_its_state_file_is_report
     done = _pagedkv(home, "down")
     assert done.returncode == 0 and "nothing to stop" in done.stdout
     assert "none of its processes runs" in done.stderr and not (home / "state.json").exists()
+
+
+class _Dead:
+    """A service that has exited; its respawn exits too (counted)."""
+
+    def __init__(self, born: list):
+        self.proc, self.address, self.pid = type("P", (), {"poll": lambda self: 9})(), "127.0.0.1:1", 1
+        self.born = born
+
+    def respawn(self):
+        self.born.append(1)
+        return _Dead(self.born)
+
+
+def test_the_restart_policy_waits_its_backoff_and_gives_up_past_its_bound():
+    from client.ops.supervisor import RestartPolicy, Supervisor
+
+    born: list = []
+    stack = type("S", (), {"memory": None, "workers": [_Dead(born)]})()
+    patient = Supervisor(stack, RestartPolicy(backoff=60.0))
+    assert patient.check() == [] and born == []  # inside its first backoff
+    restarts = []
+    eager = Supervisor(stack, RestartPolicy(max_restarts=2, backoff=0.0), on_restart=lambda s: restarts.append(s))
+    assert [eager.check() for _ in range(4)] == [["worker0"], ["worker0"], [], []]
+    assert len(born) == 2 and restarts == [stack, stack] and stack.workers[0].born is born
