@@ -125,24 +125,36 @@ _BY_CODE = {
 _BY_REASON = {OUT_OF_BLOCKS: OutOfBlocks, OUT_OF_HOST_BLOCKS: OutOfHostBlocks, QUOTA_EXCEEDED: QuotaExceeded}
 
 
-def error_info(error: grpc.RpcError) -> tuple[str, dict[str, str]]:
-    """ErrorInfo ``(reason, metadata)`` of an RPC error, ``("", {})`` when it has none."""
-    status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
-    if status is not None:
-        for detail in status.details:
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                return info.reason, dict(info.metadata)
+def _status_info(status) -> tuple[str, dict[str, str]]:
+    """ErrorInfo ``(reason, metadata)`` of a google.rpc.Status, ``("", {})`` when it has none."""
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info.reason, dict(info.metadata)
     return "", {}
 
 
-def from_rpc_error(error: grpc.RpcError) -> ServiceError:
-    """The typed exception for ``error``."""
-    code = error.code()
-    reason, metadata = error_info(error)
+def error_info(error: grpc.RpcError) -> tuple[str, dict[str, str]]:
+    """ErrorInfo ``(reason, metadata)`` of an RPC error, ``("", {})`` when it has none."""
+    status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
+    return _status_info(status) if status is not None else ("", {})
+
+
+def _typed(code: grpc.StatusCode, message: str, reason: str, metadata: dict[str, str]) -> ServiceError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason in _BY_REASON:
         cls = _BY_REASON[reason]
     else:
         cls = _BY_CODE.get(code, ServiceError)
-    return cls(code, error.details() or "", reason, metadata)
+    return cls(code, message, reason, metadata)
+
+
+def from_rpc_error(error: grpc.RpcError) -> ServiceError:
+    """The typed exception for ``error``."""
+    return _typed(error.code(), error.details() or "", *error_info(error))
+
+
+def from_status(status) -> ServiceError:
+    """The typed exception for a google.rpc.Status carried in a reply (a StepResult's ``error``)."""
+    code = next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)
+    return _typed(code, status.message, *_status_info(status))

@@ -22,8 +22,10 @@ epoch), and the step must stay inside it:
   digest the grant signed, inside its pool; and no two copies of the step write
   one block (nor does a copy-on-write read a block another one writes).
 
-Anything else is PERMISSION_DENIED, raised before the first copy or write. The
-check's answer carries the step's :class:`CopyPlan`: every grant copy, deduped,
+Anything else is PERMISSION_DENIED, before the first copy or write: of that sequence alone
+when its own grant is violated (the step's result for it carries the error, and the others are
+computed), of the whole step for a request copy no grant names or copies that race. The
+check's answer carries the step's :class:`CopyPlan`: every accepted grant copy, deduped,
 in the order the worker does them (offloads, reloads, copy-on-write). After the
 forward, :func:`sign_receipts` gives each sequence a receipt for the positions
 written, their token digest and blocks, and the tier copies (offloads and
@@ -105,18 +107,25 @@ class CopyPlan:
 
 
 class CheckedStep(list):
-    """``list[Checked]``, one per sequence in batch order, and ``plan``, the step's :class:`CopyPlan`."""
+    """``list[Checked | None]``, one per sequence in batch order (None: refused), ``plan``, the step's
+    :class:`CopyPlan` (the accepted sequences' copies), and ``refused``: batch index -> the error
+    (a PagedKVError) of each sequence refused alone."""
 
     plan: CopyPlan
+    refused: dict[int, Exception]
 
 
 def check_grants(request: pb.StepRequest, key: bytes, generation: int, epochs: np.ndarray,
-                 now: float | None = None, host_epochs: np.ndarray | None = None) -> CheckedStep:
+                 now: float | None = None, host_epochs: np.ndarray | None = None,
+                 refused: dict[int, Exception] | None = None) -> CheckedStep:
     """Check every sequence and copy of ``request`` against the grants it carries.
 
-    The epochs of every sequence's blocks are compared with the pool's in one numpy call after
-    the per-sequence checks (a violation there names the first sequence whose epochs differ).
-    A step whose grants name no copy does no per-copy work.
+    A violation of one sequence's grant (no grant, not the memory service's, expired, positions,
+    block table or tokens outside it, a block handed out anew, a copy of it refused) refuses that
+    sequence alone: it goes to ``refused`` and none of its copies to the plan, and the caller
+    computes the others. The epochs of every sequence's blocks are compared with the pool's in one
+    numpy call after the per-sequence checks. A step whose grants name no copy does no per-copy
+    work.
 
     Args:
         request: a structurally valid step (``build_step_inputs`` accepted it).
@@ -127,68 +136,111 @@ def check_grants(request: pb.StepRequest, key: bytes, generation: int, epochs: n
         host_epochs: the host tier's epochs, int64 [host_num_blocks] (read-only view of the
             table's part past num_blocks); None when no host tier is mapped (then every copy
             to or from the host is refused).
+        refused: batch index -> error of sequences the caller refused already (not checked; in
+            ``.refused`` as given).
 
     Returns:
-        per sequence, in batch order, what :func:`sign_receipts` signs for it; ``.plan``: the
-        step's copies in the order to do them.
+        per sequence, in batch order, what :func:`sign_receipts` signs for it (None when
+        refused); ``.plan``: the accepted sequences' copies in the order to do them;
+        ``.refused``: the refused sequences' errors by batch index.
 
     Raises:
-        PermissionDeniedError: the first violation found.
+        PermissionDeniedError: a fault of the whole step: a request copy that no grant names
+            (one that only a refused sequence's block table holds goes with it), or two copies
+            that race.
     """
     now = time.time() if now is None else now
-    allowed_copies: set[tuple[int, int]] = set()
-    plan = CopyPlan([], [], [])
-    if request.transfer_sources:
-        plan.sources = {source_digest(s): s for s in request.transfer_sources}
-    checked = CheckedStep()
-    checked.plan = plan
-    all_ids: list[int] = []
-    all_epochs: list[int] = []
-    for s in request.sequences:
-        if not s.HasField("grant"):
-            raise _deny(f"sequence {s.seq_id} has no grant")
-        g = s.grant
-        ids, ep = list(g.block_ids), list(g.block_epochs)
-        copies = [copy_tuple(c) for c in g.copies]
-        digest = g.token_digest
-        expires = g.expires_at
-        if g.seq_id != s.seq_id or g.pool_generation != generation or not hmac.compare_digest(
-                g.signature, mac(key, grant_parts_message(generation, g.seq_id, ids, ep, g.readable_tokens, g.write_end,
-                                                          digest, copies, expires))):
-            raise _deny(f"the grant of sequence {s.seq_id} is not the memory service's grant for it in pool "
-                        f"generation {generation}")
-        if expires < now:
-            raise _deny(f"the grant of sequence {s.seq_id} expired {now - expires:.1f} s ago")
-        start, end = s.positions[0], s.positions[-1] + 1
-        if start != g.readable_tokens or end > g.write_end:
-            raise _deny(f"sequence {s.seq_id} writes positions [{start}, {end}) but its grant allows "
-                        f"[{g.readable_tokens}, {g.write_end}) after {g.readable_tokens} computed tokens")
-        if list(s.block_ids) != ids:
-            raise _deny(f"sequence {s.seq_id}'s block table is not the one its grant names")
-        if digest:
-            if end != g.write_end or token_digest(s.token_ids) != digest:
-                raise _deny(f"sequence {s.seq_id}'s tokens are not the ones its grant names")
-        else:
-            digest = token_digest(s.token_ids)
-        if len(ep) != len(ids):
-            raise _deny(f"a block of sequence {s.seq_id} was handed out anew since its grant")
-        tier = ()
-        if copies:
-            tier = tuple(c for c in copies if _check_copy(c, s.seq_id, epochs, host_epochs, plan))
-            allowed_copies.update((c[0], c[2]) for c in copies if c[4] == c[5] == _DEVICE)
-        all_ids += ids
-        all_epochs += ep
-        checked.append(Checked(ids, ep, digest, tier))
+    sources = {source_digest(s): s for s in request.transfer_sources} if request.transfer_sources else {}
+    checked, scratch = CheckedStep(), []
+    checked.refused = dict(refused or {})
+    for i, s in enumerate(request.sequences):
+        if i in checked.refused:
+            checked.append(None)
+            scratch.append(None)
+            continue
+        try:
+            c, own = _check_sequence(s, key, generation, epochs, host_epochs, now, sources)
+        except PermissionDeniedError as e:
+            checked.refused[i] = e
+            c, own = None, None
+        checked.append(c)
+        scratch.append(own)
+    live = [i for i, c in enumerate(checked) if c is not None]
+    all_ids = [b for i in live for b in checked[i].block_ids]
+    all_epochs = [e for i in live for e in checked[i].block_epochs]
     if not np.array_equal(epochs[all_ids], np.array(all_epochs, dtype=np.int64)):
-        for s, c in zip(request.sequences, checked):
+        for i in live:
+            c = checked[i]
             if not np.array_equal(epochs[c.block_ids], np.array(c.block_epochs, dtype=np.int64)):
-                raise _deny(f"a block of sequence {s.seq_id} was handed out anew since its grant")
+                checked.refused[i] = _deny(f"a block of sequence {request.sequences[i].seq_id} was handed out anew "
+                                           "since its grant")
+                checked[i] = None
+    plan = CopyPlan([], [], [], sources=sources)
+    allowed_copies: set[tuple[int, int]] = set()
+    for own, c in zip(scratch, checked):
+        if c is not None and own is not None:
+            _merge(plan, own)
+            allowed_copies.update(own.copy_on_write)
+    checked.plan = plan
+    refused_blocks = {b for i in checked.refused for b in request.sequences[i].block_ids}
+    accepted_blocks = {b for c in checked if c is not None for b in c.block_ids}
     for c in request.copies:
-        if (c.src, c.dst) not in allowed_copies:
+        if (c.src, c.dst) not in allowed_copies and not (c.dst in refused_blocks and c.dst not in accepted_blocks):
             raise _deny(f"copy {c.src} -> {c.dst} is in no grant of this step")
-    if allowed_copies or plan.has_tier_copies or plan.transfers:
+    if plan.copy_on_write or plan.has_tier_copies or plan.transfers:
         _check_plan(plan)
     return checked
+
+
+def _check_sequence(s: pb.StepSequence, key: bytes, generation: int, epochs: np.ndarray,
+                    host_epochs: np.ndarray | None, now: float,
+                    sources: dict[bytes, grant_pb2.TransferSource]) -> tuple[Checked, CopyPlan]:
+    """One sequence against its grant: what :func:`sign_receipts` signs for it, and the copies of its
+    grant (a plan of its own, merged into the step's once every check passed).
+
+    Raises:
+        PermissionDeniedError: its first violation.
+    """
+    if not s.HasField("grant"):
+        raise _deny(f"sequence {s.seq_id} has no grant")
+    g = s.grant
+    ids, ep = list(g.block_ids), list(g.block_epochs)
+    copies = [copy_tuple(c) for c in g.copies]
+    digest = g.token_digest
+    expires = g.expires_at
+    if g.seq_id != s.seq_id or g.pool_generation != generation or not hmac.compare_digest(
+            g.signature, mac(key, grant_parts_message(generation, g.seq_id, ids, ep, g.readable_tokens, g.write_end,
+                                                      digest, copies, expires))):
+        raise _deny(f"the grant of sequence {s.seq_id} is not the memory service's grant for it in pool "
+                    f"generation {generation}")
+    if expires < now:
+        raise _deny(f"the grant of sequence {s.seq_id} expired {now - expires:.1f} s ago")
+    start, end = s.positions[0], s.positions[-1] + 1
+    if start != g.readable_tokens or end > g.write_end:
+        raise _deny(f"sequence {s.seq_id} writes positions [{start}, {end}) but its grant allows "
+                    f"[{g.readable_tokens}, {g.write_end}) after {g.readable_tokens} computed tokens")
+    if list(s.block_ids) != ids:
+        raise _deny(f"sequence {s.seq_id}'s block table is not the one its grant names")
+    if digest:
+        if end != g.write_end or token_digest(s.token_ids) != digest:
+            raise _deny(f"sequence {s.seq_id}'s tokens are not the ones its grant names")
+    else:
+        digest = token_digest(s.token_ids)
+    if len(ep) != len(ids):
+        raise _deny(f"a block of sequence {s.seq_id} was handed out anew since its grant")
+    own = CopyPlan([], [], [], sources=sources)
+    tier = tuple(c for c in copies if _check_copy(c, s.seq_id, epochs, host_epochs, own)) if copies else ()
+    return Checked(ids, ep, digest, tier), own
+
+
+def _merge(plan: CopyPlan, own: CopyPlan) -> None:
+    """Add ``own``'s copies to ``plan``, each once, in order."""
+    for mine, theirs in ((plan.offloads, own.offloads), (plan.reloads, own.reloads),
+                         (plan.copy_on_write, own.copy_on_write)):
+        mine.extend(p for p in theirs if p not in mine)
+    for digest, pairs in own.transfers.items():
+        mine = plan.transfers.setdefault(digest, [])
+        mine.extend(p for p in pairs if p not in mine)
 
 
 def _check_copy(c: tuple, seq_id: int, epochs: np.ndarray, host_epochs: np.ndarray | None, plan: CopyPlan) -> bool:

@@ -34,6 +34,7 @@ from compute_service.weights.source import ModelConfig
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.runtime import test_hooks
 from pagedkv.runtime.errors import (
+    PAST_SLIDING_WINDOW,
     POOL_GENERATION_MISMATCH,
     POOL_NOT_MAPPED,
     TRANSFERS_OFF,
@@ -41,6 +42,7 @@ from pagedkv.runtime.errors import (
     InvalidArgumentError,
     TransferFailedError,
 )
+from pagedkv.runtime.service import status_proto
 
 
 class Worker:
@@ -83,12 +85,15 @@ class Worker:
     def step(self, request: pb.StepRequest) -> pb.StepResponse:
         """Run one step.
 
+        A sequence refused alone (outside its grant, `check_grants`; a position at or past the model's
+        sliding window, `_past_window`) gets a result whose ``error`` says why, and nothing of it is
+        read, written or sampled; the others are computed.
+
         Raises:
             FailedPreconditionError: no pool mapped, or the request names another generation.
-            InvalidArgumentError: a malformed batch (see `build_step_inputs`), or a position at or past
-                the model's sliding window (`_check_window`); nothing is written.
-            PermissionDeniedError: a sequence or copy outside its grant (`check_grants`); nothing is
-                read or written.
+            InvalidArgumentError: a malformed batch (see `build_step_inputs`); nothing is written.
+            PermissionDeniedError: a request copy no grant names, or copies that race (`check_grants`);
+                nothing is read or written.
         """
         with self._lock:
             pool = self.pool
@@ -106,57 +111,68 @@ class Worker:
             lay = pool.descriptor.layout
             inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
                                        vocab_size=self.config.vocab_size, device=self.device)
-            self._check_window(inputs)
             checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs,
-                                   host_epochs=getattr(pool, "host_epochs", None))  # None: no host tier
+                                   host_epochs=getattr(pool, "host_epochs", None),  # None: no host tier
+                                   refused=self._past_window(request))
             plan = checked.plan
             test_hooks.call("worker.step_checked", request=request)
+            run, kept = request, checked
+            if checked.refused:  # computed without them: nothing of theirs is read or written
+                run = pb.StepRequest()
+                run.CopyFrom(request)
+                del run.sequences[:]
+                run.sequences.extend(s for i, s in enumerate(request.sequences) if i not in checked.refused)
+                kept = [c for c in checked if c is not None]
+                if run.sequences:
+                    inputs = build_step_inputs(run, block_size=lay.block_size, num_blocks=lay.num_blocks,
+                                               vocab_size=self.config.vocab_size, device=self.device)
             if plan.has_tier_copies or plan.copy_on_write or plan.transfers:
                 do_copies(pool, plan, self.transfer_agent)
-            t1 = time.perf_counter()
-            logits = self.model(*inputs.model_args(pool.tensor, pool.kv_scales))
-            t2 = time.perf_counter()
-            if self.pool_lost.is_set():
-                raise FailedPreconditionError("the memory service went away during this step; its results are void",
-                                              reason=POOL_NOT_MAPPED)
-            results = self._sample(request, inputs, logits)
+            t1 = t2 = time.perf_counter()
+            results = []
+            if run.sequences:
+                logits = self.model(*inputs.model_args(pool.tensor, pool.kv_scales))
+                t2 = time.perf_counter()
+                if self.pool_lost.is_set():
+                    raise FailedPreconditionError("the memory service went away during this step; its results are "
+                                                  "void", reason=POOL_NOT_MAPPED)
+                results = self._sample(run, inputs, logits)
             if plan.has_tier_copies and pool.tensor.is_cuda:
                 # Tier copies are asynchronous DMA: done before the receipt that proves them exists
                 # (an offload's bytes are in host memory; a reload no longer reads its host block,
                 # which the memory service may hand out again). Sampling synchronized already unless
                 # no sequence sampled.
                 torch.cuda.current_stream(pool.tensor.device).synchronize()
-            sign_receipts(request, results, pool.plane_key, lay.block_size, checked)
+            sign_receipts(run, results, pool.plane_key, lay.block_size, kept)
+            if checked.refused:
+                results = _with_refusals(request, results, checked.refused)
             response = pb.StepResponse(
                 results=results,
                 model_seconds=t2 - t1,
-                attention_seconds=self.attention_clock.seconds if self.attention_clock else 0.0,
+                attention_seconds=self.attention_clock.seconds if self.attention_clock and run.sequences else 0.0,
                 step_seconds=time.perf_counter() - t0,
-                num_tokens=inputs.num_tokens,
+                num_tokens=inputs.num_tokens if run.sequences else 0,
             )
             test_hooks.call("worker.step_end", request=request, response=response)
             return response
 
-    def _check_window(self, inputs: StepInputs) -> None:
-        """Refuse a step with a position at or past the model's sliding window, before any write.
+    def _past_window(self, request: pb.StepRequest) -> dict[int, InvalidArgumentError]:
+        """The sequences of ``request`` that reach a position at or past the model's sliding window,
+        by batch index: refused alone, before any write.
 
         The model's attention is full causal, which equals the windowed attention of Mistral
         (and of Qwen2 with `use_sliding_window`) exactly while a query's position p < W: it then
         sees positions [0, p], all inside its window (transformers' and vLLM's windows are the
         W positions (p - W, p], the query's own included). From p = W on, keys leave the window.
-
-        Raises:
-            InvalidArgumentError: a sequence reaches position >= sliding_window.
         """
         window = self.config.sliding_window
-        if window is None or inputs.host_seq_lens.numel() == 0:
-            return
-        longest = int(inputs.host_seq_lens.max())
-        if longest > window:
-            raise InvalidArgumentError(
-                f"the step reaches position {longest - 1}, past this model's sliding window of {window} tokens "
-                f"(positions 0-{window - 1}); sequences of this model may hold at most {window} tokens "
-                f"(--max-model-len {window}); nothing was written")
+        if window is None:
+            return {}
+        return {i: InvalidArgumentError(
+            f"sequence {s.seq_id} reaches position {s.positions[-1]}, past this model's sliding window of {window} "
+            f"tokens (positions 0-{window - 1}); sequences of this model may hold at most {window} tokens "
+            f"(--max-model-len {window}); nothing of it was written", reason=PAST_SLIDING_WINDOW)
+            for i, s in enumerate(request.sequences) if s.positions[-1] >= window}
 
     def _sample(self, request: pb.StepRequest, inputs: StepInputs, logits: torch.Tensor) -> list[pb.StepResult]:
         """One result per sequence of the batch; a token (and logprobs) for each sampled one.
@@ -181,6 +197,21 @@ class Worker:
                 res.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t,
                                         lp in zip(top_ids[r][:k], top_lp[r][:k]))
         return results
+
+
+def _with_refusals(request: pb.StepRequest, results: list[pb.StepResult],
+                   refused: dict[int, Exception]) -> list[pb.StepResult]:
+    """The results of every sequence of ``request`` in batch order: the computed ``results`` (of the
+    others, in order) and, for each refused one, a result carrying its error (google.rpc.Status)."""
+    computed = iter(results)
+    out = []
+    for i, s in enumerate(request.sequences):
+        if i in refused:
+            e = refused[i]
+            out.append(pb.StepResult(seq_id=s.seq_id, error=status_proto(e.code, e.message, e.reason, e.metadata)))
+        else:
+            out.append(next(computed))
+    return out
 
 
 def do_copies(pool: MappedPool, plan: CopyPlan, agent=None) -> None:

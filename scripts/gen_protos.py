@@ -5,7 +5,8 @@ One command (``make protos`` or ``python scripts/gen_protos.py``) writes
 ``protos/``; ``--check`` regenerates into a temporary folder and exits 1 when the
 committed files differ (tests/pagedkv/test_protos.py runs it).
 
-The generator is pinned: grpcio-tools ``GRPCIO_TOOLS_VERSION`` (requirements/protos.in). Its
+The generator is pinned: grpcio-tools ``GRPCIO_TOOLS_VERSION`` (requirements/protos.in), with
+googleapis-common-protos for the ``google/rpc/status.proto`` the compute service imports. Its
 output carries no protobuf version guard (gencode 5.26.1) and needs grpcio 1.65.5 or newer,
 so the committed code imports on the floors in pyproject.toml and on the newest releases
 (protobuf 4.25 to 7.x were tried). An interpreter without
@@ -75,11 +76,14 @@ def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc
 
     include = Path(grpc_tools.__file__).parent / "_proto"
+    rpc = importlib.metadata.distribution("googleapis-common-protos")  # ships google/rpc/status.proto
+    rpc_include = Path(rpc.locate_file("google/rpc/status.proto")).parents[2]
     protos = [str(p) for p in proto_files()]
     args = [
         "protoc",
         f"-I{PROTO_ROOT}",
         f"-I{include}",
+        f"-I{rpc_include}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",

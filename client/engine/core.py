@@ -120,7 +120,7 @@ class Engine:
         #: Cross-node prefix reuse from ``peers``, other nodes' memory services (client.engine.transfers); None: none.
         self.pulls = PrefixPull(list(peers)) if peers else None
         self.update = StepUpdate(self.scheduler, self.branching, self.stop_checker, self.commits, self.pulls,
-                                 lambda ids: self._free_ids(ids, mpb.FREE_REASON_FINISHED))
+                                 lambda ids: self._free_ids(ids, mpb.FREE_REASON_FINISHED), self._fail)
         self.slots = Slots(memory, lambda: self.lease.lease_id, self.scheduler, self.commits, self.pulls,
                            self.model_id, self.block_size)
         #: What the front reads (client.engine.stats): fixed limits, and the stats of the last step.

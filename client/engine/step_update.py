@@ -16,7 +16,7 @@ from client.engine.commits import Commits
 from client.engine.scheduler import ScheduledSeq, Scheduler
 from client.engine.transfers import PrefixPull
 from client.engine.worker_step import StepResults
-from client.request import Status
+from client.request import Request, Status
 from client.stop import StopChecker
 
 
@@ -30,16 +30,21 @@ class StepUpdate:
         commits: the receipts' way to the memory service (client.engine.commits).
         pulls: cross-node prefix reuse (client.engine.transfers), or None.
         free_ids: frees sequences by id (FreeSequences, reason FINISHED).
+        fail: ends a request with an error, freeing what it holds: ``fail(request, error, updated)``.
     """
 
     def __init__(self, scheduler: Scheduler, branching: Branching, stop_checker: StopChecker, commits: Commits,
-                 pulls: PrefixPull | None, free_ids: Callable[[list[int]], None]):
+                 pulls: PrefixPull | None, free_ids: Callable[[list[int]], None],
+                 fail: Callable[[Request, Exception, dict], None]):
         self.scheduler, self.branching, self.stop_checker = scheduler, branching, stop_checker
-        self.commits, self.pulls, self.free_ids = commits, pulls, free_ids
+        self.commits, self.pulls, self.free_ids, self.fail = commits, pulls, free_ids, fail
 
     def apply(self, scheduled: list[ScheduledSeq], results: StepResults, updated: dict) -> list[str]:
         """Take the sampled tokens of ``scheduled`` (each updated request goes in ``updated`` by id);
-        free finished sequences; returns the ids of the requests that finished."""
+        free finished sequences; returns the ids of the requests that finished. A request with a
+        sequence a worker refused alone (``results.refused``) fails with that error, and only it."""
+        if results.refused:
+            scheduled = self._fail_refused(scheduled, results.refused, updated)
         now = time.time()
         to_free: list[int] = []
         finished: list[str] = []
@@ -76,6 +81,16 @@ class StepUpdate:
             self.pulls.release_done([x.seq for x in scheduled])
         self.free_ids(to_free)
         return finished
+
+    def _fail_refused(self, scheduled: list[ScheduledSeq], refused: dict, updated: dict) -> list[ScheduledSeq]:
+        """Fail each request with a refused sequence (its first refusal); returns the others' sequences."""
+        failed: dict[int, Request] = {}
+        for x in scheduled:
+            error = refused.get(x.seq.seq_id)
+            if error is not None and id(x.request) not in failed:
+                failed[id(x.request)] = x.request
+                self.fail(x.request, error, updated)
+        return [x for x in scheduled if id(x.request) not in failed]
 
     def _may_wait(self, x: ScheduledSeq) -> bool:
         """Whether ``x``'s receipt may wait for the next AppendSlots: a single-sequence request still

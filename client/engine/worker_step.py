@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from client.engine.failover import is_worker_failure
 from client.engine.scheduler import ScheduledSeq
-from client.errors import ServiceError
+from client.errors import ServiceError, from_status
 from client.request import Request, Seq
 from client.services import WorkerClient
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
@@ -109,6 +109,9 @@ class StepResults:
     model_seconds: float
     #: Workers whose Step failed as a worker failure (client.engine.failover), by index.
     failed: dict[int, ServiceError] = field(default_factory=dict)
+    #: Sequences a worker refused alone (StepResult.error; not in ``by_seq``), by seq_id: their
+    #: requests fail, the step's others stand.
+    refused: dict[int, ServiceError] = field(default_factory=dict)
 
 
 class StepRunner:
@@ -142,7 +145,10 @@ class StepRunner:
                 continue
             out.model_seconds = max(out.model_seconds, resp.model_seconds)
             for r in resp.results:
-                out.by_seq[r.seq_id] = r
+                if r.HasField("error"):
+                    out.refused[r.seq_id] = from_status(r.error)
+                else:
+                    out.by_seq[r.seq_id] = r
         if refused is not None:
             raise refused
         return out

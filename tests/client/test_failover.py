@@ -16,6 +16,7 @@ from helpers.tiny_llama import BASE_PROMPT
 
 from client import Client, SamplingParams
 from client.engine.failover import WorkersDown
+from client.errors import PermissionDenied
 from client.services import MemoryClient, read_admin_token
 
 PROMPTS = [[*BASE_PROMPT, 100 + i, 200 + i] for i in range(4)]
@@ -163,3 +164,29 @@ def test_a_drain_moves_requests_between_steps_with_no_copy_and_no_recompute(pair
         again = [client.submit(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in PROMPTS]
         [h.result(timeout=60) for h in again]
         assert {h.request.worker for h in again} == {0, 1}
+
+
+def test_a_sequence_its_worker_refuses_fails_its_request_alone(pair, tiny_model):
+    """The hooked worker gets a forged grant for the request that carries a marker token
+    (tests/hooks/spoil_grant.py): it refuses that sequence alone (StepResult.error), computes the
+    others of the step, and the engine fails that request only and frees its blocks."""
+    stack, tmp = pair
+    hooked = pagedkv_process(["compute", "--memory", stack.memory_address, "--model", str(tiny_model[0])], tmp,
+                             "failover-spoiled", env=hook_env("tests.hooks.spoil_grant",
+                                                              PAGEDKV_TEST_SPOIL_TOKEN="777"))
+    admin = _admin(stack)
+    try:
+        with Client(stack.memory_address, [hooked.address]) as client:
+            undisturbed = [o.outputs[0].token_ids for o in client.generate(PROMPTS, GREEDY)]
+            handles = [client.submit(p, GREEDY) for p in [*PROMPTS[:2], [*BASE_PROMPT, 777], *PROMPTS[2:]]]
+            with pytest.raises(PermissionDenied, match="is not the memory service's grant for it"):
+                handles[2].result(timeout=120)
+            got = [h.result(timeout=120).outputs[0].token_ids for h in [*handles[:2], *handles[3:]]]
+            assert got == undisturbed
+            (refused_in,) = [t for t in client.engine.traces if handles[2].request.request_id in t.request_ids]
+            assert len(refused_in.request_ids) > 1  # the step that refused it computed others
+            assert client.engine.stats().worker_failovers == 0
+        assert admin.stats().used_blocks == 0 and admin.check_invariants().ok
+    finally:
+        hooked.stop()
+        admin.close()

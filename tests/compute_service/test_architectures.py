@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from helpers.model_fixtures import PagedCache
@@ -188,27 +187,37 @@ def test_window_limits_the_context_at_start(stacks):
         driver.close()
 
 
-def test_step_past_the_window_is_refused_and_writes_nothing(stacks):
+def test_a_sequence_past_the_window_is_refused_alone_and_writes_nothing(stacks):
+    from google.rpc import code_pb2
+
     from compute_service.pool_map import map_pool
 
     stack = stacks["mistral"]
     driver = Driver(stack)
     pool = map_pool(driver.pool)
     try:
-        seq = driver.allocate(WINDOW + 1)
+        seq, other = driver.allocate(WINDOW + 1), driver.allocate(3)
         before = pool.tensor.clone()
-        req = cpb.StepRequest(pool_generation=driver.pool.generation, sequences=[cpb.StepSequence(
-            seq_id=seq, token_ids=[7] * (WINDOW + 1), positions=range(WINDOW + 1), block_ids=driver.tables[seq],
-            grant=driver.grants[seq])])
-        with pytest.raises(grpc.RpcError) as exc:
-            driver.workers[0].Step(req)
-        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
-        assert f"sliding window of {WINDOW} tokens" in exc.value.details() and str(WINDOW) in exc.value.details()
-        assert torch.equal(pool.tensor, before), "a refused step wrote into the pool"
+
+        def sequence(s, n):
+            return cpb.StepSequence(seq_id=s, token_ids=[7] * n, positions=range(n), block_ids=driver.tables[s],
+                                    grant=driver.grants[s])
+
+        req = cpb.StepRequest(pool_generation=driver.pool.generation, sequences=[sequence(seq, WINDOW + 1),
+                                                                                  sequence(other, 3)])
+        refused, computed = driver.workers[0].Step(req).results
+        assert refused.seq_id == seq and refused.error.code == code_pb2.INVALID_ARGUMENT
+        assert f"sliding window of {WINDOW} tokens" in refused.error.message
+        assert not refused.HasField("token_id") and not refused.HasField("receipt")
+        assert computed.seq_id == other and computed.HasField("token_id") and not computed.HasField("error")
+        assert computed.receipt.end == 3
+        mine, theirs = driver.tables[seq], driver.tables[other]
+        assert torch.equal(pool.tensor[mine], before[mine]), "a refused sequence was written"
+        assert not torch.equal(pool.tensor[theirs], before[theirs])
         # The same sequence up to the last position inside the window is computed and written.
-        del req.sequences[0].token_ids[-1], req.sequences[0].positions[-1]
+        req = cpb.StepRequest(pool_generation=driver.pool.generation, sequences=[sequence(seq, WINDOW)])
         assert driver.workers[0].Step(req).results[0].HasField("token_id")
-        assert not torch.equal(pool.tensor, before)
+        assert not torch.equal(pool.tensor[mine], before[mine])
     finally:
         pool.close()
         driver.close()

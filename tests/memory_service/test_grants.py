@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.refusals import refusal
 
 from compute_service.grant_check import check_grants, sign_receipts
 from memory_service.manager.block_manager import BlockManager
@@ -90,8 +91,8 @@ def test_receipt_for_other_tokens_never_enters_the_cache(plane):
     (seq,) = m.allocate(lease, [Allocation(8, tuple(france), CacheKey("m"))])
     g = signer.grant(seq, 30.0)
     # The grant binds the tokens: the worker refuses other ones.
-    with pytest.raises(PermissionDeniedError, match="tokens are not the ones"):
-        check_grants(step_of(seq.seq_id, japan, 0, g), KEY, 7, epochs, now=NOW)
+    assert "tokens are not the ones" in refusal(lambda: check_grants(step_of(seq.seq_id, japan, 0, g), KEY, 7, epochs,
+                                                                     now=NOW))
     # A grant without a digest (tokens unknown) lets the step write any tokens, but then the
     # receipt's digest differs from what the sequence claims and nothing is cached.
     g.token_digest = b""
@@ -146,9 +147,8 @@ def test_step_outside_its_grant_is_refused(plane, what):
         request.sequences[0].ClearField("grant")
     if what == "copy not granted":
         request.copies.add(src=victim.block_ids[0], dst=seq.block_ids[0])
-    with pytest.raises(PermissionDeniedError, match="nothing was read or written") as e:
-        check_grants(request, key, gen, epochs, now=now)
-    assert REASONS[what] in e.value.message
+    message = refusal(lambda: check_grants(request, key, gen, epochs, now=now))
+    assert "nothing was read or written" in message and REASONS[what] in message
 
 
 def test_copy_on_write_is_granted_and_stale_receipts_are_skipped(plane):
@@ -170,8 +170,7 @@ def test_copy_on_write_is_granted_and_stale_receipts_are_skipped(plane):
     assert m.commit_receipts(lease, receipts).accepted == (child,)
     # The grant is spent: replaying it (its copy would re-copy the source, which its parent may have
     # written since, over positions now proven) is refused, since the receipt gave the block a new epoch.
-    with pytest.raises(PermissionDeniedError, match="handed out anew"):
-        check_grants(request, KEY, 7, epochs, now=NOW)
+    assert "handed out anew" in refusal(lambda: check_grants(request, KEY, 7, epochs, now=NOW))
     # The same receipt again is stale (it does not continue the sequence): skipped, nothing changes.
     again = m.commit_receipts(lease, receipts)
     assert (again.skipped, again.accepted, child.num_proven) == (1, (), 7)
@@ -193,3 +192,28 @@ def test_forged_receipt_is_refused(plane):
     with pytest.raises(PermissionDeniedError, match="not a worker's receipt"):
         signer.receipts([fake])
     assert seq.num_proven == 0
+
+
+def test_one_sequence_outside_its_grant_is_refused_alone(plane):
+    m, signer, epochs, lease = plane
+    (parent, victim) = m.allocate(lease, [Allocation(6, tuple(range(6))), Allocation(4)])
+    run(m, signer, lease, step_of(parent.seq_id, list(range(6)), 0, signer.grant(parent, 30.0)))
+    (child,) = m.fork(lease, [parent.seq_id])
+    result = m.append_slots(lease, [Append(child.seq_id, 1, [9])])
+    (copy,) = result.copies
+    good = step_of(child.seq_id, [9], 6, signer.grant(child, 30.0, result.copies)).sequences[0]
+    forged = signer.grant(victim, 30.0)
+    forged.write_end = 9
+    bad = step_of(victim.seq_id, [1, 2, 3, 4], 0, forged).sequences[0]
+    request = cpb.StepRequest(pool_generation=7, sequences=[bad, good], copies=[cpb.BlockCopy(src=copy.src,
+                                                                                              dst=copy.dst)])
+    checked = check_grants(request, KEY, 7, epochs, now=NOW)
+    assert list(checked.refused) == [0] and "not the memory service's grant" in checked.refused[0].message
+    assert checked[0] is None and checked[1].block_ids == list(child.block_ids)
+    assert checked.plan.copy_on_write == [(copy.src, copy.dst)]
+    # A copy into the refused sequence's blocks goes with it; one into the computed one's must be granted.
+    request.copies.add(src=parent.block_ids[0], dst=victim.block_ids[0])
+    assert list(check_grants(request, KEY, 7, epochs, now=NOW).refused) == [0]
+    request.copies.add(src=parent.block_ids[0], dst=copy.dst)
+    with pytest.raises(PermissionDeniedError, match="is in no grant"):
+        check_grants(request, KEY, 7, epochs, now=NOW)

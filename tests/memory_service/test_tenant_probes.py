@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import uuid
 
-import grpc
 import pytest
+from helpers.refusals import refusal
 
 from client import SamplingParams
 from client.engine.core import Engine
@@ -38,12 +38,7 @@ def step(worker: WorkerClient, generation: int, seq: int, tokens: list[int], sta
         seq_id=seq, token_ids=tokens, positions=range(start, start + len(tokens)), block_ids=table, grant=grant)]))
 
 
-def denied(fn) -> str:
-    with pytest.raises(Exception) as e:
-        fn()
-    code = e.value.code() if isinstance(e.value, grpc.RpcError) else e.value.code
-    assert code == grpc.StatusCode.PERMISSION_DENIED, e.value
-    return e.value.details() if isinstance(e.value, grpc.RpcError) else str(e.value)
+denied = refusal  # a sequence outside its grant is refused alone; a fault of the whole step fails the call
 
 
 @pytest.fixture
@@ -118,12 +113,14 @@ def test_a_replayed_copy_on_write_grant_cannot_rewrite_a_cached_block(stack, vic
     lease = m.create_lease().lease_id
     gen = m.pool().generation
 
-    def go(seq, tokens, start, grant, copies=()):
-        resp = w.step(cpb.StepRequest(pool_generation=gen, copies=[cpb.BlockCopy(src=c.src, dst=c.dst) for c in copies],
+    def step_of(seq, tokens, start, grant, copies=()):
+        return w.step(cpb.StepRequest(pool_generation=gen, copies=[cpb.BlockCopy(src=c.src, dst=c.dst) for c in copies],
                                       sequences=[cpb.StepSequence(seq_id=seq, token_ids=tokens, skip_sampling=True,
                                                                   positions=range(start, start + len(tokens)),
                                                                   block_ids=grant.block_ids, grant=grant)]))
-        return m.commit(lease, [resp.results[0].receipt])
+
+    def go(seq, tokens, start, grant, copies=()):
+        return m.commit(lease, [step_of(seq, tokens, start, grant, copies).results[0].receipt])
 
     a = m.allocate(lease, [mpb.SequenceAllocation(num_tokens=20, token_ids=prompt[:20], model_id=victim.model_id,
                                                   cache_salt=salt)])
@@ -137,7 +134,7 @@ def test_a_replayed_copy_on_write_grant_cannot_rewrite_a_cached_block(stack, vic
     assert go(child, prompt[24:32], 24, second.grants[0]).blocks_registered == 1  # the copied block, now full
     theirs = m.append(lease, [(parent, 12, other)])
     go(parent, other, 20, theirs.grants[0])  # the copy's source now holds other tokens' KV
-    assert "handed out anew" in denied(lambda: go(child, prompt[20:24], 20, first.grants[0], first.copies))
+    assert "handed out anew" in denied(lambda: step_of(child, prompt[20:24], 20, first.grants[0], first.copies))
     m.release_lease(lease)
     hits = m.stats().prefix_cache_hits
     assert run(victim, Request("cow-victim", prompt, GREEDY, cache_salt=salt)) == reference

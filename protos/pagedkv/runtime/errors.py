@@ -19,6 +19,9 @@ OUT_OF_BLOCKS = "OUT_OF_BLOCKS"
 LEASE_NOT_FOUND = "LEASE_NOT_FOUND"
 #: ErrorInfo reason of a call on a lease that expired (no keep-alive within its TTL): its sequences are gone.
 LEASE_EXPIRED = "LEASE_EXPIRED"
+#: ErrorInfo reason (INVALID_ARGUMENT, in a StepResult's error) of a sequence that reaches past the model's
+#: sliding window: nothing of it was computed.
+PAST_SLIDING_WINDOW = "PAST_SLIDING_WINDOW"
 #: ErrorInfo reason of a Step that names a pool generation other than the one the worker maps.
 POOL_GENERATION_MISMATCH = "POOL_GENERATION_MISMATCH"
 #: ErrorInfo reason of a Step on a worker that maps no pool (the memory service is gone or restarting).

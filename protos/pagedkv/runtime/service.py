@@ -66,14 +66,20 @@ def _truncate(text: str, limit: int) -> str:
     return f"{kept}… ({len(text) - len(kept)} more characters)"
 
 
-def _status_for(code: grpc.StatusCode, message: str, reason: str, metadata: dict[str, str]) -> grpc.Status:
+def status_proto(code: grpc.StatusCode, message: str, reason: str, metadata: dict[str, str]) -> status_pb2.Status:
+    """The google.rpc.Status of an error: ``code``, ``message`` (cut to :data:`MAX_DETAIL_BYTES`) and a
+    google.rpc.ErrorInfo (``reason``, domain :data:`~pagedkv.runtime.errors.ERROR_DOMAIN`,
+    ``metadata`` cut to :data:`MAX_METADATA_BYTES` per key and value) in its details."""
     message = _truncate(message, MAX_DETAIL_BYTES)
     metadata = {_truncate(k, MAX_METADATA_BYTES): _truncate(v, MAX_METADATA_BYTES) for k, v in metadata.items()}
     info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=[detail])
-    return rpc_status.to_status(status)
+    return status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=[detail])
+
+
+def _status_for(code: grpc.StatusCode, message: str, reason: str, metadata: dict[str, str]) -> grpc.Status:
+    return rpc_status.to_status(status_proto(code, message, reason, metadata))
 
 
 def _status_of(name: str, error: BaseException) -> grpc.Status:

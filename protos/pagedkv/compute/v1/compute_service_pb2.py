@@ -12,36 +12,37 @@ from google.protobuf.internal import builder as _builder
 _sym_db = _symbol_database.Default()
 
 
+from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 from pagedkv.grant.v1 import grant_pb2 as pagedkv_dot_grant_dot_v1_dot_grant__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(pagedkv/compute/v1/compute_service.proto\x12\x12pagedkv.compute.v1\x1a\x1cpagedkv/grant/v1/grant.proto\"\xe0\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x19\n\x0cnum_logprobs\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_num_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\x9a\x02\n\x0cStepSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tpositions\x18\x03 \x03(\x03\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x34\n\x08sampling\x18\x05 \x01(\x0b\x32\".pagedkv.compute.v1.SamplingParams\x12\x14\n\x0coutput_index\x18\x06 \x01(\x03\x12\x15\n\rskip_sampling\x18\x07 \x01(\x08\x12*\n\x05grant\x18\x08 \x01(\x0b\x32\x1b.pagedkv.grant.v1.StepGrant\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\x12\x18\n\x10output_token_ids\x18\n \x03(\x05\"\xc6\x01\n\x0bStepRequest\x12\x17\n\x0fpool_generation\x18\x01 \x01(\x04\x12\x33\n\tsequences\x18\x02 \x03(\x0b\x32 .pagedkv.compute.v1.StepSequence\x12-\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x1d.pagedkv.compute.v1.BlockCopy\x12:\n\x10transfer_sources\x18\x04 \x03(\x0b\x32 .pagedkv.grant.v1.TransferSource\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb9\x01\n\nStepResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x36\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32 .pagedkv.compute.v1.TokenLogprob\x12.\n\x07receipt\x18\x05 \x01(\x0b\x32\x1d.pagedkv.grant.v1.StepReceiptB\x0b\n\t_token_id\"\x9b\x01\n\x0cStepResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.pagedkv.compute.v1.StepResult\x12\x15\n\rmodel_seconds\x18\x02 \x01(\x01\x12\x19\n\x11\x61ttention_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x99\x04\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0cmodel_source\x18\x02 \x01(\t\x12\x14\n\x0cweights_path\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x17\n\x0fpool_generation\x18\r \x01(\x04\x12\x12\n\nblock_size\x18\x0e \x01(\r\x12\x12\n\nnum_blocks\x18\x0f \x01(\r\x12\x10\n\x08revision\x18\x10 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x11 \x01(\t\x12\x16\n\x0esliding_window\x18\x12 \x01(\r\x12\x43\n\x13generation_defaults\x18\x13 \x01(\x0b\x32&.pagedkv.compute.v1.GenerationDefaults\x12\x1f\n\x17ignored_generation_keys\x18\x14 \x03(\t\x12\x13\n\x0binstance_id\x18\x15 \x01(\tB\x0f\n\r_bos_token_id\"\xb2\x01\n\x12GenerationDefaults\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penalty2\xbe\x01\n\x0e\x43omputeService\x12I\n\x04Step\x12\x1f.pagedkv.compute.v1.StepRequest\x1a .pagedkv.compute.v1.StepResponse\x12\x61\n\x0cGetModelInfo\x12\'.pagedkv.compute.v1.GetModelInfoRequest\x1a(.pagedkv.compute.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(pagedkv/compute/v1/compute_service.proto\x12\x12pagedkv.compute.v1\x1a\x17google/rpc/status.proto\x1a\x1cpagedkv/grant/v1/grant.proto\"\xe0\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x19\n\x0cnum_logprobs\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_num_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\x9a\x02\n\x0cStepSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tpositions\x18\x03 \x03(\x03\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x34\n\x08sampling\x18\x05 \x01(\x0b\x32\".pagedkv.compute.v1.SamplingParams\x12\x14\n\x0coutput_index\x18\x06 \x01(\x03\x12\x15\n\rskip_sampling\x18\x07 \x01(\x08\x12*\n\x05grant\x18\x08 \x01(\x0b\x32\x1b.pagedkv.grant.v1.StepGrant\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\x12\x18\n\x10output_token_ids\x18\n \x03(\x05\"\xc6\x01\n\x0bStepRequest\x12\x17\n\x0fpool_generation\x18\x01 \x01(\x04\x12\x33\n\tsequences\x18\x02 \x03(\x0b\x32 .pagedkv.compute.v1.StepSequence\x12-\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x1d.pagedkv.compute.v1.BlockCopy\x12:\n\x10transfer_sources\x18\x04 \x03(\x0b\x32 .pagedkv.grant.v1.TransferSource\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xdc\x01\n\nStepResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x36\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32 .pagedkv.compute.v1.TokenLogprob\x12.\n\x07receipt\x18\x05 \x01(\x0b\x32\x1d.pagedkv.grant.v1.StepReceipt\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.google.rpc.StatusB\x0b\n\t_token_id\"\x9b\x01\n\x0cStepResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.pagedkv.compute.v1.StepResult\x12\x15\n\rmodel_seconds\x18\x02 \x01(\x01\x12\x19\n\x11\x61ttention_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x99\x04\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0cmodel_source\x18\x02 \x01(\t\x12\x14\n\x0cweights_path\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x17\n\x0fpool_generation\x18\r \x01(\x04\x12\x12\n\nblock_size\x18\x0e \x01(\r\x12\x12\n\nnum_blocks\x18\x0f \x01(\r\x12\x10\n\x08revision\x18\x10 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x11 \x01(\t\x12\x16\n\x0esliding_window\x18\x12 \x01(\r\x12\x43\n\x13generation_defaults\x18\x13 \x01(\x0b\x32&.pagedkv.compute.v1.GenerationDefaults\x12\x1f\n\x17ignored_generation_keys\x18\x14 \x03(\t\x12\x13\n\x0binstance_id\x18\x15 \x01(\tB\x0f\n\r_bos_token_id\"\xb2\x01\n\x12GenerationDefaults\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penalty2\xbe\x01\n\x0e\x43omputeService\x12I\n\x04Step\x12\x1f.pagedkv.compute.v1.StepRequest\x1a .pagedkv.compute.v1.StepResponse\x12\x61\n\x0cGetModelInfo\x12\'.pagedkv.compute.v1.GetModelInfoRequest\x1a(.pagedkv.compute.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.compute.v1.compute_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS']._serialized_start=95
-  _globals['_SAMPLINGPARAMS']._serialized_end=447
-  _globals['_BLOCKCOPY']._serialized_start=449
-  _globals['_BLOCKCOPY']._serialized_end=486
-  _globals['_STEPSEQUENCE']._serialized_start=489
-  _globals['_STEPSEQUENCE']._serialized_end=771
-  _globals['_STEPREQUEST']._serialized_start=774
-  _globals['_STEPREQUEST']._serialized_end=972
-  _globals['_TOKENLOGPROB']._serialized_start=974
-  _globals['_TOKENLOGPROB']._serialized_end=1023
-  _globals['_STEPRESULT']._serialized_start=1026
-  _globals['_STEPRESULT']._serialized_end=1211
-  _globals['_STEPRESPONSE']._serialized_start=1214
-  _globals['_STEPRESPONSE']._serialized_end=1369
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1371
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1392
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1395
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1932
-  _globals['_GENERATIONDEFAULTS']._serialized_start=1935
-  _globals['_GENERATIONDEFAULTS']._serialized_end=2113
-  _globals['_COMPUTESERVICE']._serialized_start=2116
-  _globals['_COMPUTESERVICE']._serialized_end=2306
+  _globals['_SAMPLINGPARAMS']._serialized_start=120
+  _globals['_SAMPLINGPARAMS']._serialized_end=472
+  _globals['_BLOCKCOPY']._serialized_start=474
+  _globals['_BLOCKCOPY']._serialized_end=511
+  _globals['_STEPSEQUENCE']._serialized_start=514
+  _globals['_STEPSEQUENCE']._serialized_end=796
+  _globals['_STEPREQUEST']._serialized_start=799
+  _globals['_STEPREQUEST']._serialized_end=997
+  _globals['_TOKENLOGPROB']._serialized_start=999
+  _globals['_TOKENLOGPROB']._serialized_end=1048
+  _globals['_STEPRESULT']._serialized_start=1051
+  _globals['_STEPRESULT']._serialized_end=1271
+  _globals['_STEPRESPONSE']._serialized_start=1274
+  _globals['_STEPRESPONSE']._serialized_end=1429
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1431
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1452
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1455
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1992
+  _globals['_GENERATIONDEFAULTS']._serialized_start=1995
+  _globals['_GENERATIONDEFAULTS']._serialized_end=2173
+  _globals['_COMPUTESERVICE']._serialized_start=2176
+  _globals['_COMPUTESERVICE']._serialized_end=2366
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from google.rpc import status_pb2 as _status_pb2
 from pagedkv.grant.v1 import grant_pb2 as _grant_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -79,18 +80,20 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "receipt")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "receipt", "error")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     receipt: _grant_pb2.StepReceipt
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., receipt: _Optional[_Union[_grant_pb2.StepReceipt, _Mapping]] = ...) -> None: ...
+    error: _status_pb2.Status
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., receipt: _Optional[_Union[_grant_pb2.StepReceipt, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "model_seconds", "attention_seconds", "step_seconds", "num_tokens")
