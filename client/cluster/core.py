@@ -168,8 +168,9 @@ class Cluster:
         return self._first.limits
 
     def engine_stats(self) -> EngineStats:
-        """Every node's engine stats added up (queues joined, node order)."""
-        return EngineStats.total([n.client.engine_stats() for n in self.nodes.values()])
+        """Every node's engine stats added up (queues and workers joined, node order; each worker
+        carries its node's name)."""
+        return EngineStats.total([n.client.engine_stats().on_node(name) for name, n in self.nodes.items()])
 
     def node_stats(self) -> dict[str, EngineStats]:
         """Each node's engine stats, by node name."""

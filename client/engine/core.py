@@ -182,12 +182,12 @@ class Engine:
         """Build the stats the front reads; under a lock, so the last one published is the newest."""
         with self._stats_lock:
             pulled, failed = (self.pulls.tokens_pulled, self.pulls.transfers_failed) if self.pulls else (0, 0)
-            f, r, p = self.failover, self.recomputed, self.preemption
+            f, r, p, queues = self.failover, self.recomputed, self.preemption, self.scheduler.queues()
             self._stats = EngineStats(
-                self.step_count, *self.scheduler.queues(), p.preemptions, p.swaps, p.swap_fallbacks,
+                self.step_count, *queues, p.preemptions, p.swaps, p.swap_fallbacks,
                 self.lease_recoveries, self.scheduler.handoffs, pulled, failed, self.lease.lease_id, self.lease.secret,
                 f.failovers, len(f.ready), len(self.workers), r["worker_failure"], p.recomputed_tokens, r["lease_lost"],
-                tuple((w.address, st.state) for w, st in zip(self.workers, f.states)), self.last_step_at)
+                f.info(*queues), self.last_step_at)
 
     def close(self) -> None:
         self.recovery.cancel()

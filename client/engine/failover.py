@@ -37,6 +37,7 @@ the worker at that address is another process (a restart).
 
 from __future__ import annotations
 
+import collections
 import queue
 import time
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from client.engine.scheduler import ScheduledSeq, Scheduler
+from client.engine.stats import WorkerInfo
 from client.errors import ServiceError, Unavailable
 from client.request import Request
 from client.services import MemoryClient, WorkerClient
@@ -82,8 +84,11 @@ class WorkerState:
     state: str = "ready"
     #: The worker process last seen at the address (GetModelInfoResponse.instance_id).
     instance_id: str = ""
-    #: When it went down (time.monotonic()).
-    down_since: float = 0.0
+    #: When it entered ``state`` (time.monotonic()); 0: ready since the engine started.
+    since: float = 0.0
+    #: Times it failed over, and times it came back as another process.
+    failures: int = 0
+    restarts: int = 0
     #: Sequences its lost steps may still write: freed once that is impossible (the module's rule).
     quarantine: list[int] = field(default_factory=list)
 
@@ -120,6 +125,26 @@ class Failover:
         """Indexes of the workers that take work."""
         return [i for i, s in enumerate(self.states) if s.state == "ready"]
 
+    def info(self, running: tuple[Request, ...], waiting: tuple[Request, ...]) -> tuple[WorkerInfo, ...]:
+        """Each worker as the front reads it (client.engine.stats), with the ``running`` and ``waiting``
+        requests pinned to it (thread-safe: a request's worker is read once)."""
+        requests, sequences, queued = collections.Counter(), collections.Counter(), collections.Counter()
+        for r in running:
+            w = r.worker
+            requests[w] += 1
+            sequences[w] += len(r.live_seqs())
+        for r in waiting:
+            queued[r.worker] += 1
+        return tuple(WorkerInfo(c.address, s.state, since=s.since, requests=requests[w], sequences=sequences[w],
+                                waiting=queued[w], failures=s.failures, restarts=s.restarts, instance_id=s.instance_id)
+                     for w, (c, s) in enumerate(zip(self.workers, self.states)))
+
+    @staticmethod
+    def _enter(s: WorkerState, state: str) -> None:
+        """Put a worker in ``state``; its ``since`` moves only when the state changes."""
+        if s.state != state:
+            s.state, s.since = state, time.monotonic()
+
     # ---------------------------------------------------------------- failure
     def fail_over(self, failed: dict[int, ServiceError], scheduled: list[ScheduledSeq],
                   copies_by_worker: dict[int, list[tuple[int, int]]],
@@ -139,10 +164,10 @@ class Failover:
         Raises:
             client.errors.ServiceError: the memory service refused the failover forks.
         """
-        now = time.monotonic()
         for w, error in failed.items():
             s = self.states[w]
-            s.state, s.down_since = "down", now
+            self._enter(s, "down")
+            s.failures += 1
             self.scheduler.down.add(w)
             log.warning("worker_failed", worker=self.workers[w].address, code=error.code.name, error=error.message)
         kept = [x for x in scheduled if x.request.worker not in failed]
@@ -204,11 +229,11 @@ class Failover:
                 continue
             s, moved = self.states[w], 0
             if drain and s.state != "down":
-                s.state = "draining"
+                self._enter(s, "draining")
                 self.scheduler.down.add(w)
                 moved = sum(len(r.live_seqs()) for r in self.scheduler.repin(w))
             elif not drain and s.state == "draining":
-                s.state = "ready"
+                self._enter(s, "ready")
                 self.scheduler.down.discard(w)
             log.warning("worker_drain" if drain else "worker_undrain", worker=address, state=s.state,
                         moved_sequences=moved)
@@ -235,12 +260,12 @@ class Failover:
                 continue
             if s.state == "draining" and info.instance_id == s.instance_id:
                 continue  # drained until undrained or restarted
-            s.state = "ready"
+            out = time.monotonic() - s.since
+            self._enter(s, "ready")
             self.scheduler.down.discard(w)
             restarted = info.instance_id != s.instance_id
-            s.instance_id = info.instance_id
-            log.warning("worker_back", worker=self.workers[w].address, restarted=restarted,
-                        down_seconds=round(time.monotonic() - s.down_since, 2))
+            s.instance_id, s.restarts = info.instance_id, s.restarts + restarted
+            log.warning("worker_back", worker=self.workers[w].address, restarted=restarted, down_seconds=round(out, 2))
             if restarted:
                 self.release(w)
 

@@ -10,7 +10,7 @@ checks the queue's length sees every request already accepted); reading it takes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from client.request import Request
 
@@ -33,6 +33,30 @@ class StepTrace:
     step_seconds: float = 0.0
     #: Of ``preempted``, those preempted by swap (client.engine.swap).
     swapped: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One worker as its engine sees it (client.engine.failover), when the stats were published."""
+
+    address: str
+    #: "ready" (takes work), "down" (failed; probed until it maps the pool again) or "draining"
+    #: (takes no work until undrained or restarted).
+    state: str = "ready"
+    #: The node whose engine it serves (``pagedkv serve --node NAME=...``); "" for a single engine.
+    node: str = ""
+    #: When it entered ``state`` (time.monotonic()); 0: ready since the engine started.
+    since: float = 0.0
+    #: Running requests pinned to it, and their unfinished sequences; waiting requests pinned to it
+    #: (preempted or moved ones: a request is pinned at its first admission).
+    requests: int = 0
+    sequences: int = 0
+    waiting: int = 0
+    #: Times it failed over (a Step lost), and times it came back as another process.
+    failures: int = 0
+    restarts: int = 0
+    #: The worker process last seen at the address (GetModelInfoResponse.instance_id).
+    instance_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +96,19 @@ class EngineStats:
     recomputed_worker_failure: int = 0
     recomputed_preemption: int = 0
     recomputed_lease_lost: int = 0
-    #: Each worker's address and state ("ready" or "down").
-    workers: tuple[tuple[str, str], ...] = ()
+    #: Each worker, in the engine's order (with ``--node``, node by node).
+    worker_info: tuple[WorkerInfo, ...] = ()
     #: When the last step completed (time.monotonic()); 0: none yet.
     last_step_at: float = 0.0
+
+    @property
+    def workers(self) -> tuple[tuple[str, str], ...]:
+        """Each worker's address and state ("ready", "down" or "draining")."""
+        return tuple((w.address, w.state) for w in self.worker_info)
+
+    def on_node(self, name: str) -> EngineStats:
+        """These stats with every worker marked as node ``name``'s."""
+        return replace(self, worker_info=tuple(replace(w, node=name) for w in self.worker_info))
 
     @property
     def num_running(self) -> int:
@@ -87,15 +120,15 @@ class EngineStats:
 
     @classmethod
     def total(cls, parts: list[EngineStats]) -> EngineStats:
-        """Several engines' stats as one (a cluster's nodes): queues joined in order, counts added;
-        no lease. One part is returned as it is."""
+        """Several engines' stats as one (a cluster's nodes): queues and workers joined in order, counts
+        added, the latest step; no lease. One part is returned as it is."""
         if len(parts) == 1:
             return parts[0]
         summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls)
-                  if f.name not in ("running", "waiting", "lease_id", "lease_secret", "workers", "last_step_at")}
+                  if f.name not in ("running", "waiting", "lease_id", "lease_secret", "worker_info", "last_step_at")}
         return cls(running=tuple(r for p in parts for r in p.running),
                    waiting=tuple(r for p in parts for r in p.waiting),
-                   workers=tuple(w for p in parts for w in p.workers),
+                   worker_info=tuple(w for p in parts for w in p.worker_info),
                    last_step_at=max(p.last_step_at for p in parts), **summed)
 
 
@@ -128,4 +161,4 @@ class EngineLimits:
     step_timeout: float = 600.0
 
 
-__all__ = ["EngineLimits", "EngineStats", "StepLog", "StepTrace"]
+__all__ = ["EngineLimits", "EngineStats", "StepLog", "StepTrace", "WorkerInfo"]

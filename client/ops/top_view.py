@@ -2,6 +2,9 @@
 
     counters      the pool's blocks by state, KV usage, prefix-cache hit rate, sequences and
                   leases, exactly as GetStats answered; preemptions; tokens/s now
+    workers       each worker (of every node) with its state: ready, down (failed, probed until
+                  it is back) or draining (no new work); since when, the requests and sequences
+                  running on it, its failures and restarts
     pool grid     one character per block (``·`` free, ``▒`` cached, ``█`` used, a digit 2-9 or
                   ``+`` for a block shared by that many table entries), or, when the pool has
                   more blocks than fit, one character per run of blocks shaded by the used share
@@ -28,6 +31,8 @@ MAX_TABLE_CELLS = 16
 #: Sequences drawn per section at most.
 MAX_ROWS = 32
 _SHADES = "·░▒▓█"
+#: How each worker state is drawn.
+STATE_STYLES = {"ready": "bold green", "down": "bold red", "draining": "bold yellow"}
 
 
 def _pct(x) -> str:
@@ -48,6 +53,38 @@ def counters_table(snap: dict) -> Table:
               _pct(usage), _pct(hits), str(st["num_sequences"]),
               str(st["num_leases"]), str(c["preemptions"]), f"{now['prompt_tokens_per_s']:.1f}",
               f"{now['generation_tokens_per_s']:.1f}")
+    return t
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+
+
+def workers_table(snap: dict) -> Table | None:
+    """A row per worker (every node's) with its state; None for a snapshot without workers (an older server)."""
+    workers = snap.get("workers")
+    if not workers:
+        return None
+    c = snap["counters"]
+    age = c.get("last_step_age_s")
+    t = Table(title=f"Workers: {c.get('workers_ready', '?')} of {c.get('workers_total', '?')} ready, "
+                    f"{c.get('worker_failovers', 0)} failovers, last step "
+                    + ("none yet" if age is None else f"{_ago(age)} ago"), title_justify="left")
+    nodes = any(w["node"] for w in workers)
+    cols = ["worker", *(["node"] if nodes else []), "state", "for", "requests", "seqs", "waiting", "failures",
+            "restarts"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("worker", "node", "state") else "right")
+    for w in workers:
+        since = "-" if w["since"] is None else _ago(snap["time"] - w["since"])
+        t.add_row(w["address"], *([w["node"]] if nodes else []), Text(w["state"], STATE_STYLES.get(w["state"], "")),
+                  since, str(w["requests"]), str(w["sequences"]), str(w["waiting"]), str(w["failures"]),
+                  str(w["restarts"]))
     return t
 
 
@@ -141,11 +178,15 @@ def render(snap: dict, width: int = 100) -> Group:
                 f"({snap['scope']}{'' if snap['pool']['exact'] else '; block map approximate'})", "bold")
     running, waiting = snap["requests"]["running"], snap["requests"]["waiting"]
     summary = Text(f"running {len(running)}  waiting {len(waiting)}  other leases {len(snap['leases'])}")
-    parts = [head, counters_table(snap), pool_grid(snap["pool"], max(10, width - 2))]
+    parts = [head, counters_table(snap)]
+    workers = workers_table(snap)
+    if workers is not None:
+        parts.append(workers)
+    parts.append(pool_grid(snap["pool"], max(10, width - 2)))
     if snap.get("host"):
         parts += [Text("host tier", "bold"), pool_grid(snap["host"], max(10, width - 2), rows=4)]
     parts += [summary, requests_table(snap)]
     return Group(*parts)
 
 
-__all__ = ["counters_table", "pool_grid", "render", "requests_table"]
+__all__ = ["counters_table", "pool_grid", "render", "requests_table", "workers_table"]

@@ -114,11 +114,12 @@ class Server:
 
     def dashboard_feed(self) -> DashboardFeed:
         """The dashboard's feed (one for every viewer), made on first use. With several nodes
-        (``--node``) it shows the first node's pool and engine (:meth:`front_stats`)."""
+        (``--node``) it shows the first node's pool and engine (:meth:`front_stats`), and every node's workers."""
         if self._feed is None:
             self._feed = DashboardFeed(memory_address=self.backends.memory, tls=self.backends.tls,
                                        admin_token_file=self.backends.admin_token_file, front=self.front_stats,
-                                       token_totals=self.metrics.token_totals, interval=self.dashboard_interval)
+                                       token_totals=self.metrics.token_totals, interval=self.dashboard_interval,
+                                       engines=self.client.engine_stats)
         return self._feed
 
     def close_dashboard(self) -> None:

@@ -55,6 +55,10 @@ def test_a_killed_worker_costs_its_step_in_flight_and_comes_back(pair, tiny_mode
         engine, stats = client.engine, client.engine.stats()
         assert engine.lease.lease_id == lease and engine.lease_recoveries == 0
         assert (stats.worker_failovers, stats.workers_ready, stats.workers_total) == (1, 1, 2)
+        killed, kept = stats.worker_info
+        assert killed.address == stack.worker_addresses[0] and (killed.state, killed.failures, killed.restarts) == (
+            "down", 1, 0)
+        assert 0 < killed.since <= time.monotonic() and (kept.state, kept.failures, kept.since) == ("ready", 0, 0.0)
         # Each moved sequence computes its lost decode step again (1 token), nothing more.
         assert 0 < stats.recomputed_worker_failure <= len(on_killed)
         assert stats.recomputed_preemption == stats.recomputed_lease_lost == 0
@@ -74,6 +78,8 @@ def test_a_killed_worker_costs_its_step_in_flight_and_comes_back(pair, tiny_mode
         while client.engine.stats().workers_ready < 2 and time.monotonic() < deadline:
             client.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         assert client.engine.stats().workers_ready == 2
+        back = client.engine.stats().worker_info[0]  # another process at the same address
+        assert (back.state, back.failures, back.restarts) == ("ready", 1, 1) and back.instance_id != killed.instance_id
         later = [client.submit(p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)) for p in PROMPTS]
         [h.result(timeout=60) for h in later]
         assert {h.request.worker for h in later} == {0, 1}

@@ -226,12 +226,16 @@ def test_a_cluster_reports_every_node_added_up():
     import types
 
     from client.backend import Backend, total_pool_stats
-    from client.engine.stats import EngineStats
+    from client.engine.stats import EngineStats, WorkerInfo
     from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
     a, b, c = (object(), object(), object())
-    one = EngineStats(step_count=3, running=(a,), waiting=(b,), preemptions=2, swaps=1, lease_id="A", lease_secret="s")
-    two = EngineStats(step_count=5, waiting=(c,), preemptions=1, lease_recoveries=1, tokens_pulled=32, lease_id="B")
+    one = EngineStats(step_count=3, running=(a,), waiting=(b,), preemptions=2, swaps=1, lease_id="A", lease_secret="s",
+                      workers_ready=1, workers_total=2, last_step_at=7.0,
+                      worker_info=(WorkerInfo("h:1", "ready", requests=1, sequences=1), WorkerInfo("h:2", "draining")))
+    two = EngineStats(step_count=5, waiting=(c,), preemptions=1, lease_recoveries=1, tokens_pulled=32, lease_id="B",
+                      worker_failovers=1, workers_total=1, last_step_at=9.0,
+                      worker_info=(WorkerInfo("h:3", "down", since=8.0, failures=1),))
     pools = [mpb.GetStatsResponse(total_blocks=10, used_blocks=4, tokens_stored=40, block_size=16, generation=7,
                                   prefix_cache_queries=5, prefix_cache_hits=1),
              mpb.GetStatsResponse(total_blocks=20, used_blocks=1, tokens_stored=8, block_size=16, generation=9,
@@ -247,6 +251,12 @@ def test_a_cluster_reports_every_node_added_up():
     assert (total.step_count, total.running, total.waiting) == (8, (a,), (b, c))
     assert (total.preemptions, total.swaps, total.lease_recoveries, total.tokens_pulled) == (3, 1, 1, 32)
     assert total.lease_id == "" and cluster.node_stats() == {"a": one, "b": two}
+    # Every node's workers, each with its node's name; the counts added, the latest step.
+    assert [(w.node, w.address, w.state, w.requests, w.failures) for w in total.worker_info] == [
+        ("a", "h:1", "ready", 1, 0), ("a", "h:2", "draining", 0, 0), ("b", "h:3", "down", 0, 1)]
+    assert total.workers == (("h:1", "ready"), ("h:2", "draining"), ("h:3", "down"))
+    assert (total.workers_ready, total.workers_total, total.worker_failovers, total.last_step_at) == (1, 3, 1, 9.0)
+    assert total.worker_info[2].since == 8.0 and one.worker_info[0].node == ""  # the node's own stats stay
     pool = cluster.stats()
     assert (pool.total_blocks, pool.used_blocks, pool.prefix_cache_queries, pool.prefix_cache_hits) == (30, 5, 8, 1)
     assert (pool.block_size, pool.generation) == (16, 7) and pool.utilization == pytest.approx(48 / (5 * 16))

@@ -8,6 +8,7 @@ otherwise. Each tick reads, on its own channel to the memory service (never the 
                                       else this front's lease's
     the front's engine stats          its running and waiting requests,   the engine's last published
                                       lease and preemptions               snapshot, no call
+    every node's engine stats         the workers and their states        the same, added up, no call
 
 plus the cached block ids that a second thread follows from StreamKvEvents
 (:class:`client.serve.dashboard.kv_follower.CachedBlocks`); builds one snapshot
@@ -64,17 +65,18 @@ class DashboardFeed:
         tls: the scheduler's mutual-TLS files, or None (plaintext, loopback).
         admin_token_file: where the memory service's admin token is; None: no admin rights.
         front: returns the front's engine stats (client.engine.stats: its requests and lease).
+        engines: returns every node's engine stats, added up (their workers); None: ``front``.
         token_totals: returns (prompt tokens, output tokens) the front served so far.
         interval: seconds between snapshots while someone watches.
     """
 
     def __init__(self, *, memory_address: str, tls: TlsFiles | None, admin_token_file: str | Path | None,
                  front: Callable[[], EngineStats], token_totals: Callable[[], tuple[float, float]],
-                 interval: float = DEFAULT_INTERVAL):
+                 interval: float = DEFAULT_INTERVAL, engines: Callable[[], EngineStats] | None = None):
         if interval <= 0:
             raise ValueError(f"the dashboard interval must be > 0 seconds, got {interval}")
         self.interval = interval
-        self._front, self._token_totals = front, token_totals
+        self._front, self._token_totals, self._engines = front, token_totals, engines or front
         self._token_file = Path(admin_token_file) if admin_token_file else None
         self._memory = MemoryClient(memory_address, timeout=10, tls=tls)
         self._tls = tls
@@ -178,8 +180,9 @@ class DashboardFeed:
         return "snapshot", self._seq, json.dumps(snap, separators=(",", ":"))
 
     def _snapshot(self, now: float) -> dict:
+        clock = time.monotonic()
         stats = self._memory.stats()
-        front = self._front()
+        front, engines = self._front(), self._engines()
         sequences, scope, note = self._list(front.lease_id, front.lease_secret)
         prompt, generated = self._token_totals()
         self._history.add(Sample(now, prompt, generated, stats.prefix_cache_queries, stats.prefix_cache_hits,
@@ -187,7 +190,7 @@ class DashboardFeed:
                                  front.preemptions))
         cached = self._cached.snapshot() if self._cached is not None else (set(), set(), False)
         return build(seq=self._seq, now=now, stats=stats, sequences=sequences, front=front, scope=scope,
-                     scope_note=note, cached=cached, history=self._history,
+                     scope_note=note, cached=cached, history=self._history, engines=engines, clock=clock,
                      feed={"interval_s": self.interval, "last_tick_ms": round(1e3 * self.last_tick[0], 3),
                            "last_tick_cpu_ms": round(1e3 * self.last_tick[1], 3)})
 

@@ -1,9 +1,12 @@
-"""The dashboard's page on ``pagedkv serve``: ``GET /dashboard`` and its two assets.
+"""The dashboard's page on ``pagedkv serve``: ``GET /dashboard`` and its assets.
 
     GET /dashboard                       the page (client/serve/dashboard/static/dashboard.html), no login
                                          needed: it holds no data, and asks for the admin key
                                          itself (client.serve.dashboard.routes)
-    GET /dashboard/static/dashboard.js   what draws the snapshots of /dashboard/events
+    GET /dashboard/static/dashboard.js   what draws the snapshots of /dashboard/events; it hands each one
+                                         to the two scripts below (a "pagedkv:snapshot" event)
+    GET /dashboard/static/charts.js      the charts of the last minutes
+    GET /dashboard/static/workers.js     the workers and their states (ready, down, draining)
     GET /dashboard/static/dashboard.css
 
 Plain HTML, CSS and JavaScript, read once from the package, no build step and no third-party
@@ -23,7 +26,8 @@ from fastapi.responses import Response
 from client.serve.protocol import APIError
 
 #: The assets under /dashboard/static/, with their media types.
-ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
+ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "charts.js": "text/javascript; charset=utf-8",
+          "workers.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
 #: Headers of the page and its assets.
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "

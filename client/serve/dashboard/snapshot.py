@@ -21,15 +21,24 @@ The JSON (``type: "snapshot"``; the browser page and ``pagedkv top`` read it)::
                               ref_counts (null when not in the listing), media (only when a block is
                               off the device: 0 device, 1 host), swapped, parent_seq_id
     truncated                 sequences beyond MAX_TABLE_SEQUENCES were sent without their tables
+    workers[]                 every worker of every node (client.engine.stats.WorkerInfo): address, node
+                              (its --node name, "" for a single engine), state ("ready", "down" or
+                              "draining"), since (when it entered that state, seconds since the epoch;
+                              null: ready since the engine started), requests and sequences (running, pinned
+                              to it), waiting (waiting requests pinned to it), failures, restarts, instance_id
     counters                  kv_usage, prefix_cache_hit_rate (since the pool started), preemptions
                               (this front's) and pool_preemptions, swaps, and ``now``: tokens/s and hit
-                              rate over the last seconds (client.serve.dashboard.rates)
+                              rate over the last seconds (client.serve.dashboard.rates); of every node's
+                              engine: workers_ready, workers_total, worker_failovers, and last_step_age_s
+                              (seconds since a step last completed; null: none yet)
     history                   one point per 5 s over the last 5 minutes (client.serve.dashboard.rates)
     feed                      what the feed costs this front: interval_s between snapshots, and the
                               previous tick's wall and CPU milliseconds (last_tick_ms, last_tick_cpu_ms)
 """
 
 from __future__ import annotations
+
+import time
 
 from client.engine.stats import EngineStats
 from client.request import Request
@@ -88,9 +97,18 @@ def _request(req: Request, listed: dict, budget: _Budget) -> dict:
             "arrival": round(req.metrics.arrival, 3), "sequences": seqs}
 
 
+def _workers(engines: EngineStats, now: float, clock: float) -> list[dict]:
+    """Each worker as JSON; its monotonic ``since`` as seconds since the epoch."""
+    return [{"address": w.address, "node": w.node, "state": w.state,
+             "since": round(now - (clock - w.since), 3) if w.since else None,
+             "requests": w.requests, "sequences": w.sequences, "waiting": w.waiting, "failures": w.failures,
+             "restarts": w.restarts, "instance_id": w.instance_id} for w in engines.worker_info]
+
+
 def build(*, seq: int, now: float, stats, sequences: list, front: EngineStats, scope: str, scope_note: str,
           cached: tuple[set[int], set[int], bool], history: History, feed: dict | None = None,
-          max_table_sequences: int = MAX_TABLE_SEQUENCES) -> dict:
+          max_table_sequences: int = MAX_TABLE_SEQUENCES, engines: EngineStats | None = None,
+          clock: float | None = None) -> dict:
     """The snapshot (module docstring) from one tick's reads.
 
     Args:
@@ -103,7 +121,12 @@ def build(*, seq: int, now: float, stats, sequences: list, front: EngineStats, s
         cached: (device block ids, host block ids, complete) from the KV events.
         history: the counters' history, this tick's sample already added.
         feed: the feed's own cost (module docstring), or None.
+        engines: every node's engine stats, added up (client.backend.Backend.engine_stats: the workers
+            of every node); None: ``front``'s.
+        clock: time.monotonic() when the reads began (None: now), against which the engines' times are read.
     """
+    engines = front if engines is None else engines
+    clock = time.monotonic() if clock is None else clock
     device_cached, host_cached, complete = cached
     dev = pool_map(stats.total_blocks, sequences, device_cached, MEDIUM_DEVICE)
     counts = dev.counts()
@@ -141,6 +164,7 @@ def build(*, seq: int, now: float, stats, sequences: list, front: EngineStats, s
         "requests": {"running": running, "waiting": waiting},
         "leases": [{"lease_id": k, "sequences": v} for k, v in sorted(leases.items())],
         "truncated": budget.skipped > 0,
+        "workers": _workers(engines, now, clock),
         "counters": {
             "kv_usage": round(stats.used_blocks / stats.total_blocks, 4) if stats.total_blocks else 0.0,
             "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
@@ -148,6 +172,10 @@ def build(*, seq: int, now: float, stats, sequences: list, front: EngineStats, s
             "swaps": front.swaps,
             "pool_preemptions": stats.preemptions,
             "now": history.now(),
+            "workers_ready": engines.workers_ready,
+            "workers_total": engines.workers_total,
+            "worker_failovers": engines.worker_failovers,
+            "last_step_age_s": round(clock - engines.last_step_at, 3) if engines.last_step_at else None,
         },
         "history": history.series(),
         "feed": feed,

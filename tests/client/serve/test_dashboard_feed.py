@@ -242,7 +242,7 @@ def test_three_samples_share_their_prompt_blocks_then_free_them(url, admin):
     assert snap["feed"]["last_tick_cpu_ms"] <= snap["feed"]["last_tick_ms"] * 1.05 + 1  # one thread: CPU <= wall
 
 
-def test_top_once_draws_getstats_numbers(url, admin):
+def test_top_once_draws_getstats_numbers(url, admin, backends):
     from client.ops.top import main as top
 
     deadline = time.monotonic() + 60
@@ -261,6 +261,11 @@ def test_top_once_draws_getstats_numbers(url, admin):
                          str(before.num_sequences), str(before.num_leases)]
     grid = text.split("KV-cache pool")[1]
     assert grid.count("▒") >= before.cached_blocks and "█" not in grid.split("(one character")[0]
+    # The server's one worker, ready and idle: no request, sequence, failure or restart (one engine: no node column).
+    (worker,) = [line for line in text.splitlines() if backends.worker_addresses[0] in line]
+    cells = [c.strip() for c in worker.strip("│").split("│")]
+    assert cells[:2] == [backends.worker_addresses[0], "ready"] and cells[3:] == ["0"] * 5
+    assert "Workers: 1 of 1 ready, 0 failovers, last step" in text
     assert top(["--url", url, "--key", "wrong", "--once"], console=console) == 1
     assert "HTTP 401" in console.export_text()
 

@@ -210,6 +210,44 @@ def test_another_lease_is_drawn_as_lease_rows(browser, dashboard_server, admin):
     assert all(page["cells"][b][0] != "used" for blocks in listed.values() for b in blocks)
 
 
+#: What the workers panel draws: a row per worker with its state badge, and the panel's note.
+READ_WORKERS = """
+const box = document.getElementById('workers');
+return {shown: !box.hidden, nodes: !box.classList.contains('no-nodes'),
+        note: document.getElementById('workers-note').textContent,
+        rows: [...box.querySelectorAll('tbody tr')].map(r => ({worker: r.dataset.worker, state: r.dataset.state,
+          badge: r.querySelector('.badge').textContent, cells: [...r.children].map(c => c.textContent)}))};
+"""
+
+
+def test_the_workers_panel_draws_a_drained_worker_as_draining(browser, dashboard_server):
+    stack, url, _ = dashboard_server
+    on_board(browser, url)
+    (worker,) = stack.worker_addresses
+    admin = {"Authorization": f"Bearer {DASHBOARD_ADMIN_KEY}"}
+
+    def workers(check, message):
+        return WebDriverWait(browser, 60, poll_frequency=0.1).until(
+            lambda d: (w := d.execute_script(READ_WORKERS))["rows"] and check(w) and w, message)
+
+    page = workers(lambda w: True, "the workers panel")
+    assert page["shown"] and not page["nodes"]  # one engine: no node column
+    assert [(r["worker"], r["state"], r["badge"]) for r in page["rows"]] == [(worker, "ready", "ready")]
+    r = httpx.post(f"{url}/admin/workers/{worker}/drain", headers=admin, timeout=60)
+    try:
+        assert r.status_code == 200 and r.json()["state"] == "draining"
+        page = workers(lambda w: w["rows"][0]["state"] == "draining", "the worker drawn as draining")
+        (row,) = page["rows"]
+        assert row["badge"] == "draining" and row["cells"][3].startswith("for ")
+        assert page["note"].startswith("0 of 1 ready")
+    finally:
+        r = httpx.post(f"{url}/admin/workers/{worker}/undrain", headers=admin, timeout=60)
+    assert r.status_code == 200 and r.json()["state"] == "ready"
+    page = workers(lambda w: w["rows"][0]["state"] == "ready", "the worker drawn as ready again")
+    assert page["rows"][0]["badge"] == "ready" and page["note"].startswith("1 of 1 ready")
+    assert script_errors(browser) == []
+
+
 @pytest.fixture(scope="module")
 def big_pool(tmp_path_factory, tiny_model):
     """`pagedkv serve` over a tiny random Llama with 10,000 blocks of 4 tokens (above MAX_CELLS)."""

@@ -1,6 +1,8 @@
 // pagedkv dashboard: draws the snapshots of GET /dashboard/events (their fields are listed in
 // client/serve/dashboard/snapshot.py; the block map's encoding in client/serve/dashboard/block_states.py).
-// No build step and no library: the DOM for the grid and the tables, SVG for the charts.
+// No build step and no library: the DOM for the grid and the tables, SVG for the charts. Each snapshot
+// drawn is dispatched on the document as a "pagedkv:snapshot" event, which the other panels' scripts
+// draw from: charts.js (the last minutes) and workers.js (the workers and their states).
 //
 // Flow: GET /dashboard/snapshot paints first (401: the login form; 403: the server has no
 // --admin-api-key); then an EventSource on /dashboard/events (it sends the HttpOnly session
@@ -16,14 +18,11 @@
   const STATE = ["free", "used", "cached"];
   // Block-table entries drawn per sequence at most (the rest as "+N").
   const MAX_ROW_BLOCKS = 96;
-  // Seconds of history the charts span at most (client/serve/dashboard/rates.py: SPAN).
-  const SPAN = 300;
 
   let source = null;    // the EventSource, while connected
   let retry = null;     // the timer of the next start()
   let last = null;      // the last snapshot drawn
   let selected = null;  // the selected row's request id ("lease:<id>" for a lease)
-  let chartsKey = "";   // the history the charts last drew
   const rows = new Map(); // the requests table's rows by request and sequence (seqRow)
   const emptyRow = el("tr", { class: "empty" }, el("td", { colspan: "6", class: "none" }, "no requests"));
   const grids = {};     // grid element id -> {mode, per, cells, keys}
@@ -141,7 +140,6 @@
     scope.title = snap.scope_note || "";
     setStatus("live", `snapshot ${snap.seq} · ${new Date(snap.time * 1000).toLocaleTimeString()}`);
     renderCounters(snap);
-    renderCharts(snap);
     const sel = selectedBlocks(snap);
     renderGrid("grid", snap.pool, sel.device);
     $("pool-note").textContent = tierNote(snap.pool);
@@ -154,6 +152,7 @@
     const f = snap.feed;
     $("feed-cost").textContent = f ? `a snapshot every ${f.interval_s} s while watched · the last one took ` +
       `${f.last_tick_ms.toFixed(1)} ms in the server (${f.last_tick_cpu_ms.toFixed(1)} ms of CPU)` : "";
+    document.dispatchEvent(new CustomEvent("pagedkv:snapshot", { detail: snap }));
   }
 
   function tierNote(tier) {
@@ -189,48 +188,6 @@
       const v = box.children[i].lastChild;
       if (v.textContent !== value) v.textContent = value;
     });
-  }
-
-  function renderCharts(snap) {
-    const h = snap.history || [];
-    const key = `${h.length}:${h.length ? h[h.length - 1].time : 0}`;
-    if (key === chartsKey) return;  // a new point every 5 s: redrawn then
-    chartsKey = key;
-    const pts = (f) => h.filter((p) => f(p) !== null && f(p) !== undefined).map((p) => [p.time, f(p)]);
-    chart("kv_usage", snap.time, [pts((p) => 100 * p.kv_usage)], "%", 100);
-    chart("prefix_cache_hit_rate", snap.time,
-      [pts((p) => (p.prefix_cache_hit_rate === null ? null : 100 * p.prefix_cache_hit_rate))], "%", 100);
-    chart("tokens_per_s", snap.time, [pts((p) => p.prompt_tokens_per_s), pts((p) => p.generation_tokens_per_s)], "", null);
-    chart("preemptions", snap.time, [pts((p) => p.preemptions)], "", null);
-  }
-
-  function chart(name, now, series, unit, fixedMax) {
-    const W = 240, H = 64, top = 10, bottom = 12;
-    const svg = document.querySelector(`.chart[data-series="${name}"] svg`);
-    svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
-    const ns = "http://www.w3.org/2000/svg";
-    const text = (x, y, s, anchor) => {
-      const t = document.createElementNS(ns, "text");
-      t.setAttribute("x", x); t.setAttribute("y", y); t.setAttribute("text-anchor", anchor || "start");
-      t.textContent = s;
-      return t;
-    };
-    const all = series.flat();
-    const max = fixedMax ?? Math.max(1, ...all.map((p) => p[1]));
-    // The x axis spans the history there is: from a minute up to SPAN seconds.
-    const span = Math.min(SPAN, Math.max(60, ...all.map((p) => now - p[0])));
-    const ago = span >= SPAN ? `${SPAN / 60} min ago` : `${Math.round(span)} s ago`;
-    const parts = [text(0, 8, `${num(max)}${unit}`), text(0, H - 1, ago), text(W, H - 1, "now", "end")];
-    if (!all.length) parts.push(text(W / 2, H / 2, "a point every 5 s while watched", "middle"));
-    series.forEach((s, i) => {
-      if (!s.length) return;
-      const line = document.createElementNS(ns, "polyline");
-      line.setAttribute("class", `s${i}`);
-      line.setAttribute("points", s.map(([t, v]) =>
-        `${(W * Math.max(0, 1 - (now - t) / span)).toFixed(1)},${(H - bottom - (H - top - bottom) * Math.min(1, v / max)).toFixed(1)}`).join(" "));
-      parts.push(line);
-    });
-    svg.replaceChildren(...parts);
   }
 
   // The selected row's blocks: {device: Set, host: Set}.
