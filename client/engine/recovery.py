@@ -125,11 +125,15 @@ class Recovery:
         self.fork_in_flight: ForkPlan | None = None
         self._consecutive = 0
         self._cancel = threading.Event()
+        #: The loss a recovery could not recover from within its timeout (None: none pending).
+        self._unrecovered: ServiceError | None = None
 
     # ------------------------------------------------------------- detection
     def check_lease(self) -> None:
-        """Raise the error the lease's keep-alive thread met, if it found the lease gone."""
-        lost = self.lease().lost
+        """Raise the error the lease's keep-alive thread met, if it found the lease gone; or the one
+        a recovery that timed out left (its lease is released: the next step recovers afresh, so no
+        outage, however long, leaves the engine on a lease the memory service no longer honours)."""
+        lost = self.lease().lost or self._unrecovered
         if lost is not None:
             raise lost
 
@@ -180,7 +184,9 @@ class Recovery:
             pool, lease = self._wait_for_services()
         except ServiceError:
             self._consecutive = 0  # the caller fails every request: the next recovery starts afresh
+            self._unrecovered = cause
             raise
+        self._unrecovered = None
         self.generation = pool.generation
         requeued = requeue()
         if plan is not None:  # every parent forgot its blocks: the branches start without any

@@ -190,6 +190,10 @@ def test_recovery_raises_what_it_cannot_recover_from():
         with pytest.raises(Unavailable, match=r"could not get a new one \(not ready within 0.3 s\): the memory "
                                               f"service at {memory.address} to serve"):
             recovery.recover(Unavailable(grpc.StatusCode.UNAVAILABLE, "connection refused"), lambda: [])
+        # The old lease is released: the next step recovers again, however long the outage was.
+        with pytest.raises(Unavailable, match="connection refused") as pending:
+            recovery.check_lease()
+        assert is_lost(pending.value)
         bad = InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "bad", "INVALID_ARGUMENT")
         with pytest.raises(InvalidArgument) as exc:
             recovery.recover(bad, lambda: [])

@@ -401,10 +401,12 @@ def _children(pid: int) -> list[int]:
 
 
 def test_embedded_backends_are_restarted_and_stop_with_the_server(tmp_path):
-    """A SIGKILLed embedded worker is reaped and started again at its address, and the server serves
-    again; a SIGKILLed server leaves no child running (they watch their parent)."""
+    """A SIGKILLed embedded worker is reaped and started again at its address; the request that waited
+    longer than the recovery timeout for it fails, and once it is back the next one succeeds. A
+    SIGKILLed server leaves no child running (they watch their parent)."""
     env = {"PAGEDKV_HOME": str(private_home(tmp_path / "home")), "PAGEDKV_KV_CACHE_MEMORY": "64MiB"}
-    svc = pagedkv_process(["serve"], tmp_path, "serve-embedded", env=env, timeout=START_TIMEOUT * 2)
+    svc = pagedkv_process(["serve", "--recovery-timeout", "1"], tmp_path, "serve-embedded", env=env,
+                          timeout=START_TIMEOUT * 2)
     url = f"http://{svc.address}"
     children = _children(svc.pid)
     body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
@@ -415,7 +417,12 @@ def test_embedded_backends_are_restarted_and_stop_with_the_server(tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         (worker,) = [p for p in children if b"compute" in Path(f"/proc/{p}/cmdline").read_bytes()]
         os.kill(worker, signal.SIGKILL)
-        again = httpx.post(f"{url}/v1/completions", json=body, timeout=120)  # waits for the restarted worker
+        down = httpx.post(f"{url}/v1/completions", json=body, timeout=120)  # the new one loads for longer than 1 s
+        assert down.status_code == 503 and down.json()["error"]["code"] == "unavailable"
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert again.status_code == 200 and again.json()["choices"] == r.json()["choices"]
         assert gone(worker) and '"service_restarted"' in svc.log()
         now = _children(svc.pid)
