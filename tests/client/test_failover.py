@@ -8,6 +8,7 @@ writes when it wakes up is never read or cached."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -195,4 +196,56 @@ def test_a_sequence_its_worker_refuses_fails_its_request_alone(pair, tiny_model)
         assert admin.stats().used_blocks == 0 and admin.check_invariants().ok
     finally:
         hooked.stop()
+        admin.close()
+
+
+def _wave(k: int) -> list[list[int]]:
+    """Wave ``k`` of the rolling-restart trace: six prompts, each a prefix of two full blocks of its
+    own (the same in every wave: cached by wave 0, a hit from wave 1 on) and a token of the wave."""
+    return [[1000 + 10 * i + j for j in range(8)] + [50 + k] for i in range(6)]
+
+
+@pytest.mark.slow
+def test_a_rolling_restart_under_load_fails_nothing_recomputes_nothing_and_keeps_the_cache(pair, tiny_model):
+    """Each worker in turn is drained while a wave of requests runs, stopped, and started again at
+    its address; the next wave waits for it. The trace's outputs, its prefix-cache hits and its
+    recomputed tokens equal those of the same trace with no restart."""
+    stack, tmp = pair
+    admin = _admin(stack)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    waves = 5 if not os.environ.get("PAGEDKV_TEST_FULL") else 9
+
+    def run(client, restart) -> tuple[list, int]:
+        admin.reset_prefix_cache()
+        hits, out = admin.stats().prefix_cache_hits, []
+        for k in range(waves):
+            handles = [client.submit(p, params) for p in _wave(k)]
+            if restart(k):
+                w = (k // 2) % 2
+                while min(len(h.request.seqs[0].generated) for h in handles) < 2:
+                    time.sleep(0.005)
+                reply = client.drain(stack.worker_addresses[w])
+                assert reply["state"] == "draining" and reply["moved_sequences"] > 0  # it ran some of the wave
+                port = int(stack.workers[w].address.rsplit(":", 1)[1])
+                assert stack.workers[w].stop() == 0  # no step of it is in flight: it stops at once
+                stack.workers[w] = pagedkv_process(["compute", "--memory", stack.memory_address, "--model",
+                                                    str(tiny_model[0])], tmp, f"rolling-worker{w}-{k}", port=port)
+            out += [h.result(timeout=120).outputs[0].token_ids for h in handles]
+            deadline = time.monotonic() + 30
+            while client.engine.stats().workers_ready < 2 and time.monotonic() < deadline:  # probed between steps
+                client.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=1))
+            assert client.engine.stats().workers_ready == 2
+        return out, admin.stats().prefix_cache_hits - hits
+
+    try:
+        with Client(stack.memory_address, stack.worker_addresses, step_timeout=5, recovery_timeout=20) as client:
+            base_out, base_hits = run(client, lambda k: False)
+            got_out, got_hits = run(client, lambda k: k % 2 == 1 and k < 4 * (waves // 4))
+            stats = client.engine.stats()
+            assert got_out == base_out
+            assert got_hits >= base_hits == 48 * (waves - 1)  # two blocks of 4 per request from wave 1 on
+            assert (stats.worker_failovers, stats.recomputed_worker_failure, stats.recomputed_preemption) == (0, 0, 0)
+            assert client.engine.lease_recoveries == 0 and admin.stats().num_leases == 1
+        assert admin.check_invariants().ok
+    finally:
         admin.close()
