@@ -15,6 +15,9 @@ Roles (``--node NAME=MEMORY,workers=A,B,role=prefill|decode|both``):
   output token itself, so the output is the one a single node gives;
 - inside a node, workers may have roles too (``workers=A@prefill,B@decode``): a request moves from
   the prefill worker to the decode worker with no copy (client.engine.scheduler.Scheduler.hand_off).
+
+A node whose memory service or every worker is down keeps its own requests (they fail over or
+fail there) and gets no new ones until it serves again (client.cluster.health).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 
 from client.api import Client, RequestHandle
 from client.backend import total_pool_stats
+from client.cluster.health import NodeHealth
 from client.cluster.router import POLICIES, KvIndex, Router
 from client.engine.scheduler import ROLES
 from client.engine.stats import EngineLimits, EngineStats, StepLog
@@ -151,6 +155,8 @@ class Cluster:
                 raise ValueError(f"node {n.spec.name} holds (block size, model, dtype) {mine}, another {theirs}: "
                                  "every node must hold the same KV")
         self.index = KvIndex({name: self._stream(n) for name, n in self.nodes.items()})
+        #: Which nodes serve: new requests go only to those (client.cluster.health).
+        self.health = NodeHealth({s.name: (s.memory, s.workers) for s in specs}, client_kwargs.get("tls"))
         self.router = Router(self.index, first.block_size, first.model_id, self._load, routing)
         #: Request id -> (node, its id there), the newest MAX_TRACKED (what abort() can reach).
         self._where: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
@@ -223,14 +229,14 @@ class Cluster:
         """
         ids = encode_prompt(self.tokenizer, prompt)
         salt = cache_salt or ""
-        prefill = [n for n, x in self.nodes.items() if x.spec.role != "decode"]
+        prefill = self.health.live([n for n, x in self.nodes.items() if x.spec.role != "decode"])
         p = self.router.choose(prefill, ids, salt)
         if self.nodes[p].spec.role == "both":
             handle = self.nodes[p].client.submit(ids, sampling_params, cache_salt=cache_salt, request_id=request_id,
                                                  listener=listener)
             self._track(handle.request_id, p, handle.request_id)
             return handle
-        decode = [n for n, x in self.nodes.items() if x.spec.role != "prefill"]
+        decode = self.health.live([n for n, x in self.nodes.items() if x.spec.role != "prefill"])
         d = min(decode, key=self._load)
         return TwoPhaseHandle(self, p, d, ids, sampling_params or SamplingParams(), cache_salt, request_id, listener)
 
@@ -262,6 +268,8 @@ class Cluster:
         return total_pool_stats([n.client.stats() for n in self.nodes.values()])
 
     def close(self) -> None:
+        if getattr(self, "health", None) is not None:
+            self.health.close()
         if getattr(self, "index", None) is not None:
             self.index.close()
         for m in getattr(self, "_streams", ()):

@@ -13,15 +13,22 @@ blocks is proven (:meth:`PrefixPull.release_done`), or at once when this node to
 A step whose transfer fails (the peer died, a NIXL error) is refused by the worker before any
 write (ABORTED, reason TRANSFER_FAILED): the engine preempts that step's requests by recompute and
 marks the ones that pulled ``no_pull``, so their next allocation computes every token here.
+
+A peer that does not answer is left out for :data:`PEER_RETRY` seconds (its prefixes are computed
+here meanwhile); a peer whose lease was lost (it restarted) gets a new one at the next ticket.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+import grpc
 
 from client.errors import ServiceError
 from client.services import Lease, MemoryClient
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.runtime.errors import LEASE_EXPIRED, LEASE_NOT_FOUND
 from pagedkv.runtime.logs import get_logger
 
 log = get_logger("transfers")
@@ -30,6 +37,8 @@ log = get_logger("transfers")
 DEFAULT_MIN_BLOCKS = 2
 #: Seconds a call to a peer's memory service may take (a hung peer stalls this engine at most that long).
 PEER_TIMEOUT = 5.0
+#: Seconds a peer that did not answer is left out of the tickets (its prefixes are computed here).
+PEER_RETRY = 2.0
 
 
 @dataclass
@@ -39,6 +48,21 @@ class Peer:
     name: str
     memory: MemoryClient
     lease: Lease
+    #: The TTL of each lease taken on it, seconds (None: the service's default).
+    lease_ttl: float | None = None
+    #: Until when (time.monotonic()) it is not asked: it did not answer (:data:`PEER_RETRY`).
+    down_until: float = 0.0
+
+    def renew_lease(self) -> None:
+        """A new lease on the peer after the old one was lost (the peer restarted, or the lease
+        expired): its pins went with it.
+
+        Raises:
+            client.errors.ServiceError: the peer refused, or does not answer.
+        """
+        self.lease.close()
+        self.lease = Lease(self.memory, self.lease_ttl)
+        log.warning("peer_lease_renewed", peer=self.name, lease_id=self.lease.lease_id)
 
 
 @dataclass
@@ -75,10 +99,18 @@ class PrefixPull:
             return None
         best: tuple[Peer, mpb.ExportPrefixResponse] | None = None
         for peer in self.peers:
+            if peer.down_until > time.monotonic():
+                continue
             try:
+                if peer.lease.lost is not None:
+                    peer.renew_lease()
                 resp = peer.memory.export_prefix(peer.lease.lease_id, tokens, model_id, cache_salt)
             except ServiceError as e:
                 log.info("export_refused", peer=peer.name, error=str(e))
+                if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    peer.down_until = time.monotonic() + PEER_RETRY  # not asked again for a while
+                elif e.reason in (LEASE_NOT_FOUND, LEASE_EXPIRED):
+                    peer.lease.lost = e  # a new lease at the next ticket
                 continue
             if resp.num_tokens < self.min_blocks * block_size:
                 self._drop(peer, resp.seq_id if resp.num_tokens else None)
@@ -161,7 +193,7 @@ def connect_peers(addresses: list[str], tls=None, lease_ttl: float | None = None
     peers = []
     for address in addresses:
         memory = MemoryClient(address, timeout=PEER_TIMEOUT, tls=tls)
-        peers.append(Peer(memory.pool().node_name or address, memory, Lease(memory, lease_ttl)))
+        peers.append(Peer(memory.pool().node_name or address, memory, Lease(memory, lease_ttl), lease_ttl))
     return peers
 
 

@@ -51,7 +51,7 @@ class Backends:
     supervisor: Supervisor | None = None
     #: The scheduler's mutual-TLS files for every channel to the backends; None: plaintext.
     tls: TlsFiles | None = None
-    #: The other nodes' (memory, workers) with ``--node``: healthy only when every node is.
+    #: The other nodes' (memory, workers) with ``--node``: the server serves while one node does.
     others: list[tuple[str, list[str]]] = field(default_factory=list)
     #: Where the memory service's admin token is (the dashboard lists every lease with it): an
     #: embedded service's own file, else ``--memory-admin-token-file``, else the default
@@ -60,12 +60,13 @@ class Backends:
     _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False)
 
     def health(self, timeout: float = 1.0) -> tuple[bool, int, int]:
-        """(every node's memory service and at least one of its workers answer SERVING (standard health
-        service), workers that answer SERVING, workers in all), over every node."""
-        up, ready, total = True, 0, 0
+        """(a node's memory service and at least one of its workers answer SERVING (standard health
+        service), workers that answer SERVING, workers in all), over every node: with ``--node``
+        the server serves while one node does (a down node's workers count as not ready)."""
+        up, ready, total = False, 0, 0
         for m, ws in [(self.memory, self.workers), *self.others]:
             serving_here = sum(self._serving(w, timeout) for w in ws)
-            up = up and serving_here > 0 and self._serving(m, timeout)
+            up = up or (serving_here > 0 and self._serving(m, timeout))
             ready, total = ready + serving_here, total + len(ws)
         return up, ready, total
 

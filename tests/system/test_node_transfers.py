@@ -205,6 +205,43 @@ def test_serve_with_a_prefill_node_and_a_decode_node(nodes, tmp_path):
         serve.stop()
 
 
+@pytest.mark.slow
+def test_a_node_that_stops_serving_gets_no_new_requests_and_rejoins(nodes, tiny_model, tmp_path):
+    """Node B's worker killed: requests keep succeeding, all on A; B's worker back at its address:
+    B is routed to again, and a prompt A cached is read by B from A's pool."""
+    a, b = nodes["a"], nodes["b"]
+    specs = [NodeSpec("a", a.memory_address, a.worker_addresses), NodeSpec("b", b.memory_address, b.worker_addresses)]
+    distinct = [list(range(7000 + 300 * i, 7000 + 300 * i + 40)) for i in range(4)]
+    with Cluster(specs, recovery_timeout=5, step_timeout=5) as cluster:
+        port = int(b.workers[0].address.rsplit(":", 1)[1])
+        b.workers[0].proc.kill()
+        b.workers[0].proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while cluster.health.up["b"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cluster.health.up == {"a": True, "b": False}
+        cluster.router.routed.clear()
+        outs = [h.result(timeout=60) for h in [cluster.submit(p, GREEDY) for p in distinct]]
+        assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+        assert dict(cluster.router.routed) == {"a": 4}
+        b.workers[0] = pagedkv_process(["compute", "--memory", b.memory_address, "--model", str(tiny_model[0]),
+                                        "--node-transfers"], tmp_path, "b-worker-again", port=port)
+        while not cluster.health.up["b"] and time.monotonic() < deadline + 30:
+            time.sleep(0.05)
+        assert cluster.health.up == {"a": True, "b": True}
+        cluster.router.routed.clear()
+        again = [h.result(timeout=60) for h in [cluster.submit([9, *p], GREEDY) for p in distinct]]
+        assert dict(cluster.router.routed) == {"a": 2, "b": 2}  # queued at once: load spreads them
+        assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in again)
+        on_b = cluster.nodes["b"].client
+        before = on_b.engine.pulls.tokens_pulled
+        (pulled,) = on_b.generate([distinct[0]], GREEDY)  # cached on A while B was down
+        assert pulled.outputs[0].token_ids == outs[0].outputs[0].token_ids
+        assert on_b.engine.pulls.tokens_pulled - before == 32
+    for s in (a, b):
+        assert used_and_ok(s.memory_address, admin_token(s)) == (0, True)
+
+
 def test_a_killed_source_worker_falls_back_to_recompute(nodes):
     """Last: it kills node A's worker."""
     a, b = nodes["a"], nodes["b"]
