@@ -111,7 +111,7 @@ def take_receipts(sequences: SequenceTable, pool: BlockPool, cache: PrefixCache,
         if toks is not None and (len(toks) < r.end or token_digest(toks[r.start:r.end]) != r.token_digest):
             log.warning("receipt_tokens_differ", seq_id=seq.seq_id, start=r.start, end=r.end)
             seq.token_ids = None
-        seq.num_proven = r.end
+        seq.num_proven, seq.copy_pending = r.end, None  # the step that proved r did the copy-on-write too
         epochs[list(r.block_ids)] += 1
     registered = sum(cache.commit(seq, seq.num_proven) for seq, _ in taken)
     return CommitResult(registered, len(receipts) - len(taken), tuple(seq for seq, _ in taken))
@@ -137,7 +137,7 @@ def commit_unproven(sequences: SequenceTable, cache: PrefixCache, lease_id: str,
                                        f"[0, {seq.num_tokens}], got {c.num_computed_tokens}")
         live.append((seq, c.num_computed_tokens))
     for seq, n in live:
-        seq.num_proven = max(seq.num_proven, n)
+        seq.num_proven, seq.copy_pending = max(seq.num_proven, n), None
     registered = sum(cache.commit(seq, n) for seq, n in live)
     return CommitResult(registered, len(entries) - len(live))
 

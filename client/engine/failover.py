@@ -187,7 +187,7 @@ class Failover:
             else:
                 forks += [(req.worker, x.seq) for x in xs]
                 moved.append(req)
-        self._fork_proven(forks)
+        tokens += self._fork_proven(forks)
         for w in failed:
             moved += [r for r in self.scheduler.repin(w) if r not in moved and r not in recomputed]
         self.failovers += len(failed)
@@ -196,14 +196,20 @@ class Failover:
                     recomputed_tokens=tokens, ready=len(self.ready))
         return kept, tokens
 
-    def _fork_proven(self, forks: list[tuple[int, object]]) -> None:
-        """Give each (worker, sequence) a failover fork; the parent goes to that worker's quarantine."""
+    def _fork_proven(self, forks: list[tuple[int, object]]) -> int:
+        """Give each (worker, sequence) a failover fork; the parent goes to that worker's quarantine.
+        Returns the tokens the children hold fewer than their sequences had computed (a block whose
+        copy-on-write was not proven: the memory service leaves it out), computed again."""
+        again = 0
         for at in range(0, len(forks), MAX_BATCH):
             chunk = forks[at:at + MAX_BATCH]
             resp = self.memory.fork(self.lease_id(), [seq.seq_id for _, seq in chunk], proven_only=True)
             for (w, seq), child, grant in zip(chunk, resp.children, resp.grants):
                 self.states[w].quarantine.append(seq.seq_id)
                 seq.seq_id, seq.block_table, seq.grant = child.seq_id, list(child.block_ids), grant
+                again += seq.num_computed - child.num_tokens
+                seq.num_computed = child.num_tokens
+        return again
 
     # ------------------------------------------------------------------- drain
     def request(self, address: str, drain: bool) -> Future:

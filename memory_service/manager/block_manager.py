@@ -275,7 +275,7 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
                 (dst,) = pool.allocate(1)
                 result.copies.append(BlockCopy(last, dst, seq.seq_id))
                 pool.decref([last])
-                table[-1] = dst
+                table[-1] = seq.copy_pending = dst
                 pool.set_fill(dst, n % bs)
                 first -= 1
             grow = -(-(n + k) // bs) - len(table)
@@ -298,7 +298,9 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
         ``proven_only[i]`` (default False): child ``i`` holds only its parent's proven tokens and the
         blocks that hold them -- a failover fork. The parent keeps the blocks a step in flight may
         still write (the caller frees it once that step's worker is gone); the child continues in
-        fresh blocks, its partly filled last block copied on its first append.
+        fresh blocks, its partly filled last block copied on its first append. A partly filled
+        block whose copy-on-write no receipt proved yet holds none of those tokens (the lost step
+        was to copy them there): the child ends before it and computes them again.
 
         Raises:
             InvalidArgumentError: empty or oversized batch, more than :data:`MAX_FORK_CHILDREN`
@@ -320,8 +322,9 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
             raise InvalidArgumentError(
                 f"ForkSequences: proven_only names {len(proven_only)} forks of {len(parent_ids)}")
         bs = self.block_size
-        keep = [-(-by_id[p].num_proven // bs) if proven_only and proven_only[i] else len(by_id[p].block_ids)
+        held = [by_id[p].proven_held(bs) if proven_only and proven_only[i] else None
                 for i, p in enumerate(parent_ids)]
+        keep = [len(by_id[p].block_ids) if n is None else -(-n // bs) for p, n in zip(parent_ids, held)]
         entries = sum(keep)
         if entries > MAX_FORK_BLOCK_IDS:
             raise InvalidArgumentError(
@@ -341,8 +344,7 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
         children = []
         for i, parent in enumerate(by_id[p] for p in parent_ids):
             self.pool.incref(parent.block_ids[:keep[i]])
-            proven = parent.num_proven if proven_only and proven_only[i] else None
-            children.append(self.sequences.fork(lease, parent, proven, bs))
+            children.append(self.sequences.fork(lease, parent, held[i], bs))
         return children
 
     def free(self, lease_id: str, seq_ids: Seq[int], *, preempted: bool = False) -> int:

@@ -80,6 +80,9 @@ class Sequence:
     num_reloaded_tokens: int = 0
     #: Of ``num_cached_tokens``, those read from another node's pool (node transfers).
     num_transferred_tokens: int = 0
+    #: The block its last copy-on-write writes (the copy's dst) until a receipt proves a step of
+    #: it: that block does not hold its proven tokens yet (they are in the copy's source).
+    copy_pending: int | None = None
     #: Tier copies (:mod:`memory_service.tiers.manager`): offloads this call caused, for the next grant
     #: only; offloads granted and not yet proven; reloads not yet proven (in every grant until then).
     fresh_offloads: list[BlockCopy] = field(default_factory=list)
@@ -88,6 +91,14 @@ class Sequence:
     #: Swapped out: one entry per block-table index, None for a block it shares (still on the
     #: device, referenced), a :class:`SwapEntry` for an own block. None when not swapped.
     swap: list[SwapEntry | None] | None = None
+
+    def proven_held(self, block_size: int) -> int:
+        """Leading tokens whose KV its own blocks hold now: the proven ones, short of a block whose
+        copy-on-write no receipt proved yet (those tokens are still in the copy's source)."""
+        pending = self.copy_pending
+        if pending is not None and pending in self.block_ids:
+            return min(self.num_proven, self.block_ids.index(pending) * block_size)
+        return self.num_proven
 
     def extend_tokens(self, token_ids: Seq[int] | None) -> None:
         """Record the ids of appended tokens; an append without them makes the sequence's tokens unknown."""

@@ -145,8 +145,14 @@ def test_a_failover_fork_keeps_the_proven_tokens_and_leaves_the_step_in_flight_i
     m.check_invariants()
     assert m.free(lease, [a.seq_id]) == 2  # the lost step's block 2, and block 1
     assert m.pool.ref_counts[:5] == [1, 0, 0, 1, 1]
-    (c,) = m.fork(lease, [b.seq_id], [True])  # nothing proven past the copy: no block of it
-    assert (c.block_ids, c.num_tokens) == ([0, 3], 6) and m.pool.ref_counts[:5] == [2, 0, 0, 2, 1]
+    # B's copy of block 1 into 3 is not proven (its step did not come back): block 3 does not hold
+    # B's proven positions 4-5 yet, so B's own failover child ends before it.
+    (c,) = m.fork(lease, [b.seq_id], [True])
+    assert (c.block_ids, c.num_tokens, c.num_proven) == ([0], 4, 4) and m.pool.ref_counts[:5] == [2, 0, 0, 1, 1]
+    m.free(lease, [c.seq_id])
+    m.commit_computed(lease, [Commit(b.seq_id, 9)])  # its step came back: block 3 holds them now
+    (c,) = m.fork(lease, [b.seq_id], [True])
+    assert (c.block_ids, c.num_tokens) == ([0, 3, 4], 9) and m.pool.ref_counts[:5] == [2, 0, 0, 2, 2]
     (d,) = m.allocate(lease, [Allocation(3, (1, 2, 3))])  # its prefill was the step lost: nothing proven
     (e,) = m.fork(lease, [d.seq_id], [True])
     assert (e.block_ids, e.num_tokens) == ([], 0)

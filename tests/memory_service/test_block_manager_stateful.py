@@ -259,6 +259,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.history)
     @rule(data=st.data())
+    def failover_fork(self, data):
+        """A worker's step was lost: the sequence goes on as a child holding only its proven tokens
+        and the blocks that hold them (client.engine.failover), whatever its step left unproven."""
+        parent = data.draw(st.sampled_from(sorted(self.history)))
+        lease_id, toks = self.history[parent]
+        p = self.m.sequences[parent]
+        if p.swap is not None or p.reloads:
+            before = snapshot(self.m)
+            with pytest.raises(FailedPreconditionError):
+                self.m.fork(lease_id, [parent], [True])
+            self._unchanged(before)
+            return
+        (child,) = self.m.fork(lease_id, [parent], [True])
+        # Short of a block whose copy-on-write is not proven yet: its proven tokens are not there.
+        n = p.num_proven
+        if p.copy_pending is not None:
+            n = min(n, p.block_ids.index(p.copy_pending) * BLOCK_SIZE)
+        assert child.block_ids == p.block_ids[:-(-n // BLOCK_SIZE)] and child.num_tokens == child.num_proven == n
+        assert self.m.tiers.grant_copies(child) == []
+        self.history[child.seq_id] = (lease_id, list(toks[:n]))
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data())
     def free(self, data):
         sid = data.draw(st.sampled_from(sorted(self.history)))
         lease_id = self.history[sid][0]
