@@ -182,7 +182,8 @@ def check_grants(request: pb.StepRequest, key: bytes, generation: int, epochs: n
             _merge(plan, own)
             allowed_copies.update(own.copy_on_write)
     checked.plan = plan
-    refused_blocks = {b for i in checked.refused for b in request.sequences[i].block_ids}
+    refused_blocks = {b for i in checked.refused for s in [request.sequences[i]]
+                      for b in (*s.block_ids, *s.grant.block_ids)}  # the copies of neither table are done
     accepted_blocks = {b for c in checked if c is not None for b in c.block_ids}
     for c in request.copies:
         if (c.src, c.dst) not in allowed_copies and not (c.dst in refused_blocks and c.dst not in accepted_blocks):
