@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -37,6 +36,7 @@ from compute_service.kv_calibration import fit_kv_scales
 from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool, map_pool
 from compute_service.server import SERVICE_NAME, ComputeServicer
+from compute_service.transfer_source import keep_source_live, publish_transfer_agent, withdraw_source
 from compute_service.weights.load_progress import load_progress
 from compute_service.weights.source import ModelConfig, check_model_source, load_model_source
 from compute_service.worker import Worker
@@ -205,32 +205,6 @@ async def swap_pool(worker: Worker, compute: Executor, fn, *args) -> None:
     await asyncio.get_running_loop().run_in_executor(compute, fn, *args)
 
 
-def publish_transfer_agent(worker: Worker, address: str, files: tls.TlsFiles | None) -> None:
-    """Give ``worker`` a NIXL agent over its mapped pool and publish it through the memory service
-    (PublishTransferSource), so that workers of other nodes can read this pool's blocks.
-
-    Raises:
-        ImportError: NIXL is not installed.
-        RuntimeError: the memory service refused the source (the agent is closed again).
-    """
-    from compute_service.transfer_agent import TransferAgent
-
-    pool = worker.pool
-    agent = TransferAgent(f"{pool.descriptor.node_name or pool.descriptor.pool_id}/{os.getpid()}/g{pool.generation}",
-                          pool.tensor)
-    s = agent.source()
-    try:
-        with tls.channel(address, files) as ch:
-            mpb_grpc.MemoryServiceStub(ch).PublishTransferSource(mpb.PublishTransferSourceRequest(
-                pool_generation=pool.generation, source=s.to_proto()), timeout=10)
-    except grpc.RpcError as e:
-        agent.close()
-        raise RuntimeError(f"the memory service at {address} refused this worker's transfer source: "
-                           f"{e.code().name}: {e.details()}") from None
-    worker.transfer_agent = agent
-    log.info("transfer_agent_published", agent=s.agent_name, num_blocks=s.num_blocks, block_bytes=s.block_bytes)
-
-
 def _remap(worker: Worker, desc: mpb.PoolDescriptor, socket_path: str | None, memory: tuple[str, tls.TlsFiles | None],
            node_transfers: bool = False) -> None:
     check_layout(desc, worker.config)
@@ -317,8 +291,10 @@ async def serve(spec: WorkerSpec) -> None:
         ready_info={"memory": spec.memory, "model": spec.model, "revision": model.revision, "device": model_device,
                     "generation": pool.generation},
         background=[lambda: watch_memory_service(spec.memory, worker, health_servicer, compute, spec.memory_socket,
-                                                 files, spec.node_transfers)],
+                                                 files, spec.node_transfers),
+                    *([lambda: keep_source_live(worker, spec.memory, files)] if spec.node_transfers else [])],
         health=health_servicer,
+        on_shutdown=(lambda: withdraw_source(worker, spec.memory, files)) if spec.node_transfers else None,
     )
     await run_server(server)
 

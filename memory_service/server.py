@@ -141,7 +141,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
     async def PublishTransferSource(self, request, context):
         require_role(context, {WORKER}, "PublishTransferSource")
-        self.transfers.publish(request.pool_generation, request.source)
+        self.transfers.publish(request, self.pool.plane_key)
         return pb.PublishTransferSourceResponse()
 
     async def SetKvScales(self, request, context):

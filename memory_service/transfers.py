@@ -20,6 +20,7 @@ with their sequence) and A's pinned until its sequence or lease goes.
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Callable
 
@@ -35,10 +36,16 @@ from pagedkv.runtime.errors import (
     InvalidArgumentError,
     PermissionDeniedError,
 )
-from pagedkv.runtime.transfer import layouts_match, sign_ticket, source_digest, ticket_signed
+from pagedkv.runtime.logs import get_logger
+from pagedkv.runtime.transfer import layouts_match, sign_source, sign_ticket, source_digest, ticket_signed
+
+log = get_logger("transfers")
 
 #: Most transfer sources one node keeps (one per worker; a worker that publishes again replaces its own).
 MAX_SOURCES = 16
+#: Seconds a source stays live without being published again (workers publish every
+#: :data:`compute_service.main.SOURCE_REFRESH` seconds): a dead worker's source leaves the tickets.
+SOURCE_TTL = 30.0
 #: Longest agent name and agent metadata a source may carry, characters / bytes (NIXL's metadata of a
 #: UCX agent over one registration is a few KiB): every source fits GetPoolDescriptor's reply.
 MAX_AGENT_NAME = 256
@@ -56,25 +63,45 @@ class NodeTransfers:
     """
 
     def __init__(self, node_name: str, descriptor: pb.PoolDescriptor, key: bytes | None,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time, clock: Callable[[], float] = time.monotonic):
         self.node_name = node_name
         self.descriptor = descriptor
         self.key = key
-        self.wall_clock = wall_clock
+        self.wall_clock, self.clock = wall_clock, clock
         #: Published sources by agent name, in publication order (the newest is exported).
-        self.sources: dict[str, grant_pb2.TransferSource] = {}
+        self._sources: dict[str, grant_pb2.TransferSource] = {}
+        #: When (``clock``) each source was last published.
+        self._published: dict[str, float] = {}
 
-    def publish(self, generation: int, source: grant_pb2.TransferSource) -> None:
-        """Keep a worker's source for this generation (its agent name replaces an older one).
+    @property
+    def sources(self) -> dict[str, grant_pb2.TransferSource]:
+        """The live sources by agent name, in publication order (the newest is exported)."""
+        self._drop_stale()
+        return self._sources
+
+    def publish(self, request: pb.PublishTransferSourceRequest, plane_key: bytes) -> None:
+        """Keep a worker's source for this generation (its agent name replaces an older one, and
+        publishing it again keeps it live), or drop it (``request.withdraw``).
 
         Raises:
             FailedPreconditionError: another pool generation (the worker maps a stale pool).
+            PermissionDeniedError: its signature is not made with this generation's ``plane_key``
+                (pagedkv.runtime.transfer.sign_source): the caller is not a worker mapping the pool.
             InvalidArgumentError: a source that does not describe this pool, or too large.
         """
+        generation, source, withdraw = request.pool_generation, request.source, request.withdraw
         d = self.descriptor
         if generation != d.generation:
             raise FailedPreconditionError(f"PublishTransferSource: pool generation {generation} is not this pool's "
                                           f"({d.generation}); map the current pool and publish again")
+        if not hmac.compare_digest(request.signature, sign_source(plane_key, generation, source, withdraw)):
+            raise PermissionDeniedError("PublishTransferSource: the signature is not made with this pool generation's "
+                                        "plane key; only a worker that maps the pool may publish its transfer source")
+        if withdraw:
+            if self._sources.pop(source.agent_name, None) is not None:
+                self._published.pop(source.agent_name, None)
+                log.info("transfer_source_withdrawn", agent=source.agent_name)
+            return
         if not 0 < len(source.agent_name) <= MAX_AGENT_NAME or not 0 < len(source.agent_metadata) <= MAX_AGENT_METADATA:
             raise InvalidArgumentError(f"PublishTransferSource: the agent name must have 1 to {MAX_AGENT_NAME} "
                                        f"characters and its metadata 1 to {MAX_AGENT_METADATA} bytes")
@@ -87,10 +114,20 @@ class NodeTransfers:
                 f"PublishTransferSource: the source describes {source.num_blocks} blocks of {source.block_bytes} bytes "
                 f"at {source.base_address:#x}; this pool has {d.layout.num_blocks} blocks of {d.block_nbytes} bytes"
             )
-        self.sources.pop(source.agent_name, None)
-        if len(self.sources) >= MAX_SOURCES:
-            self.sources.pop(next(iter(self.sources)))
-        self.sources[source.agent_name] = source
+        self._sources.pop(source.agent_name, None)
+        self._drop_stale()
+        if len(self._sources) >= MAX_SOURCES:
+            self._published.pop(self._sources.pop(next(iter(self._sources))).agent_name, None)
+        self._sources[source.agent_name] = source
+        self._published[source.agent_name] = self.clock()
+
+    def _drop_stale(self) -> None:
+        """Forget the sources not published again within :data:`SOURCE_TTL` (their workers are gone)."""
+        now = self.clock()
+        for name in [n for n, at in self._published.items() if now - at > SOURCE_TTL]:
+            self._sources.pop(name, None)
+            del self._published[name]
+            log.info("transfer_source_expired", agent=name)
 
     def require(self, what: str) -> None:
         """Refuse ``what`` unless this node takes part in transfers (a transfer key).
@@ -127,10 +164,12 @@ class NodeTransfers:
             FailedPreconditionError: reason TRANSFERS_OFF, no key, an fp8 pool or no worker published a source.
         """
         self.require_export()
-        if not self.sources:
+        self._drop_stale()
+        if not self._sources:
             raise FailedPreconditionError(
-                "ExportPrefix: no worker of this node has published a transfer source yet (workers publish one when "
-                "they map the pool with node transfers on); start a worker, or retry shortly",
+                "ExportPrefix: no live worker of this node has published a transfer source (workers publish one when "
+                "they map the pool with node transfers on, and again every few seconds); start a worker, or retry "
+                "shortly",
                 reason=TRANSFERS_OFF,
             )
         d = self.descriptor
@@ -141,7 +180,7 @@ class NodeTransfers:
             block_ids=seq.block_ids,
             block_epochs=[int(epochs[b]) for b in seq.block_ids],
             block_hashes=seq.block_hashes,
-            source=next(reversed(self.sources.values())),
+            source=next(reversed(self._sources.values())),
             expires_at=self.wall_clock() + ttl,
             model=d.model,
         )

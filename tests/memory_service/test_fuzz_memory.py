@@ -49,7 +49,7 @@ from pagedkv.runtime.kv_scales import sign_scales
 from pagedkv.runtime.limits import MAX_BATCH, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 from pagedkv.runtime.pool_socket import receive_handle
 from pagedkv.runtime.service import MAX_DETAIL_BYTES
-from pagedkv.runtime.transfer import sign_ticket, source_digest, ticket_signed
+from pagedkv.runtime.transfer import sign_source, sign_ticket, source_digest, ticket_signed
 
 FULL = os.environ.get("PAGEDKV_TEST_FULL") == "1"
 NUM_BLOCKS, BLOCK_SIZE = 64, 4
@@ -630,7 +630,8 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
         block_bytes=U64,
     )
     def publish_transfer_source(self, honest, cred, generation, name, metadata, address, blocks, block_bytes):
-        """PublishTransferSource: only a source of this pool (generation, blocks, block bytes) is kept."""
+        """PublishTransferSource: only a source of this pool (generation, blocks, block bytes), signed
+        with its plane key, is kept."""
         p = self.t.pool
         if honest:
             generation, blocks, block_bytes = p.generation, p.layout.num_blocks, p.block_nbytes
@@ -638,12 +639,15 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
         source = grant_pb2.TransferSource(
             agent_name=name, agent_metadata=metadata, base_address=address, num_blocks=blocks, block_bytes=block_bytes
         )
+        signed = honest or metadata[:1] == b"s"  # else a signature made without the plane key
+        signature = sign_source(self.t.key, generation, source) if signed else metadata
         resp = self.call(
             "PublishTransferSource",
-            pb.PublishTransferSourceRequest(pool_generation=generation, source=source),
+            pb.PublishTransferSourceRequest(pool_generation=generation, source=source, signature=signature),
             self._md(cred, None),
         )
         if resp is not None:
+            assert signed, "a source published without the plane key's signature"
             listed = self.stub.GetPoolDescriptor(pb.GetPoolDescriptorRequest(), timeout=CALL_TIMEOUT).pool
             assert source in listed.transfer_sources and listed.node_name == "fuzz"
         self._set_kv_scales(honest, generation, [address / 7.0, -1.0, math.nan][: blocks % 4], metadata)

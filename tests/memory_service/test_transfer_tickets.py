@@ -16,7 +16,7 @@ from memory_service.manager.block_manager import BlockManager
 from memory_service.manager.requests import Allocation, Commit, Receipt, RemotePrefix
 from memory_service.step_grants import GrantSigner
 from memory_service.tiers.manager import DEVICE, REMOTE
-from memory_service.transfers import NodeTransfers
+from memory_service.transfers import MAX_SOURCES, SOURCE_TTL, NodeTransfers
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.runtime.block_hash import CacheKey, chain_hashes
@@ -28,7 +28,7 @@ from pagedkv.runtime.errors import (
     PermissionDeniedError,
 )
 from pagedkv.runtime.grants import copy_tuple, token_digest
-from pagedkv.runtime.transfer import load_transfer_key, source_digest, ticket_signed
+from pagedkv.runtime.transfer import load_transfer_key, sign_source, source_digest, ticket_signed
 
 BS = 4
 KEY = CacheKey("model", "")
@@ -52,10 +52,21 @@ def source(agent="a/1/g7", blocks=8) -> grant_pb2.TransferSource:
                                     num_blocks=blocks, block_bytes=2 * 2 * BS * 8 * 4)
 
 
-def node(name: str, key: bytes | None = TRANSFER_KEY, **kw) -> NodeTransfers:
-    t = NodeTransfers(name, descriptor(**kw), key, wall_clock=lambda: 1000.0)
+#: The pool generation's plane key, which the workers that map the pool hold.
+PLANE_KEY = bytes(range(100, 132))
+
+
+def publish(t: NodeTransfers, generation: int, s: grant_pb2.TransferSource, withdraw: bool = False,
+            key: bytes = PLANE_KEY) -> None:
+    """PublishTransferSource as a worker sends it: signed with the plane key (or ``key``)."""
+    t.publish(mpb.PublishTransferSourceRequest(pool_generation=generation, source=s, withdraw=withdraw,
+                                               signature=sign_source(key, generation, s, withdraw)), PLANE_KEY)
+
+
+def node(name: str, key: bytes | None = TRANSFER_KEY, clock=lambda: 0.0, **kw) -> NodeTransfers:
+    t = NodeTransfers(name, descriptor(**kw), key, wall_clock=lambda: 1000.0, clock=clock)
     if key is not None:
-        t.publish(t.descriptor.generation, source(f"{name}/1/g7"))
+        publish(t, t.descriptor.generation, source(f"{name}/1/g7"))
     return t
 
 
@@ -96,7 +107,7 @@ def test_ticket_is_signed_names_blocks_epochs_hashes_and_the_newest_source():
     a, lease = manager()
     cached_on(a, lease)
     t = node("a")
-    t.publish(7, source("a/2/g7"))
+    publish(t, 7, source("a/2/g7"))
     pin = a.export_prefix(lease, PROMPT, KEY)
     ticket = t.ticket(pin, 10.0, a.pool.epochs)
     assert ticket_signed(TRANSFER_KEY, ticket) and not ticket_signed(bytes(32), ticket)
@@ -208,7 +219,7 @@ def test_ticket_needs_a_key_and_a_published_source():
         node("a", key=None).ticket(pin, 10.0, a.pool.epochs)
     assert e.value.reason == TRANSFERS_OFF
     quiet = NodeTransfers("a", descriptor(), TRANSFER_KEY)
-    with pytest.raises(FailedPreconditionError, match="no worker") as e:
+    with pytest.raises(FailedPreconditionError, match="no live worker") as e:
         quiet.ticket(pin, 10.0, a.pool.epochs)
     assert e.value.reason == TRANSFERS_OFF
 
@@ -216,7 +227,7 @@ def test_ticket_needs_a_key_and_a_published_source():
 def test_publish_refuses_a_source_for_another_pool():
     t = node("a")
     with pytest.raises(FailedPreconditionError):
-        t.publish(8, source())
+        publish(t, 8, source())
     bogus = source()
     bogus.mem_type = "BOGUS"
     huge = source()
@@ -224,8 +235,33 @@ def test_publish_refuses_a_source_for_another_pool():
     for s in (source(blocks=9), grant_pb2.TransferSource(agent_name="", agent_metadata=b"m", base_address=1,
                                                          num_blocks=8, block_bytes=source().block_bytes), bogus, huge):
         with pytest.raises(InvalidArgumentError):
-            t.publish(7, s)
+            publish(t, 7, s)
     assert list(t.sources) == ["a/1/g7"]
+
+
+def test_only_a_worker_holding_the_plane_key_publishes_and_a_gone_one_leaves_the_tickets():
+    a, lease = manager()
+    cached_on(a, lease)
+    now = [0.0]
+    t = node("a", clock=lambda: now[0])
+    pin = a.export_prefix(lease, PROMPT, KEY)
+    for i in range(MAX_SOURCES + 1):  # another local process, without the plane key
+        with pytest.raises(PermissionDeniedError, match="plane key"):
+            publish(t, 7, source(f"fake/{i}/g7"), key=bytes(32))
+    with pytest.raises(PermissionDeniedError):  # a real signature does not cover another source
+        t.publish(mpb.PublishTransferSourceRequest(pool_generation=7, source=source("fake/x/g7"),
+                                                   signature=sign_source(PLANE_KEY, 7, source("a/1/g7"))), PLANE_KEY)
+    assert list(t.sources) == ["a/1/g7"] and t.ticket(pin, 10.0, a.pool.epochs).source.agent_name == "a/1/g7"
+    now[0] = SOURCE_TTL / 2
+    publish(t, 7, source("a/2/g7"))
+    now[0] = SOURCE_TTL + 1  # a/1 was not published again: its worker is gone
+    assert t.ticket(pin, 10.0, a.pool.epochs).source.agent_name == "a/2/g7" and list(t.sources) == ["a/2/g7"]
+    with pytest.raises(PermissionDeniedError):  # withdrawing is signed too
+        t.publish(mpb.PublishTransferSourceRequest(pool_generation=7, source=source("a/2/g7"), withdraw=True,
+                                                   signature=sign_source(PLANE_KEY, 7, source("a/2/g7"))), PLANE_KEY)
+    publish(t, 7, source("a/2/g7"), withdraw=True)  # the worker stops
+    with pytest.raises(FailedPreconditionError, match="no live worker"):
+        t.ticket(pin, 10.0, a.pool.epochs)
 
 
 def test_transfer_key_file_must_be_private_and_hold_32_bytes(tmp_path):

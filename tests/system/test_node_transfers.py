@@ -211,7 +211,7 @@ def test_a_node_that_stops_serving_gets_no_new_requests_and_rejoins(nodes, tiny_
     B is routed to again, and a prompt A cached is read by B from A's pool."""
     a, b = nodes["a"], nodes["b"]
     specs = [NodeSpec("a", a.memory_address, a.worker_addresses), NodeSpec("b", b.memory_address, b.worker_addresses)]
-    distinct = [list(range(7000 + 300 * i, 7000 + 300 * i + 40)) for i in range(4)]
+    distinct = [list(range(11000 + 300 * i, 11000 + 300 * i + 40)) for i in range(4)]  # in no other test
     with Cluster(specs, recovery_timeout=5, step_timeout=5) as cluster:
         port = int(b.workers[0].address.rsplit(":", 1)[1])
         b.workers[0].proc.kill()

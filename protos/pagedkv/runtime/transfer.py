@@ -30,6 +30,7 @@ from pagedkv.runtime.grants import KEY_BYTES, mac
 
 _SOURCE_DOMAIN = b"pagedkv.grant.v1.TransferSource\x00"
 _TICKET_DOMAIN = b"pagedkv.memory.v1.TransferTicket\x00"
+_PUBLISH_DOMAIN = b"pagedkv.memory.v1.PublishTransferSource\x00"
 
 
 def _bytes(b: bytes) -> bytes:
@@ -42,6 +43,17 @@ def source_digest(s: grant_pb2.TransferSource) -> bytes:
         _SOURCE_DOMAIN, _bytes(s.agent_name.encode()), _bytes(s.agent_metadata),
         struct.pack("<QIQ", s.base_address, s.num_blocks, s.block_bytes), _bytes(s.mem_type.encode()),
         struct.pack("<I", s.device_id)))).digest()
+
+
+def source_message(pool_generation: int, source: grant_pb2.TransferSource, withdraw: bool = False) -> bytes:
+    """The canonical bytes a PublishTransferSource signature covers."""
+    return b"".join((_PUBLISH_DOMAIN, struct.pack("<Q?", pool_generation, withdraw), source_digest(source)))
+
+
+def sign_source(key: bytes, pool_generation: int, source: grant_pb2.TransferSource, withdraw: bool = False) -> bytes:
+    """The signature of publishing (or withdrawing) ``source`` for ``pool_generation`` under the
+    plane ``key`` (HMAC-SHA256, 32 bytes)."""
+    return mac(key, source_message(pool_generation, source, withdraw))
 
 
 def ticket_message(t: mpb.TransferTicket) -> bytes:

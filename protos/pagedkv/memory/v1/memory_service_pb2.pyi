@@ -220,12 +220,16 @@ class TransferTicket(_message.Message):
     def __init__(self, node_name: _Optional[str] = ..., pool_generation: _Optional[int] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_epochs: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., source: _Optional[_Union[_grant_pb2.TransferSource, _Mapping]] = ..., expires_at: _Optional[float] = ..., signature: _Optional[bytes] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PublishTransferSourceRequest(_message.Message):
-    __slots__ = ("pool_generation", "source")
+    __slots__ = ("pool_generation", "source", "signature", "withdraw")
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAW_FIELD_NUMBER: _ClassVar[int]
     pool_generation: int
     source: _grant_pb2.TransferSource
-    def __init__(self, pool_generation: _Optional[int] = ..., source: _Optional[_Union[_grant_pb2.TransferSource, _Mapping]] = ...) -> None: ...
+    signature: bytes
+    withdraw: bool
+    def __init__(self, pool_generation: _Optional[int] = ..., source: _Optional[_Union[_grant_pb2.TransferSource, _Mapping]] = ..., signature: _Optional[bytes] = ..., withdraw: bool = ...) -> None: ...
 
 class PublishTransferSourceResponse(_message.Message):
     __slots__ = ()
