@@ -35,6 +35,7 @@ from client.services import MemoryClient, WorkerClient
 from client.tokenizer import encode_prompt, tokenizer_source
 from pagedkv.config import DEFAULT_MEMORY, DEFAULT_WORKER
 from pagedkv.model.tokenizer import load_tokenizer
+from pagedkv.runtime.cache_salt import load_secret, namespace, salted
 from pagedkv.runtime.logs import get_logger
 from pagedkv.runtime.tls import TlsFiles
 
@@ -129,9 +130,16 @@ class Client:
         worker_roles: each worker's role, "prefill", "decode" or "both" (default all "both"): a
             request prefills on a prefill worker and is handed to a decode worker with no copy
             (both map the pool; client.engine.scheduler.Scheduler.hand_off).
+        cache_namespace: whose prefix-cache entries this client's requests share. None (the
+            default): this user's, from a secret in ``$PAGEDKV_HOME/cache-salt-secret`` (made on
+            first use, mode 0600): other users' processes can neither hit nor confirm its prompts
+            (pagedkv.runtime.cache_salt). A string: that namespace, shared with whoever uses it
+            (several users, or fronts, that share a cache on purpose). "": none, every process of
+            the machine shares.
 
     Raises:
         ValueError: no worker address, an unknown ``preemption_mode``, or a timeout <= 0.
+        PermissionError: the user's secret file may be read by other users.
         client.errors.ServiceError: a service refused the connection-time calls.
         FileNotFoundError: the model's tokenizer is not on this host (nor, for a Hugging Face repo
             id, in its Hugging Face cache at the worker's revision, with downloads off).
@@ -141,7 +149,10 @@ class Client:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None,
                  max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
                  tls: TlsFiles | None = None, preemption_mode: str = "recompute", peers: Iterable[str] = (),
-                 worker_roles: list[str] | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT):
+                 worker_roles: list[str] | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT,
+                 cache_namespace: str | None = None):
+        #: The namespace every request's cache salt starts with ("" none).
+        self.cache_namespace = namespace(load_secret(), "user") if cache_namespace is None else cache_namespace
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
@@ -178,7 +189,8 @@ class Client:
         """Queue one prompt (a string, chat messages or token ids); returns its handle at once.
 
         ``cache_salt`` isolates the request's prefix-cache entries: only requests with
-        the same salt share cached blocks (vLLM's cache_salt). ``request_id`` names it in
+        the same salt share cached blocks (vLLM's cache_salt), inside the client's
+        ``cache_namespace``. ``request_id`` names it in
         step traces (default ``req-N``); ``listener`` see :class:`RequestHandle`.
 
         Raises:
@@ -186,7 +198,8 @@ class Client:
                 than the model's context.
         """
         params = sampling_params or SamplingParams()
-        req = Request(prompt, encode_prompt(self.tokenizer, prompt), params, cache_salt=cache_salt or "")
+        req = Request(prompt, encode_prompt(self.tokenizer, prompt), params,
+                      cache_salt=salted(self.cache_namespace, cache_salt))
         if request_id is not None:
             req.request_id = request_id
         handle = RequestHandle(self, req, listener)

@@ -44,7 +44,7 @@ from memory_service.manager.sequence import Sequence
 from pagedkv.runtime.credentials import AUTHORIZATION_METADATA, LEASE_SECRET_METADATA
 from pagedkv.runtime.errors import PermissionDeniedError, UnauthenticatedError
 from pagedkv.runtime.paths import pagedkv_home
-from pagedkv.runtime.tls import over_tls, peer_role
+from pagedkv.runtime.tls import over_tls, peer_role, require_role
 
 ADMIN = "admin"
 WORKER = "worker"
@@ -156,6 +156,20 @@ class Authorizer:
                 f"{what} needs the admin role, and this caller is {caller.role} (by {caller.via}); send "
                 f"'authorization: Bearer <token>' with the token in {self._where()}, or use an admin certificate")
         return caller
+
+    def require_router(self, context: grpc.ServicerContext, what: str) -> None:
+        """Refuse a caller that may not ask which prefixes are cached: under TLS one whose certificate
+        is not the router's (or the admin's); on loopback one without the admin token (a front's
+        router reads it, ``--memory-admin-token-file``), since every local process reaches the service.
+
+        Raises:
+            UnauthenticatedError: a bad admin token.
+            PermissionDeniedError: any other caller.
+        """
+        if over_tls(context):
+            require_role(context, {ROUTER}, what)
+        else:
+            self.require_admin(context, what)
 
     def lease(self, context: grpc.ServicerContext, lease_id: str) -> Lease:
         """The live lease ``lease_id``, if the call carries its secret (errors: :meth:`LeaseTable.authorize`)."""

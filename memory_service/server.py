@@ -240,7 +240,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
                                           copies=[_copy(c) for c in _worker_order([*tier, *cow])])
 
     async def LookupPrefix(self, request, context):
-        require_role(context, {ROUTER}, "LookupPrefix")
+        self.authz.require_router(context, "LookupPrefix")
         device, host = self.manager.lookup_prefix(request.token_ids, CacheKey(request.model_id, request.cache_salt))
         return pb.LookupPrefixResponse(cached_tokens=device + host, device_tokens=device, host_tokens=host)
 

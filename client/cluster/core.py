@@ -36,6 +36,7 @@ from client.params import SamplingParams
 from client.services import MemoryClient
 from client.tokenizer import encode_prompt
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
+from pagedkv.runtime.cache_salt import load_secret, namespace, salted
 from pagedkv.runtime.logs import get_logger
 from pagedkv.runtime.tls import TlsFiles
 
@@ -113,6 +114,7 @@ class Cluster:
         routing: the router's policy, "kv" or "round-robin" (:class:`~client.cluster.router.Router`).
         pulls: whether a node reads prefixes other nodes cache (client.engine.transfers); without, each
             node computes what it lacks (a request split across prefill and decode nodes needs them).
+        cache_namespace: as :class:`Client`'s (None: this user's).
         client_kwargs: passed to every node's :class:`Client` (batch limits, TLS, ...).
 
     Raises:
@@ -121,7 +123,7 @@ class Cluster:
     """
 
     def __init__(self, specs: list[NodeSpec], router_tls: TlsFiles | None = None, routing: str = "kv",
-                 pulls: bool = True, **client_kwargs):
+                 pulls: bool = True, cache_namespace: str | None = None, **client_kwargs):
         if not specs or len({s.name for s in specs}) != len(specs) or len({s.memory for s in specs}) != len(specs):
             raise ValueError(f"nodes {[(s.name, s.memory) for s in specs]}: give at least one, each name and memory "
                              "service once")
@@ -136,12 +138,15 @@ class Cluster:
             raise ValueError("routing under mutual TLS follows the nodes' KV events, which needs a router certificate: "
                              "give --router-tls-cert and --router-tls-key (pagedkv certs makes router.pem)")
         self._router_tls = router_tls
+        #: The namespace of every request's cache salt (client.api.Client's ``cache_namespace``),
+        #: applied here, before routing, so the router hashes what the nodes cache.
+        self.cache_namespace = namespace(load_secret(), "user") if cache_namespace is None else cache_namespace
         self._streams: list[MemoryClient] = []
         self.nodes: dict[str, Node] = {}
         try:
             for s in specs:
                 peers = [o.memory for o in specs if o is not s] if pulls else []
-                self.nodes[s.name] = Node(s, Client(s.memory, s.workers, peers=peers,
+                self.nodes[s.name] = Node(s, Client(s.memory, s.workers, peers=peers, cache_namespace="",
                                                     worker_roles=s.worker_roles or None, **client_kwargs))
         except BaseException:
             self.close()
@@ -228,7 +233,7 @@ class Cluster:
             ValueError: as :meth:`Client.submit`.
         """
         ids = encode_prompt(self.tokenizer, prompt)
-        salt = cache_salt or ""
+        salt = cache_salt = salted(self.cache_namespace, cache_salt)
         prefill = self.health.live([n for n, x in self.nodes.items() if x.spec.role != "decode"])
         p = self.router.choose(prefill, ids, salt)
         if self.nodes[p].spec.role == "both":

@@ -76,7 +76,8 @@ class Server:
     #: Requests one tenant may have in flight (queued + running); None: no limit.
     max_requests_per_tenant: int | None = None
     metrics: ServeMetrics = field(init=False)
-    #: Keys the per-tenant and per-group cache salts (DESIGN.md, trust model): new for each server start.
+    #: Keys the per-tenant and per-group cache salts (DESIGN.md, trust model); ``pagedkv serve`` passes
+    #: its persisted one (--cache-salt-secret-file, pagedkv.runtime.cache_salt), so tenants keep their cache.
     secret: bytes = field(default_factory=lambda: os.urandom(32))
     #: (time.monotonic() of the last health check, its result); requests reuse it for a second.
     _health: tuple[float, tuple[bool, int, int]] = field(default=(float("-inf"), (False, 0, 0)), init=False,

@@ -88,6 +88,8 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     http.add_argument("--cache-sharing-group", action="append", default=None, metavar="NAME=TENANT,TENANT",
                       help="tenants that share one prefix cache (each tenant's is its own otherwise); repeatable, a "
                       "tenant in one group at most (env PAGEDKV_CACHE_SHARING_GROUP, groups separated by ';')")
+    http.add_argument("--cache-salt-secret-file", default=_env("CACHE_SALT_SECRET_FILE"), help="the secret of the "
+                      "tenants' cache namespaces, kept across restarts (default $PAGEDKV_HOME/cache-salt-secret)")
     http.add_argument("--max-queued-requests", type=int, default=_env("MAX_QUEUED_REQUESTS", 1024),
                       help="requests that may wait for admission; more get 429 (default 1024)")
     http.add_argument("--max-requests-per-tenant", type=int, default=_env("MAX_REQUESTS_PER_TENANT", None),
@@ -298,6 +300,7 @@ class ServeConfig:
     host: str
     port: int
     tenants: Tenants
+    cache_salt_secret_file: str | None
     max_queued_requests: int
     max_requests_per_tenant: int | None
     #: Seconds between dashboard snapshots.

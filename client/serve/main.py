@@ -25,6 +25,7 @@ from client.serve.app import Server, create_app
 from client.serve.backends import resolve
 from client.serve.config import parse_args
 from pagedkv.runtime import test_hooks
+from pagedkv.runtime.cache_salt import load_secret, namespace
 from pagedkv.runtime.logs import configure_logging, get_logger
 from pagedkv.runtime.tls import TlsFiles
 
@@ -93,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     client = None
     try:
+        secret = load_secret(args.cache_salt_secret_file)  # kept across restarts: tenants keep their cache
         limits = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=args.max_model_len, tls=backends.tls, preemption_mode=args.preemption_mode,
-                      step_timeout=args.step_timeout, recovery_timeout=args.recovery_timeout)
+                      step_timeout=args.step_timeout, recovery_timeout=args.recovery_timeout,
+                      cache_namespace=namespace(secret, "user"))
         if args.nodes:  # several nodes: one engine each, requests routed (client.cluster.core)
             router = None
             if backends.tls is not None and args.router_tls_cert and args.router_tls_key:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             client = Client(backends.memory, backends.workers, **limits)
         name = args.served_model_name or args.model or "smollm2"
         pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests, args.max_requests_per_tenant,
-                         dashboard_interval=args.dashboard_interval)
+                         dashboard_interval=args.dashboard_interval, secret=secret)
         server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5),
                           pagedkv)
         if args.ready_file:

@@ -130,7 +130,7 @@ def wait_indexed(cluster: Cluster, node: str, prompt: list[int], blocks: int, ti
     """Until the router's index knows that ``node`` holds ``blocks`` leading blocks of ``prompt``."""
     from pagedkv.runtime.block_hash import CacheKey, chain_hashes
 
-    hashes = chain_hashes(prompt, BS, CacheKey(cluster.limits.model_id, ""), blocks)
+    hashes = chain_hashes(prompt, BS, CacheKey(cluster.limits.model_id, cluster.cache_namespace), blocks)
     deadline = time.monotonic() + timeout
     while cluster.index.leading(hashes)[node] < blocks:
         assert time.monotonic() < deadline, f"node {node}'s KV events did not reach the router"

@@ -135,6 +135,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_ADMIN_API_KEY", "str", None, "--admin-api-key of pagedkv serve; --key of pagedkv top; "
       "--api-key of pagedkv drain"),
     E("PAGEDKV_CACHE_SHARING_GROUP", "str", None, "--cache-sharing-group of pagedkv serve: groups separated by ';'"),
+    E("PAGEDKV_CACHE_SALT_SECRET_FILE", "str", None, "--cache-salt-secret-file of pagedkv serve: the secret of "
+      "its tenants' cache namespaces (default $PAGEDKV_HOME/cache-salt-secret)"),
     E("PAGEDKV_MAX_QUEUED_REQUESTS", "int", 1024, "--max-queued-requests of pagedkv serve"),
     E("PAGEDKV_MAX_REQUESTS_PER_TENANT", "int", None, "--max-requests-per-tenant of pagedkv serve"),
     E("PAGEDKV_DASHBOARD_INTERVAL", "str", "1.0", "--dashboard-interval of pagedkv serve: seconds between snapshots"),
