@@ -138,6 +138,13 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_MAX_QUEUED_REQUESTS", "int", 1024, "--max-queued-requests of pagedkv serve"),
     E("PAGEDKV_MAX_REQUESTS_PER_TENANT", "int", None, "--max-requests-per-tenant of pagedkv serve"),
     E("PAGEDKV_DASHBOARD_INTERVAL", "str", "1.0", "--dashboard-interval of pagedkv serve: seconds between snapshots"),
+    E("PAGEDKV_HTTP_HEADER_TIMEOUT", "float", 10.0, "--http-header-timeout of pagedkv serve: seconds for a "
+      "request's whole head"),
+    E("PAGEDKV_HTTP_BODY_TIMEOUT", "float", 30.0, "--http-body-timeout of pagedkv serve: seconds from a request's "
+      "head to the end of its body"),
+    E("PAGEDKV_MAX_CONNECTIONS", "int", 1024, "--max-connections of pagedkv serve: HTTP connections open at once"),
+    E("PAGEDKV_FORWARDED_ALLOW_IPS", "list", None, "--forwarded-allow-ips of pagedkv serve: proxies whose "
+      "X-Forwarded-For/-Proto count, comma-separated (default none)"),
     E("PAGEDKV_SERVED_MODEL_NAME", "str", None, "--served-model-name of pagedkv serve"),
     E("PAGEDKV_PREEMPTION_MODE", "str", "recompute", "--preemption-mode of pagedkv serve: recompute or swap"),
     E("PAGEDKV_MAX_NUM_SEQS", "int", 64, "--max-num-seqs of pagedkv serve"),
