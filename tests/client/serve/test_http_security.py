@@ -1,6 +1,10 @@
-"""`pagedkv serve`'s HTTP front against callers who hold connections open: a real server process
-attached to the session's stack, with a tenant key, an admin key, 1-second header and body
-timeouts and at most 4 connections.
+"""`pagedkv serve`'s HTTP front against callers who guess keys or hold connections open: a real
+server process attached to the session's stack, with a tenant key, an admin key, 1-second header
+and body timeouts and at most 4 connections.
+
+The key throttle counts per client address, and every test here comes from loopback: a test that
+sends wrong keys connects from an address of its own in 127.0.0.0/8, but for the forwarded-header
+test, which needs 127.0.0.1 (the proxy address uvicorn would trust by default).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import time
 import httpx
 import pytest
 from conftest import pagedkv_process
+
+from client.serve.dashboard.auth import MAX_FAILED_KEYS
 
 KEY_A, ADMIN = "key-tenant-a", "key-admin"
 MAX_CONNECTIONS = 4
@@ -35,6 +41,11 @@ def url(server) -> str:
     return f"http://{server.address}"
 
 
+def client_from(address: str) -> httpx.Client:
+    """An HTTP client whose connections come from ``address`` (a loopback address of its own)."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=60)
+
+
 def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
@@ -46,6 +57,41 @@ def read_until_closed(sock: socket.socket, timeout: float = 10) -> tuple[bytes, 
     while chunk := sock.recv(65536):
         data += chunk
     return data, time.monotonic() - start
+
+
+def test_rotating_forwarded_for_does_not_escape_the_login_throttle(url):
+    # No --forwarded-allow-ips: X-Forwarded-For is nobody's word, 127.0.0.1's included.
+    with client_from("127.0.0.1") as h:
+        for i in range(MAX_FAILED_KEYS):
+            r = h.post(f"{url}/dashboard/login", json={"key": "guess"}, headers={"X-Forwarded-For": f"203.0.113.{i}"})
+            assert r.status_code == 401
+        r = h.post(f"{url}/dashboard/login", json={"key": "guess"}, headers={"X-Forwarded-For": "198.51.100.7"})
+        assert r.status_code == 429 and 0 < int(r.headers["retry-after"]) <= 60 and "set-cookie" not in r.headers
+        r = h.post(f"{url}/dashboard/login", json={"key": ADMIN}, headers={"X-Forwarded-For": "198.51.100.8"})
+        assert r.status_code == 200 and r.json()["ok"]  # the right key is never refused
+
+
+def test_bearer_guesses_are_throttled_on_every_route_and_the_right_key_is_not(url):
+    with client_from("127.0.0.3") as h:
+        for _ in range(MAX_FAILED_KEYS):
+            assert h.get(f"{url}/v1/models", headers=bearer("guess")).status_code == 401
+        guesses = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                   ("GET", "/debug/steps"), ("POST", "/admin/workers/127.0.0.1%3A1/drain"),
+                   ("GET", "/dashboard/snapshot")]
+        for method, path in guesses:
+            r = h.request(method, f"{url}{path}", headers=bearer("guess"), json={"prompt": "hi"})
+            assert r.status_code == 429, (path, r.text)
+            assert 0 < int(r.headers["retry-after"]) <= 60 and r.json()["error"]["type"] == "rate_limit_error"
+        assert h.get(f"{url}/v1/models").status_code == 401  # a missing key is no guess: not throttled
+        # Right after, from the same address, every right key is served at once.
+        for path, key in (("/v1/models", KEY_A), ("/v1/models", ADMIN), ("/debug/steps", ADMIN)):
+            start = time.monotonic()
+            r = h.get(f"{url}{path}", headers=bearer(key))
+            assert r.status_code == 200 and time.monotonic() - start < 5, (path, r.text)
+        r = h.post(f"{url}/v1/completions", headers=bearer(KEY_A), json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    with client_from("127.0.0.4") as other:  # another address has its own count
+        assert other.get(f"{url}/v1/models", headers=bearer("guess")).status_code == 401
 
 
 def test_a_slow_request_head_is_cut_off_after_the_header_timeout(server, url):
