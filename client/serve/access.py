@@ -2,6 +2,9 @@
 
 - The OpenAI routes: a tenant's key (any caller when no API keys were given), or the admin key.
 - The admin routes (``/debug/steps``, ``/admin/...``): the admin key.
+- ``/metrics``: the metrics key (``--metrics-api-key``) or the admin key, when API keys or a metrics
+  key were given; anyone otherwise. Its counters are pool-wide (prefix-cache hits among them), so a
+  tenant reading them would learn about other tenants' requests.
 - The dashboard (client.serve.dashboard.routes): the admin key, or a session from logging in with it.
 
 Keys are compared in constant time. A wrong key (not a missing one) is counted per client address
@@ -89,4 +92,25 @@ def authorize(tenants: Tenants, throttle: KeyThrottle, request: Request, *, admi
                                                   code="invalid_api_key"))
 
 
-__all__ = ["authorize", "bearer_key", "client_address", "refused_key", "throttled"]
+def authorize_metrics(tenants: Tenants, throttle: KeyThrottle, request: Request) -> None:
+    """Let the caller read ``/metrics``: anyone while :attr:`Tenants.metrics_open`, else the metrics
+    key's or the admin key's holder.
+
+    Raises:
+        APIError: 401 no or unknown key, 403 a tenant's key, 429 a wrong key from an address past the
+            key throttle.
+    """
+    if tenants.metrics_open:
+        return
+    key = bearer_key(request)
+    if same_key(key, tenants.metrics_key) or same_key(key, tenants.admin_key):
+        return
+    message = "/metrics needs the metrics API key (--metrics-api-key) or the admin API key"
+    if key is None:
+        raise APIError(401, message, type="authentication_error")
+    error = (APIError(403, message, type="permission_error") if tenants.tenant_of(key) is not None
+             else APIError(401, message, type="authentication_error", code="invalid_api_key"))
+    raise refused_key(throttle, request, error)
+
+
+__all__ = ["authorize", "authorize_metrics", "bearer_key", "client_address", "refused_key", "throttled"]

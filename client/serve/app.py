@@ -5,7 +5,8 @@ one continuous batch (vLLM's ``AsyncLLMEngine`` behind its OpenAI server). Outpu
 from the engine thread through a per-request ``asyncio.Queue``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, the admin-only ``GET /debug/steps`` (the engine's step
+``GET /health``, ``GET /metrics`` (with API keys or ``--metrics-api-key`` given: the metrics
+key's or the admin key's), the admin-only ``GET /debug/steps`` (the engine's step
 trace: which requests each step carried, and at which step each abort was asked; with several
 nodes, the first node's, and every node's under ``nodes``), and the
 operator's dashboard feed under ``/dashboard/`` (client.serve.dashboard.routes).
@@ -150,6 +151,14 @@ class Server:
         """
         return access.authorize(self.tenants, self.key_throttle, request, admin=admin)
 
+    def authorize_metrics(self, request: Request) -> None:
+        """Let the caller read ``/metrics`` (:func:`client.serve.access.authorize_metrics`).
+
+        Raises:
+            APIError: 401 no or unknown key, 403 a tenant's key, 429 a wrong key past the key throttle.
+        """
+        access.authorize_metrics(self.tenants, self.key_throttle, request)
+
     def cache_salt(self, tenant: str, salt: str | None) -> str:
         """The prefix-cache salt of ``tenant``'s request: its namespace's salt joined with the request's
         own ``salt`` (which can only narrow sharing, never widen it).
@@ -188,7 +197,8 @@ def create_app(server: Server) -> FastAPI:
         return JSONResponse(body, status_code=503 if status == "down" else 200)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        server.authorize_metrics(request)
         data = await asyncio.to_thread(generate_latest, server.metrics.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 

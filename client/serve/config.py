@@ -87,6 +87,9 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                       help="keys and their tenants: a JSON object {key: tenant} or lines 'KEY TENANT'")
     http.add_argument("--admin-api-key", default=_env("ADMIN_API_KEY"),
                       help="the key that may read every tenant's state and the debug routes")
+    http.add_argument("--metrics-api-key", default=_env("METRICS_API_KEY"),
+                      help="a key that may read /metrics and nothing else (a Prometheus scraper's). With API keys "
+                      "or this key given, /metrics needs it or the admin key; otherwise it is open")
     http.add_argument("--cache-sharing-group", action="append", default=None, metavar="NAME=TENANT,TENANT",
                       help="tenants that share one prefix cache (each tenant's is its own otherwise); repeatable, a "
                       "tenant in one group at most (env PAGEDKV_CACHE_SHARING_GROUP, groups separated by ';')")
@@ -290,7 +293,8 @@ def parse_args(argv: list[str]) -> ServeConfig:
     if len({n.name for n in args.nodes}) != len(args.nodes):
         p.error("--node: each node name once")
     try:
-        args.tenants = Tenants.load(args.api_key, args.api_keys_file, args.admin_api_key, args.cache_sharing_group)
+        args.tenants = Tenants.load(args.api_key, args.api_keys_file, args.admin_api_key, args.cache_sharing_group,
+                                    args.metrics_api_key)
     except (OSError, ValueError) as e:
         p.error(str(e))
     args.http_limits = parse_http_limits(args, p.error)

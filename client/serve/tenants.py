@@ -1,6 +1,7 @@
-"""Who may call ``pagedkv serve``: API keys and their tenants, the operator's admin key, and the
-tenants that share a prefix cache (``--api-key``, ``--api-keys-file``, ``--admin-api-key``,
-``--cache-sharing-group``; parsed by :mod:`client.serve.config`)."""
+"""Who may call ``pagedkv serve``: API keys and their tenants, the operator's admin key, the
+metrics key, and the tenants that share a prefix cache (``--api-key``, ``--api-keys-file``,
+``--admin-api-key``, ``--metrics-api-key``, ``--cache-sharing-group``; parsed by
+:mod:`client.serve.config`)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,24 @@ from client.serve.dashboard.auth import same_key
 class Tenants:
     """API keys → tenant names; with no tenant keys the API routes need no key (every caller is
     tenant ""), and only the admin routes need the admin key. ``groups`` maps each tenant the
-    operator put in a cache-sharing group to that group's name (client.serve.app.Server.cache_salt)."""
+    operator put in a cache-sharing group to that group's name (client.serve.app.Server.cache_salt).
+    ``metrics_key`` may read ``/metrics`` and nothing else."""
 
     keys: dict[str, str]
     admin_key: str | None = None
     groups: dict[str, str] = field(default_factory=dict)
+    metrics_key: str | None = None
 
     @property
     def open(self) -> bool:
         return not self.keys
+
+    @property
+    def metrics_open(self) -> bool:
+        """Whether ``/metrics`` needs no key: no API keys and no metrics key were given. Otherwise
+        it needs the metrics key or the admin key (the pool-wide counters tell one tenant about
+        another's requests, prefix-cache hits included)."""
+        return self.open and self.metrics_key is None
 
     def tenant_of(self, key: str | None) -> str | None:
         """The caller's tenant, "admin" for the admin key, "" when no key is needed; None: refused."""
@@ -35,14 +45,16 @@ class Tenants:
 
     @classmethod
     def load(
-        cls, api_keys: list[str], keys_file: str | None, admin_key: str | None, sharing_groups: list[str] = ()
+        cls, api_keys: list[str], keys_file: str | None, admin_key: str | None, sharing_groups: list[str] = (),
+        metrics_key: str | None = None,
     ) -> Tenants:
         """Keys from ``--api-key`` (tenant "default") and ``--api-keys-file``; cache-sharing groups
-        from ``--cache-sharing-group`` values ``NAME=TENANT,TENANT``.
+        from ``--cache-sharing-group`` values ``NAME=TENANT,TENANT``; ``--metrics-api-key``.
 
         Raises:
             ValueError: an unreadable or malformed keys file, an empty key, a malformed group, a
-                group given twice, a group tenant no key maps to, a tenant in two groups.
+                group given twice, a group tenant no key maps to, a tenant in two groups, a metrics
+                key that is also a tenant's key.
         """
         keys = {k: "default" for k in api_keys}
         if keys_file:
@@ -62,13 +74,15 @@ class Tenants:
                         raise ValueError(f"{keys_file}:{n}: expected 'KEY TENANT'") from None
                     entries[parts[0]] = parts[1]
             keys.update({str(k): str(v) for k, v in entries.items()})
-        if any(not k for k in keys) or admin_key == "":
+        if any(not k for k in keys) or admin_key == "" or metrics_key == "":
             raise ValueError("an API key must not be empty")
+        if metrics_key is not None and metrics_key in keys:
+            raise ValueError("--metrics-api-key is also a tenant's API key: give the metrics reader a key of its own")
         for tenant in set(keys.values()):
             if not tenant.strip() or tenant == "admin":  # "" is the open server's, "admin" the admin key's
                 raise ValueError(f"tenant name {tenant!r} is reserved or empty; name tenants otherwise")
         known = set(keys.values()) | ({"admin"} if admin_key is not None else set())
-        return cls(keys, admin_key, _sharing_groups(sharing_groups, known))
+        return cls(keys, admin_key, _sharing_groups(sharing_groups, known), metrics_key)
 
 
 def _sharing_groups(values: list[str], known: set[str]) -> dict[str, str]:

@@ -134,6 +134,7 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_API_KEYS_FILE", "str", None, "--api-keys-file of pagedkv serve: keys and their tenants"),
     E("PAGEDKV_ADMIN_API_KEY", "str", None, "--admin-api-key of pagedkv serve; --key of pagedkv top; "
       "--api-key of pagedkv drain"),
+    E("PAGEDKV_METRICS_API_KEY", "str", None, "--metrics-api-key of pagedkv serve: a key that may read /metrics only"),
     E("PAGEDKV_CACHE_SHARING_GROUP", "str", None, "--cache-sharing-group of pagedkv serve: groups separated by ';'"),
     E("PAGEDKV_MAX_QUEUED_REQUESTS", "int", 1024, "--max-queued-requests of pagedkv serve"),
     E("PAGEDKV_MAX_REQUESTS_PER_TENANT", "int", None, "--max-requests-per-tenant of pagedkv serve"),

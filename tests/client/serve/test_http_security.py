@@ -1,6 +1,6 @@
-"""`pagedkv serve`'s HTTP front against callers who guess keys or hold connections open: a real
-server process attached to the session's stack, with a tenant key, an admin key, 1-second header
-and body timeouts and at most 4 connections.
+"""`pagedkv serve`'s HTTP front against callers who guess keys, read others' metrics or hold
+connections open: a real server process attached to the session's stack, with tenant keys, an
+admin key, a metrics key, 1-second header and body timeouts and at most 4 connections.
 
 The key throttle counts per client address, and every test here comes from loopback: a test that
 sends wrong keys connects from an address of its own in 127.0.0.0/8, but for the forwarded-header
@@ -19,7 +19,7 @@ from conftest import pagedkv_process
 
 from client.serve.dashboard.auth import MAX_FAILED_KEYS
 
-KEY_A, ADMIN = "key-tenant-a", "key-admin"
+KEY_A, ADMIN, METRICS = "key-tenant-a", "key-admin", "key-metrics"
 MAX_CONNECTIONS = 4
 
 
@@ -29,7 +29,7 @@ def server(stack, tmp_path_factory):
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({KEY_A: "tenant-a"}))
     svc = pagedkv_process(["serve", "--memory", stack.memory.address, "--workers", stack.worker_addresses[0],
-                           "--api-keys-file", str(keys), "--admin-api-key", ADMIN,
+                           "--api-keys-file", str(keys), "--admin-api-key", ADMIN, "--metrics-api-key", METRICS,
                            "--http-header-timeout", "1", "--http-body-timeout", "1",
                            "--max-connections", str(MAX_CONNECTIONS)], tmp, "serve-http")
     yield svc
@@ -76,7 +76,7 @@ def test_bearer_guesses_are_throttled_on_every_route_and_the_right_key_is_not(ur
         for _ in range(MAX_FAILED_KEYS):
             assert h.get(f"{url}/v1/models", headers=bearer("guess")).status_code == 401
         guesses = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                   ("GET", "/debug/steps"), ("POST", "/admin/workers/127.0.0.1%3A1/drain"),
+                   ("GET", "/debug/steps"), ("POST", "/admin/workers/127.0.0.1%3A1/drain"), ("GET", "/metrics"),
                    ("GET", "/dashboard/snapshot")]
         for method, path in guesses:
             r = h.request(method, f"{url}{path}", headers=bearer("guess"), json={"prompt": "hi"})
@@ -84,7 +84,8 @@ def test_bearer_guesses_are_throttled_on_every_route_and_the_right_key_is_not(ur
             assert 0 < int(r.headers["retry-after"]) <= 60 and r.json()["error"]["type"] == "rate_limit_error"
         assert h.get(f"{url}/v1/models").status_code == 401  # a missing key is no guess: not throttled
         # Right after, from the same address, every right key is served at once.
-        for path, key in (("/v1/models", KEY_A), ("/v1/models", ADMIN), ("/debug/steps", ADMIN)):
+        for path, key in (("/v1/models", KEY_A), ("/v1/models", ADMIN), ("/debug/steps", ADMIN),
+                          ("/metrics", METRICS)):
             start = time.monotonic()
             r = h.get(f"{url}{path}", headers=bearer(key))
             assert r.status_code == 200 and time.monotonic() - start < 5, (path, r.text)
@@ -92,6 +93,17 @@ def test_bearer_guesses_are_throttled_on_every_route_and_the_right_key_is_not(ur
         assert r.status_code == 200, r.text
     with client_from("127.0.0.4") as other:  # another address has its own count
         assert other.get(f"{url}/v1/models", headers=bearer("guess")).status_code == 401
+
+
+def test_metrics_need_the_metrics_or_the_admin_key(url):
+    with client_from("127.0.0.5") as h:
+        r = h.get(f"{url}/metrics")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert h.get(f"{url}/metrics", headers=bearer(KEY_A)).status_code == 403  # a tenant reads no pool counters
+        for key in (METRICS, ADMIN):
+            r = h.get(f"{url}/metrics", headers=bearer(key))
+            assert r.status_code == 200 and "pagedkv:prefix_cache_hits_total" in r.text
+        assert h.get(f"{url}/v1/models", headers=bearer(METRICS)).status_code == 401  # it opens nothing else
 
 
 def test_a_slow_request_head_is_cut_off_after_the_header_timeout(server, url):
@@ -158,8 +170,11 @@ def test_http_flags_are_checked_at_start(monkeypatch, capsys):
     refused = {("--forwarded-allow-ips", "proxy.local"): "not an IP address or network",
                ("--http-header-timeout", "0"): "--http-header-timeout must lie in 0.1-3600 seconds",
                ("--http-body-timeout", "1e9"): "--http-body-timeout must lie in 0.1-3600 seconds",
-               ("--max-connections", "0"): "--max-connections must be >= 1"}
+               ("--max-connections", "0"): "--max-connections must be >= 1",
+               ("--api-key", "k", "--metrics-api-key", "k"): "also a tenant's API key"}
     for argv, message in refused.items():
         with pytest.raises(SystemExit) as e:
             parse_args(list(argv))
         assert e.value.code == 2 and message in capsys.readouterr().err
+    assert parse_args(["--metrics-api-key", "m"]).tenants.metrics_open is False  # given alone, it still closes /metrics
+    assert parse_args(["--admin-api-key", "a"]).tenants.metrics_open is True  # no API keys: open, as vLLM's
