@@ -5,15 +5,17 @@ one continuous batch (vLLM's ``AsyncLLMEngine`` behind its OpenAI server). Outpu
 from the engine thread through a per-request ``asyncio.Queue``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, the admin-only ``GET /debug/steps`` (the engine's step
+``GET /health``, ``GET /metrics`` (with API keys or ``--metrics-api-key`` given: the metrics
+key's or the admin key's), the admin-only ``GET /debug/steps`` (the engine's step
 trace: which requests each step carried, and at which step each abort was asked; with several
 nodes, the first node's, and every node's under ``nodes``), and the
 operator's dashboard feed under ``/dashboard/`` (client.serve.dashboard.routes).
 
 Errors use the OpenAI error body (:class:`~client.serve.protocol.APIError`): 400 bad parameter or
 a prompt longer than the context, 401 missing or wrong key, 403 a tenant key on an admin route,
-404 unknown model, 429 the waiting queue is full, 503 the memory service or the workers are
-down. A client that disconnects aborts its request; the engine frees its blocks at the start of
+404 unknown model, 429 the waiting queue is full, or a wrong key from an address past the key
+throttle (client.serve.dashboard.auth.KeyThrottle, with Retry-After), 503 the memory service or
+the workers are down. A client that disconnects aborts its request; the engine frees its blocks at the start of
 its next step.
 """
 
@@ -37,9 +39,9 @@ from starlette.requests import ClientDisconnect
 from client.backend import Backend
 from client.engine.stats import EngineStats, StepLog
 from client.errors import ServiceError, Unavailable
+from client.serve import access
 from client.serve.backends import Backends
-from client.serve.config import Tenants
-from client.serve.dashboard.auth import LoginThrottle, Sessions, same_key
+from client.serve.dashboard.auth import KeyThrottle, Sessions
 from client.serve.dashboard.feed import DEFAULT_INTERVAL, DashboardFeed
 from client.serve.dashboard.page import add_dashboard_page
 from client.serve.dashboard.routes import add_dashboard_routes
@@ -54,6 +56,7 @@ from client.serve.protocol import (
     parse,
     prompts_of,
 )
+from client.serve.tenants import Tenants
 from client.tokenizer import encode_prompt
 from pagedkv.runtime.logs import get_logger
 
@@ -90,8 +93,8 @@ class Server:
     dashboard_interval: float = DEFAULT_INTERVAL
     #: Dashboard logins (client.serve.dashboard.auth).
     sessions: Sessions = field(default_factory=Sessions, init=False, repr=False)
-    #: Failed dashboard logins per client address (client.serve.dashboard.auth).
-    login_throttle: LoginThrottle = field(default_factory=LoginThrottle, init=False, repr=False)
+    #: Wrong keys (Bearer keys on every route, dashboard logins) per client address (client.serve.dashboard.auth).
+    key_throttle: KeyThrottle = field(default_factory=KeyThrottle, init=False, repr=False)
     #: The dashboard's feed, made at the first viewer (client.serve.dashboard.feed).
     _feed: DashboardFeed | None = field(default=None, init=False, repr=False)
 
@@ -141,25 +144,21 @@ class Server:
         return health
 
     def authorize(self, request: Request, *, admin: bool = False) -> str:
-        """The caller's tenant. Raises APIError 401 (no or unknown key) or 403 (not the admin key)."""
-        headers = request.headers.getlist("authorization")
-        if len(headers) > 1:
-            raise APIError(401, "send one Authorization header", type="authentication_error", code="invalid_api_key")
-        header = headers[0] if headers else ""
-        key = header[7:].strip() if header[:7].lower() == "bearer " else None
-        if admin:
-            if self.tenants.admin_key is None:
-                raise APIError(403, "this route needs --admin-api-key, which the server was started without",
-                               type="permission_error")
-            if not same_key(key, self.tenants.admin_key):
-                raise APIError(401 if key is None else 403, "this route needs the admin API key",
-                               type="authentication_error" if key is None else "permission_error")
-            return "admin"
-        tenant = self.tenants.tenant_of(key)
-        if tenant is None:
-            raise APIError(401, "Incorrect API key provided." if key else "Missing API key: send 'Authorization: "
-                           "Bearer KEY'.", type="authentication_error", code="invalid_api_key")
-        return tenant
+        """The caller's tenant ("admin" for the admin key; :func:`client.serve.access.authorize`).
+
+        Raises:
+            APIError: 401 no or unknown key, 403 not the admin key on an admin route, 429 a wrong key
+                from an address past the key throttle.
+        """
+        return access.authorize(self.tenants, self.key_throttle, request, admin=admin)
+
+    def authorize_metrics(self, request: Request) -> None:
+        """Let the caller read ``/metrics`` (:func:`client.serve.access.authorize_metrics`).
+
+        Raises:
+            APIError: 401 no or unknown key, 403 a tenant's key, 429 a wrong key past the key throttle.
+        """
+        access.authorize_metrics(self.tenants, self.key_throttle, request)
 
     def cache_salt(self, tenant: str, salt: str | None) -> str:
         """The prefix-cache salt of ``tenant``'s request: its namespace's salt joined with the request's
@@ -199,7 +198,8 @@ def create_app(server: Server) -> FastAPI:
         return JSONResponse(body, status_code=503 if status == "down" else 200)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        server.authorize_metrics(request)
         data = await asyncio.to_thread(generate_latest, server.metrics.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
@@ -277,7 +277,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):

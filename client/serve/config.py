@@ -6,18 +6,19 @@ A flag given on the command line wins over its environment variable, which wins 
 default. The model is ``pagedkv serve MODEL`` (as ``vllm serve MODEL``) or ``--model``. Pool flags
 (``--block-size``, ``--kv-cache-memory``, ``--kv-cache-dtype``, ``--dtype``, ``--model``) default
 to None here so that attaching to running services can tell "given" from "default"
-(:mod:`client.serve.backends` checks given ones against the pool).
+(:mod:`client.serve.backends` checks given ones against the pool). Keys and tenants are
+:mod:`client.serve.tenants`'s; the HTTP server's timeouts, connection limit and trusted proxies
+:mod:`client.serve.http_limits`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, fields
 
 from client.cluster.core import NodeSpec, parse_node
-from client.serve.dashboard.auth import same_key
+from client.serve.http_limits import HttpLimits, add_http_limit_args, parse_http_limits
+from client.serve.tenants import Tenants
 from pagedkv import config
 from pagedkv.config import flags
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_tls_args(plane)
     flags.add_logging_args(p)
     _add_http_args(p)
+    add_http_limit_args(p)
     _add_model_args(p)
     _add_scheduler_args(p)
     return p
@@ -85,6 +87,9 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                       help="keys and their tenants: a JSON object {key: tenant} or lines 'KEY TENANT'")
     http.add_argument("--admin-api-key", default=_env("ADMIN_API_KEY"),
                       help="the key that may read every tenant's state and the debug routes")
+    http.add_argument("--metrics-api-key", default=_env("METRICS_API_KEY"),
+                      help="a key that may read /metrics and nothing else (a Prometheus scraper's). With API keys "
+                      "or this key given, /metrics needs it or the admin key; otherwise it is open")
     http.add_argument("--cache-sharing-group", action="append", default=None, metavar="NAME=TENANT,TENANT",
                       help="tenants that share one prefix cache (each tenant's is its own otherwise); repeatable, a "
                       "tenant in one group at most (env PAGEDKV_CACHE_SHARING_GROUP, groups separated by ';')")
@@ -177,108 +182,6 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class Tenants:
-    """API keys → tenant names; with no tenant keys the API routes need no key (every caller is
-    tenant ""), and only the admin routes need the admin key. ``groups`` maps each tenant the
-    operator put in a cache-sharing group to that group's name (client.serve.app.Server.cache_salt)."""
-
-    keys: dict[str, str]
-    admin_key: str | None = None
-    groups: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def open(self) -> bool:
-        return not self.keys
-
-    def tenant_of(self, key: str | None) -> str | None:
-        """The caller's tenant, "admin" for the admin key, "" when no key is needed; None: refused."""
-        if same_key(key, self.admin_key):  # constant time: the operator's key opens everything
-            return "admin"
-        if self.open:
-            return ""
-        return self.keys.get(key) if key is not None else None
-
-    @classmethod
-    def load(
-        cls, api_keys: list[str], keys_file: str | None, admin_key: str | None, sharing_groups: list[str] = ()
-    ) -> Tenants:
-        """Keys from ``--api-key`` (tenant "default") and ``--api-keys-file``; cache-sharing groups
-        from ``--cache-sharing-group`` values ``NAME=TENANT,TENANT``.
-
-        Raises:
-            ValueError: an unreadable or malformed keys file, an empty key, a malformed group, a
-                group given twice, a group tenant no key maps to, a tenant in two groups.
-        """
-        keys = {k: "default" for k in api_keys}
-        if keys_file:
-            text = Path(keys_file).read_text()
-            try:
-                entries = json.loads(text)
-                if not isinstance(entries, dict):
-                    raise ValueError(f"{keys_file}: the JSON must be an object {{key: tenant}}")
-            except json.JSONDecodeError:
-                entries = {}
-                for n, line in enumerate(text.splitlines(), 1):
-                    line = line.strip()
-                    if not line or line.startswith("#"):
-                        continue
-                    parts = line.split()
-                    if len(parts) != 2:
-                        raise ValueError(f"{keys_file}:{n}: expected 'KEY TENANT'") from None
-                    entries[parts[0]] = parts[1]
-            keys.update({str(k): str(v) for k, v in entries.items()})
-        if any(not k for k in keys) or admin_key == "":
-            raise ValueError("an API key must not be empty")
-        for tenant in set(keys.values()):
-            if not tenant.strip() or tenant == "admin":  # "" is the open server's, "admin" the admin key's
-                raise ValueError(f"tenant name {tenant!r} is reserved or empty; name tenants otherwise")
-        known = set(keys.values()) | ({"admin"} if admin_key is not None else set())
-        return cls(keys, admin_key, _sharing_groups(sharing_groups, known))
-
-
-def _sharing_groups(values: list[str], known: set[str]) -> dict[str, str]:
-    """``NAME=TENANT,TENANT`` values as {tenant: group name}.
-
-    Raises:
-        ValueError: naming the value that is malformed, repeats a group, names a tenant no key
-            maps to, or puts a tenant in a second group.
-    """
-    groups: dict[str, str] = {}
-    names: set[str] = set()
-    for value in values:
-        name, sep, members = value.partition("=")
-        name = name.strip()
-        tenants = [t.strip() for t in members.split(",")]
-        if not sep or not name or not all(tenants):
-            raise ValueError(
-                f"--cache-sharing-group {value!r}: expected NAME=TENANT[,TENANT...], e.g. team=tenant-a,tenant-b"
-            )
-        if not known:
-            raise ValueError(
-                f"--cache-sharing-group {value!r}: groups need tenants; give API keys with --api-key or --api-keys-file"
-            )
-        if name in names:
-            raise ValueError(f"--cache-sharing-group: group {name!r} is given twice; list all its tenants once")
-        names.add(name)
-        for tenant in tenants:
-            if tenant not in known:
-                raise ValueError(
-                    f"--cache-sharing-group {value!r}: no API key maps to tenant {tenant!r}; name "
-                    "tenants as --api-keys-file does ('default' for --api-key)"
-                )
-            if tenant in groups:
-                other = groups[tenant]
-                raise ValueError(
-                    f"--cache-sharing-group: tenant {tenant!r} is in group {other!r} and in group "
-                    f"{name!r}; a tenant may share its prefix cache with one group only"
-                    if other != name
-                    else f"--cache-sharing-group {value!r}: tenant {tenant!r} is listed twice"
-                )
-            groups[tenant] = name
-    return groups
-
-
-@dataclass(frozen=True, slots=True)
 class ServeConfig:
     """``pagedkv serve``'s flags, parsed and checked once (:func:`parse_args`). Pool flags left out
     are None, so attaching can tell "given" from "default" (:mod:`client.serve.backends`)."""
@@ -306,6 +209,8 @@ class ServeConfig:
     #: Seconds between dashboard snapshots.
     dashboard_interval: float
     ready_file: str | None
+    #: Header and body timeouts, connections, trusted proxies (client.serve.http_limits).
+    http_limits: HttpLimits
     # -- model and pool
     model: str | None
     revision: str | None
@@ -391,7 +296,9 @@ def parse_args(argv: list[str]) -> ServeConfig:
     if len({n.name for n in args.nodes}) != len(args.nodes):
         p.error("--node: each node name once")
     try:
-        args.tenants = Tenants.load(args.api_key, args.api_keys_file, args.admin_api_key, args.cache_sharing_group)
+        args.tenants = Tenants.load(args.api_key, args.api_keys_file, args.admin_api_key, args.cache_sharing_group,
+                                    args.metrics_api_key)
     except (OSError, ValueError) as e:
         p.error(str(e))
+    args.http_limits = parse_http_limits(args, p.error)
     return ServeConfig.from_namespace(args)

@@ -3,7 +3,9 @@
 Resolves the backends (attach, or start a memory service and a worker as child processes; see
 :mod:`client.serve.backends`), connects one :class:`~client.api.Client` (the engine every caller
 shares), and serves :func:`client.serve.app.create_app` with uvicorn until SIGINT or SIGTERM;
-then the engine's lease is released and embedded services are stopped.
+then the engine's lease is released and embedded services are stopped. uvicorn runs with the HTTP
+limits of :mod:`client.serve.http_limits` (header and body timeouts, the connection limit, and
+forwarded headers only from ``--forwarded-allow-ips``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from client.cluster.core import Cluster
 from client.serve.app import Server, create_app
 from client.serve.backends import resolve
 from client.serve.config import parse_args
+from client.serve.http_limits import uvicorn_options
 from pagedkv.runtime import test_hooks
 from pagedkv.runtime.cache_salt import load_secret, namespace
 from pagedkv.runtime.logs import configure_logging, get_logger
@@ -109,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         name = args.served_model_name or args.model or "smollm2"
         pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests, args.max_requests_per_tenant,
                          dashboard_interval=args.dashboard_interval, secret=secret)
-        server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5),
-                          pagedkv)
+        server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5,
+                                         **uvicorn_options(args.http_limits)), pagedkv)
         if args.ready_file:
             threading.Thread(target=_write_ready, args=(server, Path(args.ready_file), address), daemon=True).start()
         log.info("serving", url=f"http://{address}", model=name, memory=backends.memory, workers=backends.workers,

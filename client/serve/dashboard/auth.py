@@ -13,10 +13,14 @@ Programs (``pagedkv top``, curl) send ``Authorization: Bearer <admin key>`` inst
 compared in constant time (HMAC-style, over their SHA-256 digests, so the length leaks nothing),
 after trimming surrounding white space, as the Bearer header's key is.
 
-Failed logins are throttled per client address (:class:`LoginThrottle`): past
-:data:`MAX_FAILED_LOGINS` in :data:`FAILED_LOGIN_WINDOW` seconds, a login is refused with 429
-until the oldest failure leaves the window, so guessing the key over the form costs time, and the
-log gets at most that many refusals per client and window.
+Refused keys are throttled per client address (:class:`KeyThrottle`, one for the whole server:
+failed logins here, and wrong ``Authorization: Bearer`` keys on every route that checks keys).
+Past :data:`MAX_FAILED_KEYS` in :data:`FAILED_KEY_WINDOW` seconds, each further wrong key is
+answered 429 with Retry-After (and counted, so an address that keeps guessing stays throttled)
+instead of 401/403, and the log gets at most that many refusals per client and window. A right key
+is never delayed or refused: guesses from an address that others share (a proxy, a NAT, loopback)
+cannot lock its callers out. The client address is the TCP peer's, or the one a trusted proxy
+forwarded (``--forwarded-allow-ips``: client.serve.http_limits).
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ SESSION_SECONDS = 12 * 3600
 MAX_SESSIONS = 64
 #: Largest login body read, bytes.
 MAX_LOGIN_BYTES = 4096
-#: Failed logins one client address may make per window, and the window, seconds.
-MAX_FAILED_LOGINS, FAILED_LOGIN_WINDOW = 10, 60.0
+#: Refused keys (logins and Bearer keys) one client address may send per window, and the window, seconds.
+MAX_FAILED_KEYS, FAILED_KEY_WINDOW = 10, 60.0
 #: Client addresses the throttle tracks at most (the oldest go first).
 MAX_THROTTLED_CLIENTS = 4096
 
@@ -71,30 +75,37 @@ def login_key(body: bytes, content_type: str) -> str | None:
     return value or None
 
 
-class LoginThrottle:
-    """Failed logins per client address over a sliding window (module docstring).
+class KeyThrottle:
+    """Refused keys per client address over a sliding window (module docstring).
 
     Args:
-        max_failures: failures a client may make in ``window`` seconds; the next login is refused.
-        window: seconds a failure counts.
+        max_failures: refusals a client may get in ``window`` seconds before its wrong keys get 429.
+        window: seconds a refusal counts.
         max_clients: addresses tracked at most; past it the one seen least recently is dropped.
         clock: seconds, monotonic.
     """
 
-    def __init__(self, max_failures: int = MAX_FAILED_LOGINS, window: float = FAILED_LOGIN_WINDOW,
+    def __init__(self, max_failures: int = MAX_FAILED_KEYS, window: float = FAILED_KEY_WINDOW,
                  max_clients: int = MAX_THROTTLED_CLIENTS, clock: Callable[[], float] = time.monotonic):
         self.max_failures, self.window, self.max_clients, self._clock = max_failures, window, max_clients, clock
         self._failures: collections.OrderedDict[str, collections.deque[float]] = collections.OrderedDict()
 
+    def refuse(self, client: str) -> float:
+        """Count a wrong key of ``client``; returns 0 when it is to be answered as usual (401/403), else
+        the seconds its Retry-After gives (it is past the limit: answer 429)."""
+        throttled = self.retry_after(client) > 0
+        self.failed(client)
+        return max(self.retry_after(client), 1e-3) if throttled else 0.0
+
     def retry_after(self, client: str) -> float:
-        """Seconds until ``client`` may try to log in again; 0 when it may now."""
+        """Seconds until a wrong key of ``client`` is answered as usual again; 0 when it is now."""
         times = self._recent(client)
         if times is None or len(times) < self.max_failures:
             return 0.0
         return max(0.0, times[0] + self.window - self._clock())
 
     def failed(self, client: str) -> None:
-        """Count a failed login of ``client``."""
+        """Count a refused key (or failed login) of ``client``."""
         times = self._recent(client)
         if times is None:
             times = self._failures[client] = collections.deque(maxlen=self.max_failures)
@@ -154,5 +165,5 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-__all__ = ["COOKIE", "FAILED_LOGIN_WINDOW", "MAX_FAILED_LOGINS", "MAX_SESSIONS", "SESSION_SECONDS", "LoginThrottle",
+__all__ = ["COOKIE", "FAILED_KEY_WINDOW", "MAX_FAILED_KEYS", "MAX_SESSIONS", "SESSION_SECONDS", "KeyThrottle",
            "Sessions", "login_key", "same_key"]

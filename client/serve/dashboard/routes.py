@@ -3,7 +3,9 @@
     POST /dashboard/login      the admin key (form field ``key`` or JSON ``{"key": ...}``) -> the
                                session cookie (client.serve.dashboard.auth); JSON gets 200
                                ``{"ok": true, "expires_in": s}``, a form a 303 to /dashboard; a wrong
-                               key 401; 429 (with Retry-After) after too many failures from one address
+                               key 401, or 429 (with Retry-After) from an address past the key
+                               throttle (client.serve.dashboard.auth.KeyThrottle); the right key always
+                               logs in
     POST /dashboard/logout     ends the session, clears the cookie (200 whatever the cookie)
     GET  /dashboard/events     server-sent events: ``event: snapshot`` (or ``event: error`` when the
                                memory service did not answer), ``id:`` the snapshot number, ``data:``
@@ -13,18 +15,19 @@
     GET  /dashboard/snapshot   the next snapshot as one JSON document (the page's first paint, scripts)
 
 Each but login and logout needs the session cookie or ``Authorization: Bearer <admin key>``:
-401 otherwise (403 when the server has no ``--admin-api-key``: then there is no dashboard).
+401 otherwise (403 when the server has no ``--admin-api-key``: then there is no dashboard; 429
+for a wrong Bearer key from an address past the key throttle).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
+from client.serve.access import bearer_key, client_address, refused_key, throttled
 from client.serve.dashboard.auth import COOKIE, MAX_LOGIN_BYTES, SESSION_SECONDS, login_key, same_key
 from client.serve.protocol import APIError
 from pagedkv.runtime.logs import get_logger
@@ -50,20 +53,18 @@ def _admin_key(server: Server) -> str:
 
 
 def _require_viewer(server: Server, request: Request) -> str | None:
-    """Refuse (401/403) a caller who is not the operator; returns the session token it came
-    with, or None when it sent the admin key itself."""
+    """Refuse (401/403, 429 past the key throttle) a caller who is not the operator; returns the
+    session token it came with, or None when it sent the admin key itself."""
     key = _admin_key(server)
     token = request.cookies.get(COOKIE)
     if server.sessions.valid(token):
         return token
-    headers = request.headers.getlist("authorization")
-    if not headers:
+    bearer = bearer_key(request)
+    if bearer is None:
         raise _refused("log in first: POST /dashboard/login with the admin API key, or send "
                        "'Authorization: Bearer <admin API key>'")
-    header = headers[0] if len(headers) == 1 else ""
-    bearer = header[7:].strip() if header[:7].lower() == "bearer " else None
     if not same_key(bearer, key):
-        raise _refused("the dashboard needs the admin API key")
+        raise refused_key(server.key_throttle, request, _refused("the dashboard needs the admin API key"))
     return None
 
 
@@ -77,20 +78,17 @@ def add_dashboard_routes(app: FastAPI, server: Server) -> None:
     @app.post("/dashboard/login")
     async def login(request: Request):
         key = _admin_key(server)
-        client = request.client.host if request.client else ""
-        wait = server.login_throttle.retry_after(client)
-        if wait > 0:
-            return JSONResponse(APIError(429, f"too many failed logins from this address: try again in "
-                                         f"{math.ceil(wait)} s", type="rate_limit_error").body(),
-                                status_code=429, headers={"Retry-After": str(math.ceil(wait))})
+        client = client_address(request)
         content_type = request.headers.get("content-type", "")
         body = b""
         async for chunk in request.stream():  # a hang-up mid-body: client.serve.app's ClientDisconnect handler
             body += chunk
             if len(body) > MAX_LOGIN_BYTES:
                 break
-        if not same_key(login_key(body, content_type), key):
-            server.login_throttle.failed(client)
+        if not same_key(login_key(body, content_type), key):  # the right key logs in, throttled address or not
+            wait = server.key_throttle.refuse(client)
+            if wait > 0:
+                raise throttled(wait)
             log.warning("dashboard_login_refused", client=client)
             raise _refused("wrong or missing admin API key")
         token = server.sessions.create()

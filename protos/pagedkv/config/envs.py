@@ -134,12 +134,20 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_API_KEYS_FILE", "str", None, "--api-keys-file of pagedkv serve: keys and their tenants"),
     E("PAGEDKV_ADMIN_API_KEY", "str", None, "--admin-api-key of pagedkv serve; --key of pagedkv top; "
       "--api-key of pagedkv drain"),
+    E("PAGEDKV_METRICS_API_KEY", "str", None, "--metrics-api-key of pagedkv serve: a key that may read /metrics only"),
     E("PAGEDKV_CACHE_SHARING_GROUP", "str", None, "--cache-sharing-group of pagedkv serve: groups separated by ';'"),
     E("PAGEDKV_CACHE_SALT_SECRET_FILE", "str", None, "--cache-salt-secret-file of pagedkv serve: the secret of "
       "its tenants' cache namespaces (default $PAGEDKV_HOME/cache-salt-secret)"),
     E("PAGEDKV_MAX_QUEUED_REQUESTS", "int", 1024, "--max-queued-requests of pagedkv serve"),
     E("PAGEDKV_MAX_REQUESTS_PER_TENANT", "int", None, "--max-requests-per-tenant of pagedkv serve"),
     E("PAGEDKV_DASHBOARD_INTERVAL", "str", "1.0", "--dashboard-interval of pagedkv serve: seconds between snapshots"),
+    E("PAGEDKV_HTTP_HEADER_TIMEOUT", "float", 10.0, "--http-header-timeout of pagedkv serve: seconds for a "
+      "request's whole head"),
+    E("PAGEDKV_HTTP_BODY_TIMEOUT", "float", 30.0, "--http-body-timeout of pagedkv serve: seconds from a request's "
+      "head to the end of its body"),
+    E("PAGEDKV_MAX_CONNECTIONS", "int", 1024, "--max-connections of pagedkv serve: HTTP connections open at once"),
+    E("PAGEDKV_FORWARDED_ALLOW_IPS", "list", None, "--forwarded-allow-ips of pagedkv serve: proxies whose "
+      "X-Forwarded-For/-Proto count, comma-separated (default none)"),
     E("PAGEDKV_SERVED_MODEL_NAME", "str", None, "--served-model-name of pagedkv serve"),
     E("PAGEDKV_PREEMPTION_MODE", "str", "recompute", "--preemption-mode of pagedkv serve: recompute or swap"),
     E("PAGEDKV_MAX_NUM_SEQS", "int", 64, "--max-num-seqs of pagedkv serve"),

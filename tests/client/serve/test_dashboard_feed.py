@@ -18,7 +18,7 @@ import pytest
 from conftest import DASHBOARD_ADMIN_KEY, streamed_request
 from rich.console import Console
 
-from client.serve.dashboard.auth import COOKIE, LoginThrottle, Sessions, login_key, same_key
+from client.serve.dashboard.auth import COOKIE, KeyThrottle, Sessions, login_key, same_key
 from client.serve.dashboard.block_states import CACHED, FREE, USED, encode, pool_map, runs, unruns
 from client.services import MemoryClient, read_admin_token
 
@@ -126,9 +126,9 @@ def test_sessions_and_login_bodies():
     assert login_key(b'{"key": "  k "}', "application/json") == "k" and login_key(b"key=+", "") is None
 
 
-def test_failed_logins_are_throttled_per_address():
+def test_wrong_keys_are_throttled_per_address():
     now = [0.0]
-    throttle = LoginThrottle(max_failures=3, window=60, max_clients=2, clock=lambda: now[0])
+    throttle = KeyThrottle(max_failures=3, window=60, max_clients=2, clock=lambda: now[0])
     for t in (0, 10, 20):
         now[0] = t
         assert throttle.retry_after("a") == 0
@@ -141,6 +141,14 @@ def test_failed_logins_are_throttled_per_address():
     throttle.failed("b")
     throttle.failed("c")  # a third address: the one seen least recently ("a") is dropped
     assert throttle.retry_after("a") == 0
+    # refuse(): the first max_failures wrong keys are answered as usual (0), the next get a Retry-After, and
+    # each is counted, so an address that keeps guessing stays throttled.
+    now[0] = 100.0
+    assert [throttle.refuse("d") for _ in range(3)] == [0, 0, 0]
+    now[0] = 130.0
+    assert throttle.refuse("d") == 30  # counted: the window now starts at its second failure, still at 100
+    now[0] = 159.0
+    assert throttle.refuse("d") == 1 and throttle.refuse("d") == 31  # the last at 100 left; then 130 is oldest
 
 
 # ---------------------------------------------------------------- on a real server

@@ -21,7 +21,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from client.ops.stack import LocalStack
-from client.serve.dashboard.auth import COOKIE, MAX_FAILED_LOGINS
+from client.serve.dashboard.auth import COOKIE, MAX_FAILED_KEYS
 from client.serve.dashboard.block_states import MAX_CELLS
 from client.services import MemoryClient, read_admin_token
 
@@ -333,12 +333,18 @@ def test_a_pool_above_the_threshold_draws_as_a_heat_map(browser, big_pool):
     assert script_errors(browser) == []
 
 
-def test_failed_logins_are_throttled_and_the_bearer_key_still_works(big_pool):
+def test_failed_logins_are_throttled_and_the_right_key_still_works(big_pool):
     url, _ = big_pool  # its own server: the throttle counts per address, and every test comes from loopback
-    for _ in range(MAX_FAILED_LOGINS):
+    for _ in range(MAX_FAILED_KEYS):
         assert httpx.post(f"{url}/dashboard/login", json={"key": "guess"}).status_code == 401
-    r = httpx.post(f"{url}/dashboard/login", json={"key": DASHBOARD_ADMIN_KEY})
+    r = httpx.post(f"{url}/dashboard/login", json={"key": "guess"})
     assert r.status_code == 429 and 0 < int(r.headers["retry-after"]) <= 60 and "set-cookie" not in r.headers
     assert r.json()["error"]["type"] == "rate_limit_error"
+    # One throttle for logins and Bearer keys: a wrong Bearer key from the address is past the limit too.
+    r = httpx.get(f"{url}/dashboard/snapshot", headers={"Authorization": "Bearer guess"})
+    assert r.status_code == 429 and int(r.headers["retry-after"]) > 0
+    # The right key is never refused, by form or by header.
+    r = httpx.post(f"{url}/dashboard/login", json={"key": DASHBOARD_ADMIN_KEY})
+    assert r.status_code == 200 and COOKIE in r.headers["set-cookie"]
     r = httpx.get(f"{url}/dashboard/snapshot", headers={"Authorization": f"Bearer {DASHBOARD_ADMIN_KEY}"}, timeout=60)
     assert r.status_code == 200 and r.json()["type"] == "snapshot"

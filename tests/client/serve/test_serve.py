@@ -71,10 +71,13 @@ def steps(url: str, since: int = 0) -> dict:
     return r.json()
 
 
-def metrics(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics as {(name, sorted labels without model_name): value}."""
+def metrics(url: str, key: str | None = ADMIN) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics as {(name, sorted labels without model_name): value}, read with ``key``
+    (the module server's has API keys: /metrics needs the admin or the metrics key)."""
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+    assert r.status_code == 200, r.text
     out = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+    for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
             out[(s.name, labels)] = s.value
@@ -374,7 +377,7 @@ def test_queue_limit_shutdown_and_pool_check(stack, tmp_path, memory):
         threads.append(threading.Thread(target=target))
         threads[-1].start()
         deadline = time.monotonic() + 120
-        while metrics(url).get((gauge, ()), 0) < 1 and time.monotonic() < deadline:
+        while metrics(url, key=None).get((gauge, ()), 0) < 1 and time.monotonic() < deadline:  # no keys: open
             time.sleep(0.05)
     r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b"]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # can never be queued: not a 429
