@@ -64,9 +64,10 @@ DEFAULT_TTL = 30.0
 SERVICE = pb.DESCRIPTOR.services_by_name["MemoryService"]
 METHODS = [m.name for m in SERVICE.methods]
 C = grpc.StatusCode
-#: The codes a refusal may carry (DESIGN.md, "Errors"); INTERNAL, UNKNOWN, UNAVAILABLE never.
+#: The codes a refusal may carry (DESIGN.md, "Errors"; OUT_OF_RANGE: an event stream asked to start past
+#: the next event); INTERNAL, UNKNOWN, UNAVAILABLE never.
 DOCUMENTED = frozenset({C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION, C.RESOURCE_EXHAUSTED,
-                        C.PERMISSION_DENIED, C.UNAUTHENTICATED})
+                        C.PERMISSION_DENIED, C.UNAUTHENTICATED, C.OUT_OF_RANGE})
 #: Seconds a unary call may take before it counts as a hang; an event stream is read this long.
 CALL_TIMEOUT, STREAM_TIMEOUT = 30.0, 0.1
 #: Bytes that never parse as a request: a length past the end, wire type 7, a tag without its value,
@@ -767,6 +768,11 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
             self.outcomes["StreamKvEvents", "ok"] += 1
         except grpc.RpcError as e:
             self._refused("StreamKvEvents", e, {C.DEADLINE_EXCEEDED})
+            # OUT_OF_RANGE only past the next event, and at once for a number never reached (2^32 and up).
+            assert e.code() != C.OUT_OF_RANGE or (first or 0) > 1, (first, e.details())
+            assert (first or 0) < 1 << 32 or e.code() in (C.OUT_OF_RANGE, C.UNAUTHENTICATED), (first, e.code())
+        else:
+            assert (first or 0) < 1 << 32, f"from_sequence_number {first}: a stream, not OUT_OF_RANGE"
         if events:  # in order, without a gap, from the one asked for
             first = first or events[0].sequence_number
             assert [e.sequence_number for e in events] == list(range(first, first + len(events)))

@@ -246,8 +246,9 @@ class MemoryServiceServicer(object):
 
     def StreamKvEvents(self, request, context):
         """Streams prefix-cache events (block stored / removed / all cleared) in order,
-        every one or FAILED_PRECONDITION naming the first one lost; token ids only
-        for the admin role.
+        every one or FAILED_PRECONDITION naming the first one lost; OUT_OF_RANGE at
+        once for a from_sequence_number past the next event; token ids only for the
+        admin role.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
