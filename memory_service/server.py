@@ -21,6 +21,7 @@ from memory_service.manager.block_manager import RELEASE_CHUNK_BLOCKS, BlockMana
 from memory_service.manager.paging import decode_page_token, encode_page_token, page_size
 from memory_service.manager.requests import Allocation, Append, BlockCopy, OutOfBlocks, check_batch, check_request_size
 from memory_service.manager.sequence import Sequence, SequenceInfo
+from memory_service.peers import peer_identity
 from memory_service.pool import Pool
 from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
@@ -108,10 +109,15 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return out
 
     async def CreateLease(self, request, context):
+        """A lease of the caller: the admin's is exempt from the block quota and the limit per peer
+        (:mod:`memory_service.quotas`); a bad admin token is refused, not taken for no token."""
         require_role(context, {SCHEDULER}, "CreateLease")  # routers and workers hold no leases
+        admin = self.authz.caller(context).is_admin
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
-        lease, secret = self.manager.leases.open(ttl, request.owner)
-        return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl, lease_secret=secret)
+        peer = "" if admin or self.manager.leases.max_leases_per_peer is None else peer_identity(context)
+        lease, secret = self.manager.leases.open(ttl, request.owner, peer=peer, exempt=admin)
+        return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl, lease_secret=secret,
+                                      max_blocks=self.manager.block_quota(lease) or 0)
 
     async def KeepAlive(self, request, context):
         self.authz.lease(context, request.lease_id)

@@ -342,8 +342,11 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
     @rule(ttl=TTL, owner=TEXT, cred=CRED)
     def create_lease(self, ttl, owner, cred):
         req = pb.CreateLeaseRequest(owner=owner) if ttl is None else pb.CreateLeaseRequest(ttl_seconds=ttl, owner=owner)
-        resp = self.call("CreateLease", req, self._md(cred, None))
-        assert (resp is not None) == ((ttl is None or 0 < ttl <= 86_400) and len(owner) <= MAX_OWNER_CHARS), (ttl, resp)
+        md = self._md(cred, None)
+        bad_token = any(k == "authorization" and (k, v) not in self.t.admin for k, v in md)  # refused: not "none"
+        resp = self.call("CreateLease", req, md)
+        valid = (ttl is None or 0 < ttl <= 86_400) and len(owner) <= MAX_OWNER_CHARS and not bad_token
+        assert (resp is not None) == valid, (ttl, md, resp)
         if resp is not None:
             assert len(resp.lease_id) == 32 and resp.lease_secret and resp.ttl_seconds == (ttl or DEFAULT_TTL)
             self.leases.append(LeaseModel(resp.lease_id, resp.lease_secret, ttl is None or ttl >= DEFAULT_TTL))
