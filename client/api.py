@@ -129,6 +129,11 @@ class Client:
         worker_roles: each worker's role, "prefill", "decode" or "both" (default all "both"): a
             request prefills on a prefill worker and is handed to a decode worker with no copy
             (both map the pool; client.engine.scheduler.Scheduler.hand_off).
+        admin_token_file: the memory service's admin token file (``--admin-token-file``), read each
+            time the engine creates its lease: a lease created with the token is exempt from the
+            per-lease block quota (``--max-blocks-per-lease``, half the pool by default) and the limit
+            of leases per peer, so this client may schedule the whole pool (``pagedkv serve`` passes
+            it). None, an unreadable file or another service's token: a plain lease, under the quota.
 
     Raises:
         ValueError: no worker address, an unknown ``preemption_mode``, or a timeout <= 0.
@@ -141,12 +146,13 @@ class Client:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, lease_ttl: float | None = None,
                  max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
                  tls: TlsFiles | None = None, preemption_mode: str = "recompute", peers: Iterable[str] = (),
-                 worker_roles: list[str] | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT):
+                 worker_roles: list[str] | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT,
+                 admin_token_file: str | None = None):
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode=preemption_mode)
-        self.memory = MemoryClient(memory, tls=tls)
+        self.memory = MemoryClient(memory, tls=tls, lease_admin_token_file=admin_token_file)
         if not step_timeout > 0:
             raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
         self.workers = [WorkerClient(w, timeout=step_timeout, tls=tls) for w in workers]

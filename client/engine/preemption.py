@@ -48,11 +48,17 @@ class Preemption:
             self.swaps += 1
         else:
             self.swap_fallbacks += outcome == SwapOut.REFUSED
-            self.recomputed_tokens += sum(s.num_computed for s in req.seqs)
-            self.free([req], mpb.FREE_REASON_PREEMPTED)
-            self.scheduler.preempt(req)
+            self.recompute(req, count=False)
         self.preemptions += 1
         return outcome == SwapOut.SWAPPED
+
+    def recompute(self, req: Request, count: bool = True) -> None:
+        """Preempt running ``req`` by recompute, whatever the mode: its sequences are freed and it
+        waits at the front of the queue (``count``: as one more preemption)."""
+        self.recomputed_tokens += sum(s.num_computed for s in req.seqs)
+        self.free([req], mpb.FREE_REASON_PREEMPTED)
+        self.scheduler.preempt(req)
+        self.preemptions += count
 
     def swap_in(self, out: SchedulerOutput) -> set[int]:
         """Swap in the readmitted swapped-out requests and apply the outcome to the scheduler;

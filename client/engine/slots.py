@@ -70,16 +70,31 @@ class Slots:
                  pulls: PrefixPull | None, model_id: str, block_size: int):
         self.memory, self.lease_id, self.scheduler, self.commits = memory, lease_id, scheduler, commits
         self.pulls, self.model_id, self.block_size = pulls, model_id, block_size
+        #: The last QUOTA_EXCEEDED that refused a fork (:meth:`fork`), for the request it fails.
+        self.fork_refusal: QuotaExceeded | None = None
 
     def fork(self, parents: list) -> tuple[list, list]:
         """Fork each of ``parents`` (Seq objects holding blocks; one may come several times) in calls
         within the memory service's per-call bounds; returns the ForkSequences replies' children and
-        grants, in order."""
+        grants, in order. A call past the lease's block quota (QUOTA_EXCEEDED: a fork takes no
+        block, but adds table entries) is made again parent by parent, and a refused parent's child
+        and grant are None: it starts without blocks (the engine preempts or fails its request)."""
         children, grants = [], []
+        one_by_one = False
         while len(children) < len(parents):
             rest = parents[len(children):]
-            n = fits(rest[:MAX_FORK_CHILDREN], lambda p: len(p.block_table), MAX_FORK_BLOCK_IDS)
-            resp = self.memory.fork(self.lease_id(), [p.seq_id for p in rest[:n]])
+            n = 1 if one_by_one else fits(rest[:MAX_FORK_CHILDREN], lambda p: len(p.block_table), MAX_FORK_BLOCK_IDS)
+            try:
+                resp = self.memory.fork(self.lease_id(), [p.seq_id for p in rest[:n]])
+            except QuotaExceeded as e:
+                if n > 1:  # which of them fit: one at a time from here
+                    one_by_one = True
+                    continue
+                self.fork_refusal = e
+                log.info("fork_over_quota", seq_id=rest[0].seq_id, error=e.message)
+                children.append(None)
+                grants.append(None)
+                continue
             children += resp.children
             grants += resp.grants
         return children, grants
