@@ -99,11 +99,12 @@ class Slots:
             grants += resp.grants
         return children, grants
 
-    def append(self, out: SchedulerOutput, swapped_in: set[int], preempt: Callable[[Request, set[int]], bool],
+    def append(self, out: SchedulerOutput, swapped_in: set[int], preempt: Callable[[Request, set[int], bool], bool],
                fail: Callable[[Request, Exception], None]) -> Appended:
         """Grow the scheduled sequences that hold blocks (reservations never grow), in calls within
         the memory service's per-call limits (one call unless a step is huge); on OUT_OF_BLOCKS
-        ``preempt(victim, grown)`` the scheduler's victim (True: by swap) or ``fail`` a lone request,
+        ``preempt(victim, grown, over_quota)`` the scheduler's victim (True: by swap; ``over_quota``: the
+        lease's quota ran out, not the pool, so by recompute) or ``fail`` a lone request,
         drop it from ``out`` and go on with what is left.
 
         Only copy-on-write pairs (device to device) go in a Step's ``copies``; the tier copies an
@@ -146,7 +147,7 @@ class Slots:
         return result
 
     def _shortfall(self, out: SchedulerOutput, error: Exception, grown: set[int],
-                   preempt: Callable[[Request, set[int]], bool], fail: Callable[[Request, Exception], None],
+                   preempt: Callable[[Request, set[int], bool], bool], fail: Callable[[Request, Exception], None],
                    result: Appended) -> None:
         """An AppendSlots found no room: preempt the scheduler's victim, or fail a lone request."""
         victim = self.scheduler.pick_victim(out.scheduled)
@@ -154,7 +155,7 @@ class Slots:
             victim = out.scheduled[0].request
             fail(victim, error)
         else:
-            if preempt(victim, grown):
+            if preempt(victim, grown, isinstance(error, QuotaExceeded)):
                 result.swapped.append(victim.request_id)
             result.preempted.append(victim.request_id)
         out.drop(victim)

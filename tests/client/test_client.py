@@ -157,7 +157,7 @@ def small_stack(tmp_path_factory):
     from conftest import local_stack
 
     with local_stack(tmp_path_factory.mktemp("small"), ["--num-blocks", "14", "--block-size", "16",
-                                                        "--max-blocks-per-lease", "100%"], name="small") as s:
+                                                        "--max-blocks-per-lease", "none"], name="small") as s:
         yield s
 
 

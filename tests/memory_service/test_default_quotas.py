@@ -171,20 +171,22 @@ def test_a_loopback_peer_is_the_uid_owning_its_socket():
 
 
 # ----------------------------------------------------------------------------- the engine under a quota
-def test_the_engine_meets_its_lease_quota_without_failing_the_others(tmp_path, tiny_model):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_engine_meets_its_lease_quota_without_failing_the_others(tmp_path, tiny_model, mode):
     """A plain lease (no admin token) under a block quota of 6: the longest sequence served is 6 blocks;
     parallel samples whose fork passes the quota are preempted while another request of the lease runs
     (its blocks come back) and all finish as they would alone; alone past the quota, a request fails
-    with QUOTA_EXCEEDED and the engine goes on."""
+    with QUOTA_EXCEEDED and the engine goes on. In swap mode too: a victim of the quota is preempted
+    by recompute (its swapped-out blocks would still count against the quota)."""
     from client import Client, SamplingParams
     from client.errors import QuotaExceeded
 
     long, short = list(range(10, 50)), list(range(60, 80))  # 40 and 20 tokens: 3 and 2 blocks of 16
     one = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     two = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=8, ignore_eos=True)  # 2 x 2 blocks
-    with local_stack(tmp_path, ["--num-blocks", "64", "--block-size", "16", "--max-blocks-per-lease", "6"],
-                     num_workers=1, name="quota-forks", model=tiny_model[0]) as s:
-        with Client(s.memory.address, s.worker_addresses) as c:
+    with local_stack(tmp_path, ["--num-blocks", "64", "--block-size", "16", "--max-blocks-per-lease", "6",
+                                "--host-cache-memory", "1MiB"], num_workers=1, name="quota", model=tiny_model[0]) as s:
+        with Client(s.memory.address, s.worker_addresses, preemption_mode=mode) as c:
             assert c.engine.lease.max_blocks == 6 and c.limits.max_context == 6 * 16
             alone = [c.generate([long], one)[0], c.generate([short], two)[0]]
             assert c.engine.preemption.preemptions == 0
@@ -192,6 +194,12 @@ def test_the_engine_meets_its_lease_quota_without_failing_the_others(tmp_path, t
             assert c.engine.preemption.preemptions > 0
             assert [[o.token_ids for o in r.outputs] for r in together] == [[o.token_ids for o in r.outputs]
                                                                             for r in alone]
+            grow = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)  # 20 + 30 tokens: 4 blocks each
+            pair = [list(range(100, 120)), list(range(200, 220))]
+            apart = [c.generate([p], grow)[0].outputs[0].token_ids for p in pair]
+            before = c.engine.preemption.preemptions
+            assert [r.outputs[0].token_ids for r in c.generate(pair, grow)] == apart  # 8 blocks: past 6 on the way
+            assert c.engine.preemption.preemptions > before and c.engine.preemption.swaps == 0
             four = SamplingParams(temperature=0.8, seed=1, n=4, max_tokens=8, ignore_eos=True)
             with pytest.raises(QuotaExceeded):  # its 4 sequences of 3 blocks can never fit 6
                 c.generate([long], four)
