@@ -345,6 +345,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "600",
                 "--admin-token-file",
                 str(tmp / "admin-token"),
+                "--max-blocks-per-lease",  # its one client takes the whole pool
+                "none",
             ],
             run_dir=tmp,
             env=env,

@@ -136,6 +136,11 @@ class Client:
             (pagedkv.runtime.cache_salt). A string: that namespace, shared with whoever uses it
             (several users, or fronts, that share a cache on purpose). "": none, every process of
             the machine shares.
+        admin_token_file: the memory service's admin token file (``--admin-token-file``), read each
+            time the engine creates its lease: a lease created with the token is exempt from the
+            per-lease block quota (``--max-blocks-per-lease``, half the pool by default) and the limit
+            of leases per peer, so this client may schedule the whole pool (``pagedkv serve`` passes
+            it). None, an unreadable file or another service's token: a plain lease, under the quota.
 
     Raises:
         ValueError: no worker address, an unknown ``preemption_mode``, or a timeout <= 0.
@@ -150,14 +155,14 @@ class Client:
                  max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
                  tls: TlsFiles | None = None, preemption_mode: str = "recompute", peers: Iterable[str] = (),
                  worker_roles: list[str] | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT,
-                 cache_namespace: str | None = None):
+                 cache_namespace: str | None = None, admin_token_file: str | None = None):
         #: The namespace every request's cache salt starts with ("" none).
         self.cache_namespace = namespace(load_secret(), "user") if cache_namespace is None else cache_namespace
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode=preemption_mode)
-        self.memory = MemoryClient(memory, tls=tls)
+        self.memory = MemoryClient(memory, tls=tls, lease_admin_token_file=admin_token_file)
         if not step_timeout > 0:
             raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
         self.workers = [WorkerClient(w, timeout=step_timeout, tls=tls) for w in workers]

@@ -63,8 +63,15 @@ class OutOfHostBlocks(_Shortfall):
 class QuotaExceeded(ServiceError):
     """RESOURCE_EXHAUSTED with reason QUOTA_EXCEEDED: the lease would pass a per-lease quota (nothing changed).
 
-    ``quota`` is "blocks" (block-table entries) or "sequences"; ``limit``, ``requested`` and ``held`` are counts.
+    ``quota`` is "blocks" (block-table entries), "sequences" or "leases"; ``limit``, ``requested`` and
+    ``held`` are counts.
     """
+
+    @classmethod
+    def of(cls, quota: str, limit: int, requested: int, held: int, message: str) -> QuotaExceeded:
+        """The error as the memory service would send it (for a quota the client sees will be passed)."""
+        return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, message, QUOTA_EXCEEDED,
+                   {"quota": quota, "limit": str(limit), "requested": str(requested), "held": str(held)})
 
     @property
     def quota(self) -> str:

@@ -9,7 +9,9 @@ Credentials (memory_service/authz.py): :class:`MemoryClient` keeps the secret of
 each lease it created and sends it (metadata ``pagedkv-lease-secret``) on every
 call on that lease; given an admin token (:func:`read_admin_token`) it sends
 ``authorization: Bearer <token>`` on the admin calls (every lease's sequences,
-ResetPrefixCache, CheckInvariants).
+ResetPrefixCache, CheckInvariants). Given the token's file for leases
+(``lease_admin_token_file``, what ``pagedkv serve`` does), CreateLease carries the token too:
+such a lease is exempt from the per-lease block quota and the limit of leases per peer.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def read_admin_token(path: str | os.PathLike | None = None) -> str | None:
         return None
 
 
+def _bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """The metadata that makes a call the admin's: ``authorization: Bearer <token>``."""
+    return (("authorization", f"Bearer {token}"),)
+
+
 def _typed(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -102,15 +109,20 @@ class MemoryClient(_Channel):
         tls: mutual-TLS files (pagedkv.runtime.tls); None = plaintext (loopback only).
         admin_token: the service's admin token (:func:`read_admin_token`), for the admin calls;
             None = no admin rights (under TLS, an admin certificate gives them instead).
+        lease_admin_token_file: the service's admin token file, read at each :meth:`create_lease`
+            (a restarted service has a new token) so that the lease is the admin's: exempt from the
+            per-lease block quota and the limit of leases per peer (``pagedkv serve``). None, an
+            unreadable file or a token the service refuses: a plain lease (logged).
 
     Each lease created through :meth:`create_lease` has its secret kept here and sent
     on every call naming the lease; :meth:`add_lease` adds one created elsewhere.
     """
 
     def __init__(self, address: str, timeout: float = 30.0, tls: TlsFiles | None = None,
-                 admin_token: str | None = None):
+                 admin_token: str | None = None, lease_admin_token_file: str | os.PathLike | None = None):
         super().__init__(address, timeout, mpb_grpc.MemoryServiceStub, tls)
         self.admin_token = admin_token
+        self.lease_admin_token_file = lease_admin_token_file
         self._secrets: dict[str, str] = {}  # lease id -> its secret
 
     def add_lease(self, lease_id: str, secret: str) -> None:
@@ -122,19 +134,54 @@ class MemoryClient(_Channel):
         return ((LEASE_SECRET_METADATA, secret),) if secret else ()
 
     def _admin_md(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.admin_token}"),) if self.admin_token else ()
+        return _bearer(self.admin_token) if self.admin_token else ()
 
     @_typed
     def pool(self) -> mpb.PoolDescriptor:
         return self.stub.GetPoolDescriptor(mpb.GetPoolDescriptorRequest(), timeout=self.timeout).pool
 
-    @_typed
     def create_lease(self, ttl: float | None = None) -> mpb.CreateLeaseResponse:
-        """A new lease; its secret (``lease_secret``) is kept for the calls on it."""
-        owner = f"{socket.gethostname()}:{os.getpid()}"
-        resp = self.stub.CreateLease(mpb.CreateLeaseRequest(ttl_seconds=ttl, owner=owner), timeout=self.timeout)
+        """A new lease (``ttl`` seconds; None: the service's default); its secret (``lease_secret``) is
+        kept for the calls on it. With :attr:`lease_admin_token_file`, created with the admin token in
+        it (``max_blocks`` 0: no block quota), else, or when the service refuses that token, a plain lease.
+
+        Raises:
+            client.errors.QuotaExceeded: the service's --max-leases, or this caller's --max-leases-per-peer.
+            client.errors.ServiceError: any other refusal.
+        """
+        req = mpb.CreateLeaseRequest(ttl_seconds=ttl, owner=f"{socket.gethostname()}:{os.getpid()}")
+        token = self._lease_admin_token()
+        try:
+            if token is not None:
+                try:
+                    resp = self.stub.CreateLease(req, timeout=self.timeout, metadata=_bearer(token))
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                        raise
+                    log.warning("lease_admin_token_refused", file=str(self.lease_admin_token_file), error=e.details(),
+                                effect="a plain lease: the per-lease block quota applies")
+                    token = None
+            if token is None:
+                resp = self.stub.CreateLease(req, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
         self._secrets[resp.lease_id] = resp.lease_secret
         return resp
+
+    def _lease_admin_token(self) -> str | None:
+        """The token in :attr:`lease_admin_token_file` now, or None (no file given, or unreadable: logged)."""
+        if self.lease_admin_token_file is None:
+            return None
+        try:
+            token = read_admin_token(self.lease_admin_token_file)
+        except OSError as e:
+            token, why = None, str(e)
+        else:
+            why = "no such file, or empty"
+        if token is None:
+            log.info("lease_admin_token_unread", file=str(self.lease_admin_token_file), error=why,
+                     effect="a plain lease: the per-lease block quota applies")
+        return token
 
     @_typed
     def keep_alive(self, lease_id: str) -> float:
@@ -291,6 +338,8 @@ class Lease:
         #: The lease's secret (``memory`` sends it on every call on the lease).
         self.secret = resp.lease_secret
         self.ttl = resp.ttl_seconds
+        #: Block-table entries the lease may hold; None: no quota (none set, or created with the admin token).
+        self.max_blocks = resp.max_blocks or None
         #: The refusal that showed the lease is gone, once a keep-alive met one; None while it lives.
         self.lost: ServiceError | None = None
         self._closed = False

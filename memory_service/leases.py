@@ -52,7 +52,7 @@ import hashlib
 import hmac
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,6 +114,10 @@ class Lease:
     secret_hash: bytes = b""
     #: Block-table entries of its sequences (a block shared by two of them counts twice); quotas count these.
     num_block_entries: int = 0
+    #: Who opened it (:func:`memory_service.peers.peer_identity`), for the limit of leases per peer.
+    peer: str = ""
+    #: Opened by the admin: no per-lease block quota, and not counted against its peer.
+    exempt: bool = False
 
 
 class LeaseTable(LiveTable[str, Lease]):
@@ -124,13 +128,16 @@ class LeaseTable(LiveTable[str, Lease]):
         on_drop: called with a lease about to be forgotten (released or expired); frees its
             sequences and returns how many it freed (logged).
         clock: monotonic time source in seconds.
+        max_leases: most live leases (None: no limit).
+        max_leases_per_peer: most live leases one peer opened, exempt ones not counted (None: no limit).
 
     Raises:
         ValueError: ``default_ttl`` <= 0.
     """
 
     def __init__(self, default_ttl: float, on_drop: Callable[[Lease], int],
-                 clock: Callable[[], float] = time.monotonic, max_leases: int | None = None):
+                 clock: Callable[[], float] = time.monotonic, max_leases: int | None = None,
+                 max_leases_per_peer: int | None = None):
         if default_ttl <= 0:
             raise ValueError(f"lease_ttl must be > 0 seconds, got {default_ttl}")
         super().__init__()
@@ -142,6 +149,11 @@ class LeaseTable(LiveTable[str, Lease]):
         #: Most live leases (None: no limit): bounds the table every expiry sweep walks, and what one
         #: caller can hold by opening lease after lease (each lease has its own quotas).
         self.max_leases = max_leases
+        #: Most live leases of one peer, the admin's not counted (None: no limit): without it one local
+        #: caller gets round the per-lease block quota by opening lease after lease.
+        self.max_leases_per_peer = max_leases_per_peer
+        #: Peer -> its live leases that count (not exempt).
+        self._per_peer: Counter[str] = Counter()
         #: Recently ended lease id -> (how it ended: "expired" / "released", its secret's hash), oldest first.
         self._ended: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
         #: Longest expected gap between two looks at the clock, seconds (None: stalls are not credited).
@@ -178,13 +190,17 @@ class LeaseTable(LiveTable[str, Lease]):
         self.stall_credit += late
         log.warning("stall_credited", seconds=round(late, 3), leases=len(self._live))
 
-    def open(self, ttl: float | None = None, owner: str = "") -> tuple[Lease, str]:
-        """Open a lease with ``ttl`` seconds (default: the table's); returns it and its secret.
+    def open(self, ttl: float | None = None, owner: str = "", *, peer: str = "",
+             exempt: bool = False) -> tuple[Lease, str]:
+        """Open a lease with ``ttl`` seconds (default: the table's) for ``peer`` (who asks; ``exempt``:
+        the admin, not counted against it); returns the lease and its secret.
 
         The secret (43 URL-safe characters) is returned only here; the table keeps its hash.
 
         Raises:
-            InvalidArgumentError: ttl not in (0, 86400].
+            InvalidArgumentError: ttl not in (0, 86400], or an owner label too long.
+            QuotaExceededError: ``max_leases`` leases live, or (unless ``exempt``) ``max_leases_per_peer``
+                of ``peer``'s; nothing changed.
         """
         ttl = self.default_ttl if ttl is None else ttl
         if not 0 < ttl <= MAX_TTL:
@@ -195,10 +211,17 @@ class LeaseTable(LiveTable[str, Lease]):
         if self.max_leases is not None and len(self._live) >= self.max_leases:
             raise QuotaExceededError("leases", self.max_leases, 1, len(self._live), "CreateLease",
                                      holder="the memory service", flag="--max-leases")
+        limit, held = self.max_leases_per_peer, self._per_peer[peer]
+        if not exempt and limit is not None and held >= limit:
+            raise QuotaExceededError("leases", limit, 1, held, "CreateLease", holder=f"this caller ({peer})",
+                                     flag="--max-leases-per-peer")
         secret = secrets.token_urlsafe(32)
-        lease = Lease(lease_id_of(secret), ttl, self.clock() + ttl, owner, secret_hash=secret_hash(secret))
+        lease = Lease(lease_id_of(secret), ttl, self.clock() + ttl, owner, secret_hash=secret_hash(secret), peer=peer,
+                      exempt=exempt)
         self._live[lease.lease_id] = lease
-        log.info("lease_created", lease_id=lease.lease_id, ttl=ttl, owner=owner)
+        if not exempt:
+            self._per_peer[peer] += 1
+        log.info("lease_created", lease_id=lease.lease_id, ttl=ttl, owner=owner, peer=peer, exempt=exempt)
         return lease, secret
 
     def create(self, ttl: float | None = None, owner: str = "") -> Lease:
@@ -310,4 +333,8 @@ class LeaseTable(LiveTable[str, Lease]):
     def _drop(self, lease: Lease) -> int:
         n = self._on_drop(lease)
         del self._live[lease.lease_id]
+        if not lease.exempt:
+            self._per_peer[lease.peer] -= 1
+            if not self._per_peer[lease.peer]:
+                del self._per_peer[lease.peer]
         return n

@@ -15,8 +15,10 @@ receive the pool's handle on the Unix socket ``--worker-socket`` (default
 writes a fresh admin token to ``--admin-token-file`` (mode 0600; default
 ``$PAGEDKV_HOME/admin-token``): ``authorization: Bearer <token>`` makes a caller the
 admin (memory_service/authz.py). ``--max-blocks-per-lease`` and
-``--max-sequences-per-lease`` set per-lease quotas (default: no block quota, 16,384 sequences,
-so that dropping one lease stays bounded work on the event loop). Automatic prefix caching is on
+``--max-sequences-per-lease`` set per-lease quotas (default: half the pool's blocks, 16,384 sequences,
+so that dropping one lease stays bounded work on the event loop), ``--max-leases-per-peer`` the live
+leases of one caller (default 64); the admin's leases are exempt from the first and the last
+(:mod:`memory_service.quotas`). Automatic prefix caching is on
 unless ``--no-prefix-caching``; ``--metrics-port`` serves Prometheus metrics. SIGTERM marks the service NOT_SERVING
 (workers
 watching health drop their mapping), closes the worker socket, waits the grace
@@ -33,6 +35,7 @@ from memory_service.authz import create_admin_token
 from memory_service.layout import make_layout
 from memory_service.manager.block_manager import BlockManager
 from memory_service.pool import CpuPool, CudaPool, Pool
+from memory_service.quotas import DEFAULT_BLOCKS_PER_LEASE, DEFAULT_MAX_LEASES_PER_PEER, parse_block_quota, parse_limit
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
 from memory_service.spec import MemorySpec
 from memory_service.step_grants import GrantSigner
@@ -131,9 +134,20 @@ def _add_trust_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-blocks-per-lease",
-        type=_quota,
-        default=None,
-        help="quota of block-table entries per lease, a shared block counting for each holder (default: none)",
+        type=parse_block_quota,
+        default=env("PAGEDKV_MAX_BLOCKS_PER_LEASE"),
+        metavar="N|P%|none",
+        help=f"quota of block-table entries per lease, a shared block counting for each holder: N blocks, P%% of "
+        f"the pool's, or 0 / none for no quota (default {DEFAULT_BLOCKS_PER_LEASE.replace('%', '%%')}); a lease "
+        "the admin created (admin token or certificate, as pagedkv serve does) is exempt",
+    )
+    p.add_argument(
+        "--max-leases-per-peer",
+        type=parse_limit,
+        default=env("PAGEDKV_MAX_LEASES_PER_PEER"),
+        metavar="N|none",
+        help=f"most live leases of one caller: a local uid on loopback, a client certificate under TLS "
+        f"(default {DEFAULT_MAX_LEASES_PER_PEER}; 0 / none: no limit); the admin's leases do not count",
     )
     p.add_argument(
         "--max-leases",
@@ -224,9 +238,10 @@ async def serve(spec: MemorySpec) -> None:
         prefix_caching=spec.prefix_caching,
         epochs=pool.epochs,
         max_events=spec.max_kv_events,
-        max_blocks_per_lease=spec.max_blocks_per_lease,
+        max_blocks_per_lease=spec.max_blocks_per_lease.resolve(pool.layout.num_blocks),
         max_sequences_per_lease=spec.max_sequences_per_lease,
         max_leases=spec.max_leases,
+        max_leases_per_peer=spec.max_leases_per_peer,
         host_num_blocks=pool.host_num_blocks,
         host_epochs=pool.host_epochs,
     )

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from memory_service.block_pool import BlockPool
 from memory_service.manager.sequence import Sequence
 from pagedkv.runtime.block_hash import CacheKey, chain_hashes, leading_hits
-from pagedkv.runtime.errors import FailedPreconditionError, InvalidArgumentError
+from pagedkv.runtime.errors import FailedPreconditionError, InvalidArgumentError, OutOfRangeError
 from pagedkv.runtime.logs import get_logger
 
 log = get_logger("block_manager")
@@ -249,12 +249,20 @@ class PrefixCache:
             InvalidArgumentError: ``first`` < 1 (events are numbered from 1).
             FailedPreconditionError: the log already dropped event ``first`` (it keeps ``max_events``);
                 the message names ``first`` and the oldest event kept.
+            OutOfRangeError: ``first`` is past the next event to be logged (metadata ``next``: that
+                event's number); such a cursor would wait for ever, or for a later event than asked.
         """
         events = self.events
         if first is None:
             return KvEventCursor(events, self._next_event)
         if first < 1:
             raise InvalidArgumentError(f"from_sequence_number must be >= 1 (events are numbered from 1), got {first}")
+        if first > self._next_event:
+            raise OutOfRangeError(
+                f"from_sequence_number {first} is past the next KV event to be logged, {self._next_event} (a memory "
+                "service numbers its events from 1 again when it restarts): subscribe from at most "
+                f"{self._next_event}, or without from_sequence_number for new events only",
+                metadata={"next": str(self._next_event)})
         cursor = KvEventCursor(events, first)
         cursor.check_retained()
         return cursor

@@ -15,13 +15,14 @@ import hmac
 import time
 
 from memory_service.authz import ROUTER, SCHEDULER, WORKER, Authorizer
+from memory_service.event_stream import stream_events
 from memory_service.leases import Lease
 from memory_service.manager.block_manager import RELEASE_CHUNK_BLOCKS, BlockManager
 from memory_service.manager.paging import decode_page_token, encode_page_token, page_size
 from memory_service.manager.requests import Allocation, Append, BlockCopy, OutOfBlocks, check_batch, check_request_size
 from memory_service.manager.sequence import Sequence, SequenceInfo
+from memory_service.peers import peer_identity
 from memory_service.pool import Pool
-from memory_service.prefix_cache import KvEvent, PrefixCache
 from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
 from pagedkv.memory.v1 import memory_service_pb2 as pb
@@ -51,18 +52,6 @@ def _table(seq: Sequence) -> pb.SequenceBlockTable:
 
 def _copy(c: BlockCopy) -> pb.BlockCopy:
     return pb.BlockCopy(src=c.src, dst=c.dst, src_medium=c.src_medium, dst_medium=c.dst_medium, seq_id=max(c.seq_id, 0))
-
-
-def _event(e: KvEvent, with_token_ids: bool) -> pb.KvEvent:
-    """The event as sent; a stored block's token ids only when ``with_token_ids`` (the admin)."""
-    if e.kind == "stored":
-        return pb.KvEvent(sequence_number=e.sequence_number, block_stored=pb.BlockStored(
-            block_hash=e.block_hash, parent_block_hash=e.parent_hash, block_id=e.block_id,
-            token_ids=e.token_ids if with_token_ids else (), medium=e.medium))
-    if e.kind == "removed":
-        return pb.KvEvent(sequence_number=e.sequence_number, block_removed=pb.BlockRemoved(
-            block_hash=e.block_hash, block_id=e.block_id, medium=e.medium))
-    return pb.KvEvent(sequence_number=e.sequence_number, all_cleared=pb.AllBlocksCleared())
 
 
 def _info(info: SequenceInfo, with_lease_id: bool) -> pb.SequenceInfo:
@@ -120,10 +109,15 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         return out
 
     async def CreateLease(self, request, context):
+        """A lease of the caller: the admin's is exempt from the block quota and the limit per peer
+        (:mod:`memory_service.quotas`); a bad admin token is refused, not taken for no token."""
         require_role(context, {SCHEDULER}, "CreateLease")  # routers and workers hold no leases
+        admin = self.authz.caller(context).is_admin
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
-        lease, secret = self.manager.leases.open(ttl, request.owner)
-        return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl, lease_secret=secret)
+        peer = "" if admin or self.manager.leases.max_leases_per_peer is None else peer_identity(context)
+        lease, secret = self.manager.leases.open(ttl, request.owner, peer=peer, exempt=admin)
+        return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl, lease_secret=secret,
+                                      max_blocks=self.manager.block_quota(lease) or 0)
 
     async def KeepAlive(self, request, context):
         self.authz.lease(context, request.lease_id)
@@ -308,54 +302,20 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
 
         Every event in order, sent as soon as it is logged (the stream wakes on each event, no
         polling); a subscriber that falls more than the retained window behind, or asks for an
-        event no longer kept, ends with FAILED_PRECONDITION naming the first number it lost.
+        event no longer kept, ends with FAILED_PRECONDITION naming the first number it lost; one
+        past the next event to be logged is OUT_OF_RANGE at once (:mod:`memory_service.event_stream`).
         Token ids only for the admin role (routers get hashes and block ids). Under TLS only the
         router role (and the admin) may subscribe: the stream tells which prefixes are cached.
         """
         require_role(context, {ROUTER}, "StreamKvEvents")
         with_token_ids = self.authz.caller(context).is_admin
         first = request.from_sequence_number if request.HasField("from_sequence_number") else None
-        changes = _kv_changes(self.manager.prefix_cache)
-        cursor = self.manager.prefix_cache.subscribe(first)
-        while True:
-            changed = changes.current()  # taken before the poll, so no event can slip between
-            batch = cursor.poll(EVENTS_PER_WAKE)
-            for e in batch:
-                yield _event(e, with_token_ids)
-            if not batch:
-                await changed.wait()
+        async for event in stream_events(self.manager.prefix_cache, first, with_token_ids):
+            yield event
 
 
-#: Events a stream sends between two looks at the log.
-EVENTS_PER_WAKE = 1024
 #: Cached blocks ResetPrefixCache drops per turn of the event loop (~1.3 us each: ~10 ms a turn).
 RESET_CHUNK_BLOCKS = 8192
-
-
-class _Changes:
-    """Wakes every waiting event stream when the log grows: one ``asyncio.Event`` per round."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def notify(self) -> None:
-        """An event was logged (called synchronously from the prefix cache)."""
-        self._event.set()
-
-    def current(self) -> asyncio.Event:
-        """The event the next emission sets (a fresh one once the last was set)."""
-        if self._event.is_set():
-            self._event = asyncio.Event()
-        return self._event
-
-
-def _kv_changes(cache: PrefixCache) -> _Changes:
-    """The notifier of ``cache``'s log, installed as its ``on_emit`` on first use."""
-    changes = getattr(cache.on_emit, "__self__", None)
-    if not isinstance(changes, _Changes):
-        changes = _Changes()
-        cache.on_emit = changes.notify
-    return changes
 
 
 async def expire_leases_forever(manager: BlockManager, period: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from memory_service.quotas import BlockQuota
 from pagedkv import config
 from pagedkv.config import DEFAULT_CPU_KV_MEMORY, DEFAULT_CUDA_KV_MEMORY, DType, host_cache_bytes, parse_bytes
 from pagedkv.runtime.service import Bind
@@ -82,10 +83,13 @@ class MemorySpec:
     prefix_caching: bool
     #: KV events kept for replay.
     max_kv_events: int
-    #: Quotas: block-table entries and live sequences per lease (None: no block quota), live leases.
-    max_blocks_per_lease: int | None
+    #: Quotas: block-table entries per lease (a count, a percent of the pool's or none; the admin's
+    #: leases exempt), live sequences per lease, live leases, live leases per peer (None: no limit;
+    #: the admin's leases do not count).
+    max_blocks_per_lease: BlockQuota
     max_sequences_per_lease: int
     max_leases: int
+    max_leases_per_peer: int | None
     #: Port of Prometheus /metrics (0: any free port); None: none.
     metrics_port: int | None
     #: Seconds between NOT_SERVING and releasing the pool.
@@ -105,5 +109,5 @@ class MemorySpec:
             Bind.from_args(args), PoolSpec.from_args(args), args.model, args.revision, args.pool_id,
             args.worker_socket, args.admin_token_file, args.transfer_key_file, args.node_name, args.lease_ttl,
             args.prefix_caching, args.max_kv_events, args.max_blocks_per_lease, args.max_sequences_per_lease,
-            args.max_leases, args.metrics_port, args.grace,
+            args.max_leases, args.max_leases_per_peer, args.metrics_port, args.grace,
         )

@@ -201,11 +201,13 @@ done
 trap down EXIT
 trap 'exit 130' INT TERM
 
-# The worker socket's tmpfs volume, made beforehand with the compose file's options (podman 4.3
-# reads some volume options as its own); compose then uses it as it is.
-podman volume exists "${PROJECT}_pagedkv-run" || podman volume create --label "com.docker.compose.project=$PROJECT" --label "io.podman.compose.project=$PROJECT" \
-    --opt type=tmpfs --opt device=tmpfs \
-    --opt "o=uid=10001,gid=10001,mode=0700" "${PROJECT}_pagedkv-run" >/dev/null
+# The tmpfs volumes (the worker socket's, the admin token's), made beforehand with the compose
+# file's options (podman 4.3 reads some volume options as its own); compose then uses them as they are.
+for volume in pagedkv-run pagedkv-admin; do
+    podman volume exists "${PROJECT}_$volume" || podman volume create --label "com.docker.compose.project=$PROJECT" \
+        --label "io.podman.compose.project=$PROJECT" --opt type=tmpfs --opt device=tmpfs \
+        --opt "o=uid=10001,gid=10001,mode=0700" "${PROJECT}_$volume" >/dev/null
+done
 
 wait_healthy() {  # SERVICE TIMEOUT: start it, then run its health check until it passes
     local svc=$1 timeout=$2 t=$SECONDS c

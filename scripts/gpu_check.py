@@ -288,7 +288,8 @@ def start_stack(
     `--kv-cache-dtype dtype` when given) and one worker, both on `device` with `model`; logs under `work`."""
     from client.ops.stack import LocalStack  # imported once the source tree is on sys.path
 
-    mem_args = ["--num-blocks", "256", "--block-size", "16", *(["--kv-cache-dtype", dtype] if dtype else [])]
+    mem_args = ["--num-blocks", "256", "--block-size", "16", "--max-blocks-per-lease", "none",  # one client: the pool
+                *(["--kv-cache-dtype", dtype] if dtype else [])]
     return LocalStack(
         mem_args,
         device=device,

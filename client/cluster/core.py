@@ -115,7 +115,8 @@ class Cluster:
         pulls: whether a node reads prefixes other nodes cache (client.engine.transfers); without, each
             node computes what it lacks (a request split across prefill and decode nodes needs them).
         cache_namespace: as :class:`Client`'s (None: this user's).
-        client_kwargs: passed to every node's :class:`Client` (batch limits, TLS, ...).
+        client_kwargs: passed to every node's :class:`Client` (batch limits, TLS, the admin token file its
+            lease is created with: a node whose memory service refuses that token gets a plain lease, ...).
 
     Raises:
         ValueError: no node, duplicate names, a role missing, nodes of different layouts, or mutual

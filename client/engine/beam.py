@@ -175,7 +175,7 @@ class ForkPlan:
 
         Args:
             children: the forked block tables (``seq_id``, ``block_ids``), one per :attr:`parents`
-                entry, same order.
+                entry, same order; None where the fork was refused: that branch starts without blocks.
             grants: the children's StepGrants, same order.
         """
         child_of = {id(b): c for b, c in zip(self.forkable, children)}

@@ -27,7 +27,9 @@ One :meth:`Engine.step` (vLLM v1's schedule / execute / update_from_output, spli
                  free finished sequences                          (1 FreeSequences)
 
 so a step makes a constant number of memory-service calls (plus one per
-preemption) and one Step call per worker. A lost lease or a new pool generation
+preemption) and one Step call per worker. QUOTA_EXCEEDED (the lease at its block or
+sequence quota, ``--max-blocks-per-lease``) is met like OUT_OF_BLOCKS in 4-6, and the
+longest sequence served is capped by the lease's block quota as by the pool. A lost lease or a new pool generation
 met by a step is recovered from before the next (client.engine.recovery): a new lease,
 and the running requests recomputed. Requests join between steps and
 leave as soon as they finish. Sampling is reproducible without worker state:
@@ -54,7 +56,7 @@ from client.engine.step_update import StepUpdate
 from client.engine.swap import Swapper, check_host_tier
 from client.engine.transfers import Peer, PrefixPull
 from client.engine.worker_step import StepRunner
-from client.errors import OutOfBlocks, ServiceError
+from client.errors import OutOfBlocks, QuotaExceeded, ServiceError
 from client.params import model_defaults
 from client.request import Request, Status
 from client.services import Lease, MemoryClient, WorkerClient
@@ -94,11 +96,17 @@ class Engine:
         self.eos_ids = set(info.eos_token_ids)
         #: The model's request defaults (its generation_config.json), applied at admission (:meth:`add`).
         self.generation_defaults = model_defaults(info.generation_defaults, info.ignored_generation_keys)
-        self.max_context = context_limit(info.max_context, info.sliding_window, self.num_blocks * self.block_size,
-                                         max_model_len)
-        self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,  # checks the roles first
-                                   max_context=self.max_context, num_workers=len(workers), worker_roles=worker_roles)
         self.lease = Lease(memory, lease_ttl)
+        try:  # a sequence longer than the lease's block quota could never finish: the context stops there too
+            self.max_context = context_limit(info.max_context, info.sliding_window,
+                                             min(self.num_blocks, self.lease.max_blocks or self.num_blocks)
+                                             * self.block_size, max_model_len)
+            self.scheduler = Scheduler(config or SchedulerConfig(), block_size=self.block_size,  # checks the roles
+                                       max_context=self.max_context, num_workers=len(workers),
+                                       worker_roles=worker_roles)
+        except BaseException:
+            self.lease.close()
+            raise
         #: The last step's receipts waiting for the next AppendSlots (client.engine.commits).
         self.commits = Commits(memory, lambda: self.lease)
         self.branching = Branching()
@@ -232,7 +240,7 @@ class Engine:
         if not self.failover.ready:  # every worker is down: wait for one (client.engine.failover)
             self.failover.wait_for_a_worker(self.scheduler.has_work())
             return list(updated.values())
-        self._fork()
+        self._fork(updated)
         may_admit = self.scheduler.may_admit()  # only then the pool's free blocks (a GetStats call)
         out = self.scheduler.schedule(self._available_blocks() if may_admit else 0)
         if not out.scheduled and not may_admit:  # a request came in meanwhile: schedule it on the real count
@@ -300,14 +308,26 @@ class Engine:
         for at in range(0, len(seq_ids), MAX_BATCH):
             self.memory.free(self.lease.lease_id, seq_ids[at:at + MAX_BATCH], reason)
 
-    def _fork(self) -> None:
-        """Fork parallel-sampling prompts and branching beams in one call; free dropped beams first."""
+    def _fork(self, updated: dict) -> None:
+        """Fork parallel-sampling prompts and branching beams in one call; free dropped beams first.
+
+        A request whose fork the lease's block quota refuses (QUOTA_EXCEEDED) is preempted by
+        recompute while the lease runs others (their blocks come back), else it fails: alone it
+        would pass the quota."""
         plan = self.recovery.fork_in_flight = self.branching.plan()
         if plan.drop or plan.forkable:
             self.commits.flush()
         self._free_ids(plan.drop, mpb.FREE_REASON_ABORTED)
-        plan.apply(*self.slots.fork([b.parent for b in plan.forkable]))
+        forkable = plan.forkable
+        children, grants = self.slots.fork([b.parent for b in forkable])
+        plan.apply(children, grants)
         self.recovery.fork_in_flight = None
+        refused = {id(b.request): b.request for b, c in zip(forkable, children) if c is None}.values()
+        for req in refused:
+            if len(self.scheduler.running) > 1:
+                self.preemption.recompute(req)
+            else:
+                self._fail(req, self.slots.fork_refusal, updated)
 
     def _available_blocks(self) -> int:
         """The pool's free blocks now (0 when GetStats fails: nothing is admitted)."""
@@ -327,6 +347,12 @@ class Engine:
         head = self.scheduler.head()
         if head is not None and head.status == Status.SWAPPED:
             self.preemption.recompute_swapped(head)
+            return
+        quota, need = self.lease.max_blocks, sum(-(-len(s.tokens) // self.block_size) for s in head.seqs)
+        if quota is not None and need > quota:  # its sequences together pass the lease's block quota
+            self._fail(self.scheduler.pop_waiting(), QuotaExceeded.of("blocks", quota, need, 0, (
+                f"request {head.request_id}'s {len(head.seqs)} sequences need {need} blocks, past this lease's "
+                f"quota of {quota} (the memory service's --max-blocks-per-lease)")), updated)
             return
         try:
             stats = self.memory.stats()

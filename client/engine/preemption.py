@@ -38,21 +38,29 @@ class Preemption:
         #: Tokens the recompute preemptions threw away (computed again at readmission).
         self.recomputed_tokens = 0
 
-    def preempt(self, req: Request, grown: set[int] = frozenset()) -> bool:
+    def preempt(self, req: Request, grown: set[int] = frozenset(), over_quota: bool = False) -> bool:
         """Preempt running ``req``: by swap when the mode asks and the memory service can, else by
         recompute; returns whether by swap. ``grown``: sequence ids that may not be swapped out now
-        (grown by AppendSlots, or swapped in, in this step)."""
-        outcome = self.swapper.swap_out(req, grown) if self.scheduler.config.preemption_mode == "swap" else None
+        (grown by AppendSlots, or swapped in, in this step). ``over_quota``: the lease's block quota
+        ran out, not the pool: by recompute, since swapped-out blocks still count against the quota."""
+        swap = self.scheduler.config.preemption_mode == "swap" and not over_quota
+        outcome = self.swapper.swap_out(req, grown) if swap else None
         if outcome == SwapOut.SWAPPED:
             self.scheduler.preempt(req, swap=True)
             self.swaps += 1
         else:
             self.swap_fallbacks += outcome == SwapOut.REFUSED
-            self.recomputed_tokens += sum(s.num_computed for s in req.seqs)
-            self.free([req], mpb.FREE_REASON_PREEMPTED)
-            self.scheduler.preempt(req)
+            self.recompute(req, count=False)
         self.preemptions += 1
         return outcome == SwapOut.SWAPPED
+
+    def recompute(self, req: Request, count: bool = True) -> None:
+        """Preempt running ``req`` by recompute, whatever the mode: its sequences are freed and it
+        waits at the front of the queue (``count``: as one more preemption)."""
+        self.recomputed_tokens += sum(s.num_computed for s in req.seqs)
+        self.free([req], mpb.FREE_REASON_PREEMPTED)
+        self.scheduler.preempt(req)
+        self.preemptions += count
 
     def swap_in(self, out: SchedulerOutput) -> set[int]:
         """Swap in the readmitted swapped-out requests and apply the outcome to the scheduler;

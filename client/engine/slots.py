@@ -70,25 +70,41 @@ class Slots:
                  pulls: PrefixPull | None, model_id: str, block_size: int):
         self.memory, self.lease_id, self.scheduler, self.commits = memory, lease_id, scheduler, commits
         self.pulls, self.model_id, self.block_size = pulls, model_id, block_size
+        #: The last QUOTA_EXCEEDED that refused a fork (:meth:`fork`), for the request it fails.
+        self.fork_refusal: QuotaExceeded | None = None
 
     def fork(self, parents: list) -> tuple[list, list]:
         """Fork each of ``parents`` (Seq objects holding blocks; one may come several times) in calls
         within the memory service's per-call bounds; returns the ForkSequences replies' children and
-        grants, in order."""
+        grants, in order. A call past the lease's block quota (QUOTA_EXCEEDED: a fork takes no
+        block, but adds table entries) is made again parent by parent, and a refused parent's child
+        and grant are None: it starts without blocks (the engine preempts or fails its request)."""
         children, grants = [], []
+        one_by_one = False
         while len(children) < len(parents):
             rest = parents[len(children):]
-            n = fits(rest[:MAX_FORK_CHILDREN], lambda p: len(p.block_table), MAX_FORK_BLOCK_IDS)
-            resp = self.memory.fork(self.lease_id(), [p.seq_id for p in rest[:n]])
+            n = 1 if one_by_one else fits(rest[:MAX_FORK_CHILDREN], lambda p: len(p.block_table), MAX_FORK_BLOCK_IDS)
+            try:
+                resp = self.memory.fork(self.lease_id(), [p.seq_id for p in rest[:n]])
+            except QuotaExceeded as e:
+                if n > 1:  # which of them fit: one at a time from here
+                    one_by_one = True
+                    continue
+                self.fork_refusal = e
+                log.info("fork_over_quota", seq_id=rest[0].seq_id, error=e.message)
+                children.append(None)
+                grants.append(None)
+                continue
             children += resp.children
             grants += resp.grants
         return children, grants
 
-    def append(self, out: SchedulerOutput, swapped_in: set[int], preempt: Callable[[Request, set[int]], bool],
+    def append(self, out: SchedulerOutput, swapped_in: set[int], preempt: Callable[[Request, set[int], bool], bool],
                fail: Callable[[Request, Exception], None]) -> Appended:
         """Grow the scheduled sequences that hold blocks (reservations never grow), in calls within
         the memory service's per-call limits (one call unless a step is huge); on OUT_OF_BLOCKS
-        ``preempt(victim, grown)`` the scheduler's victim (True: by swap) or ``fail`` a lone request,
+        ``preempt(victim, grown, over_quota)`` the scheduler's victim (True: by swap; ``over_quota``: the
+        lease's quota ran out, not the pool, so by recompute) or ``fail`` a lone request,
         drop it from ``out`` and go on with what is left.
 
         Only copy-on-write pairs (device to device) go in a Step's ``copies``; the tier copies an
@@ -131,7 +147,7 @@ class Slots:
         return result
 
     def _shortfall(self, out: SchedulerOutput, error: Exception, grown: set[int],
-                   preempt: Callable[[Request, set[int]], bool], fail: Callable[[Request, Exception], None],
+                   preempt: Callable[[Request, set[int], bool], bool], fail: Callable[[Request, Exception], None],
                    result: Appended) -> None:
         """An AppendSlots found no room: preempt the scheduler's victim, or fail a lone request."""
         victim = self.scheduler.pick_victim(out.scheduled)
@@ -139,7 +155,7 @@ class Slots:
             victim = out.scheduled[0].request
             fail(victim, error)
         else:
-            if preempt(victim, grown):
+            if preempt(victim, grown, isinstance(error, QuotaExceeded)):
                 result.swapped.append(victim.request_id)
             result.preempted.append(victim.request_id)
         out.drop(victim)

@@ -67,9 +67,10 @@ def _add_backend_args(p: argparse.ArgumentParser) -> None:
     where.add_argument("--router-tls-key", default=_env("ROUTER_TLS_KEY"), metavar="PEM",
                        help="its private key (env PAGEDKV_ROUTER_TLS_KEY)")
     where.add_argument("--memory-admin-token-file", default=_env("MEMORY_ADMIN_TOKEN_FILE"), metavar="PATH",
-                       help="the memory service's admin token, read by the dashboard to show every lease's "
-                       "sequences (default: an embedded service's own, else $PAGEDKV_ADMIN_TOKEN_FILE, else "
-                       "$PAGEDKV_HOME/admin-token; unreadable: the dashboard shows this server's lease only)")
+                       help="the memory service's admin token: this server's lease is created with it (exempt from "
+                       "--max-blocks-per-lease: the whole pool), and the dashboard shows every lease's sequences "
+                       "(default: an embedded service's own, else $PAGEDKV_ADMIN_TOKEN_FILE, else $PAGEDKV_HOME/admin-"
+                       "token; unreadable: a lease under the quota, and the dashboard shows this server's lease only)")
     where.add_argument("--device", default=_env("SERVE_DEVICE"),
                        help="embedded services: cpu or cuda (default: cuda when present)")
 

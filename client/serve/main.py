@@ -2,10 +2,12 @@
 
 Resolves the backends (attach, or start a memory service and a worker as child processes; see
 :mod:`client.serve.backends`), connects one :class:`~client.api.Client` (the engine every caller
-shares), and serves :func:`client.serve.app.create_app` with uvicorn until SIGINT or SIGTERM;
-then the engine's lease is released and embedded services are stopped. uvicorn runs with the HTTP
-limits of :mod:`client.serve.http_limits` (header and body timeouts, the connection limit, and
-forwarded headers only from ``--forwarded-allow-ips``).
+shares; its lease is created with the memory service's admin token when the token file is readable,
+so it may hold the whole pool: ``--memory-admin-token-file``), and serves
+:func:`client.serve.app.create_app` with uvicorn until SIGINT or SIGTERM; then the engine's lease is
+released and embedded services are stopped. uvicorn runs with the HTTP limits of
+:mod:`client.serve.http_limits` (header and body timeouts, the connection limit, and forwarded
+headers only from ``--forwarded-allow-ips``).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         limits = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=args.max_model_len, tls=backends.tls, preemption_mode=args.preemption_mode,
                       step_timeout=args.step_timeout, recovery_timeout=args.recovery_timeout,
-                      cache_namespace=namespace(secret, "user"))
+                      cache_namespace=namespace(secret, "user"),
+                      admin_token_file=backends.admin_token_file)  # the lease is the admin's: the whole pool
         if args.nodes:  # several nodes: one engine each, requests routed (client.cluster.core)
             router = None
             if backends.tls is not None and args.router_tls_cert and args.router_tls_key:

@@ -27,6 +27,7 @@ import numpy as np
 from memory_service.block_pool import BlockPool
 from memory_service.leases import Lease, LeaseTable
 from memory_service.manager.prefix import ManagerPrefix
+from memory_service.manager.quota import ManagerQuota
 from memory_service.manager.requests import (
     MAX_FORK_BLOCK_IDS,
     Allocation,
@@ -45,14 +46,14 @@ from memory_service.prefix_cache import PrefixCache
 from memory_service.release_queue import RELEASE_CHUNK_BLOCKS, ReleaseQueue
 from memory_service.tiers.host_tier import HostTier
 from memory_service.tiers.manager import Tiers
-from pagedkv.runtime.errors import FailedPreconditionError, InvalidArgumentError, QuotaExceededError
+from pagedkv.runtime.errors import FailedPreconditionError, InvalidArgumentError
 from pagedkv.runtime.limits import MAX_FORK_CHILDREN
 from pagedkv.runtime.logs import get_logger
 
 log = get_logger("block_manager")
 
 
-class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
+class BlockManager(ManagerPrefix, ManagerQuota, ManagerSwap, ManagerViews):
     """Sequences and block tables over a pool of ``num_blocks`` x ``block_size`` tokens.
 
     Leases are opened, renewed and released through :attr:`leases`; KV events
@@ -67,14 +68,16 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
         max_events: KV events retained for replay.
         epochs: the pool's shared epoch table, int64 [num_blocks] (default: a private one).
         max_blocks_per_lease: quota of block-table entries a lease's sequences may hold
-            together (a block shared by two of them counts twice); None = unlimited.
+            together (a block shared by two of them counts twice); None = unlimited. A lease the
+            admin opened (``Lease.exempt``) has none.
         max_sequences_per_lease: quota of live sequences per lease; None = unlimited.
         max_leases: most live leases; None = unlimited.
+        max_leases_per_peer: most live leases one peer opened, the admin's not counted; None = unlimited.
         host_num_blocks: blocks in the host tier behind the pool (0: none; :mod:`memory_service.tiers.manager`).
         host_epochs: the host tier's epochs, int64 [host_num_blocks] (default: a private table).
 
-    NOTE: quotas. Allocate, append and fork check the lease's quotas after validating
-    the batch and before the pool's availability, so a refusal (QuotaExceededError,
+    NOTE: quotas (:mod:`memory_service.manager.quota`). Allocate, append and fork check the lease's
+    quotas after validating the batch and before the pool's availability, so a refusal (QuotaExceededError,
     RESOURCE_EXHAUSTED + QUOTA_EXCEEDED) changes nothing, not even a counter. Blocks
     count as table entries, not distinct blocks, because that is what a lease can make
     the service track: forking a long sequence adds entries without taking a block.
@@ -87,14 +90,16 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
                  clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True, max_events: int = 10_000,
                  epochs: np.ndarray | None = None, max_blocks_per_lease: int | None = None,
                  max_sequences_per_lease: int | None = None, max_leases: int | None = None,
-                 host_num_blocks: int = 0, host_epochs: np.ndarray | None = None):
+                 max_leases_per_peer: int | None = None, host_num_blocks: int = 0,
+                 host_epochs: np.ndarray | None = None):
         for name, quota in (("max_blocks_per_lease", max_blocks_per_lease),
                             ("max_sequences_per_lease", max_sequences_per_lease)):
             if quota is not None and quota < 1:
                 raise ValueError(f"{name} must be >= 1 (or unset for no quota), got {quota}")
         self.max_blocks_per_lease = max_blocks_per_lease
         self.max_sequences_per_lease = max_sequences_per_lease
-        self.leases = LeaseTable(lease_ttl, self._free_lease_sequences, clock, max_leases)  # checks the TTL first
+        self.leases = LeaseTable(lease_ttl, self._free_lease_sequences, clock, max_leases,  # checks the TTL first
+                                 max_leases_per_peer)
         self.pool = BlockPool(num_blocks, block_size, epochs)  # refcounts, fill levels, epochs, the free queue
         self.block_size = block_size
         self.sequences = SequenceTable()
@@ -108,15 +113,6 @@ class BlockManager(ManagerPrefix, ManagerSwap, ManagerViews):
         self.releasing = ReleaseQueue(self.pool)
         #: Called (no arguments) when references are left to release; the server wakes its drain task.
         self.on_releasing: Callable[[], None] | None = None
-
-    def _check_quota(self, lease: Lease, what: str, blocks: int, sequences: int) -> None:
-        """Refuse (before any change) a call that adds ``blocks`` table entries and ``sequences`` to ``lease``."""
-        limit = self.max_sequences_per_lease
-        if limit is not None and sequences and len(lease.seq_ids) + sequences > limit:
-            raise QuotaExceededError("sequences", limit, sequences, len(lease.seq_ids), what)
-        limit = self.max_blocks_per_lease
-        if limit is not None and blocks and lease.num_block_entries + blocks > limit:
-            raise QuotaExceededError("blocks", limit, blocks, lease.num_block_entries, what)
 
     def _check_tokens(self, n: int, what: str) -> None:
         capacity = self.pool.num_blocks * self.block_size

@@ -152,10 +152,12 @@ def test_beam_search_equals_transformers(engine, hf_model, prompt):
 
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory):
-    """A pool too small for four requests at once: 14 blocks of 16 tokens."""
+    """A pool too small for four requests at once: 14 blocks of 16 tokens, all of them one lease's
+    (the pool runs out, not the lease's quota)."""
     from conftest import local_stack
 
-    with local_stack(tmp_path_factory.mktemp("small"), ["--num-blocks", "14", "--block-size", "16"], name="small") as s:
+    with local_stack(tmp_path_factory.mktemp("small"), ["--num-blocks", "14", "--block-size", "16",
+                                                        "--max-blocks-per-lease", "none"], name="small") as s:
         yield s
 
 

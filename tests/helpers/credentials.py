@@ -25,9 +25,10 @@ def lease_md(secret: str) -> tuple[tuple[str, str], ...]:
     return ((LEASE_SECRET, secret),)
 
 
-def new_lease(stub, **kwargs) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """CreateLease(**kwargs) on ``stub``: (lease id, metadata with its secret)."""
-    resp = stub.CreateLease(pb.CreateLeaseRequest(**kwargs))
+def new_lease(stub, metadata=(), **kwargs) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """CreateLease(**kwargs) on ``stub`` with call ``metadata`` (``admin_md(service)``: the admin's lease,
+    exempt from the per-lease block quota): (lease id, metadata with its secret)."""
+    resp = stub.CreateLease(pb.CreateLeaseRequest(**kwargs), metadata=metadata)
     return resp.lease_id, lease_md(resp.lease_secret)
 
 

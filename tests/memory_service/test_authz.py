@@ -306,7 +306,7 @@ def pages(stub, metadata, page_size: int, lease_id: str | None = None) -> list[l
 
 def test_listings_page_through_every_sequence_once(memory_stub, memory_service, tmp_path):
     stub, admin = memory_stub, admin_md(memory_service)
-    lease, md = new_lease(stub)
+    lease, md = new_lease(stub, admin)  # the admin's: 2,500 children pass the default half-pool block quota
     other, omd = new_lease(stub)
     (root,) = stub.AllocateSequences(
         pb.AllocateSequencesRequest(lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=5)]), metadata=md

@@ -310,6 +310,29 @@ def test_an_event_stream_under_load_has_no_gap_and_a_lost_replay_is_named(start_
         assert error_info(exc.value) == ("FAILED_PRECONDITION", {"first_lost": "1", "oldest_retained": str(oldest)})
 
 
+@pytest.mark.parametrize("first", [2**64 - 1, "next + 1"])
+def test_an_event_cursor_past_the_head_is_out_of_range_at_once(memory_service, memory_stub, first):
+    """A subscriber asking for an event beyond the next one to be logged would wait for ever (or get a
+    later event than it asked for): OUT_OF_RANGE before anything is sent, naming the next event."""
+    memory_stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), metadata=admin_md(memory_service))  # one event at least
+    last = 0
+    with pytest.raises(grpc.RpcError) as exc:  # the replay up to the last event logged, then the stream waits
+        for e in memory_stub.StreamKvEvents(pb.StreamKvEventsRequest(from_sequence_number=1), timeout=1):
+            last = e.sequence_number
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and last >= 1
+    first = last + 2 if first == "next + 1" else first
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as exc:
+        next(memory_stub.StreamKvEvents(pb.StreamKvEventsRequest(from_sequence_number=first), timeout=10))
+    assert exc.value.code() == grpc.StatusCode.OUT_OF_RANGE and time.monotonic() - t0 < 5
+    assert f"from_sequence_number {first} is past the next KV event to be logged, {last + 1}" in exc.value.details()
+    assert error_info(exc.value) == ("OUT_OF_RANGE", {"next": str(last + 1)})
+    waiting = memory_stub.StreamKvEvents(pb.StreamKvEventsRequest(from_sequence_number=last + 1), timeout=0.5)
+    with pytest.raises(grpc.RpcError) as exc:
+        next(waiting)  # the next event is a fine place to start: the stream waits for it
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 # ---------------------------------------------------------------------- malformed bytes
 MALFORMED = b"\x0a\xff\xff\xff"  # field 1, length-delimited, with a length that runs past the end
 

@@ -64,9 +64,10 @@ DEFAULT_TTL = 30.0
 SERVICE = pb.DESCRIPTOR.services_by_name["MemoryService"]
 METHODS = [m.name for m in SERVICE.methods]
 C = grpc.StatusCode
-#: The codes a refusal may carry (DESIGN.md, "Errors"); INTERNAL, UNKNOWN, UNAVAILABLE never.
+#: The codes a refusal may carry (DESIGN.md, "Errors"; OUT_OF_RANGE: an event stream asked to start past
+#: the next event); INTERNAL, UNKNOWN, UNAVAILABLE never.
 DOCUMENTED = frozenset({C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION, C.RESOURCE_EXHAUSTED,
-                        C.PERMISSION_DENIED, C.UNAUTHENTICATED})
+                        C.PERMISSION_DENIED, C.UNAUTHENTICATED, C.OUT_OF_RANGE})
 #: Seconds a unary call may take before it counts as a hang; an event stream is read this long.
 CALL_TIMEOUT, STREAM_TIMEOUT = 30.0, 0.1
 #: Bytes that never parse as a request: a length past the end, wire type 7, a tag without its value,
@@ -341,8 +342,11 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
     @rule(ttl=TTL, owner=TEXT, cred=CRED)
     def create_lease(self, ttl, owner, cred):
         req = pb.CreateLeaseRequest(owner=owner) if ttl is None else pb.CreateLeaseRequest(ttl_seconds=ttl, owner=owner)
-        resp = self.call("CreateLease", req, self._md(cred, None))
-        assert (resp is not None) == ((ttl is None or 0 < ttl <= 86_400) and len(owner) <= MAX_OWNER_CHARS), (ttl, resp)
+        md = self._md(cred, None)
+        bad_token = any(k == "authorization" and (k, v) not in self.t.admin for k, v in md)  # refused: not "none"
+        resp = self.call("CreateLease", req, md)
+        valid = (ttl is None or 0 < ttl <= 86_400) and len(owner) <= MAX_OWNER_CHARS and not bad_token
+        assert (resp is not None) == valid, (ttl, md, resp)
         if resp is not None:
             assert len(resp.lease_id) == 32 and resp.lease_secret and resp.ttl_seconds == (ttl or DEFAULT_TTL)
             self.leases.append(LeaseModel(resp.lease_id, resp.lease_secret, ttl is None or ttl >= DEFAULT_TTL))
@@ -771,6 +775,11 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
             self.outcomes["StreamKvEvents", "ok"] += 1
         except grpc.RpcError as e:
             self._refused("StreamKvEvents", e, {C.DEADLINE_EXCEEDED})
+            # OUT_OF_RANGE only past the next event, and at once for a number never reached (2^32 and up).
+            assert e.code() != C.OUT_OF_RANGE or (first or 0) > 1, (first, e.details())
+            assert (first or 0) < 1 << 32 or e.code() in (C.OUT_OF_RANGE, C.UNAUTHENTICATED), (first, e.code())
+        else:
+            assert (first or 0) < 1 << 32, f"from_sequence_number {first}: a stream, not OUT_OF_RANGE"
         if events:  # in order, without a gap, from the one asked for
             first = first or events[0].sequence_number
             assert [e.sequence_number for e in events] == list(range(first, first + len(events)))

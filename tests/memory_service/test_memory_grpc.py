@@ -94,9 +94,9 @@ def test_health_and_reflection(memory_service):
 
 
 @pytest.fixture
-def lease_with_seq(memory_stub):
+def lease_with_seq(memory_stub, memory_service):
     stub = memory_stub
-    lease, md = new_lease(stub)
+    lease, md = new_lease(stub, admin_md(memory_service))  # the admin's: shortfalls meet the pool, not the quota
     (seq,) = stub.AllocateSequences(
         pb.AllocateSequencesRequest(
             lease_id=lease, sequences=[pb.SequenceAllocation(num_tokens=5), pb.SequenceAllocation(num_tokens=40)]

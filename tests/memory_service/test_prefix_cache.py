@@ -10,7 +10,7 @@ import pytest
 from memory_service.manager.block_manager import BlockManager
 from memory_service.manager.requests import Allocation, Append, Commit, CommitResult, OutOfBlocks
 from pagedkv.runtime.block_hash import CacheKey, block_hash, chain_hashes
-from pagedkv.runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from pagedkv.runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, OutOfRangeError
 
 B = 4
 
@@ -189,6 +189,10 @@ def test_event_cursor_replays_follows_and_refuses_dropped_events():
     with pytest.raises(FailedPreconditionError, match="resubscribe from 3"):
         m.prefix_cache.subscribe(2)
     assert [e.sequence_number for e in m.prefix_cache.subscribe(3).poll()] == [3, 4, 5]
+    assert m.prefix_cache.subscribe(6).poll() == []  # the next event: waits for it
+    for first in (7, 2**64 - 1):  # past it: refused, not silent
+        with pytest.raises(OutOfRangeError, match=f"from_sequence_number {first} is past the next KV event"):
+            m.prefix_cache.subscribe(first)
 
 
 def test_prefix_caching_off(lease):

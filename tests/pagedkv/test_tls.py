@@ -117,6 +117,26 @@ def test_a_certificate_without_the_scheduler_role_holds_no_lease(plane, tls_memo
         ok.close()
 
 
+def test_under_tls_a_peer_is_its_certificate(plane):
+    """--max-leases-per-peer counts a certificate's leases: a second scheduler certificate (same role,
+    another certificate) still opens one when the first is at its limit."""
+    svc = pagedkv_process(["memory", "--num-blocks", "16", "--block-size", "4", "--max-leases-per-peer", "1",
+                           *plane["server"].flags()], plane["tmp"], "memory-per-peer", env=_ENV)
+    first = MemoryClient(svc.address, timeout=10, tls=plane["scheduler"])
+    other = _role_cert(plane["ca"], plane["tmp"], "scheduler-2", "scheduler")
+    second = MemoryClient(svc.address, timeout=10, tls=other)
+    try:
+        first.create_lease()
+        with pytest.raises(ServiceError) as e:
+            first.create_lease()
+        assert e.value.reason == "QUOTA_EXCEEDED" and "this caller (certificate CN=scheduler sha256:" in str(e.value)
+        second.create_lease()
+    finally:
+        first.close()
+        second.close()
+        svc.stop()
+
+
 @pytest.mark.parametrize("who", ["plaintext", "no certificate", "another CA"])
 def test_client_outside_the_plane_is_refused(plane, tls_memory, who):
     if who == "plaintext":

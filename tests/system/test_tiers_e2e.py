@@ -27,12 +27,14 @@ SHORT = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tier_stack(tmp_path_factory):
-    """8 device blocks of 4 tokens (two requests of ~20 tokens cannot both finish) and a host tier of
-    4 MiB (22 blocks of SmolLM2's fp32 layout)."""
+    """8 device blocks of 4 tokens (two requests of ~20 tokens cannot both finish), all of them one
+    lease's (the pool runs out, not a lease's quota), and a host tier of 4 MiB (22 blocks of SmolLM2's
+    fp32 layout)."""
     from conftest import local_stack
 
     with local_stack(tmp_path_factory.mktemp("tier"), ["--num-blocks", "8", "--block-size", "4",
-                                                       "--host-cache-memory", "4MiB"], name="tier") as s:
+                                                       "--host-cache-memory", "4MiB", "--max-blocks-per-lease", "none"],
+                     name="tier") as s:
         yield s
 
 

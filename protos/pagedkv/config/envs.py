@@ -108,6 +108,10 @@ ENV_VARS: dict[str, EnvVar] = _vars(
       "--worker-socket of pagedkv memory: where workers receive the pool's handle"),
     E("PAGEDKV_NODE_NAME", "str", None, "--node-name of pagedkv memory: this node's name (default: the pool id)"),
     E("PAGEDKV_TRANSFER_KEY_FILE", "str", None, "--transfer-key-file of pagedkv memory: the secret of node transfers"),
+    E("PAGEDKV_MAX_BLOCKS_PER_LEASE", "str", "50%", "--max-blocks-per-lease of pagedkv memory: N blocks, P% of the "
+      "pool's, or none (the admin's leases are exempt)"),
+    E("PAGEDKV_MAX_LEASES_PER_PEER", "str", "64", "--max-leases-per-peer of pagedkv memory: live leases of one uid "
+      "or certificate, or none"),
     # --- pagedkv compute
     E("PAGEDKV_COMPUTE_HOST", "str", "127.0.0.1", "--host of pagedkv compute: the address it binds"),
     E("PAGEDKV_COMPUTE_PORT", "int", 50052, "--port of pagedkv compute (0: any free port)"),
@@ -129,7 +133,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_NODE", "str", None, "--node of pagedkv serve: nodes separated by ';'"),
     E("PAGEDKV_ROUTER_TLS_CERT", "str", None, "--router-tls-cert of pagedkv serve: the router's certificate"),
     E("PAGEDKV_ROUTER_TLS_KEY", "str", None, "--router-tls-key of pagedkv serve: its private key"),
-    E("PAGEDKV_MEMORY_ADMIN_TOKEN_FILE", "str", None, "--memory-admin-token-file of pagedkv serve (the dashboard's)"),
+    E("PAGEDKV_MEMORY_ADMIN_TOKEN_FILE", "str", None, "--memory-admin-token-file of pagedkv serve: the dashboard's, "
+      "and its lease's"),
     E("PAGEDKV_API_KEY", "list", None, "--api-key of pagedkv serve: keys of tenant 'default', comma-separated"),
     E("PAGEDKV_API_KEYS_FILE", "str", None, "--api-keys-file of pagedkv serve: keys and their tenants"),
     E("PAGEDKV_ADMIN_API_KEY", "str", None, "--admin-api-key of pagedkv serve; --key of pagedkv top; "

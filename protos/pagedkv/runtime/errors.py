@@ -84,6 +84,13 @@ class FailedPreconditionError(PagedKVError):
     reason = "FAILED_PRECONDITION"
 
 
+class OutOfRangeError(PagedKVError):
+    """A position past what exists yet: a KV event stream asked to start after the next event to be logged."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+    reason = "OUT_OF_RANGE"
+
+
 class TransferFailedError(PagedKVError):
     """A step's node transfer failed before any of its own writes (metadata ``blocks_done``)."""
 

@@ -43,7 +43,8 @@ def server(stack, tmp_path_factory):
     keys.write_text(f"# key tenant\n{KEY_A} tenant-a\n{KEY_B} tenant-b\n{KEY_C} tenant-c\n{KEY_D} tenant-d\n")
     svc = pagedkv_process(["serve", "--memory", stack.memory.address, "--workers", ",".join(stack.worker_addresses),
                            "--api-keys-file", str(keys), "--admin-api-key", ADMIN, "--max-num-batched-tokens", "256",
-                           "--cache-sharing-group", "team=tenant-c,tenant-d"], tmp, "serve")
+                           "--cache-sharing-group", "team=tenant-c,tenant-d", "--memory-admin-token-file",
+                           stack.memory.info["admin_token_file"]], tmp, "serve")  # an admin lease: the whole pool
     yield svc
     svc.stop()
 
@@ -312,7 +313,7 @@ def test_keys_and_admin_routes(url, oai, stack):
     assert httpx.get(f"{url}/debug/steps", headers={"Authorization": f"Bearer {KEY_A}"}).status_code == 403
     assert httpx.get(f"{url}/debug/steps").status_code == 401
     (model,) = oai.models.list().data
-    assert model.id == "smollm2" and model.model_extra["max_model_len"] == 512 * 16
+    assert model.id == "smollm2" and model.model_extra["max_model_len"] == 512 * 16  # the whole pool: an admin lease
     health = httpx.get(f"{url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok", "workers": {"ready": 2, "total": 2}}
     worker = urllib.parse.quote(stack.worker_addresses[1], safe="")

@@ -108,14 +108,16 @@ class CreateLeaseRequest(_message.Message):
     def __init__(self, ttl_seconds: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class CreateLeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_seconds", "lease_secret")
+    __slots__ = ("lease_id", "ttl_seconds", "lease_secret", "max_blocks")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     ttl_seconds: float
     lease_secret: str
-    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., lease_secret: _Optional[str] = ...) -> None: ...
+    max_blocks: int
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., lease_secret: _Optional[str] = ..., max_blocks: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("lease_id",)

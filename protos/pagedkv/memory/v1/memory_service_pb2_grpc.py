@@ -154,6 +154,10 @@ class MemoryServiceServicer(object):
     def CreateLease(self, request, context):
         """Creates a lease: a client session that owns sequences and must be kept
         alive; when it expires or is released, all its sequences are freed.
+        RESOURCE_EXHAUSTED with reason QUOTA_EXCEEDED past --max-leases, or past
+        --max-leases-per-peer of the caller's (a uid on loopback, a certificate
+        under TLS); a lease created with the admin token is exempt from the latter
+        and from the per-lease block quota.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -246,8 +250,9 @@ class MemoryServiceServicer(object):
 
     def StreamKvEvents(self, request, context):
         """Streams prefix-cache events (block stored / removed / all cleared) in order,
-        every one or FAILED_PRECONDITION naming the first one lost; token ids only
-        for the admin role.
+        every one or FAILED_PRECONDITION naming the first one lost; OUT_OF_RANGE at
+        once for a from_sequence_number past the next event; token ids only for the
+        admin role.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
