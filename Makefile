@@ -87,6 +87,7 @@ bench: $(BENCH_STAMP) $(BROWSER_STAMP)
 	$(PY) benchmarks/bench_dashboard.py --quick
 	$(PY) benchmarks/bench_block_size.py --quick
 	$(PY) benchmarks/bench_fp8_kv.py --quick
+	$(PY) benchmarks/bench_failover.py --quick
 
 # Throughput in the vLLM paper's own setting (full ShareGPT-like lengths, sequences of at most
 # 2048 tokens, Orca-Max reserving 2048): about 10 minutes on 2 cores, so not part of `make bench`.

@@ -20,6 +20,12 @@ A step that had a copy-on-write copy for a sequence on the lost worker left the 
 that sequence's new block does not hold its proven KV, so its request is recomputed instead
 (its old sequence is quarantined all the same).
 
+``Failover(migrate="recompute")`` (or setting :attr:`Failover.migrate` on a running engine) sends
+every request of the lost step that way instead of forking it: it is prefilled again on a live
+worker, prompt and generated tokens, as request migration does where a worker's KV dies with it.
+It is the baseline of ``benchmarks/bench_failover.py``, not a mode to serve with: it computes
+again what the pool still holds (the pool's prefix cache gives back its full blocks, when on).
+
 Down workers are probed between steps (GetModelInfo, at most every :data:`PROBE_INTERVAL`
 seconds); one that maps the engine's pool generation again is ready. Its quarantined sequences
 are freed once no step of the lost one can still write: the worker at that address is another
@@ -64,6 +70,8 @@ WORKER_FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.D
 DEFAULT_STEP_TIMEOUT = 600.0
 #: Seconds between two probes of the down workers.
 PROBE_INTERVAL = 0.5
+#: How a failed worker's requests go on (Failover's ``migrate``): from their KV, or prefilled again.
+MIGRATE_MODES = ("fork", "recompute")
 
 
 def is_worker_failure(error: BaseException) -> bool:
@@ -104,13 +112,22 @@ class Failover:
         generation: returns the pool generation the engine's steps carry now.
         timeout: seconds the engine waits with no worker ready before failing its requests.
         instance_ids: each worker's process at the start (GetModelInfoResponse.instance_id).
+        migrate: how the lost step's requests go on: "fork" (proven-only forks, the module's
+            procedure) or "recompute" (prefilled again: the benchmark's baseline, see the module).
+
+    Raises:
+        ValueError: an unknown ``migrate``.
     """
 
     def __init__(self, memory: MemoryClient, workers: list[WorkerClient], scheduler: Scheduler,
                  lease_id: Callable[[], str], generation: Callable[[], int], timeout: float,
-                 instance_ids: list[str]):
+                 instance_ids: list[str], migrate: str = "fork"):
+        if migrate not in MIGRATE_MODES:
+            raise ValueError(f"migrate must be one of {', '.join(MIGRATE_MODES)}, got {migrate!r}")
         self.memory, self.workers, self.scheduler = memory, workers, scheduler
         self.lease_id, self.generation, self.timeout = lease_id, generation, timeout
+        #: "fork" or "recompute" (the constructor's ``migrate``; read at each failover).
+        self.migrate = migrate
         self.states = [WorkerState(instance_id=i) for i in instance_ids]
         #: Failovers done (one per failed worker and step).
         self.failovers = 0
@@ -155,7 +172,9 @@ class Failover:
             failed: worker index -> the error its Step met.
             scheduled: the step's sequences.
             copies_by_worker: the step's copy-on-write pairs by worker.
-            recompute: preempts a request by recompute (its sequences are quarantined, not freed).
+            recompute: preempts a request by recompute (its sequences are quarantined, not freed):
+                the lost step's requests whose copy-on-write copy was lost, every one of them with
+                ``migrate`` "recompute".
 
         Returns:
             the step's sequences on the other workers (their results stand), and the tokens that
@@ -179,7 +198,8 @@ class Failover:
         moved, recomputed, forks, tokens = [], [], [], 0
         for req, xs in by_request.values():
             tokens += sum(x.num_new_tokens for x in xs)
-            if any(dsts & set(x.seq.block_table) for x in xs):  # its copy-on-write copy was lost
+            lost_copy = any(dsts & set(x.seq.block_table) for x in xs)  # its copy-on-write copy was lost
+            if lost_copy or self.migrate == "recompute":
                 tokens += sum(s.num_computed for s in req.seqs)
                 self.states[req.worker].quarantine += req.seq_ids()
                 recompute(req)

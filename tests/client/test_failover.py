@@ -249,3 +249,25 @@ def test_a_rolling_restart_under_load_fails_nothing_recomputes_nothing_and_keeps
         assert admin.check_invariants().ok
     finally:
         admin.close()
+
+
+def test_the_re_prefill_baseline_computes_again_what_a_fork_keeps(pair, tiny_model):
+    """``Failover.migrate = "recompute"`` (benchmarks/bench_failover.py's baseline): the killed worker's
+    requests are prefilled again, prompt and generated tokens, where a fork computes one step again."""
+    stack, tmp = pair
+    with Client(stack.memory_address, stack.worker_addresses, step_timeout=5, recovery_timeout=20) as client:
+        client.engine.failover.migrate = "recompute"
+        undisturbed = [o.outputs[0].token_ids for o in client.generate(PROMPTS, GREEDY)]
+        handles = [client.submit(p, GREEDY) for p in PROMPTS]
+        while min(len(h.request.seqs[0].generated) for h in handles) < 6:
+            time.sleep(0.005)
+        on_killed = [h for h in handles if h.request.worker == 0]
+        assert on_killed, "the least-loaded pinning puts requests on both workers"
+        stack.workers[0].proc.kill()
+        assert [h.result(timeout=120).outputs[0].token_ids for h in handles] == undisturbed
+        stats = client.engine.stats()
+        assert stats.worker_failovers == 1 and client.engine.lease_recoveries == 0
+        assert stats.recomputed_worker_failure >= sum(len(h.request.prompt_token_ids) + 6 for h in on_killed)
+    port = int(stack.workers[0].address.rsplit(":", 1)[1])
+    stack.workers[0] = pagedkv_process(["compute", "--memory", stack.memory_address, "--model", str(tiny_model[0])],
+                                       tmp, "failover-worker0-baseline", port=port)
