@@ -144,7 +144,7 @@ class Client:
 
     Raises:
         ValueError: no worker address, an unknown ``preemption_mode``, or a timeout <= 0.
-        PermissionError: the user's secret file may be read by other users.
+        ValueError: also when the user's secret file may be read by other users.
         client.errors.ServiceError: a service refused the connection-time calls.
         FileNotFoundError: the model's tokenizer is not on this host (nor, for a Hugging Face repo
             id, in its Hugging Face cache at the worker's revision, with downloads off).

@@ -75,7 +75,7 @@ def test_a_secret_other_users_may_read_is_refused(tmp_path):
     first = load_secret(path)
     assert load_secret(path) == first and len(first) == 32
     os.chmod(path, 0o640)
-    with pytest.raises(PermissionError, match="chmod 600"):
+    with pytest.raises(ValueError, match="chmod 600"):
         load_secret(path)
     os.chmod(path, 0o600)
     path.write_text("not hex\n")

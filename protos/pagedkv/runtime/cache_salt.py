@@ -16,10 +16,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 from pathlib import Path
 
 from pagedkv.runtime.paths import pagedkv_home
+from pagedkv.runtime.transfer import read_private_hex
 
 #: Bytes of a secret.
 SECRET_BYTES = 32
@@ -36,9 +36,8 @@ def load_secret(path: str | os.PathLike | None = None) -> bytes:
     """The secret in ``path`` (default :func:`secret_path`), made on first use (0600, atomically).
 
     Raises:
-        PermissionError: the file may be read by other users (group or other permission bits):
-            a salt others can read protects nothing.
-        ValueError: the file does not hold 32 bytes in hex.
+        ValueError: the file may be read by other users (group or other permission bits: a salt
+            others can read protects nothing), or does not hold 32 bytes in hex.
         OSError: it cannot be read or made.
     """
     p = Path(path) if path is not None else secret_path()
@@ -49,17 +48,7 @@ def load_secret(path: str | os.PathLike | None = None) -> bytes:
     else:
         with os.fdopen(fd, "w") as f:
             f.write(os.urandom(SECRET_BYTES).hex() + "\n")
-    if stat.S_IMODE(p.stat().st_mode) & 0o077:
-        raise PermissionError(f"{p} may be read by other users (mode {stat.S_IMODE(p.stat().st_mode):o}): "
-                              f"run `chmod 600 {p}`")
-    text = p.read_text().strip()
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError:
-        secret = b""
-    if len(secret) != SECRET_BYTES:
-        raise ValueError(f"{p} must hold {SECRET_BYTES} bytes in hex (64 hex digits); remove it to make a new one")
-    return secret
+    return read_private_hex(p, SECRET_BYTES, "cache-salt secret", "remove it to make a new one")
 
 
 def namespace(secret: bytes, label: str) -> str:

@@ -88,18 +88,29 @@ def load_transfer_key(path: str | os.PathLike) -> bytes:
         ValueError: the file does not hold 32 bytes of hex, or others may read it (mode & 0o077).
         OSError: the file cannot be read.
     """
+    return read_private_hex(path, KEY_BYTES, "transfer key file",
+                            "make one with: openssl rand -hex 32 > FILE; chmod 600 FILE")
+
+
+def read_private_hex(path: str | os.PathLike, nbytes: int, what: str, make: str) -> bytes:
+    """The ``nbytes`` bytes a private file holds as hex digits (surrounding space ignored): a key or
+    secret of this user's (the transfer key, the cache-salt secret).
+
+    Raises:
+        ValueError: others may read the file (mode & 0o077), or it does not hold ``nbytes`` bytes of
+            hex; ``make`` tells how to make a good one.
+        OSError: the file cannot be read.
+    """
     p = Path(path)
     if p.stat().st_mode & 0o077:
-        raise ValueError(f"transfer key file {p} must be readable by its owner only (chmod 600 {p})")
-    text = p.read_text().strip()
+        raise ValueError(f"{what} {p} must be readable by its owner only (chmod 600 {p})")
     try:
-        key = bytes.fromhex(text)
+        data = bytes.fromhex(p.read_text().strip())
     except ValueError:
-        key = b""
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"transfer key file {p} must hold {KEY_BYTES} bytes as {2 * KEY_BYTES} hex digits "
-                         "(make one with: openssl rand -hex 32 > FILE; chmod 600 FILE)")
-    return key
+        data = b""
+    if len(data) != nbytes:
+        raise ValueError(f"{what} {p} must hold {nbytes} bytes as {2 * nbytes} hex digits ({make})")
+    return data
 
 
 def layouts_match(a: mpb.PoolLayout, b: mpb.PoolLayout) -> bool:
