@@ -25,16 +25,13 @@ Runs, one trace:
   SIGTERM, started again at its port, and taken back by the engine; then worker 1 the same way.
 
 The killed worker is started again at its address between runs, so each run starts from two.
-
-Columns: requests, failed requests, affected requests (streaming on the killed or drained worker
-when it went; ``no restart``: every request), how many produced the same tokens as ``no
-restart``; inter-token gaps of the affected requests (p50, p99, max) and, per affected request,
-its stall: the longest gap ending at one of its first two tokens after the kill or its worker's
-drain (median), in ms and in engine steps (1: the request missed no step; a step lost to the kill
-counts); tokens computed again for the worker failure (``EngineStats.recomputed_worker_failure``),
-the tokens the workers' completed steps computed beyond ``no restart``'s (the step traces: the lost
-step's own work is not in them), the prefix cache's hit rate and hit tokens (GetStats); wall
-seconds. The plot draws every token's gap against its arrival around the kill, both failover modes.
+Columns: requests, failed ones, affected ones (streaming on the killed or drained worker when it
+went; ``no restart``: all), those with ``no restart``'s tokens; the affected requests' inter-token
+gaps (p50, p99, max) and stall (median of the longest gap ending at one of the first two tokens
+after the kill or the drain: ms, and engine steps, 1 when none was missed); tokens computed again
+(``EngineStats.recomputed_worker_failure``), tokens the completed steps computed beyond ``no
+restart`` (the lost step's own work is not in them); prefix-cache hit rate and tokens (GetStats);
+wall seconds. The plot draws each token's gap against its arrival around the kill, both modes.
 
     python benchmarks/bench_failover.py [--quick] [--model smollm2]
 """
@@ -71,8 +68,7 @@ class Record:
     step count then) and how it ended."""
 
     index: int
-    #: The engine's step count now.
-    step_count: Callable[[], int]
+    step_count: Callable[[], int]  # the engine's step count now
     times: list[float] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -129,20 +125,10 @@ def make_trace(tok, args) -> list[tuple[float, list[int]]]:
 
 
 class Workers:
-    """Stops and starts the stack's workers at their addresses."""
+    """Starts the stack's workers again at their addresses (``stack.workers[w]``: the process now)."""
 
     def __init__(self, stack: Stack, args, run_dir: Path):
         self.stack, self.args, self.run_dir, self.starts = stack, args, run_dir, 0
-
-    def address(self, w: int) -> str:
-        return self.stack.workers[w].address
-
-    def kill(self, w: int) -> None:
-        self.stack.workers[w].proc.kill()
-
-    def stop(self, w: int) -> None:
-        """SIGTERM (graceful shutdown)."""
-        self.stack.workers[w].stop()
 
     def start(self, w: int) -> float:
         """Start worker ``w`` again at its port (its old process is gone); returns the seconds it took
@@ -162,11 +148,7 @@ class Workers:
 
 
 def wait_until(t: float, done: threading.Event) -> None:
-    """Sleep until perf_counter() reaches ``t``.
-
-    Raises:
-        RuntimeError: the run ended first (the disruption comes too late in the trace).
-    """
+    """Sleep until perf_counter() reaches ``t``; RuntimeError if the run ended first (lengthen the trace)."""
     if done.wait(max(0.0, t - time.perf_counter())):
         raise RuntimeError("the run ended before the disruption: lengthen the trace")
 
@@ -269,7 +251,7 @@ def kill_at(workers: Workers, w: int, at: float):
     def event(client: Client, records: list[Record], done: threading.Event, t0: float) -> dict:
         wait_until(t0 + at, done)
         affected = streaming_on(records, w)
-        workers.kill(w)
+        workers.stack.workers[w].proc.kill()
         t = time.perf_counter()
         return {"t": t, "step": client.engine.step_count, "worker": w, "affected": {i: t for i in affected}}
     return event
@@ -282,20 +264,18 @@ def rolling_at(workers: Workers, at: float):
         wait_until(t0 + at, done)
         out = {"t": time.perf_counter(), "step": client.engine.step_count, "affected": {}, "workers": []}
         for w in (0, 1):
-            address = workers.address(w)
-            affected = streaming_on(records, w)
-            t0 = time.perf_counter()
+            address, affected, t1 = workers.stack.workers[w].address, streaming_on(records, w), time.perf_counter()
             reply = client.drain(address)
-            drained = time.perf_counter() - t0
-            workers.stop(w)
-            stopped = time.perf_counter() - t0
+            drained = time.perf_counter() - t1
+            workers.stack.workers[w].stop()  # SIGTERM: graceful shutdown
+            stopped = time.perf_counter() - t1
             workers.start(w)
-            started = time.perf_counter() - t0
+            started = time.perf_counter() - t1
             back, nudges = wait_ready(client, address)
-            out["affected"].update({i: t0 for i in affected if i not in out["affected"]})
+            out["affected"].update({i: t1 for i in affected if i not in out["affected"]})
             out["workers"].append({"worker": address, "moved_sequences": reply["moved_sequences"],
                                    "drain_s": drained, "stopped_s": stopped, "started_s": started,
-                                   "back_s": started + back, "nudges": nudges, "t": t0})
+                                   "back_s": started + back, "nudges": nudges, "t": t1})
         return out
     return event
 
@@ -315,9 +295,8 @@ def plot(result: dict, kill: dict, name: str) -> None:
     plt = pyplot()
     if plt is None:
         return
-    modes = ("fork failover", "re-prefill failover")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, label in zip(axes, modes):
+    for ax, label in zip(axes, ("fork failover", "re-prefill failover")):
         r = result["runs"][label]
         t_kill, affected = r["event"]["t"], set(r["affected"])
         for i, times in sorted(r["times"].items(), key=lambda it: it[0] in affected):  # the affected on top
@@ -352,10 +331,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once (default 32)")
     ap.add_argument("--num-blocks", type=int, default=1024, help="blocks in the pool (default 1024)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="the pool's prefix cache off, every run")
-    ap.add_argument("--worker-threads", type=int, default=1,
-                    help="OMP_NUM_THREADS of each service (default 1: two workers on two cores stay off each "
-                         "other's; 0: torch's default, every core)")
-    ap.add_argument("--seed", type=int, default=0, help="trace, kill step and killed worker (default 0)")
+    ap.add_argument("--worker-threads", type=int, default=1, help="OMP_NUM_THREADS of each service (default 1; 0: all)")
+    ap.add_argument("--seed", type=int, default=0, help="trace, kill moment and killed worker (default 0)")
     ap.add_argument("--result-name", default="bench_failover", help="results/<name>.json and .png")
     args = ap.parse_args()
     configure_logging(os.environ["PAGEDKV_LOG_LEVEL"])  # common's "warning" (a logger configured it at import)
@@ -405,11 +382,10 @@ def main() -> int:
                  "into the trace; gaps of the affected requests",
                  ["run", "reqs", "failed", "affected", "same tokens", "gap p50 ms", "p99 ms", "max ms",
                   "at event ms", "steps", "recomputed", "extra computed", "hit %", "hit tokens", "wall s"], rows)
+    result["table"] = text
     for w in runs["rolling restart"]["event"].get("workers", []):
         print(f"  rolling restart {w['worker']}: {w['moved_sequences']} sequences moved, drained in "
               f"{w['drain_s'] * 1e3:.0f} ms, back after {w['back_s']:.1f} s ({w['nudges']} nudges)")
-    result["table"] = text
-    for w in runs["rolling restart"]["event"].get("workers", []):
         if w["nudges"]:
             print(f"  note: the trace ended before {w['worker']} was back; {w['nudges']} one-token requests kept the "
                   "engine stepping (their tokens are in the rolling restart's counts): lengthen the trace")
