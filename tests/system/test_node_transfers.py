@@ -235,7 +235,8 @@ def test_a_node_that_stops_serving_gets_no_new_requests_and_rejoins(nodes, tiny_
         assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in again)
         on_b = cluster.nodes["b"].client
         before = on_b.engine.pulls.tokens_pulled
-        (pulled,) = on_b.generate([distinct[0]], GREEDY)  # cached on A while B was down
+        # Cached on A while B was down, in the cluster's namespace (its node clients add none).
+        (pulled,) = on_b.generate([distinct[0]], GREEDY, cache_salt=cluster.cache_namespace)
         assert pulled.outputs[0].token_ids == outs[0].outputs[0].token_ids
         assert on_b.engine.pulls.tokens_pulled - before == 32
     for s in (a, b):
