@@ -829,7 +829,7 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
 #: Rules are switched off at random per example (swarm testing), so a short random run may miss one:
 #: the default run is derandomized (the same draws each time, every rule among them), the full one is not.
 SETTINGS = settings(
-    max_examples=100 if FULL else 30,
+    max_examples=100 if FULL else 60,
     stateful_step_count=50 if FULL else 30,
     deadline=None,
     derandomize=not FULL,
