@@ -2,6 +2,15 @@
 
 A CPU-library choice kept out of the architecture (gpt-fast's model.py holds none): the model
 builds every projection as `Linear(weight, packed=packed_linear_wanted(device, dtype))`.
+
+oneDNN builds a matmul primitive for each row count it sees and keeps it: in oneDNN's primitive
+cache and in ideep's LRU cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``,
+1,024 entries each), about 0.6 MB per (row count, weight shape) on the CPUs measured, whatever
+the row count. A step's packed token count takes any value up to the batch budget, so a worker
+under load would grow by up to ~0.6 GB and keep it (docs/benchmarks.md, "Worker memory under
+load"). `Linear` therefore runs oneDNN only at the row counts of `bucket_rows`: a bounded set
+(56 up to 512 rows), padded with zero rows and sliced back. Rows are independent in a matmul,
+so a row's result does not depend on the padding (equal bits on the CPUs measured).
 """
 
 from __future__ import annotations
@@ -13,6 +22,25 @@ from torch import nn
 from kernels import fused_ops
 from kernels.cpu import amx as cpu_amx
 from pagedkv.config import env
+
+#: Set to "0" to run oneDNN at every row count (for the soak's comparison: benchmarks/bench_soak.py).
+ROW_BUCKETS_ENV = "PAGEDKV_ROW_BUCKETS"
+#: Row counts up to this run as they are (decode batches; below oneDNN's compute-bound sizes).
+EXACT_ROWS = 16
+#: The most rows of one oneDNN call: more rows run in slices of this many.
+MAX_ROWS = 1024
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a oneDNN matmul of ``rows`` rows runs at: ``rows`` up to `EXACT_ROWS`, else
+    rounded up to one of 8 sizes per octave (for rows in (2^k, 2^(k+1)], a multiple of 2^(k-3)),
+    so at most 12.5% of a call's rows are padding and a worker builds at most 56 primitives per
+    weight shape for row counts up to 512 (64 up to `MAX_ROWS`)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
 
 #: Set to "0" to turn packing off (projections through `F.linear`, as transformers').
 PACKED_LINEAR_ENV = "PAGEDKV_PACKED_LINEAR"
@@ -57,6 +85,7 @@ class Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = None
+        self.row_buckets = env(ROW_BUCKETS_ENV)
         if packed:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
@@ -86,10 +115,26 @@ class Linear(nn.Module):
             y = cpu_amx.linear(x, self.amx_address, self.out_features)
             y = y if self.bias is None else y.add_(self.bias)
         elif self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = self._onednn(x)
         else:
             y = F.linear(x, self.weight, self.bias)
         return fused_ops.silu_mul(y) if silu_mul else y
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's packed matmul of x [T, in_features] at `bucket_rows` row counts only."""
+        rows = x.shape[0]
+        if not self.row_buckets:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if rows > MAX_ROWS:
+            return torch.cat([self._onednn(x[i:i + MAX_ROWS]) for i in range(0, rows, MAX_ROWS)])
+        padded = bucket_rows(rows)
+        if padded != rows:
+            xp = x.new_empty((padded, x.shape[1]))
+            xp[:rows] = x
+            xp[rows:] = 0
+            x = xp
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return y[:rows]
 
     def nbytes(self) -> int:
         """Bytes this projection holds: the packed weight (or the plain one) and the bias."""

@@ -295,7 +295,8 @@ def test_an_event_stream_under_load_has_no_gap_and_a_lost_replay_is_named(start_
         start = len(seen)
         made, seconds = produce_events(stub, 10_000, rate=5_000)  # 10 times the events the service keeps
         log.info("kv_event_load", events=made, seconds=round(seconds, 2), rate=round(made / seconds))
-        wait_until(lambda: len(seen) >= start + made, f"{made} events on the stream")
+        # 90 s: a loaded 2-core host delivers them slowly; the test is about gaps, not speed.
+        wait_until(lambda: len(seen) >= start + made, f"{made} events on the stream", timeout=90.0)
         stream.cancel()
         reader.join()
         assert seen == list(range(seen[0], seen[0] + len(seen)))  # every event, in order, no gap, no error

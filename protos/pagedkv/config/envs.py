@@ -168,6 +168,9 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     # --- compute paths of a worker (0: off, for comparisons and ablations)
     E("PAGEDKV_NATIVE_CPU", "bool", True, "the native CPU kernels (C, built at first use); 0: torch's ops"),
     E("PAGEDKV_PACKED_LINEAR", "bool", True, "oneDNN-packed CPU projections; 0: F.linear"),
+    E("PAGEDKV_ROW_BUCKETS", "bool", True,
+      "oneDNN projections run at a bounded set of row counts, so its primitive caches stay bounded; "
+      "0: at every count (a worker's memory then grows with each new step size)"),
     E("PAGEDKV_AMX_LINEAR", "bool", True, "AMX bf16 projections on a CPU that has AMX; 0: off"),
     E("PAGEDKV_FUSED_DECODE", "bool", True,
       "a decode-only bf16 step on an AMX CPU in one native call per step; 0: off"),
