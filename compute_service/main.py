@@ -61,7 +61,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     flags.add_device_arg(p, "compute", "cpu, cuda or cuda:N; a cuda pool is mapped on the GPU with its UUID")
     flags.add_model_args(p)
     flags.add_dtype_arg(p, help="weight and activation dtype (default auto: the pool's dtype; over an fp8 pool "
-                                "float32 on cpu, bfloat16 on cuda)")
+                                "the pool's device's " + flags.AUTO_DTYPE_HELP.removeprefix("auto: ") + ")")
     p.add_argument("--memory-socket", default=env("PAGEDKV_MEMORY_SOCKET"),
                    help="the memory service's worker socket here (default: the path its pool descriptor names)")
     p.add_argument("--memory-timeout", type=float, default=60.0,
@@ -108,16 +108,18 @@ class WorkerSpec:
                    config.model_dtype(args.dtype), args.memory_socket, args.memory_timeout, bool(args.node_transfers))
 
 
-def model_dtype(flag: config.DType | str | None, desc: mpb.PoolDescriptor) -> torch.dtype:
+def model_dtype(flag: config.DType | str | None, desc: mpb.PoolDescriptor,
+                checkpoint: str | None = None) -> torch.dtype:
     """The model's dtype over the pool ``desc`` describes: :func:`pagedkv.config.worker_dtype` of
-    ``--dtype`` (``flag``; ``auto``: the pool's, over an fp8 pool float32 on a cpu pool and
-    bfloat16 on a cuda one).
+    ``--dtype`` (``flag``; ``auto``: the pool's, over an fp8 pool :func:`pagedkv.config.default_dtype`
+    of the pool's device and the ``checkpoint`` dtype, ModelConfig.dtype).
 
     Raises:
         ValueError: a dtype no model computes in, or another than a non-fp8 pool's.
     """
     cuda = desc.backend == mpb.POOL_BACKEND_CUDA
-    return config.worker_dtype(flag, config.dtype(desc.layout.dtype), cuda=cuda).torch
+    saved = None if checkpoint is None else config.dtype(checkpoint)
+    return config.worker_dtype(flag, config.dtype(desc.layout.dtype), cuda=cuda, checkpoint=saved).torch
 
 
 def check_layout(desc: mpb.PoolDescriptor, config: ModelConfig) -> None:
@@ -244,7 +246,7 @@ def _load(spec: WorkerSpec, desc: mpb.PoolDescriptor, device: str) -> tuple[Work
         log.warning("generation_config_ignored_keys", keys=list(config.ignored_generation_keys),
                     message="generation_config.json keys not honoured: " + ", ".join(config.ignored_generation_keys))
     check_layout(desc, config)
-    dtype = model_dtype(spec.dtype, desc)
+    dtype = model_dtype(spec.dtype, desc, config.dtype)
     pool: MappedPool = map_pool(desc, spec.memory_socket)
     model_device = str(pool.tensor.device) if desc.backend == mpb.POOL_BACKEND_CUDA else device
     try:
@@ -259,6 +261,7 @@ def _load(spec: WorkerSpec, desc: mpb.PoolDescriptor, device: str) -> tuple[Work
     native = model_device == "cpu" and kernels.cpu.native.available()
     log.info("model_loaded", model=config.name, architecture=config.architecture,
              seconds=round(time.perf_counter() - t, 2), weight_bytes=model.nbytes(), device=model_device,
+             dtype=str(dtype).removeprefix("torch."), checkpoint_dtype=config.dtype,
              threads=torch.get_num_threads(),
              cpu_kernels="native" if native else f"torch ({kernels.cpu.native.unavailable_reason})")
     return Worker(model, config, pool, spec.model), model_device

@@ -83,7 +83,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     flags.add_bind_args(p, "memory", config.MEMORY_PORT)
     flags.add_device_arg(p, "memory", "cpu, cuda or cuda:N (default cpu)")
     flags.add_pool_args(p, num_blocks=True, kv_cache_dtype=True, kv_cache_dtype_help=(
-        "the pool's element type (default auto: float32 on cpu, bfloat16 on cuda); fp8 (= fp8_e4m3) stores KV in "
+        f"the pool's element type (default {flags.AUTO_DTYPE_HELP}); fp8 (= fp8_e4m3) stores KV in "
         "one byte with static scales per (layer, KV head), from a worker's calibration pass or --kv-scales-file: "
         "4x the tokens of float32 in the same memory"))
     flags.refuse_pool_dtype_flag(p)
@@ -190,7 +190,7 @@ def create_pool(service: MemorySpec, model: ResolvedModel | None = None) -> Pool
     layout = make_layout(
         model.load_source,
         block_size=spec.block_size,
-        dtype=spec.dtype,
+        dtype=spec.resolved_dtype(model.load_source),
         num_blocks=spec.num_blocks,
         kv_cache_memory=spec.kv_cache_memory,
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from memory_service.quotas import BlockQuota
 from pagedkv import config
 from pagedkv.config import DEFAULT_CPU_KV_MEMORY, DEFAULT_CUDA_KV_MEMORY, DType, host_cache_bytes, parse_bytes
+from pagedkv.model.checkpoint_dtype import checkpoint_dtype
 from pagedkv.runtime.service import Bind
 
 
@@ -18,8 +19,9 @@ class PoolSpec:
 
     #: "cpu", "cuda" or "cuda:N".
     device: str
-    #: The pool's element type (``--kv-cache-dtype``; auto: :func:`pagedkv.config.default_dtype`).
-    dtype: DType
+    #: The pool's element type (``--kv-cache-dtype``); None: auto, decided once the model is read
+    #: (:meth:`resolved_dtype`).
+    dtype: DType | None
     #: Tokens per block.
     block_size: int
     #: Blocks in the pool (``--num-blocks``); None: sized by ``kv_cache_memory``.
@@ -35,15 +37,21 @@ class PoolSpec:
     def cuda(self) -> bool:
         return self.device.startswith("cuda")
 
+    def resolved_dtype(self, model_source: str) -> DType:
+        """The pool's dtype: ``--kv-cache-dtype``, or for auto :func:`pagedkv.config.default_dtype` of
+        the device and the checkpoint dtype of ``model_source`` (a resolved model's ``load_source``)."""
+        return self.dtype or config.default_dtype(self.cuda, checkpoint_dtype(model_source))
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PoolSpec:
         """Raises ValueError: a device, dtype or size that is not valid, or scales for a pool that is not fp8."""
         cuda = args.device.startswith("cuda")
         if not cuda and args.device != "cpu":
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
-        dtype = config.pool_dtype(args.kv_cache_dtype, cuda=cuda)
-        if args.kv_scales_file and not dtype.is_fp8:
-            raise ValueError(f"--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds {dtype}")
+        dtype = None if args.kv_cache_dtype in (None, "auto") else config.pool_dtype(args.kv_cache_dtype, cuda=cuda)
+        if args.kv_scales_file and (dtype is None or not dtype.is_fp8):
+            raise ValueError("--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds "
+                             f"{dtype or 'the auto dtype'}")
         memory = None
         if args.num_blocks is None:
             memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if cuda else DEFAULT_CPU_KV_MEMORY))

@@ -94,6 +94,9 @@ def main() -> int:
 
         memory, workers = state["memory"]["address"], [w["address"] for w in state["workers"]]
         with Client(memory, workers) as llm:
+            info = llm.engine.model_info
+            console.print(f"model {info.model_name} in [bold]{info.dtype}[/] (--dtype auto: the checkpoint's "
+                          "bfloat16 where the CPU computes it natively, AVX-512 BF16 or AMX, else float32)")
             greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
             sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=7, n=3, max_tokens=max_tokens)
             handles, names = [], {}

@@ -22,6 +22,23 @@ from client.ops.stack import LocalStack, ServiceProcess
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds a service may take to write its ready file (and again to turn healthy).
 START_TIMEOUT = 120.0
+#: The suite's services compute in float32 unless a test names a dtype: its references (transformers,
+#: dense fp64 attention, byte-compared pools) are exact comparisons, and ``auto`` is bfloat16 on a
+#: CPU with AVX-512 BF16 (pagedkv.config.default_dtype). A test of the default passes ``auto``.
+REFERENCE_DTYPE = "float32"
+
+
+def with_reference_dtype(args: list[str]) -> list[str]:
+    """``pagedkv <args>`` with :data:`REFERENCE_DTYPE` made explicit where the args name no dtype:
+    a memory service's ``--kv-cache-dtype`` (its workers' ``auto`` follows the pool) and ``serve``'s
+    ``--dtype``; other subcommands as given."""
+    if "--kv-cache-dtype" in args or "--dtype" in args:
+        return args
+    if args[:1] == ["memory"]:
+        return [*args, "--kv-cache-dtype", REFERENCE_DTYPE]
+    if args[:1] == ["serve"]:
+        return [*args, "--dtype", REFERENCE_DTYPE]
+    return args
 
 
 def hook_env(*modules: str, **params: str) -> dict[str, str]:
@@ -43,13 +60,14 @@ def pagedkv_process(args: list[str], tmp: Path, name: str, env: dict | None = No
         args = [*args, "--admin-token-file", str(Path(tmp) / f"{name}.admin-token")]
     if args[:1] == ["memory"] and "--grace" not in args:  # a test stops its workers first: nothing to wait for
         args = [*args, "--grace", "0"]
-    return ServiceProcess.pagedkv(args, tmp, name, port=port, env=env, timeout=timeout, cwd=ROOT)
+    return ServiceProcess.pagedkv(with_reference_dtype(args), tmp, name, port=port, env=env, timeout=timeout, cwd=ROOT)
 
 
 def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: str = "stack",
                 model: str | Path | None = None) -> LocalStack:
     """``pagedkv memory <memory_args>`` and ``num_workers`` workers on free ports, logging under ``tmp``;
-    both services on ``--model model`` (None: SmolLM2).
+    both services on ``--model model`` (None: SmolLM2); the pool in :data:`REFERENCE_DTYPE` unless
+    ``memory_args`` names its ``--kv-cache-dtype``.
 
     Not started: use it as ``with local_stack(...) as s:``. Its memory service writes its admin
     token under ``tmp`` (the ready file's ``admin_token_file`` names it).
@@ -58,8 +76,12 @@ def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: s
         memory_args = [*memory_args, "--admin-token-file", str(Path(tmp) / f"{name or 'stack'}.admin-token")]
     if "--grace" not in memory_args:  # the stack stops its workers first: nothing to wait for at the end
         memory_args = [*memory_args, "--grace", "0"]
+    memory_args = with_reference_dtype(["memory", *memory_args])[1:]
+    pool = memory_args[memory_args.index("--kv-cache-dtype") + 1]
+    # Over an fp8 pool a worker's auto is the device's default, not the pool's: the reference dtype too.
+    worker_args = ["--dtype", REFERENCE_DTYPE] if pool in ("fp8", "fp8_e4m3") else []
     return LocalStack(memory_args, num_workers=num_workers, run_dir=tmp, name=name, cwd=ROOT, timeout=START_TIMEOUT,
-                      model=None if model is None else str(model))
+                      model=None if model is None else str(model), worker_args=worker_args)
 
 
 @pytest.fixture

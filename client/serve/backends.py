@@ -33,6 +33,7 @@ from client.serve.config import ServeConfig
 from client.services import MemoryClient, WorkerClient, admin_token_path
 from pagedkv import config
 from pagedkv.config import host_cache_bytes, parse_bytes
+from pagedkv.model.checkpoint_dtype import checkpoint_dtype
 from pagedkv.model.source import resolve_model
 from pagedkv.runtime.tls import TlsFiles, from_args
 from pagedkv.runtime.tls import channel as plane_channel
@@ -123,16 +124,18 @@ def resolve(args: ServeConfig) -> Backends:
     return found
 
 
-def embedded_args(args: ServeConfig) -> tuple[list[str], list[str]]:
+def embedded_args(args: ServeConfig, device: str = "cpu") -> tuple[list[str], list[str]]:
     """The flags of the embedded memory service and of its workers, from ``pagedkv serve``'s.
 
     Every pool flag is explicit (the children inherit this process's environment, whose
     variables must not configure them behind the server's back); :class:`~client.ops.stack.LocalStack`
     adds ``--host``, ``--port``, ``--device``, ``--model``, ``--revision`` and TLS, and :func:`_embedded`
-    ``--log-level``. Workers get ``--dtype`` (the model's), the memory service the pool's flags.
+    ``--log-level``. Workers get ``--dtype`` (the model's), the memory service the pool's flags; both
+    resolved here (:func:`resolved_dtypes` on ``device``), so that the children run what the server reports.
     """
+    model_dtype, pool_dtype = resolved_dtypes(args, device)
     memory_args = ["--block-size", str(args.block_size or 16),
-                   "--kv-cache-dtype", args.pool_dtype.name if args.pool_dtype else "auto",
+                   "--kv-cache-dtype", pool_dtype.name,
                    "--host-cache-memory", args.host_cache_memory or "0"]
     if args.kv_cache_memory:
         memory_args += ["--kv-cache-memory", args.kv_cache_memory]
@@ -140,14 +143,32 @@ def embedded_args(args: ServeConfig) -> tuple[list[str], list[str]]:
         memory_args += ["--kv-scales-file", args.kv_scales_file]
     if not args.prefix_caching:
         memory_args.append("--no-prefix-caching")
-    return memory_args, ["--dtype", args.model_dtype.name if args.model_dtype else "auto"]
+    return memory_args, ["--dtype", model_dtype.name]
+
+
+def resolved_dtypes(args: ServeConfig, device: str) -> tuple[config.DType, config.DType]:
+    """(model dtype, pool dtype) of embedded services on ``device``: ``--dtype`` or the ``auto`` rule
+    (:func:`pagedkv.config.default_dtype` of the device and the model's checkpoint dtype, from its
+    config alone), and ``--kv-cache-dtype`` or the model's."""
+    model, pool = args.model_dtype, args.pool_dtype
+    if model is None and pool is not None and not pool.is_fp8:
+        model = pool  # the model runs in its pool's dtype
+    if model is None:
+        try:
+            source = resolve_model(args.model or "smollm2", args.revision, files="config", download=False).load_source
+        except (OSError, ValueError):  # the children report a model that is not there
+            source = None
+        cuda = device.startswith("cuda")
+        model = config.default_dtype(cuda, None if source is None else checkpoint_dtype(source))
+    return model, pool or model
 
 
 def _embedded(args: ServeConfig, tls: TlsFiles | None) -> Backends:
-    memory_args, worker_args = embedded_args(args)
+    device = args.device or default_device()
+    memory_args, worker_args = embedded_args(args, device)
     log_level = ["--log-level", args.log_level]
     memory_args, worker_args = [*log_level, *memory_args], [*log_level, *worker_args]
-    stack = LocalStack(memory_args, worker_args=worker_args, device=args.device or default_device(),
+    stack = LocalStack(memory_args, worker_args=worker_args, device=device,
                        model=args.model or "smollm2",
                        revision=args.revision, host="127.0.0.1", name="serve", tls=tls).start()
     return Backends(stack.memory_address, stack.worker_addresses, "embedded", stack, Supervisor(stack).start(),

@@ -119,7 +119,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"),
                        help="the name in the API's 'model' field (default: --model)")
     flags.add_dtype_arg(model, default=None,
-                        help="model weights and activations (default auto: float32 on cpu, bfloat16 on cuda)")
+                        help=f"model weights and activations (default {flags.AUTO_DTYPE_HELP})")
     model.add_argument(
         "--kv-scales-file",
         default=_env("KV_SCALES_FILE"),

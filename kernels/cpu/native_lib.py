@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -24,24 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedkv.config import env
+from pagedkv.runtime.cpu_flags import cpu_flags
 from pagedkv.runtime.paths import pagedkv_home
 
 #: The C sources and headers of every library.
 CSRC = Path(__file__).resolve().parent / "csrc"
 _BUILD_TIMEOUT_S = 120
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (x86-64 Linux; empty elsewhere)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return frozenset()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
-                          []))
 
 
 def _arch_flags() -> list[str]:

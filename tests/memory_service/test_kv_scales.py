@@ -215,3 +215,4 @@ def test_serve_hands_a_scales_file_to_its_embedded_memory_service(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--kv-scales-file", "/s.json"])
     assert "add --kv-cache-dtype fp8" in capsys.readouterr().err
+

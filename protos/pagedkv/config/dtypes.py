@@ -7,8 +7,10 @@ torch is imported only when a ``torch.dtype`` is asked for: the memory service n
 
 The rules, each written once here:
 
-- ``auto`` (:func:`default_dtype`): bfloat16 on CUDA, float32 on CPU. The memory service's pool
-  takes it when ``--kv-cache-dtype`` is auto, and a worker's model over an fp8 pool.
+- ``auto`` (:func:`default_dtype`, vLLM's rule): the checkpoint's 16-bit dtype where the device
+  computes it natively (CUDA; a CPU with AVX-512 BF16 or AMX computes bfloat16), float32
+  otherwise. The memory service's pool takes it when ``--kv-cache-dtype`` is auto, and a
+  worker's model over an fp8 pool.
 - pairing (:func:`check_pair`): the model runs in the pool's dtype, except over an fp8 pool,
   whose keys and values the kernels widen to the model's dtype (vLLM's ``--kv-cache-dtype fp8``).
   A worker's ``--dtype auto`` follows the pool (:func:`worker_dtype`); ``pagedkv serve``'s
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from pagedkv.runtime.cpu_flags import computes_bf16
 
 if TYPE_CHECKING:
     import torch
@@ -86,19 +90,34 @@ def dtype(value: str | DType | torch.dtype) -> DType:
     return found
 
 
-def default_dtype(cuda: bool) -> DType:
-    """The ``auto`` rule: bfloat16 on CUDA, float32 on CPU."""
-    return BFLOAT16 if cuda else FLOAT32
+def default_dtype(cuda: bool, checkpoint: DType | None = None, native_bf16: bool | None = None) -> DType:
+    """The ``auto`` rule, as vLLM decides it (``ModelConfig.dtype`` "auto" and its CPU platform's check).
+
+    - CUDA: the checkpoint's dtype when it is bfloat16 or float16, else bfloat16 (a float32
+      checkpoint, or one that states none).
+    - CPU: bfloat16 when the checkpoint is 16-bit (bfloat16, or float16, which a CPU computes as
+      bfloat16) and the CPU computes bfloat16 natively (``native_bf16``; default
+      :func:`pagedkv.runtime.cpu_flags.computes_bf16`: AVX-512 BF16 or AMX); float32 otherwise.
+
+    ``checkpoint``: the dtype the model was saved in (:func:`pagedkv.model.checkpoint_dtype.checkpoint_dtype`),
+    None when it states none.
+    """
+    if cuda:
+        return checkpoint if checkpoint in (BFLOAT16, FLOAT16) else BFLOAT16
+    if checkpoint not in (BFLOAT16, FLOAT16):
+        return FLOAT32
+    return BFLOAT16 if (computes_bf16() if native_bf16 is None else native_bf16) else FLOAT32
 
 
-def pool_dtype(flag: str | None, cuda: bool) -> DType:
-    """The memory service's pool dtype from ``--kv-cache-dtype`` (None or ``auto``: :func:`default_dtype`).
+def pool_dtype(flag: str | None, cuda: bool, checkpoint: DType | None = None) -> DType:
+    """The memory service's pool dtype from ``--kv-cache-dtype`` (None or ``auto``:
+    :func:`default_dtype` of the device and the model's ``checkpoint`` dtype).
 
     Raises:
         ValueError: a value not in :data:`KV_CACHE_DTYPE_CHOICES` (e.g. from the environment).
     """
     if flag in (None, "auto"):
-        return default_dtype(cuda)
+        return default_dtype(cuda, checkpoint)
     if flag not in KV_CACHE_DTYPE_CHOICES:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {flag!r}")
     return dtype(flag)
@@ -130,10 +149,10 @@ def model_dtype(flag: str | None) -> DType | None:
     return DTYPES[flag]
 
 
-def worker_dtype(model: DType | str | None, pool: DType, cuda: bool) -> DType:
+def worker_dtype(model: DType | str | None, pool: DType, cuda: bool, checkpoint: DType | None = None) -> DType:
     """A worker's model dtype: ``--dtype`` (``model``: parsed by :func:`model_dtype`, or its flag
     text), or with ``auto`` (None) the pool's (over an fp8 pool :func:`default_dtype` of the pool's
-    device, ``cuda``).
+    device, ``cuda``, and the model's ``checkpoint`` dtype).
 
     Raises:
         ValueError: a dtype no model computes in, or one that does not pair with the pool.
@@ -143,7 +162,7 @@ def worker_dtype(model: DType | str | None, pool: DType, cuda: bool) -> DType:
     elif not model.computes:
         raise ValueError(f"--dtype must be one of {', '.join(MODEL_DTYPE_CHOICES)}, got {model.name!r}")
     if model is None:
-        model = default_dtype(cuda) if pool.is_fp8 else pool
+        model = default_dtype(cuda, checkpoint) if pool.is_fp8 else pool
     check_pair(model, pool)
     return model
 

@@ -51,6 +51,11 @@ def add_model_args(p: Parser, *, default: str | None = "smollm2", help: str = MO
     p.add_argument("--revision", default=_env("PAGEDKV_REVISION", from_env, None), help=revision_help)
 
 
+#: What ``auto`` means for ``--dtype`` and ``--kv-cache-dtype`` (:func:`pagedkv.config.default_dtype`), for help texts.
+AUTO_DTYPE_HELP = ("auto: the checkpoint's 16-bit dtype where the device computes it natively (CUDA; a CPU with "
+                   "AVX-512 BF16 or AMX), else float32")
+
+
 def add_dtype_arg(p: Parser, *, default: str | None = "auto", help: str) -> None:
     """``--dtype``, the model's dtype (``PAGEDKV_DTYPE``); choices :data:`MODEL_DTYPE_CHOICES`."""
     p.add_argument("--dtype", default=env("PAGEDKV_DTYPE", default), choices=MODEL_DTYPE_CHOICES, help=help)

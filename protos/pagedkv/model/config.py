@@ -114,6 +114,10 @@ class ModelConfig:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     #: generation_config.json keys with a sampling meaning that are not honoured (warned at start).
     ignored_generation_keys: tuple[str, ...] = ()
+    #: The dtype the checkpoint was saved in ("float32", "float16" or "bfloat16"; config.json's
+    #: ``dtype``/``torch_dtype``, a GGUF's ``general.file_type``); None: not stated. ``--dtype auto``
+    #: starts from it (pagedkv.config.default_dtype).
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -319,4 +323,16 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         sliding_window=sliding_window_of(c, architecture),
         generation=generation,
         ignored_generation_keys=ignored,
+        dtype=checkpoint_dtype_name(c.str("dtype", "") or c.str("torch_dtype", "")),
     )
+
+
+#: The checkpoint dtypes ModelConfig.dtype names (what config.json's ``torch_dtype`` says).
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def checkpoint_dtype_name(text: str) -> str | None:
+    """``text`` (a config.json ``dtype``, e.g. "bfloat16" or "torch.bfloat16") when it names one of
+    :data:`CHECKPOINT_DTYPES`, else None (unstated, or a dtype no model computes in)."""
+    name = text.removeprefix("torch.")
+    return name if name in CHECKPOINT_DTYPES else None

@@ -12,6 +12,19 @@ from pathlib import Path
 
 from pagedkv.model.config import ModelConfig, RopeScaling
 
+#: llama.cpp's ``general.file_type`` (LlamaFileType) of unquantized files: ALL_F32, MOSTLY_F16, MOSTLY_BF16.
+UNQUANTIZED_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+def gguf_checkpoint_dtype(file_type: int | None) -> str | None:
+    """The dtype of the model a GGUF was converted from, by its ``general.file_type``: an
+    unquantized file's own (:data:`UNQUANTIZED_FILE_TYPES`); a quantized one's source is written
+    nowhere in the file, and llama.cpp quantizes 16-bit exports of the models pagedkv serves (all
+    published in bfloat16, SmolLM2 among them): "bfloat16". None: no ``general.file_type``."""
+    if file_type is None:
+        return None
+    return UNQUANTIZED_FILE_TYPES.get(int(file_type), "bfloat16")
+
 
 def open_gguf(path: str | Path):
     """A `gguf.GGUFReader` over ``path`` (memory-mapped; it parses every metadata field).
@@ -78,6 +91,7 @@ def gguf_model_config(reader, path: str | Path) -> ModelConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         name=str(field("general.name", path.stem)),
         source=str(path),
+        dtype=gguf_checkpoint_dtype(field("general.file_type")),
     )
 
 
