@@ -366,12 +366,18 @@ def pagedkv_server(dtype: str, args, log_dir: Path):
     try:
         yield srv.info.get("url") or f"http://{srv.address}"
     finally:
-        srv.proc.send_signal(signal.SIGINT)
-        try:
-            srv.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            srv.stop()
-        stop_group(srv.pid, "pagedkv serve")
+        stop_server(srv)
+
+
+def stop_server(srv: ServiceProcess, name: str = "pagedkv serve") -> None:
+    """Stop a detached server as Ctrl-C would (SIGINT; after 30 s SIGTERM), then whatever of its
+    process group is left (:func:`stop_group`)."""
+    srv.proc.send_signal(signal.SIGINT)
+    try:
+        srv.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        srv.stop()
+    stop_group(srv.pid, name)
 
 
 @contextlib.contextmanager

@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from bench_serving import Request, payload, send, stop_group
+from bench_serving import Request, payload, send, stop_server
 from common import ROOT, fmt, machine, pyplot, save_plot, table, write_result
 from prompts import trace_prompts
 
@@ -163,12 +161,7 @@ def run_variant(name: str, minutes: float, args, requests, log_dir: Path) -> dic
         url = srv.info.get("url") or f"http://{srv.address}"
         return asyncio.run(soak(url, srv.pid, minutes, args, requests))
     finally:
-        srv.proc.send_signal(signal.SIGINT)
-        try:
-            srv.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            srv.stop()
-        stop_group(srv.pid, "pagedkv serve")
+        stop_server(srv)
 
 
 def plot(result: dict) -> None:
