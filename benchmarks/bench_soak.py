@@ -23,7 +23,7 @@ requests; the spread (max / min - 1) and a least-squares slope (MiB per hour) ar
     python benchmarks/bench_soak.py                                  # 30 min, 64 streams, defaults
     python benchmarks/bench_soak.py --variants row-buckets:30,no-buckets:10
 
-Prints a table per variant, writes ``benchmarks/results/bench_soak.json`` and ``.png``. Not part
+Prints a table per variant, writes ``benchmarks/results/bench_soak.json`` and ``.png`` (``--result-name``). Not part
 of ``make test``; one run takes the variants' minutes plus a start of ``pagedkv serve`` each.
 """
 
@@ -164,7 +164,7 @@ def run_variant(name: str, minutes: float, args, requests, log_dir: Path) -> dic
         stop_server(srv)
 
 
-def plot(result: dict) -> None:
+def plot(result: dict, name: str) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -177,7 +177,7 @@ def plot(result: dict) -> None:
     ax.set_ylabel("worker anonymous memory (MiB)")
     ax.set_title(f"Soak: {result['config']['streams']} streams against pagedkv serve")
     ax.legend()
-    save_plot(fig, "bench_soak")
+    save_plot(fig, name)
 
 
 def main() -> int:
@@ -194,6 +194,7 @@ def main() -> int:
     ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--model", default="smollm2", help="served model name")
     ap.add_argument("--pagedkv-args", default="", help="extra flags for pagedkv serve (one string)")
+    ap.add_argument("--result-name", default="bench_soak", help="benchmarks/results/<name>.json and .png")
     args = ap.parse_args()
     plan = []
     for item in args.variants.split(","):
@@ -224,8 +225,8 @@ def main() -> int:
             for e in r["errors"]:
                 print(f"  error: {e}")
     result = {"machine": machine(), "config": {k: v for k, v in vars(args).items()}, "runs": runs}
-    write_result("bench_soak", result)
-    plot(result)
+    write_result(args.result_name, result)
+    plot(result, args.result_name)
     return 0 if all(r["verdict"] == "flat" for name, r in runs.items() if name != "no-buckets") else 1
 
 
