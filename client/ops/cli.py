@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"memory service port; 0 = a free one (default {config.MEMORY_PORT})")
     up.add_argument("--worker-port", type=int, default=config.COMPUTE_PORT,
                     help=f"worker port; 0 = a free one (default {config.COMPUTE_PORT})")
-    flags.add_pool_args(up, num_blocks=True, kv_cache_dtype=False, from_env=False)
+    flags.add_pool_args(up, num_blocks=True, kv_cache_dtype=True, from_env=False, kv_cache_dtype_help=(
+        f"the pool's element type, which the worker's model follows (default {flags.AUTO_DTYPE_HELP}); "
+        "float32 for outputs that match a float32 reference token for token"))
     flags.add_tls_args(up)
     sub.add_parser("down", help="stop what `pagedkv up` started")
     gen = sub.add_parser("generate", help="stream a generation")
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             state = up(device=args.device, model=args.model, memory_port=args.memory_port, worker_port=args.worker_port,
                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
                        host_cache_memory=args.host_cache_memory, tls=plane_tls.from_args(args),
-                       revision=args.revision)
+                       revision=args.revision, kv_cache_dtype=args.kv_cache_dtype)
             print(f"memory service  {state['memory']['address']}  (pid {state['memory']['pid']})")
             for w in state["workers"]:
                 print(f"worker          {w['address']}  (pid {w['pid']}, {state['device']})")

@@ -79,7 +79,7 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
        worker_port: int = COMPUTE_PORT,
        block_size: int = 16, kv_cache_memory: str | None = None, num_blocks: int | None = None,
        host_cache_memory: str | None = None, timeout: float = 300.0, tls: TlsFiles | None = None,
-       revision: str | None = None) -> dict:
+       revision: str | None = None, kv_cache_dtype: str | None = None) -> dict:
     """Start a supervisor (:mod:`client.ops.supervisor`, detached) that starts a memory service and
     one worker as its children, restarts either when it dies, and writes the state file once both
     are healthy; returns the state.
@@ -90,6 +90,8 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
 
     ``host_cache_memory`` (e.g. "4GiB"; None or "0": none) sizes the memory service's host tier
     (``--host-cache-memory``): offloaded prefix-cache blocks and swapped-out requests.
+    ``kv_cache_dtype`` (None: auto, pagedkv.config.default_dtype) is the pool's ``--kv-cache-dtype``,
+    which the worker's model follows.
 
     With ``tls`` both services get these files (``--tls-cert/--tls-key/--tls-ca``) and serve
     mutual TLS; without, plaintext on loopback.
@@ -110,6 +112,8 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
         mem_args += ["--kv-cache-memory", kv_cache_memory]
     if host_cache_memory:
         mem_args += ["--host-cache-memory", host_cache_memory]
+    if kv_cache_dtype:  # the worker's --dtype auto follows the pool
+        mem_args += ["--kv-cache-dtype", kv_cache_dtype]
     run_dir = pagedkv_home() / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     LocalStack(memory_port=memory_port, worker_port=worker_port, timeout=timeout)  # checks the ports here

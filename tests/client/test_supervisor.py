@@ -38,12 +38,13 @@ def _wait(check, timeout: float = 30.0) -> bool:
 
 @pytest.fixture
 def up(tmp_path, tiny_model):
-    """Runs ``pagedkv up`` on the tiny Llama in a private home; returns (home, state)."""
+    """Runs ``pagedkv up`` on the tiny Llama in a private home, its pool in bfloat16 (``--kv-cache-dtype``:
+    the tiny model's config names no dtype, so auto would be float32); returns (home, state)."""
     home = private_home(tmp_path / "home")
 
     def start() -> dict:
         done = _pagedkv(home, "up", "--device", "cpu", "--model", str(tiny_model[0]), "--memory-port", "0",
-                        "--worker-port", "0", "--num-blocks", "64", "--block-size", "4")
+                        "--worker-port", "0", "--num-blocks", "64", "--block-size", "4", "--kv-cache-dtype", "bfloat16")
         assert done.returncode == 0, done.stderr
         return json.loads((home / "state.json").read_text())
 
@@ -67,7 +68,8 @@ def test_up_restarts_a_killed_worker_and_down_stops_everything(up):
     wait_healthy(worker["address"], 30)
     client = WorkerClient(worker["address"])
     try:
-        assert client.model_info().pool_generation > 0  # it mapped the pool again
+        info = client.model_info()
+        assert info.pool_generation > 0 and info.dtype == "bfloat16"  # it mapped the pool again, up's dtype
     finally:
         client.close()
     assert '"service_restarted"' in (home / "run" / "supervisor.log").read_text()
