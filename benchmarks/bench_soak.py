@@ -169,9 +169,9 @@ def plot(result: dict, name: str) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, run in result["runs"].items():
+    for variant, run in result["runs"].items():
         pts = [(s["minute"], s["worker_mib"]) for s in run["samples"] if s["worker_mib"]]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=variant)
     ax.axvline(result["config"]["warmup_minutes"], color="grey", linestyle=":", label="end of warm-up")
     ax.set_xlabel("minutes of load")
     ax.set_ylabel("worker anonymous memory (MiB)")
