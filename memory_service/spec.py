@@ -38,9 +38,9 @@ class PoolSpec:
         return self.device.startswith("cuda")
 
     def resolved_dtype(self, model_source: str) -> DType:
-        """The pool's dtype: ``--kv-cache-dtype``, or for auto :func:`pagedkv.config.default_dtype` of
-        the device and the checkpoint dtype of ``model_source`` (a resolved model's ``load_source``)."""
-        return self.dtype or config.default_dtype(self.cuda, checkpoint_dtype(model_source))
+        """The pool's dtype: ``--kv-cache-dtype``, or :func:`pagedkv.config.pool_dtype`'s auto for the
+        device and the checkpoint dtype of ``model_source`` (a resolved model's ``load_source``)."""
+        return self.dtype or config.pool_dtype(None, self.cuda, checkpoint_dtype(model_source))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PoolSpec:

@@ -147,20 +147,20 @@ def embedded_args(args: ServeConfig, device: str = "cpu") -> tuple[list[str], li
 
 
 def resolved_dtypes(args: ServeConfig, device: str) -> tuple[config.DType, config.DType]:
-    """(model dtype, pool dtype) of embedded services on ``device``: ``--dtype`` or the ``auto`` rule
-    (:func:`pagedkv.config.default_dtype` of the device and the model's checkpoint dtype, from its
-    config alone), and ``--kv-cache-dtype`` or the model's."""
-    model, pool = args.model_dtype, args.pool_dtype
-    if model is None and pool is not None and not pool.is_fp8:
-        model = pool  # the model runs in its pool's dtype
-    if model is None:
+    """(model dtype, pool dtype) of embedded services on ``device``, by the services' own rules:
+    the pool's is ``--kv-cache-dtype`` (``--dtype``'s when only that is given) or
+    :func:`pagedkv.config.pool_dtype`'s auto, the model's :func:`pagedkv.config.worker_dtype` over it.
+    Where auto decides, the model's checkpoint dtype is read from its config alone."""
+    cuda = device.startswith("cuda")
+    pool, checkpoint = args.pool_dtype, None
+    if args.model_dtype is None and (pool is None or pool.is_fp8):  # auto decides: the checkpoint's dtype
         try:
             source = resolve_model(args.model or "smollm2", args.revision, files="config", download=False).load_source
+            checkpoint = checkpoint_dtype(source)
         except (OSError, ValueError):  # the children report a model that is not there
-            source = None
-        cuda = device.startswith("cuda")
-        model = config.default_dtype(cuda, None if source is None else checkpoint_dtype(source))
-    return model, pool or model
+            pass
+    pool = pool or config.pool_dtype(None, cuda, checkpoint)
+    return config.worker_dtype(args.model_dtype, pool, cuda, checkpoint), pool
 
 
 def _embedded(args: ServeConfig, tls: TlsFiles | None) -> Backends:
