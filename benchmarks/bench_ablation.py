@@ -3,7 +3,7 @@
 A *variant* is a checkout of this repository (a commit; default the working tree), a dtype (pool
 and model) and environment switches (``PAGEDKV_PACKED_LINEAR=0``: projections through
 ``F.linear``; ``PAGEDKV_NATIVE_CPU=0``: attention and cache writes on the torch path;
-``PAGEDKV_AMX_LINEAR=0``: projections through oneDNN's matmul, not kernels.cpu.amx;
+``PAGEDKV_CPU_LINEAR=off``: projections through oneDNN's matmul, not kernels.cpu.packed_linear;
 ``PAGEDKV_FUSED_DECODE=0``: decode steps op by op, not kernels.cpu.layers). Each variant
 runs in a process of its own, started from its checkout (``git worktree add --detach`` into a
 temporary folder for a commit), which loads SmolLM2-135M-Instruct, maps nothing (a private pool
@@ -43,9 +43,9 @@ DEFAULT_VARIANTS = [
     "fp32, packed, native=.:float32",
     "bf16, F.linear, torch attention=.:bfloat16:PAGEDKV_PACKED_LINEAR=0,PAGEDKV_NATIVE_CPU=0",
     "bf16, packed, torch attention=.:bfloat16:PAGEDKV_NATIVE_CPU=0",
-    "bf16, packed, native, oneDNN decode matmul=.:bfloat16:PAGEDKV_AMX_LINEAR=0",
-    "bf16, packed, native, AMX decode projections=.:bfloat16:PAGEDKV_FUSED_DECODE=0",
-    "bf16, AMX projections, fused decode layers=.:bfloat16",
+    "bf16, packed, native, oneDNN decode matmul=.:bfloat16:PAGEDKV_CPU_LINEAR=off",
+    "bf16, packed, native, native projections=.:bfloat16:PAGEDKV_FUSED_DECODE=0",
+    "bf16, native projections, fused decode layers=.:bfloat16",
 ]
 
 

@@ -31,8 +31,8 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import kernels
 from compute_service.kv_calibration import fit_kv_scales
+from compute_service.model.fused_decode import cpu_path
 from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool, map_pool
 from compute_service.server import SERVICE_NAME, ComputeServicer
@@ -258,12 +258,10 @@ def _load(spec: WorkerSpec, desc: mpb.PoolDescriptor, device: str) -> tuple[Work
         pool.close()
         raise
     pool = _map_with_scales(desc, spec.memory_socket, model, spec.model, (spec.memory, spec.bind.tls), pool)
-    native = model_device == "cpu" and kernels.cpu.native.available()
     log.info("model_loaded", model=config.name, architecture=config.architecture,
              seconds=round(time.perf_counter() - t, 2), weight_bytes=model.nbytes(), device=model_device,
              dtype=str(dtype).removeprefix("torch."), checkpoint_dtype=config.dtype,
-             threads=torch.get_num_threads(),
-             cpu_kernels="native" if native else f"torch ({kernels.cpu.native.unavailable_reason})")
+             threads=torch.get_num_threads(), cpu_path=cpu_path(model))
     return Worker(model, config, pool, spec.model), model_device
 
 

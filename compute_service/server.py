@@ -12,6 +12,8 @@ import dataclasses
 import secrets
 from concurrent.futures import Executor
 
+from compute_service.model.fused_decode import cpu_path
+from compute_service.model.llama import LlamaForPagedLM
 from compute_service.worker import Worker
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
@@ -39,6 +41,8 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         #: Commit hash of a hub snapshot, or the local files' fingerprint.
         self.revision = model.revision
         self.device = device
+        #: The CPU compute path the model runs on (GetModelInfoResponse.cpu_path; "" on a GPU).
+        self.cpu_path = cpu_path(worker.model) if isinstance(worker.model, LlamaForPagedLM) else ""
         #: New at every start of the process (GetModelInfoResponse.instance_id).
         self.instance_id = secrets.token_hex(8)
         if model.name == "smollm2":
@@ -77,4 +81,5 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
                 k: v for k, v in dataclasses.asdict(c.generation).items() if v is not None}),
             ignored_generation_keys=c.ignored_generation_keys,
             instance_id=self.instance_id,
+            cpu_path=self.cpu_path,
         )

@@ -1,4 +1,4 @@
-"""Frozen projections for the model, with oneDNN's prepacked matmul on CPU (fp32, and bf16 on AMX).
+"""Frozen projections for the model, over oneDNN's prepacked weights on CPU (fp32 and bf16).
 
 A CPU-library choice kept out of the architecture (gpt-fast's model.py holds none): the model
 builds every projection as `Linear(weight, packed=packed_linear_wanted(device, dtype))`.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused_ops
-from kernels.cpu import amx as cpu_amx
+from kernels.cpu import packed_linear
 from pagedkv.config import env
 
 #: Set to "0" to run oneDNN at every row count (for the soak's comparison: benchmarks/bench_soak.py).
@@ -69,11 +69,12 @@ class Linear(nn.Module):
     `F.linear` (see docs/benchmarks.md), and the sums are ordered differently (results agree to
     the dtype's rounding). Otherwise, or if oneDNN refuses the weight, `F.linear`.
 
-    A packed bf16 weight on an AMX CPU is applied by `kernels.cpu.amx.linear` instead, at any
-    batch, which reads the same packed bytes with a prefetch ahead of its tile loads
-    (bit-identical to oneDNN's result up to 32 rows, as fast or faster at every batch measured).
-    That kernel takes no bias: it is added to its bf16 result (one more rounding than oneDNN's
-    fused bias add).
+    Where a native kernel computes the weight's dtype on this CPU (`kernels.cpu.packed_linear`:
+    AMX or AVX-512 BF16 for bf16, AVX2 for fp32), it applies the packed weight instead, at any
+    batch, reading the same packed bytes in place with a prefetch ahead (as fast or faster than
+    oneDNN's matmul at every batch measured; a row's result independent of the batch). The
+    kernels take no bias: it is added to their result (one more rounding than oneDNN's fused bias
+    add in bf16).
 
     Memory: with `packed`, `weight` is never kept (it may be a scratch buffer the caller reuses;
     if oneDNN refuses it, a copy is kept); without, it is kept as given (no copy).
@@ -94,8 +95,8 @@ class Linear(nn.Module):
         if self.packed is None and packed:
             weight = weight.clone()
         self.weight = None if self.packed is not None else nn.Parameter(weight, requires_grad=False)
-        #: Address of the packed weight for `kernels.cpu.amx.linear`; None: oneDNN or F.linear only.
-        self.amx_address = cpu_amx.weight_address(weight, self.packed) if self.packed is not None else None
+        #: The packed weight as `kernels.cpu.packed_linear.linear` reads it; None: oneDNN or F.linear only.
+        self.native = packed_linear.packed_weight(weight, self.packed) if self.packed is not None else None
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise ValueError(f"bias of shape {list(bias.shape)} for a weight of {self.out_features} output features")
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -105,20 +106,25 @@ class Linear(nn.Module):
 
         With `silu_mul`, SwiGLU's activation of the product instead, for a weight whose rows are
         [W_gate | W_up] (bias [b_gate | b_up]): silu(x W_gate^T) * (x W_up^T) [T, out_features / 2].
-        On the AMX kernel without a bias it ends inside the kernel (the same bits as the product
+        On a native kernel without a bias it ends inside the kernel (the same bits as the product
         followed by `kernels.fused_ops.silu_mul`, without the [T, out_features] intermediate);
         otherwise it is exactly that product followed by that op.
         """
-        if self.amx_address is not None and x.shape[0]:
-            if silu_mul and self.bias is None and self.out_features % 64 == 0:
-                return cpu_amx.linear(x, self.amx_address, self.out_features, silu_mul=True)
-            y = cpu_amx.linear(x, self.amx_address, self.out_features)
+        if self.native is not None and x.shape[0]:
+            if silu_mul and self.fuses_silu_mul():
+                return packed_linear.linear(x, self.native, self.out_features, silu_mul=True)
+            y = packed_linear.linear(x, self.native, self.out_features)
             y = y if self.bias is None else y.add_(self.bias)
         elif self.packed is not None:
             y = self._onednn(x)
         else:
             y = F.linear(x, self.weight, self.bias)
         return fused_ops.silu_mul(y) if silu_mul else y
+
+    def fuses_silu_mul(self) -> bool:
+        """Whether `forward(x, silu_mul=True)` ends SwiGLU inside the native kernel: one runs this
+        weight, without a bias, and its gate and up halves are whole blocks of its packing."""
+        return self.native is not None and self.bias is None and self.out_features % (2 * self.native.block) == 0
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's packed matmul of x [T, in_features] at `bucket_rows` row counts only."""

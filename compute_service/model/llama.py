@@ -247,7 +247,7 @@ class LlamaForPagedLM(nn.Module):
         rope_freqs = source.fetch(["rope_freqs"], "cpu", torch.float32) if "rope_freqs" in source else None
         self.register_buffer("inv_freq", rope_inv_freq(config, rope_freqs).to(self.device), persistent=False)
         self.eval()
-        #: Decode-only bf16 steps on an AMX CPU: every layer in one native call (None: per op only).
+        #: Decode-only steps on a native projection kernel: every layer in one native call (None: per op only).
         self.fused_decode = FusedDecode.build(self)
         #: Wall seconds the last forward's fused layers spent writing K/V and in attention (0 otherwise).
         self.native_attention_seconds = 0.0

@@ -1,6 +1,6 @@
 """Native kernel libraries: C sources built with the host's compiler on first use, loaded once a process.
 
-Every native library of `kernels` (`kernels.cpu.native` with `kernels.cpu.fused`, `kernels.cpu.amx`
+Every native library of `kernels` (`kernels.cpu.native` with `kernels.cpu.fused`, `kernels.cpu.packed_linear`
 with `kernels.cpu.layers`) is a :class:`NativeLibrary`: an environment switch that turns it off,
 an optional check of the host (CPU flags), the build (:func:`build_library`: `cc -O3 -fopenmp` and
 the host's vector flags, cached under `$PAGEDKV_HOME/kernels/<stem>-<hash>.so`), the `ctypes` load,

@@ -35,7 +35,7 @@
 
 #include "simd_cpu.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && W == 16
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -171,9 +171,11 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_ROW_BUCKETS", "bool", True,
       "oneDNN projections run at a bounded set of row counts, so its primitive caches stay bounded; "
       "0: at every count (a worker's memory then grows with each new step size)"),
-    E("PAGEDKV_AMX_LINEAR", "bool", True, "AMX bf16 projections on a CPU that has AMX; 0: off"),
+    E("PAGEDKV_CPU_LINEAR", "str", "auto",
+      "the native projection kernel over oneDNN's packed weights: auto (from the CPU's flags), amx, avx512_bf16 "
+      "(bf16), avx2 (fp32), or off (oneDNN's matmul)"),
     E("PAGEDKV_FUSED_DECODE", "bool", True,
-      "a decode-only bf16 step on an AMX CPU in one native call per step; 0: off"),
+      "a decode-only step on a native projection kernel in one native call per step; 0: off"),
     # --- read from other projects' names
     E("HF_HUB_OFFLINE", "bool", False, "huggingface_hub's: 1 never downloads a model that is not cached"),
     E("TRITON_INTERPRET", "bool", False, "Triton's: 1 runs the Triton kernels on CPU tensors (interpreter)"),
