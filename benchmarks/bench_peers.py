@@ -51,6 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import bandwidth
 from bench_serving import (
     Outcome,
     Request,
@@ -63,12 +64,16 @@ from bench_serving import (
 )
 from common import fmt, machine, median, pyplot, save_plot, table, write_result
 
+from compute_service.weights.source import load_model_source
+from pagedkv.config import default_dtype
+from pagedkv.model.checkpoint_dtype import SMOLLM2_DTYPE
 from pagedkv.model.tokenizer import load_tokenizer
 from pagedkv.runtime.paths import smollm2_gguf_path
 
 SYSTEMS = ("vllm", "pagedkv")
-#: The goal of issue 16, at each system's best dtype: pagedkv throughput / vLLM's, single stream.
-GOAL_THROUGHPUT, GOAL_SINGLE = 1.3, 1.0
+#: The goals: pagedkv / vLLM throughput at each one's best dtype and at each one's default (``auto``)
+#: dtype, single stream at each one's best, and single-stream decode as a share of the bandwidth bound.
+GOAL_THROUGHPUT, GOAL_DEFAULTS, GOAL_SINGLE, GOAL_BOUND = 1.5, 1.3, 1.3, 0.6
 
 
 # ---------------------------------------------------------------- agreement
@@ -182,8 +187,10 @@ def run_llama_cpp(single: list[Request]) -> dict:
 
 
 # ------------------------------------------------------------------ verdict
-def verdict(runs: dict) -> dict | None:
-    """pagedkv / vLLM at each one's best dtype: throughput (best by throughput) and single stream."""
+def verdict(runs: dict, bound: dict | None = None) -> dict | None:
+    """pagedkv / vLLM at each one's best dtype: throughput (best by throughput) and single stream;
+    throughput at each one's default dtype (``auto`` on this CPU, the same rule for both); and
+    pagedkv's single stream at ``bound["dtype"]`` as a share of the bandwidth bound (`bandwidth.bound`)."""
     best, single = {}, {}
     for s in runs.values():
         sys_ = s["system"]
@@ -211,13 +218,33 @@ def verdict(runs: dict) -> dict | None:
         },
     }
     t, s = out["throughput"], out["single_stream"]
+
+    def held(ratio, goal):
+        return f"goal >= {goal}: {'holds' if ratio >= goal else 'not yet'}"
+
     out["text"] = (
         f"pagedkv / vLLM at each one's best dtype: throughput {t['pagedkv'][1]:.1f} ({t['pagedkv'][0]}) / "
-        f"{t['vllm'][1]:.1f} ({t['vllm'][0]}) tok/s = x{t['ratio']:.2f} (goal >= {GOAL_THROUGHPUT}: "
-        f"{'holds' if t['ratio'] >= GOAL_THROUGHPUT else 'not yet'}); single stream {s['pagedkv'][1]:.1f} "
-        f"({s['pagedkv'][0]}) / {s['vllm'][1]:.1f} ({s['vllm'][0]}) tok/s = x{s['ratio']:.2f} "
-        f"(goal >= {GOAL_SINGLE}: {'holds' if s['ratio'] >= GOAL_SINGLE else 'not yet'})"
+        f"{t['vllm'][1]:.1f} ({t['vllm'][0]}) tok/s = x{t['ratio']:.2f} ({held(t['ratio'], GOAL_THROUGHPUT)}); "
+        f"single stream {s['pagedkv'][1]:.1f} ({s['pagedkv'][0]}) / {s['vllm'][1]:.1f} ({s['vllm'][0]}) tok/s "
+        f"= x{s['ratio']:.2f} ({held(s['ratio'], GOAL_SINGLE)})"
     )
+    auto = str(default_dtype(cuda=False, checkpoint=SMOLLM2_DTYPE))
+    pd, vd = runs.get(f"pagedkv {auto}"), runs.get(f"vllm {auto}")
+    if pd and vd and pd.get("completed") and vd.get("completed"):
+        ratio = pd["output_tokens_per_s"] / vd["output_tokens_per_s"]
+        out["defaults"] = {"dtype": auto, "ratio": ratio, "goal": GOAL_DEFAULTS}
+        out["text"] += f"; throughput at the defaults ({auto} for both) x{ratio:.2f} ({held(ratio, GOAL_DEFAULTS)})"
+    one = runs.get(f"pagedkv {bound['dtype']}") if bound else None
+    if one and one["single"]["decode_tok_s"]:
+        share = one["single"]["decode_tok_s"] / bound["bound_tok_s"]
+        out["bandwidth_bound"] = {**bound, "pagedkv_tok_s": one["single"]["decode_tok_s"], "share": share,
+                                  "goal": GOAL_BOUND}
+        out["text"] += (
+            f"; single stream {one['single']['decode_tok_s']:.1f} tok/s ({bound['dtype']}) = {share:.0%} of the "
+            f"bandwidth bound {bound['bound_tok_s']:.1f} tok/s ({bound['bytes_per_token'] / 1e6:.0f} MB a token at "
+            f"{bound['context']} tokens of context, copy bandwidth {bound['copy_bandwidth'] / 1e9:.1f} GB/s; "
+            f"{held(share, GOAL_BOUND)})"
+        )
     return out
 
 
@@ -323,6 +350,13 @@ def main() -> int:
         f"{n} requests: mean prompt {c['mean_prompt_tokens']:.0f} tokens, {c['output_tokens']} output tokens; "
         f"single stream: {len(single)} x {args.single_tokens} tokens"
     )
+    auto = str(default_dtype(cuda=False, checkpoint=SMOLLM2_DTYPE))
+    context = round(sum(r.prompt_len for r in single) / len(single) + args.single_tokens / 2)
+    config, _ = load_model_source("smollm2")
+    result["bandwidth_bound"] = bandwidth.bound(config, auto, context, bandwidth.copy_bandwidth())
+    b = result["bandwidth_bound"]
+    print(f"copy bandwidth {b['copy_bandwidth'] / 1e9:.1f} GB/s; a {auto} decode token reads "
+          f"{b['bytes_per_token'] / 1e6:.0f} MB at {context} tokens of context: bound {b['bound_tok_s']:.1f} tok/s")
     log_dir = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     print(f"server logs: {log_dir}")
     for k in range(args.sittings):
@@ -332,7 +366,7 @@ def main() -> int:
         if args.llama_cpp:
             runs["llama.cpp Q4_1"] = run_llama_cpp(single)
         add_agreement(runs)
-        result["sittings"].append({"runs": runs, "verdict": verdict(runs)})
+        result["sittings"].append({"runs": runs, "verdict": verdict(runs, result["bandwidth_bound"])})
 
     rows = []
     for k, sitting in enumerate(result["sittings"], 1):

@@ -27,6 +27,10 @@ each server's default (``--no-prefix-caching`` turns prefix caching off in both)
 with ``--warmup`` requests that are not measured. ``bench_peers`` reuses the servers, the trace and
 the client, sending prompts as token ids and reading the output's (``run_trace(token_ids=True)``).
 
+``--client vllm-bench`` measures with vLLM's own client instead (``vllm bench serve``, random
+256-in / 128-out prompts, rates inf and 2 req/s, both servers at bf16, batch cap 32, prefix caching
+off; `vllm_bench_serve`).
+
 Prints one table, writes ``benchmarks/results/bench_serving.json`` and ``.png`` (``make
 bench-serving``). The machine's load drifts: compare rows of one run.
 """
@@ -49,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import vllm_bench_serve
 from common import ROOT, fmt, machine, pct, pyplot, save_plot, table, write_result
 from prompts import trace_prompts
 
@@ -475,8 +480,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     add_trace_args(ap)
     ap.add_argument("--quick", action="store_true", help="16 requests, at most 32 output tokens")
-    ap.add_argument("--result-name", default="bench_serving")
+    ap.add_argument("--result-name", default=None, help="default bench_serving (bench_serving_vllm_client)")
+    ap.add_argument("--client", choices=["ours", "vllm-bench"], default="ours",
+                    help="the client: this module's, or vLLM's `vllm bench serve` (vllm_bench_serve.py)")
+    vllm_bench_serve.add_args(ap)
     args = ap.parse_args()
+    args.result_name = args.result_name or ("bench_serving" if args.client == "ours" else "bench_serving_vllm_client")
+    if args.client == "vllm-bench":
+        if "--max-num-seqs" not in sys.argv:
+            args.max_num_seqs = 32
+        if args.base_url:
+            ap.error("--client vllm-bench starts the servers itself (--systems)")
+        return args
     if args.quick:
         args.num_requests, args.max_output = 16, 32
     if bool(args.base_url) == bool(args.systems):
@@ -506,6 +521,8 @@ def plot(result: dict, name: str) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.client == "vllm-bench":
+        return vllm_bench_serve.main(args)
     tok = load_tokenizer("smollm2")
     requests = make_requests(args, tok)
     chat = args.endpoint == "chat"

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.credentials import new_lease
 from helpers.model_fixtures import PROMPT, chat_ids, hf_greedy
 
 from client.errors import error_info
+from kernels.cpu import layers as cpu_layers
+from kernels.cpu import packed_linear
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
@@ -108,6 +111,10 @@ def test_model_info(driver):
     assert info.model_source == "smollm2" and info.weights_path.endswith(".gguf")
     assert list(info.eos_token_ids) == [2] and info.dtype == "float32" and info.device == "cpu"
     assert info.pool_generation == driver.pool.generation and info.block_size == 16 and info.num_blocks == 512
+    # the CPU path the flags chose, as the worker's own process resolves it
+    kernel = packed_linear.describe(torch.float32)
+    fused = "fused" if cpu_layers.available(torch.float32) else "per-op"
+    assert info.cpu_path.startswith(f"projections={kernel} decode_layers={fused}"), info.cpu_path
 
 
 def test_one_worker_prefills_the_other_decodes(driver, hf_model, hf_tokenizer):
