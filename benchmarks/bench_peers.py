@@ -242,7 +242,8 @@ def verdict(runs: dict, bound: dict | None = None) -> dict | None:
         out["text"] += (
             f"; single stream {one['single']['decode_tok_s']:.1f} tok/s ({bound['dtype']}) = {share:.0%} of the "
             f"bandwidth bound {bound['bound_tok_s']:.1f} tok/s ({bound['bytes_per_token'] / 1e6:.0f} MB a token at "
-            f"{bound['context']} tokens of context, copy bandwidth {bound['copy_bandwidth'] / 1e9:.1f} GB/s; "
+            f"{bound['context']} tokens of context, bandwidth copy {bound['copy_bandwidth'] / 1e9:.1f} / read "
+            f"{bound['read_bandwidth'] / 1e9:.1f} GB/s; "
             f"{held(share, GOAL_BOUND)})"
         )
     return out
@@ -353,9 +354,9 @@ def main() -> int:
     auto = str(default_dtype(cuda=False, checkpoint=SMOLLM2_DTYPE))
     context = round(sum(r.prompt_len for r in single) / len(single) + args.single_tokens / 2)
     config, _ = load_model_source("smollm2")
-    result["bandwidth_bound"] = bandwidth.bound(config, auto, context, bandwidth.copy_bandwidth())
-    b = result["bandwidth_bound"]
-    print(f"copy bandwidth {b['copy_bandwidth'] / 1e9:.1f} GB/s; a {auto} decode token reads "
+    result["bandwidth_bound"] = b = bandwidth.bound(config, auto, context)
+    print(f"bandwidth: copy {b['copy_bandwidth'] / 1e9:.1f} GB/s, read {b['read_bandwidth'] / 1e9:.1f} GB/s; "
+          f"a {auto} decode token reads "
           f"{b['bytes_per_token'] / 1e6:.0f} MB at {context} tokens of context: bound {b['bound_tok_s']:.1f} tok/s")
     log_dir = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     print(f"server logs: {log_dir}")

@@ -214,3 +214,27 @@ def test_the_switch_turns_the_kernels_off_in_a_process():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True,
     ).stdout.strip()
     assert out.splitlines() == [f"onednn (disabled by {pl.ENV_SWITCH}=off)"] * 2
+
+
+def test_an_avx2_only_cpu_runs_the_avx2_path_end_to_end():
+    """With every flag but AVX2's taken away (PAGEDKV_TEST_CPU_FLAGS), the library builds 8 wide,
+    bf16 has no kernel, and fp32 runs the avx2 kernel: this file's avx2 cases and the model's fused
+    fp32 decode layers (bit-identical to its per-op path) pass in that process, none skipped."""
+    env = {**os.environ, "PAGEDKV_TEST_CPU_FLAGS": "avx2 fma f16c"}
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import torch; from kernels.cpu import packed_linear as pl, native_lib; "
+         "print(pl.describe(torch.bfloat16)); print(pl.describe(torch.float32)); print(native_lib._arch_flags())"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
+    ).stdout.splitlines()
+    assert out[0].startswith("onednn (the CPU lacks amx_bf16, amx_tile, avx512_bf16 (amx); avx512_bf16, avx512f")
+    assert out[1:] == ["avx2", "['-mavx2', '-mfma', '-mf16c']"]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+         "tests/kernels/test_packed_linear.py", "tests/compute_service/test_fused_decode.py",
+         "-k", "(avx2 and not avx2_only) or (per_op_bits and float32)"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    tail = run.stdout[-2000:]
+    assert run.returncode == 0, tail
+    assert "skipped" not in tail and " passed" in tail, tail

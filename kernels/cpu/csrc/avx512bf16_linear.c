@@ -34,20 +34,21 @@
 #define PF_BYTES 1024 /* prefetch distance along a block of the packed weight */
 #define MAX_J 4       /* vectors of 16 outputs in a block: B <= 64 */
 
-/* acc[r][16 j + c] (fp32, rows B floats apart) = rows [0, R) of x (at x, rows xs elements apart)
- * times block wb (J = B / 16 vectors of outputs, `pairs` pair rows). R and J are constants at every
- * call site, so the R x J sums stay in registers. */
+/* acc[r][16 j + c] (fp32, rows 16 J floats apart) = rows [0, R) of x (at x, rows xs elements apart)
+ * times J vectors of 16 outputs of a block (at wv; `stride` elements from one pair row of the block
+ * to the next, `pairs` pair rows). R and J are constants at every call site, so the R x J sums stay
+ * in registers. */
 BF16_TARGET static inline __attribute__((always_inline)) void block_rows(const uint16_t *x, int64_t xs,
-                                                                         const uint16_t *wb, int64_t pairs,
-                                                                         const int R, const int J, int prefetch,
-                                                                         float *acc) {
+                                                                         const uint16_t *wv, int64_t pairs,
+                                                                         int64_t stride, const int R, const int J,
+                                                                         int prefetch, float *acc) {
   __m512 c[8][MAX_J];
 #pragma GCC unroll 8
   for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
     for (int j = 0; j < J; j++) c[r][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; p++) {
-    const uint16_t *wp = wb + p * 32 * J;
+    const uint16_t *wp = wv + p * stride;
     if (prefetch)
 #pragma GCC unroll 4
       for (int j = 0; j < J; j++) _mm_prefetch((const char *)(wp + 32 * j) + PF_BYTES, _MM_HINT_T0);
@@ -70,26 +71,29 @@ BF16_TARGET static inline __attribute__((always_inline)) void block_rows(const u
 }
 
 /* The most rows a chunk holds for J vectors of outputs: R x J sums in 16-24 of the 32 registers. */
-static inline int chunk_rows(int J) { return J == 4 ? 4 : 8; }
+static inline int chunk_rows(int J) { return J == 4 ? 4 : J == 3 ? 6 : 8; }
 
-#define ROWS_CASE(R, J)                                          \
-  case R:                                                        \
-    block_rows(x, xs, wb, pairs, R, J, prefetch, acc);           \
+#define ROWS_CASE(R, J)                                                \
+  case R:                                                              \
+    block_rows(x, xs, wv, pairs, stride, R, J, prefetch, acc);         \
     return;
-#define ROWS_SWITCH(J)                                                                                 \
-  switch (rows) {                                                                                      \
-    ROWS_CASE(1, J) ROWS_CASE(2, J) ROWS_CASE(3, J) ROWS_CASE(4, J) ROWS_CASE(5, J) ROWS_CASE(6, J)    \
-    ROWS_CASE(7, J) ROWS_CASE(8, J) default: return;                                                   \
-  }
+#define ROWS_4(J) ROWS_CASE(1, J) ROWS_CASE(2, J) ROWS_CASE(3, J) ROWS_CASE(4, J)
 
-BF16_TARGET static void chunk(const uint16_t *x, int64_t xs, const uint16_t *wb, int64_t pairs, int J, int rows,
-                              int prefetch, float *acc) {
-  if (J == 4) {
-    ROWS_SWITCH(4)
-  } else if (J == 2) {
-    ROWS_SWITCH(2)
-  } else {
-    ROWS_SWITCH(1)
+BF16_TARGET static void chunk(const uint16_t *x, int64_t xs, const uint16_t *wv, int64_t pairs, int64_t stride,
+                              int J, int rows, int prefetch, float *acc) {
+  switch (J) {
+    case 4:
+      switch (rows) { ROWS_4(4) }
+      return;
+    case 3:
+      switch (rows) { ROWS_4(3) ROWS_CASE(5, 3) ROWS_CASE(6, 3) }
+      return;
+    case 2:
+      switch (rows) { ROWS_4(2) ROWS_CASE(5, 2) ROWS_CASE(6, 2) ROWS_CASE(7, 2) ROWS_CASE(8, 2) }
+      return;
+    default:
+      switch (rows) { ROWS_4(1) ROWS_CASE(5, 1) ROWS_CASE(6, 1) ROWS_CASE(7, 1) ROWS_CASE(8, 1) }
+      return;
   }
 }
 
@@ -99,35 +103,39 @@ BF16_TARGET static inline vf bf16_rounded(const float *p) {
   return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
 }
 
-/* Output blocks [nb0, nb1) of every row of x: out = x W^T (silu = 0), or, for a weight whose rows
- * are [gate | up] (N = 2 I, out [M, I]), out = silu(x W_gate^T) * (x W_up^T) (silu = 1; blocks of
- * the gate half, each with block nb + up_blocks of the up half), gate and up rounded to bf16 first,
- * then exactly fused_cpu.c's silu_mul over them: the same bits as this product followed by that op. */
-BF16_TARGET static void bf16_blocks(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t K,
-                                    int64_t xs, int64_t os, int64_t B, int64_t nb0, int64_t nb1, int silu,
-                                    int64_t up_blocks) {
-  const int J = (int)(B / 16), R = chunk_rows(J);
-  const int64_t pairs = K / 2, block = K * B; /* elements of one block */
-  float acc[8 * 64] __attribute__((aligned(64)));
+/* Output vectors [u0, u1) (16 outputs each, numbered across the blocks) of every row of x:
+ * out = x W^T (silu = 0), or, for a weight whose rows are [gate | up] (N = 2 I, out [M, I]),
+ * out = silu(x W_gate^T) * (x W_up^T) (silu = 1; vectors of the gate half, each with the same
+ * vector of block nb + up_blocks of the up half), gate and up rounded to bf16 first, then exactly
+ * fused_cpu.c's silu_mul over them: the same bits as this product followed by that op. A thread's
+ * share is a run of vectors, so the threads' shares differ by one vector at most. */
+BF16_TARGET static void bf16_vectors(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t K,
+                                     int64_t xs, int64_t os, int64_t B, int64_t u0, int64_t u1, int silu,
+                                     int64_t up_blocks) {
+  const int64_t J = B / 16, pairs = K / 2, block = K * B; /* vectors per block; elements of one block */
+  float acc[8 * 64] __attribute__((aligned(64))); /* R x g x 16 floats: at most 6 x 3 x 16 */
   float up[8 * 64] __attribute__((aligned(64)));
-  for (int64_t nb = nb0; nb < nb1; nb++) {
-    const uint16_t *wb = w + nb * block;
+  for (int64_t nb = u0 / J; nb * J < u1; nb++) {
+    const int64_t j0 = u0 > nb * J ? u0 - nb * J : 0, j1 = u1 < (nb + 1) * J ? u1 - nb * J : J;
+    const int g = (int)(j1 - j0), R = chunk_rows(g);
+    const uint16_t *wv = w + nb * block + 32 * j0;
     for (int64_t m0 = 0; m0 < M; m0 += R) {
       const int rows = (int)(M - m0 < R ? M - m0 : R);
       const uint16_t *xa = x + m0 * xs;
-      chunk(xa, xs, wb, pairs, J, rows, m0 == 0, acc);
+      uint16_t *o = out + m0 * os + nb * B + 16 * j0;
+      chunk(xa, xs, wv, pairs, 32 * J, g, rows, m0 == 0, acc);
       if (!silu) {
         for (int r = 0; r < rows; r++)
-          for (int j = 0; j < J; j++)
-            _mm256_storeu_si256((__m256i *)(out + (m0 + r) * os + nb * B + 16 * j),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + r * B + 16 * j)));
+          for (int j = 0; j < g; j++)
+            _mm256_storeu_si256((__m256i *)(o + r * os + 16 * j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + (r * g + j) * 16)));
         continue;
       }
-      chunk(xa, xs, wb + up_blocks * block, pairs, J, rows, m0 == 0, up);
+      chunk(xa, xs, wv + up_blocks * block, pairs, 32 * J, g, rows, m0 == 0, up);
       for (int r = 0; r < rows; r++)
-        for (int j = 0; j < J; j++)
-          store_v(out + (m0 + r) * os + nb * B, 16 * j,
-                  silu_v(bf16_rounded(acc + r * B + 16 * j)) * bf16_rounded(up + r * B + 16 * j), 1);
+        for (int j = 0; j < g; j++)
+          store_v(o + r * os, 16 * j,
+                  silu_v(bf16_rounded(acc + (r * g + j) * 16)) * bf16_rounded(up + (r * g + j) * 16), 1);
     }
   }
 }
@@ -144,9 +152,9 @@ int avx512bf16_linear(const int64_t *a) {
   const int64_t M = a[3], N = a[4], K = a[5], B = a[10];
   const int silu = a[9] != 0;
   if (M < 1 || (B != 16 && B != 32 && B != 64) || N < B || N % (silu ? 2 * B : B) || K < 2 || K % 2) return -1;
-  const int64_t nblocks = N / (silu ? 2 * B : B);
+  const int64_t nblocks = N / (silu ? 2 * B : B), units = nblocks * (B / 16);
   int nt = (int)(a[8] < 1 ? 1 : a[8]);
-  if (nt > nblocks) nt = (int)nblocks;
+  if (nt > units) nt = (int)units;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
 #ifdef _OPENMP
@@ -154,8 +162,8 @@ int avx512bf16_linear(const int64_t *a) {
 #else
     const int t = 0, n = 1;
 #endif
-    bf16_blocks((const uint16_t *)a[0], (const uint16_t *)a[1], (uint16_t *)a[2], M, K, a[6], a[7], B,
-                nblocks * t / n, nblocks * (t + 1) / n, silu, nblocks);
+    bf16_vectors((const uint16_t *)a[0], (const uint16_t *)a[1], (uint16_t *)a[2], M, K, a[6], a[7], B,
+                 units * t / n, units * (t + 1) / n, silu, nblocks);
   }
   return 0;
 }

@@ -182,6 +182,9 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("CC", "str", None, "the C compiler of the native CPU kernels (default: cc, gcc or clang on PATH)"),
     E("NIXL_LOG_LEVEL", "str", None, "NIXL's: when unset, NIXL's log is cut to warnings"),
     # --- tests only
+    E("PAGEDKV_TEST_CPU_FLAGS", "str", None,
+      "CPU flags the processes see, as a list: only those the CPU has count (the kernels then built and "
+      "chosen for them: a test runs another CPU's path)", test_only=True),
     E("PAGEDKV_TEST_HOOKS", "str", None, "a module the processes import at start to install test hooks",
       test_only=True),
 )

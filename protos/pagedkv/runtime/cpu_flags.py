@@ -15,9 +15,19 @@ from pathlib import Path
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (x86-64 Linux; empty elsewhere)."""
+    """The CPU's feature flags as /proc/cpuinfo lists them (x86-64 Linux; empty elsewhere), less
+    those ``PAGEDKV_TEST_CPU_FLAGS`` leaves out when it is set (test only: a list of flags, of
+    which only those the CPU has count, so a test can take instructions away, never add them)."""
+    from pagedkv.config.envs import env  # here: pagedkv.config imports this module
+
+    kept = env("PAGEDKV_TEST_CPU_FLAGS")
+    flags = _host_flags()
+    return flags if kept is None else flags & frozenset(kept.replace(",", " ").split())
+
+
+@functools.cache
+def _host_flags() -> frozenset[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return frozenset()
     try:
