@@ -99,7 +99,7 @@ def select_kernel(dtype: torch.dtype, flags: frozenset[str], wanted: str = "auto
 
 #: The library (`kernels.cpu.native_lib`), built and loaded on first use.
 LIBRARY = native_lib.NativeLibrary("the native projection kernels are not available", "packed_linear", _SOURCES,
-                                   cpu_native.HEADERS, switch=ENV_SWITCH)
+                                   (*cpu_native.HEADERS, _CSRC / "team_cpu.h"), switch=ENV_SWITCH)
 LIBRARY.declare("packed_linear", [ctypes.c_void_p])
 LIBRARY.declare("amx_request", [])
 LIBRARY.declare("decode_layers", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,

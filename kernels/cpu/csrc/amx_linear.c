@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "simd_cpu.h"
+#include "team_cpu.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && W == 16
 #include <immintrin.h>
@@ -148,10 +149,6 @@ AMX_TARGET static void amx_blocks(const uint16_t *x, const char *w, uint16_t *ou
   _tile_release();
 }
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 /* amx_linear_bf16: a = [x, w (packed), out (addresses), M, N, K, x_s, o_s, num_threads, silu].
  * silu 0: out [M, N] = x W^T; 1: out [M, N / 2] = silu(gate) * up of the [gate | up] products
  * (N / 2 a multiple of 32). Returns 0; -1 when N or K is not a multiple of 32 (64 with silu) or
@@ -161,18 +158,9 @@ int amx_linear_bf16(const int64_t *a) {
   const int silu = a[9] != 0;
   if (M < 1 || N % (silu ? 64 : 32) || K % 32 || N < 32 || K < 32) return -1;
   const int64_t nblocks = N / (silu ? 64 : 32);
-  int nt = (int)(a[8] < 1 ? 1 : a[8]);
-  if (nt > nblocks) nt = (int)nblocks;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-    const int t = 0, n = 1;
-#endif
-    amx_blocks((const uint16_t *)a[0], (const char *)a[1], (uint16_t *)a[2], M, K, a[6], a[7],
-               nblocks * t / n, nblocks * (t + 1) / n, silu, nblocks);
-  }
+  FOR_EACH_RUN(nblocks, a[8], u0, u1,
+               amx_blocks((const uint16_t *)a[0], (const char *)a[1], (uint16_t *)a[2], M, K, a[6], a[7], u0, u1,
+                          silu, nblocks));
   return 0;
 }
 

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "simd_cpu.h"
+#include "team_cpu.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && W == 16
 #include <immintrin.h>
@@ -140,10 +141,6 @@ BF16_TARGET static void bf16_vectors(const uint16_t *x, const uint16_t *w, uint1
   }
 }
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 /* avx512bf16_linear: a = [x, w (packed), out (addresses), M, N, K, x_s, o_s, num_threads, silu, B].
  * silu 0: out [M, N] = x W^T; 1: out [M, N / 2] = silu(gate) * up of the [gate | up] products
  * (N / 2 a multiple of B). Returns 0; -1 when B is not 16, 32 or 64, N is not a multiple of B
@@ -152,19 +149,10 @@ int avx512bf16_linear(const int64_t *a) {
   const int64_t M = a[3], N = a[4], K = a[5], B = a[10];
   const int silu = a[9] != 0;
   if (M < 1 || (B != 16 && B != 32 && B != 64) || N < B || N % (silu ? 2 * B : B) || K < 2 || K % 2) return -1;
-  const int64_t nblocks = N / (silu ? 2 * B : B), units = nblocks * (B / 16);
-  int nt = (int)(a[8] < 1 ? 1 : a[8]);
-  if (nt > units) nt = (int)units;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-    const int t = 0, n = 1;
-#endif
-    bf16_vectors((const uint16_t *)a[0], (const uint16_t *)a[1], (uint16_t *)a[2], M, K, a[6], a[7], B,
-                 units * t / n, units * (t + 1) / n, silu, nblocks);
-  }
+  const int64_t nblocks = N / (silu ? 2 * B : B);
+  FOR_EACH_RUN(nblocks * (B / 16), a[8], u0, u1,
+               bf16_vectors((const uint16_t *)a[0], (const uint16_t *)a[1], (uint16_t *)a[2], M, K, a[6], a[7], B,
+                            u0, u1, silu, nblocks));
   return 0;
 }
 

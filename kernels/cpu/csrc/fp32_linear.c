@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "simd_cpu.h"
+#include "team_cpu.h"
 
 #define PF_BYTES 1024 /* prefetch distance along a block of the packed weight */
 #define MAX_G 4       /* vectors of outputs per group: 16 (AVX-512) or 8 (AVX2) registers of sums */
@@ -101,10 +102,6 @@ static void fp32_blocks(const float *x, const float *w, float *out, int64_t M, i
   }
 }
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 /* fp32_linear: a = [x, w (packed), out (addresses), M, N, K, x_s, o_s, num_threads, silu, B].
  * silu 0: out [M, N] = x W^T; 1: out [M, N / 2] = silu(gate) * up of the [gate | up] products
  * (N / 2 a multiple of B). Returns 0; -1 when B is not a multiple of the vector width up to 64, N
@@ -114,17 +111,8 @@ int fp32_linear(const int64_t *a) {
   const int silu = a[9] != 0;
   if (M < 1 || K < 1 || B < W || B > 64 || B % W || N < B || N % (silu ? 2 * B : B)) return -1;
   const int64_t nblocks = N / (silu ? 2 * B : B);
-  int nt = (int)(a[8] < 1 ? 1 : a[8]);
-  if (nt > nblocks) nt = (int)nblocks;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-    const int t = 0, n = 1;
-#endif
-    fp32_blocks((const float *)a[0], (const float *)a[1], (float *)a[2], M, K, a[6], a[7], B, nblocks * t / n,
-                nblocks * (t + 1) / n, silu, nblocks);
-  }
+  FOR_EACH_RUN(nblocks, a[8], u0, u1,
+               fp32_blocks((const float *)a[0], (const float *)a[1], (float *)a[2], M, K, a[6], a[7], B, u0, u1,
+                           silu, nblocks));
   return 0;
 }
