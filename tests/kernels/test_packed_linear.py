@@ -205,15 +205,20 @@ def test_a_kernel_the_cpu_cannot_run_names_the_missing_flags():
     assert pl.select_kernel(torch.float32, AMX, "sse")[1].startswith(f"{pl.ENV_SWITCH}=sse names no kernel")
 
 
-def test_the_switch_turns_the_kernels_off_in_a_process():
-    env = {**os.environ, pl.ENV_SWITCH: "off"}
-    out = subprocess.run(
+def _paths_in_a_process(env: dict) -> list[str]:
+    """What a fresh process under `env` reports: the bf16 and fp32 projection paths
+    (`packed_linear.describe`) and the library's vector flags (`native_lib._arch_flags`)."""
+    return subprocess.run(
         [sys.executable, "-c",
-         "import torch; from kernels.cpu import packed_linear as pl; "
-         "print(pl.describe(torch.bfloat16)); print(pl.describe(torch.float32))"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True,
-    ).stdout.strip()
-    assert out.splitlines() == [f"onednn (disabled by {pl.ENV_SWITCH}=off)"] * 2
+         "import torch; from kernels.cpu import packed_linear as pl, native_lib; "
+         "print(pl.describe(torch.bfloat16)); print(pl.describe(torch.float32)); print(native_lib._arch_flags())"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
+    ).stdout.splitlines()
+
+
+def test_the_switch_turns_the_kernels_off_in_a_process():
+    out = _paths_in_a_process({**os.environ, pl.ENV_SWITCH: "off"})
+    assert out[:2] == [f"onednn (disabled by {pl.ENV_SWITCH}=off)"] * 2
 
 
 def test_an_avx2_only_cpu_runs_the_avx2_path_end_to_end():
@@ -221,12 +226,7 @@ def test_an_avx2_only_cpu_runs_the_avx2_path_end_to_end():
     bf16 has no kernel, and fp32 runs the avx2 kernel: this file's avx2 cases and the model's fused
     fp32 decode layers (bit-identical to its per-op path) pass in that process, none skipped."""
     env = {**os.environ, "PAGEDKV_TEST_CPU_FLAGS": "avx2 fma f16c"}
-    out = subprocess.run(
-        [sys.executable, "-c",
-         "import torch; from kernels.cpu import packed_linear as pl, native_lib; "
-         "print(pl.describe(torch.bfloat16)); print(pl.describe(torch.float32)); print(native_lib._arch_flags())"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
-    ).stdout.splitlines()
+    out = _paths_in_a_process(env)
     assert out[0].startswith("onednn (the CPU lacks amx_bf16, amx_tile, avx512_bf16 (amx); avx512_bf16, avx512f")
     assert out[1:] == ["avx2", "['-mavx2', '-mfma', '-mf16c']"]
     run = subprocess.run(
