@@ -22,6 +22,10 @@ machine's drift weighs on all alike; medians over rounds.
 
 ``--variant LABEL=COMMIT:DTYPE[:ENV=VALUE,...]`` (COMMIT ``.`` is the working tree). Prints one table
 (ms per step and tokens/s per case), writes benchmarks/results/bench_ablation.json and .png.
+``--breakdown`` adds where each case's time goes inside the model (projections, attention, norms,
+the fused layers, sampling, the rest); ``--services`` adds, per working-tree variant, a served
+decode step's time outside the model at batch 1 and 32 (worker handler, Step RPC, memory service,
+scheduling: benchmarks/bench_overhead.py's split, on a stack started in the variant's dtype and switches).
 """
 
 from __future__ import annotations
@@ -55,6 +59,14 @@ DEFAULT_VARIANTS = [
 BREAKDOWN = {"Linear": "projections", "PagedAttention": "attention + cache write", "RMSNorm": "norms"}
 #: A decode step whose layers ran as one native call (compute_service.model.fused_decode) spends them here.
 FUSED = "fused decode layers"
+#: The sampler (compute_service.sampling.sample), timed around its call.
+SAMPLING = "sampling"
+#: Outside the model (``--services``: benchmarks/bench_overhead.measure on a stack of the variant), ms per
+#: step: the worker's handler less its forward and sampler, the Step call's transport, the memory
+#: service's calls, and the engine's scheduling and bookkeeping.
+OUTSIDE = {"worker_other": "worker handler", "step_rpc": "Step RPC", "memory": "memory service",
+           "client": "scheduling"}
+SERVICE_BATCHES = (1, 32)
 
 
 def _clock(model) -> dict[str, float]:
@@ -119,6 +131,8 @@ def child(dtype_name: str, breakdown: bool) -> None:
         return pb.StepRequest(sequences=seqs)
 
     spent = _clock(model) if breakdown else {}
+    if breakdown:
+        spent[SAMPLING] = 0.0
     steps = {}
     for name, batch, ctx, new in CASES:
         req = request(batch, ctx, new)
@@ -129,8 +143,12 @@ def child(dtype_name: str, breakdown: bool) -> None:
         req, inputs = steps[name]
         t = time.perf_counter()
         logits = model(*inputs.model_args(pool))
+        s = time.perf_counter()
         sample(logits, inputs.sampling, [0] * len(inputs.sample_rows))
-        return time.perf_counter() - t
+        end = time.perf_counter()
+        if breakdown:
+            spent[SAMPLING] += end - s
+        return end - t
 
     for name in steps:  # warm up (oneDNN's kernels are made on a shape's first call)
         run(name), run(name)
@@ -184,13 +202,45 @@ class Variant:
         self.proc.wait(timeout=30)
 
 
+def outside(variants: list[Variant], result: dict) -> None:
+    """Per working-tree variant: a memory service and a worker in the variant's dtype and switches,
+    and benchmarks/bench_overhead.measure at each of SERVICE_BATCHES (decode, context ~124); prints
+    the step split in OUTSIDE's parts beside the model's forward, and adds it to ``result``."""
+    from bench_overhead import measure
+    from common import Stack, fmt, table
+    from prompts import corpus_ids
+
+    from pagedkv.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    ids = corpus_ids(tok)
+    rows = []
+    for v, rec in zip(variants, result["variants"]):
+        if v.tree != ROOT:
+            print(f"  {v.label}: a commit's stack is not started here; --services measures working-tree variants")
+            continue
+        with Stack(["--num-blocks", "1024", "--block-size", "16", "--kv-cache-dtype", v.dtype], "ablation",
+                   worker_args=["--dtype", v.dtype], env=v.env) as stack:
+            for batch in SERVICE_BATCHES:
+                r = measure(stack, tok, ids, batch, 8, 120)
+                rec[f"services b{batch}"] = r
+                rows.append([v.label, batch, fmt(1e3 * r["step"], ".1f"), fmt(1e3 * r["model"], ".1f")]
+                            + [f"{fmt(1e3 * r[k], '.2f')} ({r[k] / r['step']:.0%})" for k in OUTSIDE])
+    table("a served decode step outside the model (ms per step, medians; benchmarks/bench_overhead.py's split)",
+          ["variant", "batch", "step", "model"] + list(OUTSIDE.values()), rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", help="LABEL=COMMIT:DTYPE[:ENV=VALUE,...] (repeat)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--result-name", default="bench_ablation")
     ap.add_argument("--breakdown", action="store_true",
-                    help="also where each case's time goes (projections, attention, norms, other), ms per step")
+                    help="also where each case's time goes (projections, attention, norms, sampling, other), "
+                         "ms per step")
+    ap.add_argument("--services", action="store_true",
+                    help="also, per working-tree variant, the time outside the model at decode batch 1 and 32 "
+                         "(worker handler, Step RPC, memory service, scheduling) on a stack of that variant")
     ap.add_argument("--child", metavar="DTYPE", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -229,7 +279,7 @@ def main() -> int:
     header = ["variant", "commit", "dtype"] + [f"{n} {u}" for n, *_ in CASES for u in ("ms", "tok/s")]
     table("model step per variant (medians over rounds)", header, rows)
     if args.breakdown:
-        cats = list(BREAKDOWN.values()) + [FUSED, "other"]
+        cats = list(BREAKDOWN.values()) + [FUSED, SAMPLING, "other"]
         rows = []
         for v, rec in zip(variants, result["variants"]):
             for name, *_ in CASES:
@@ -237,12 +287,15 @@ def main() -> int:
                 total = sum(v.times[name]) / n * 1e3
                 ms = {k: s / n * 1e3 for k, s in v.spent[name].items()}
                 ms.setdefault(FUSED, 0.0)
+                ms.setdefault(SAMPLING, 0.0)
                 ms["other"] = total - sum(ms.values())
                 rec[name]["breakdown_ms"] = ms
                 rows.append([v.label, name,
                              fmt(total, ".1f")] + [f"{fmt(ms[k], '.1f')} ({ms[k] / total:.0%})" for k in cats])
         table("where a step's time goes (ms per step, mean over rounds; hooks on the modules)",
               ["variant", "case", "total"] + cats, rows)
+    if args.services:
+        outside(variants, result)
     write_result(args.result_name, result)
     plt = pyplot()
     if plt is not None:

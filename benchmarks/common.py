@@ -86,17 +86,19 @@ class Stack(LocalStack):
 
     ``device`` ("cpu", "cuda" or "cuda:N") and ``model`` (a model source: "smollm2", a .gguf file
     or a Hugging Face directory) go to both services; when None, the services' defaults.
+    ``worker_args`` go to the worker alone, ``env`` (added to this process's) to both.
     Started and stopped by ``with Stack(...) as stack:``.
     """
 
     def __init__(self, memory_args: list[str], name: str = "stack", device: str | None = None,
-                 model: str | None = None):
+                 model: str | None = None, worker_args: list[str] | None = None, env: dict[str, str] | None = None):
         # The admin token goes to a folder of its own, not to $PAGEDKV_HOME (the host's `pagedkv up`).
         self._token_dir = tempfile.TemporaryDirectory(prefix="pagedkv-bench-")
         self.admin_token_file = Path(self._token_dir.name) / "admin-token"
         super().__init__(["--lease-ttl", "600", "--admin-token-file", str(self.admin_token_file), *UNLIMITED,
                           *memory_args],
-                         device=device, model=model, name=name, cwd=ROOT, timeout=180.0)
+                         worker_args=list(worker_args or []), device=device, model=model, name=name, cwd=ROOT,
+                         timeout=180.0, env=env)
 
     def stop(self) -> None:
         super().stop()
