@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.paged import attend_context, attention_strides, fp8_scales
+from kernels.triton.paged import MIN_DOT, attend_context, attention_strides, dim_pad, fp8_scales
 
 # Context positions processed per loop iteration.
 TILE = 32
@@ -44,7 +44,7 @@ def kernel_paged_decode(
     GROUP: tl.constexpr,  # query heads per KV head
     G_PAD: tl.constexpr,  # >= max(16, GROUP), power of two (tl.dot minimum)
     HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
+    DIM_PAD: tl.constexpr,  # paged.dim_pad(HEAD_DIM): power of two >= max(16, HEAD_DIM)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     TILE: tl.constexpr,  # context positions per iteration
     NUM_SPLITS: tl.constexpr,
@@ -161,9 +161,9 @@ def paged_decode_attention(
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
         k_scale, v_scale, scale, tokens_per_split, *strides,
         GROUP=group,
-        G_PAD=max(16, triton.next_power_of_2(group)),
+        G_PAD=max(MIN_DOT, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        DIM_PAD=dim_pad(head_dim),
         BLOCK_SIZE=block_size,
         TILE=TILE,
         NUM_SPLITS=num_splits,
@@ -175,7 +175,7 @@ def paged_decode_attention(
             out, part_out, part_lse, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads,
             HEAD_DIM=head_dim,
-            DIM_PAD=triton.next_power_of_2(head_dim),
+            DIM_PAD=dim_pad(head_dim),
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
         )  # fmt: skip

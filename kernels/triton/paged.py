@@ -16,6 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
+#: tl.dot's smallest K (and M, N) for 16-bit inputs: a head_dim below it is padded up to it.
+MIN_DOT = 16
+
+
+def dim_pad(head_dim: int) -> int:
+    """The head-dim width an attention kernel computes on: the next power of two >= ``head_dim``,
+    at least :data:`MIN_DOT` (a 16-bit ``tl.dot`` with K < 16 does not compile for sm_80/sm_90);
+    the padding columns are masked on load and store."""
+    return max(MIN_DOT, triton.next_power_of_2(head_dim))
+
 
 def attention_strides(
     query: torch.Tensor,  # [tokens, num_q_heads, head_dim]

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.paged import attend_context, attention_strides, fp8_scales
+from kernels.triton.paged import attend_context, attention_strides, dim_pad, fp8_scales
 
 # Context positions processed per loop iteration, and rows per program.
 TILE = 32
@@ -63,7 +63,7 @@ def kernel_paged_prefill(
     BLOCK_Q: tl.constexpr,  # new tokens per program (BLOCK_M // GROUP)
     BLOCK_M: tl.constexpr,  # rows per program, power of two >= 16
     HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
+    DIM_PAD: tl.constexpr,  # paged.dim_pad(HEAD_DIM): power of two >= max(16, HEAD_DIM)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     TILE: tl.constexpr,  # context positions per iteration
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
@@ -140,7 +140,7 @@ def paged_prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        DIM_PAD=dim_pad(head_dim),
         BLOCK_SIZE=block_size,
         TILE=TILE,
         IEEE=query.dtype == torch.float32,

@@ -126,6 +126,26 @@ def test_prefill_mixed_batch_triton(params):
     check(out, ref, dtype, f"triton prefill batch={batch}")
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-range", "split"])
+def test_head_dim_below_dot_minimum_triton(split):
+    """head_dim 8 with fp16 queries: the kernels compute on 16 columns (tl.dot's minimum for 16-bit
+    inputs, kernels.triton.paged.dim_pad) and mask the 8 padding ones on every load and store."""
+    lens = [1, 7, 9, 40]
+    case = make_case(lens, [1] * len(lens), 4, 2, 8, 8, torch.float16, seed=3)
+    plan, out = plan_and_attend(case, num_splits=3 if split else None, num_kv_heads=2)
+    assert plan.kernel == "triton_decode"
+    ref = ref_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc,
+                        case.seq_lens, case.scale)
+    check(out, ref, torch.float16, f"triton decode head_dim 8 split={split}")
+    batch = [(20, 6), (9, 9), (5, 1)]
+    case = make_case([s for s, _ in batch], [n for _, n in batch], 4, 2, 8, 8, torch.float16, seed=4)
+    plan, out = plan_and_attend(case)
+    assert plan.kernel == "triton_prefill"
+    ref = ref_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc,
+                        case.seq_lens, case.scale)
+    check(out, ref, torch.float16, f"triton prefill head_dim 8 batch={batch}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", [1, 24])
 def test_reshape_and_cache_triton(block_size, dtype):
