@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -265,6 +266,24 @@ def _load(spec: WorkerSpec, desc: mpb.PoolDescriptor, device: str) -> tuple[Work
     return Worker(model, config, pool, spec.model), model_device
 
 
+#: Exit status of a worker whose device failed (a sticky CUDA error): its supervisor starts a fresh process.
+EXIT_DEVICE_FAILED = 70
+#: Seconds between NOT_SERVING and the exit, for the failed step's UNAVAILABLE reply to go out.
+DEVICE_FAILURE_GRACE = 0.5
+
+
+async def exit_on_device_failure(health, error: BaseException) -> None:
+    """A sticky device error (compute_service.device_sync.is_fatal_device_error): this process's CUDA
+    context is unusable, so report NOT_SERVING and exit with EXIT_DEVICE_FAILED (no cleanup: the
+    context cannot run any; the kernel releases the mappings), instead of a worker that says
+    SERVING and fails every step. The engine fails its sequences over; the supervisor restarts it."""
+    log.error("device_failed", error=str(error), exit_status=EXIT_DEVICE_FAILED)
+    await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await asyncio.sleep(DEVICE_FAILURE_GRACE)
+    os._exit(EXIT_DEVICE_FAILED)
+
+
 async def serve(spec: WorkerSpec) -> None:
     # Before waiting for the memory service: a model that is not there fails at once.
     model = await asyncio.to_thread(resolve_model, spec.model, spec.revision)
@@ -287,6 +306,8 @@ async def serve(spec: WorkerSpec) -> None:
     from grpc_health.v1 import health
 
     health_servicer = health.aio.HealthServicer()
+    worker.on_fatal = lambda e: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(
+        exit_on_device_failure(health_servicer, e)))
     server = ServerSpec.bound(
         spec.bind, SERVICE_NAME, lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
         ready_info={"memory": spec.memory, "model": spec.model, "revision": model.revision, "device": model_device,

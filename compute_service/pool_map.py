@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from compute_service.device_sync import synchronize
 from pagedkv import config
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.runtime.logs import get_logger
@@ -79,7 +80,14 @@ class MappedPool:
         return 0 if self.host_tensor is None else self.host_tensor.shape[0]
 
     def close(self) -> None:
-        """Drop the mapping (the tensors must not be used afterwards)."""
+        """Drop the mapping (the tensors must not be used afterwards). On CUDA, first waits for every
+        kernel and copy queued on the pool's device: none may touch memory whose import or
+        page-lock (``cudaIpcCloseMemHandle``, ``cudaHostUnregister``) is gone."""
+        if self.tensor is not None:
+            try:
+                synchronize(self.tensor.device)
+            except RuntimeError as e:  # a failed device runs nothing more: the mappings can go
+                log.error("pool_close_sync_failed", error=str(e))
         self.tensor = None  # type: ignore[assignment]
         self.host_tensor = None
         self.epochs = self.host_epochs = self.all_epochs = None

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 import kernels
+from compute_service.device_sync import StepFence, bind_compute_thread, is_fatal_device_error
 from compute_service.grant_check import CopyPlan, check_grants, sign_receipts
 from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool
@@ -41,6 +43,7 @@ from pagedkv.runtime.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     TransferFailedError,
+    UnavailableError,
 )
 from pagedkv.runtime.service import status_proto
 
@@ -69,6 +72,12 @@ class Worker:
         self.pool_lost = threading.Event()
         #: The NIXL agent over the mapped pool (node transfers), or None: steps with node transfers are refused.
         self.transfer_agent = None
+        #: Fences each step's device work before its receipts are signed (compute_service.device_sync).
+        self.fence = StepFence(self.device)
+        #: Called once with the error when a step meets a sticky device error (the process's CUDA
+        #: context is gone): the server reports NOT_SERVING and exits (compute_service.main).
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.fatal: BaseException | None = None
 
     def set_pool(self, pool: MappedPool | None) -> None:
         """Swap the mapped pool (None drops it); waits for an in-flight step."""
@@ -94,67 +103,85 @@ class Worker:
             InvalidArgumentError: a malformed batch (see `build_step_inputs`); nothing is written.
             PermissionDeniedError: a request copy no grant names, or copies that race (`check_grants`);
                 nothing is read or written.
+            UnavailableError: the device failed (a sticky CUDA error, `device_sync.is_fatal_device_error`),
+                in this step or an earlier one; ``on_fatal`` was called once and the process is exiting.
         """
         with self._lock:
-            pool = self.pool
-            if pool is None:
-                raise FailedPreconditionError(
-                    "the worker has no pool mapped (the memory service is restarting or gone); retry shortly",
-                    reason=POOL_NOT_MAPPED)
-            if request.pool_generation != pool.generation:
-                raise FailedPreconditionError(
-                    f"the request's pool generation {request.pool_generation} is not the mapped pool's "
-                    f"{pool.generation}; the memory service restarted: re-read the pool descriptor, "
-                    "allocate the sequences again and recompute them", reason=POOL_GENERATION_MISMATCH)
-            t0 = time.perf_counter()
-            test_hooks.call("worker.step_begin", request=request)
-            lay = pool.descriptor.layout
-            inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
-                                       vocab_size=self.config.vocab_size, device=self.device)
-            checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs,
-                                   host_epochs=getattr(pool, "host_epochs", None),  # None: no host tier
-                                   refused=self._past_window(request))
-            plan = checked.plan
-            test_hooks.call("worker.step_checked", request=request)
-            run, kept = request, checked
-            if checked.refused:  # computed without them: nothing of theirs is read or written
-                run = pb.StepRequest()
-                run.CopyFrom(request)
-                del run.sequences[:]
-                run.sequences.extend(s for i, s in enumerate(request.sequences) if i not in checked.refused)
-                kept = [c for c in checked if c is not None]
-                if run.sequences:
-                    inputs = build_step_inputs(run, block_size=lay.block_size, num_blocks=lay.num_blocks,
-                                               vocab_size=self.config.vocab_size, device=self.device)
-            if plan.has_tier_copies or plan.copy_on_write or plan.transfers:
-                do_copies(pool, plan, self.transfer_agent)
-            t1 = t2 = time.perf_counter()
-            results = []
+            if self.fatal is not None:
+                raise UnavailableError(f"this worker's device failed ({self.fatal}); it is exiting: send the step to "
+                                       "another worker")
+            try:
+                return self._step(request)
+            except Exception as e:
+                if not is_fatal_device_error(e):
+                    raise
+                self.fatal = e
+                if self.on_fatal is not None:
+                    self.on_fatal(e)
+                raise UnavailableError(f"this worker's device failed during the step ({e}); it is exiting: send the "
+                                       "step to another worker") from e
+
+    def _step(self, request: pb.StepRequest) -> pb.StepResponse:
+        pool = self.pool
+        if pool is None:
+            raise FailedPreconditionError(
+                "the worker has no pool mapped (the memory service is restarting or gone); retry shortly",
+                reason=POOL_NOT_MAPPED)
+        if request.pool_generation != pool.generation:
+            raise FailedPreconditionError(
+                f"the request's pool generation {request.pool_generation} is not the mapped pool's "
+                f"{pool.generation}; the memory service restarted: re-read the pool descriptor, "
+                "allocate the sequences again and recompute them", reason=POOL_GENERATION_MISMATCH)
+        t0 = time.perf_counter()
+        bind_compute_thread(pool.tensor.device)  # Triton launches on the thread's current device
+        test_hooks.call("worker.step_begin", request=request)
+        lay = pool.descriptor.layout
+        inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
+                                   vocab_size=self.config.vocab_size, device=self.device)
+        checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs,
+                               host_epochs=getattr(pool, "host_epochs", None),  # None: no host tier
+                               refused=self._past_window(request))
+        plan = checked.plan
+        test_hooks.call("worker.step_checked", request=request)
+        run, kept = request, checked
+        if checked.refused:  # computed without them: nothing of theirs is read or written
+            run = pb.StepRequest()
+            run.CopyFrom(request)
+            del run.sequences[:]
+            run.sequences.extend(s for i, s in enumerate(request.sequences) if i not in checked.refused)
+            kept = [c for c in checked if c is not None]
             if run.sequences:
-                logits = self.model(*inputs.model_args(pool.tensor, pool.kv_scales))
-                t2 = time.perf_counter()
-                if self.pool_lost.is_set():
-                    raise FailedPreconditionError("the memory service went away during this step; its results are "
-                                                  "void", reason=POOL_NOT_MAPPED)
-                results = self._sample(run, inputs, logits)
-            if plan.has_tier_copies and pool.tensor.is_cuda:
-                # Tier copies are asynchronous DMA: done before the receipt that proves them exists
-                # (an offload's bytes are in host memory; a reload no longer reads its host block,
-                # which the memory service may hand out again). Sampling synchronized already unless
-                # no sequence sampled.
-                torch.cuda.current_stream(pool.tensor.device).synchronize()
-            sign_receipts(run, results, pool.plane_key, lay.block_size, kept)
-            if checked.refused:
-                results = _with_refusals(request, results, checked.refused)
-            response = pb.StepResponse(
-                results=results,
-                model_seconds=t2 - t1,
-                attention_seconds=self.attention_clock.seconds if self.attention_clock and run.sequences else 0.0,
-                step_seconds=time.perf_counter() - t0,
-                num_tokens=inputs.num_tokens if run.sequences else 0,
-            )
-            test_hooks.call("worker.step_end", request=request, response=response)
-            return response
+                inputs = build_step_inputs(run, block_size=lay.block_size, num_blocks=lay.num_blocks,
+                                           vocab_size=self.config.vocab_size, device=self.device)
+        if plan.has_tier_copies or plan.copy_on_write or plan.transfers:
+            do_copies(pool, plan, self.transfer_agent)
+        fence = self.fence
+        fence.begin()
+        results = []
+        if run.sequences:
+            logits = self.model(*inputs.model_args(pool.tensor, pool.kv_scales))
+            fence.end()
+            if self.pool_lost.is_set():
+                raise FailedPreconditionError("the memory service went away during this step; its results are "
+                                              "void", reason=POOL_NOT_MAPPED)
+            results = self._sample(run, inputs, logits)
+        else:
+            fence.end()
+        # Every copy and write of the step complete before a receipt proves them: the forward and
+        # the tier copies (asynchronous DMA) are queued on the stream before the fence's end.
+        model_seconds = fence.wait()
+        sign_receipts(run, results, pool.plane_key, lay.block_size, kept)
+        if checked.refused:
+            results = _with_refusals(request, results, checked.refused)
+        response = pb.StepResponse(
+            results=results,
+            model_seconds=model_seconds,
+            attention_seconds=self.attention_clock.seconds if self.attention_clock and run.sequences else 0.0,
+            step_seconds=time.perf_counter() - t0,
+            num_tokens=inputs.num_tokens if run.sequences else 0,
+        )
+        test_hooks.call("worker.step_end", request=request, response=response)
+        return response
 
     def _past_window(self, request: pb.StepRequest) -> dict[int, InvalidArgumentError]:
         """The sequences of ``request`` that reach a position at or past the model's sliding window,

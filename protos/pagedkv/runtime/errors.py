@@ -91,6 +91,14 @@ class OutOfRangeError(PagedKVError):
     reason = "OUT_OF_RANGE"
 
 
+class UnavailableError(PagedKVError):
+    """The service cannot serve now and will not recover in this process (a worker whose device
+    failed): send the call elsewhere. Clients treat it as the worker's failure."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "UNAVAILABLE"
+
+
 class TransferFailedError(PagedKVError):
     """A step's node transfer failed before any of its own writes (metadata ``blocks_done``)."""
 
