@@ -67,6 +67,9 @@ class MappedPool:
     host_epochs: np.ndarray | None = None
     #: The whole epoch table, int64 [num_blocks + host_num_blocks], read-only.
     all_epochs: np.ndarray | None = None
+    #: On a CUDA pool with a host tier: whether the tier is page-locked (its copies are asynchronous DMA);
+    #: False when the memlock limit refused it. None on a CPU pool or without a host tier.
+    host_page_locked: bool | None = None
     #: What keeps the mappings alive (mmap objects, CUDA IPC pointer, host registration), closed in order.
     _keepalive: list = field(default_factory=list, repr=False)
 
@@ -171,6 +174,22 @@ def _check(desc: mpb.PoolDescriptor) -> tuple[torch.dtype, list[int], list[int]]
     return dtype, shape, strides
 
 
+#: The first compute capability with e4m3 conversions in hardware (Ada, sm_89): Triton's fp8 casts need it.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_capability(dtype: torch.dtype, capability: tuple[int, int], device: str) -> None:
+    """Refuse an fp8 (e4m3) pool on a GPU below compute capability 8.9.
+
+    Raises:
+        ValueError: naming the GPU's capability and what to do instead.
+    """
+    if dtype == torch.float8_e4m3fn and tuple(capability) < FP8_MIN_CAPABILITY:
+        raise ValueError(f"the pool's KV cache is fp8 (e4m3), and {device} has compute capability "
+                         f"{capability[0]}.{capability[1]}; fp8 needs {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} "
+                         "or later (Ada, Hopper): start the memory service with --kv-cache-dtype auto or bfloat16")
+
+
 def map_pool(desc: mpb.PoolDescriptor, socket_path: str | None = None, timeout: float = 10.0) -> MappedPool:
     """Receive the pool ``desc`` (the public descriptor) describes from its worker socket and map it.
 
@@ -217,7 +236,8 @@ def map_handle(handle: PoolHandle) -> MappedPool:
     """Map what the worker socket sent (the fds stay open: the caller closes them).
 
     Raises:
-        ValueError: an inconsistent descriptor, a missing or short fd, an unknown backend.
+        ValueError: an inconsistent descriptor, a missing or short fd, an unknown backend, an fp8
+            pool on a GPU below compute capability 8.9 (:func:`check_fp8_capability`).
         LookupError: no visible GPU has the pool's UUID.
     """
     desc = handle.descriptor
@@ -229,7 +249,7 @@ def map_handle(handle: PoolHandle) -> MappedPool:
     keep: list = [_map_fd(handle, "epochs", 8 * (num_blocks + host_blocks), mmap.PROT_READ)]
     all_epochs = np.frombuffer(keep[0], dtype=np.int64)  # read-only: the mapping is PROT_READ
     try:
-        host = None
+        host, page_locked = None, None
         if host_blocks:
             host_mm = _map_fd(handle, "host", desc.host_nbytes, mmap.PROT_READ | mmap.PROT_WRITE)
             keep.insert(0, host_mm)
@@ -245,6 +265,7 @@ def map_handle(handle: PoolHandle) -> MappedPool:
             from pagedkv.runtime.cuda_ipc import device_index_for_uuid
 
             index = device_index_for_uuid(desc.cuda_device_uuid)
+            check_fp8_capability(dtype, torch.cuda.get_device_capability(index), f"cuda:{index}")
             with cupy.cuda.Device(index):
                 ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes(desc.cuda_ipc_handle))
             keep.insert(0, _CudaIpcMapping(ptr, index))
@@ -253,13 +274,15 @@ def map_handle(handle: PoolHandle) -> MappedPool:
             if host is not None:  # unregistered first, before its mapping closes
                 try:
                     keep.insert(0, _HostRegistration(host.data_ptr(), desc.host_nbytes, index))
+                    page_locked = True
                 except Exception as e:  # noqa: BLE001 - e.g. RLIMIT_MEMLOCK below the tier's size
+                    page_locked = False
                     log.warning("host_tier_not_page_locked", error=str(e), nbytes=desc.host_nbytes,
                                 hint="raise the memlock limit (ulimit -l unlimited; compose: ulimits: memlock: -1); "
                                      "until then the host tier's copies are synchronous")
         return MappedPool(desc, tensor, all_epochs[:num_blocks], handle.plane_key, _keepalive=keep,
                           host_tensor=host, host_epochs=all_epochs[num_blocks:] if host_blocks else None,
-                          all_epochs=all_epochs)
+                          all_epochs=all_epochs, host_page_locked=page_locked)
     except BaseException:
         del all_epochs
         host = None

@@ -82,4 +82,5 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             ignored_generation_keys=c.ignored_generation_keys,
             instance_id=self.instance_id,
             cpu_path=self.cpu_path,
+            host_tier_page_locked=getattr(pool, "host_page_locked", None),
         )

@@ -325,6 +325,9 @@ class CudaPool(Pool):
                 # handle covers exactly this allocation and the offset is 0.
                 self._memory = cupy.cuda.Memory(layout.nbytes)
                 cupy.cuda.runtime.memset(self._memory.ptr, 0, layout.nbytes)
+                # The zeros are in place before the handle can be published: a worker's stream is
+                # not ordered after this process's work.
+                cupy.cuda.runtime.deviceSynchronize()
                 self._handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr))
                 props = cupy.cuda.runtime.getDeviceProperties(device_index)
         except BaseException:

@@ -121,7 +121,7 @@ class Engine:
         self.runner = StepRunner(workers, pool.generation)
         self.recovery = Recovery(memory, workers, lambda: self.lease, pool, lease_ttl, recovery_timeout)
         self.failover = Failover(memory, workers, self.scheduler, lambda: self.lease.lease_id,
-                                 lambda: self.runner.pool_generation, recovery_timeout, [i.instance_id for i in infos])
+                                 lambda: self.runner.pool_generation, recovery_timeout, infos)
         #: Tokens computed again after a worker failure and after a lost lease; when a step last completed.
         self.recomputed = {"worker_failure": 0, "lease_lost": 0}
         self.last_step_at = 0.0

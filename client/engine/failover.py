@@ -99,6 +99,13 @@ class WorkerState:
     restarts: int = 0
     #: Sequences its lost steps may still write: freed once that is impossible (the module's rule).
     quarantine: list[int] = field(default_factory=list)
+    #: Its host tier is page-locked (GetModelInfoResponse.host_tier_page_locked); None: not applicable.
+    host_tier_page_locked: bool | None = None
+
+
+def _page_locked(info) -> bool | None:
+    """GetModelInfoResponse.host_tier_page_locked, None when unset (a CPU pool, no host tier)."""
+    return info.host_tier_page_locked if info.HasField("host_tier_page_locked") else None
 
 
 class Failover:
@@ -111,7 +118,7 @@ class Failover:
         lease_id: returns the engine's lease id now.
         generation: returns the pool generation the engine's steps carry now.
         timeout: seconds the engine waits with no worker ready before failing its requests.
-        instance_ids: each worker's process at the start (GetModelInfoResponse.instance_id).
+        infos: each worker's GetModelInfoResponse at the start (its process's instance_id, its host tier).
         migrate: how the lost step's requests go on: "fork" (proven-only forks, the module's
             procedure) or "recompute" (prefilled again: the benchmark's baseline, see the module).
 
@@ -121,14 +128,14 @@ class Failover:
 
     def __init__(self, memory: MemoryClient, workers: list[WorkerClient], scheduler: Scheduler,
                  lease_id: Callable[[], str], generation: Callable[[], int], timeout: float,
-                 instance_ids: list[str], migrate: str = "fork"):
+                 infos: list, migrate: str = "fork"):
         if migrate not in MIGRATE_MODES:
             raise ValueError(f"migrate must be one of {', '.join(MIGRATE_MODES)}, got {migrate!r}")
         self.memory, self.workers, self.scheduler = memory, workers, scheduler
         self.lease_id, self.generation, self.timeout = lease_id, generation, timeout
         #: "fork" or "recompute" (the constructor's ``migrate``; read at each failover).
         self.migrate = migrate
-        self.states = [WorkerState(instance_id=i) for i in instance_ids]
+        self.states = [WorkerState(instance_id=i.instance_id, host_tier_page_locked=_page_locked(i)) for i in infos]
         #: Failovers done (one per failed worker and step).
         self.failovers = 0
         self._next_probe = 0.0
@@ -153,7 +160,8 @@ class Failover:
         for r in waiting:
             queued[r.worker] += 1
         return tuple(WorkerInfo(c.address, s.state, since=s.since, requests=requests[w], sequences=sequences[w],
-                                waiting=queued[w], failures=s.failures, restarts=s.restarts, instance_id=s.instance_id)
+                                waiting=queued[w], failures=s.failures, restarts=s.restarts, instance_id=s.instance_id,
+                                host_tier_page_locked=s.host_tier_page_locked)
                      for w, (c, s) in enumerate(zip(self.workers, self.states)))
 
     @staticmethod
@@ -291,6 +299,7 @@ class Failover:
             self.scheduler.down.discard(w)
             restarted = info.instance_id != s.instance_id
             s.instance_id, s.restarts = info.instance_id, s.restarts + restarted
+            s.host_tier_page_locked = _page_locked(info)
             log.warning("worker_back", worker=self.workers[w].address, restarted=restarted, down_seconds=round(out, 2))
             if restarted:
                 self.release(w)

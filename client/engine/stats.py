@@ -57,6 +57,9 @@ class WorkerInfo:
     restarts: int = 0
     #: The worker process last seen at the address (GetModelInfoResponse.instance_id).
     instance_id: str = ""
+    #: Its host tier is page-locked (asynchronous tier copies); False: the memlock limit refused it;
+    #: None: a CPU pool or no host tier (GetModelInfoResponse.host_tier_page_locked).
+    host_tier_page_locked: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

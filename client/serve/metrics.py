@@ -20,6 +20,8 @@ prefix-cache counters are read when scraped (:class:`_LiveCollector`), so they a
 | ``pagedkv:worker_failovers_total`` | counter | a worker fails, its sequences move to another
 (client.engine.failover) |
 | ``pagedkv:workers_ready`` | gauge | workers that take work, at scrape |
+| ``pagedkv:host_tier_page_locked{worker}`` | gauge | 1 when a GPU worker's host tier is page-locked, 0 when the
+memlock limit refused it (its tier copies are synchronous); no sample on a CPU pool or without a host tier |
 | ``pagedkv:recomputed_tokens_total{reason}`` | counter | tokens computed again: ``worker_failure``,
 ``preemption``, ``lease_lost`` |
 | ``pagedkv:kv_cache_usage_perc`` | gauge | used / total blocks of the pool, at scrape |
@@ -155,6 +157,13 @@ class _LiveCollector:
             yield c
         g = GaugeMetricFamily("pagedkv:workers_ready", "Workers that take work now.", labels=names)
         g.add_metric(values, engine_stats.workers_ready)
+        yield g
+        g = GaugeMetricFamily("pagedkv:host_tier_page_locked", "1: the worker's host tier is page-locked (asynchronous "
+                              "tier copies); 0: the memlock limit refused it (synchronous copies).",
+                              labels=[*names, "worker"])
+        for w in engine_stats.worker_info:
+            if w.host_tier_page_locked is not None:
+                g.add_metric([*values, w.address], 1.0 if w.host_tier_page_locked else 0.0)
         yield g
         c = CounterMetricFamily("pagedkv:recomputed_tokens", "Tokens whose KV a worker computed a second time, "
                                 "by reason.", labels=[*names, "reason"])

@@ -6,7 +6,7 @@
 - every step makes the pool's device the compute thread's current one;
 - a sticky CUDA error makes the worker refuse every later step as UNAVAILABLE and report once
   (the server then goes NOT_SERVING and exits 70); an error that is not sticky fails the step only;
-- a mapping is closed only after its device has finished.
+- a mapping is closed only after its device has finished; an fp8 pool is refused below sm_89.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import compute_service.main as worker_main
 import compute_service.pool_map as pool_map
 import compute_service.worker as worker_module
 from compute_service.device_sync import StepFence, bind_compute_thread, is_fatal_device_error
-from compute_service.pool_map import map_handle
+from compute_service.pool_map import check_fp8_capability, map_handle
 from compute_service.worker import Worker
 from memory_service.layout import PoolLayout
 from memory_service.pool import CpuPool
@@ -200,3 +200,11 @@ def test_a_mapping_closes_after_its_device_finished(pool, monkeypatch):
     m.close()
     assert [(what, d) for what, d, _ in order] == [("synchronize", device)]
     assert order[0][2] is not None and m.tensor is None  # synchronized while the mapping was still there
+
+
+def test_an_fp8_pool_is_refused_below_compute_capability_8_9():
+    with pytest.raises(ValueError, match=r"cuda:1 has compute capability 8\.0; fp8 needs 8\.9 or later"):
+        check_fp8_capability(torch.float8_e4m3fn, (8, 0), "cuda:1")
+    for ok in ((8, 9), (9, 0), (10, 0)):
+        check_fp8_capability(torch.float8_e4m3fn, ok, "cuda:0")
+    check_fp8_capability(torch.bfloat16, (7, 5), "cuda:0")  # other dtypes: any GPU the kernels compile for

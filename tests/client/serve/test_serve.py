@@ -331,6 +331,7 @@ def test_keys_and_admin_routes(url, oai, stack):
         assert out.returncode == 0 and json.loads(out.stdout)["state"] == state, out.stderr
     m = metrics(url)
     assert m[("pagedkv:workers_ready", ())] == 2 and m[("pagedkv:worker_failovers_total", ())] == 0
+    assert not [k for k in m if k[0] == "pagedkv:host_tier_page_locked"]  # a CPU pool: nothing to page-lock
     assert {labels for name, labels in m if name == "pagedkv:recomputed_tokens_total"} == {
         (("reason", r),) for r in ("worker_failure", "preemption", "lease_lost")}
 

@@ -114,7 +114,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "model_source", "weights_path", "vocab_size", "eos_token_ids", "bos_token_id", "max_context", "num_layers", "num_kv_heads", "head_dim", "dtype", "device", "pool_generation", "block_size", "num_blocks", "revision", "architecture", "sliding_window", "generation_defaults", "ignored_generation_keys", "instance_id", "cpu_path")
+    __slots__ = ("model_name", "model_source", "weights_path", "vocab_size", "eos_token_ids", "bos_token_id", "max_context", "num_layers", "num_kv_heads", "head_dim", "dtype", "device", "pool_generation", "block_size", "num_blocks", "revision", "architecture", "sliding_window", "generation_defaults", "ignored_generation_keys", "instance_id", "cpu_path", "host_tier_page_locked")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class GetModelInfoResponse(_message.Message):
     IGNORED_GENERATION_KEYS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     CPU_PATH_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_PAGE_LOCKED_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_source: str
     weights_path: str
@@ -159,7 +160,8 @@ class GetModelInfoResponse(_message.Message):
     ignored_generation_keys: _containers.RepeatedScalarFieldContainer[str]
     instance_id: str
     cpu_path: str
-    def __init__(self, model_name: _Optional[str] = ..., model_source: _Optional[str] = ..., weights_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., pool_generation: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[int] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., ignored_generation_keys: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., cpu_path: _Optional[str] = ...) -> None: ...
+    host_tier_page_locked: bool
+    def __init__(self, model_name: _Optional[str] = ..., model_source: _Optional[str] = ..., weights_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., pool_generation: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[int] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., ignored_generation_keys: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., cpu_path: _Optional[str] = ..., host_tier_page_locked: bool = ...) -> None: ...
 
 class GenerationDefaults(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "repetition_penalty")
