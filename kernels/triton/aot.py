@@ -163,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper, 80: Ampere)")
     ap.add_argument("--json", action="store_true", help="one JSON object per launch instead of text")
+    ap.add_argument("--case", action="append", choices=[c.name for c in CASES],
+                    help="only this case of CASES (repeat); default every one")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("TRITON_INTERPRET=1 is set: interpreted kernels cannot be compiled; unset it", file=sys.stderr)
         return 2
     failed = 0
-    for launch in record():
+    for launch in record([c for c in CASES if not args.case or c.name in args.case]):
         t = time.perf_counter()
         try:
             size, error = compile_launch(launch, args.arch), ""
