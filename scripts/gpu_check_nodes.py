@@ -1,9 +1,13 @@
 """GPU check, node transfers: KV blocks read from another process's GPU pool over NIXL.
 
-A source process (node A's worker: a pool tensor on the GPU filled with seeded random bytes, a
-`compute_service.transfer_agent.TransferAgent` over it, its `TransferSource` printed as hex) and
-this process as node B's worker (its own GPU pool and agent) that reads blocks of A's pool into
-its own with `read_blocks`, as a step's node transfers do (`compute_service.worker.do_copies`):
+Each node's pool is made and mapped as in production (scripts/gpu_check_pools.py): an owner
+process holds it (`CudaPool`, exported by CUDA IPC) and the worker maps it through the worker
+socket, so the memory NIXL registers is memory imported by CUDA IPC, as in a worker; the check
+prints what the driver says of that pointer (its type, whether it is IPC-capable again). Node A's
+worker is a source process (its mapped pool filled with seeded random bytes, a
+`compute_service.transfer_agent.TransferAgent` over it, its `TransferSource` printed as hex);
+this process is node B's worker (its own mapped pool and agent), which reads blocks of A's pool
+into its own with `read_blocks`, as a step's node transfers do (`compute_service.worker.do_copies`):
 
 - N consecutive blocks (merged into one descriptor) and N scattered ones (one per block): every
   byte equal to A's; GB/s each, best of a few repeats (figures, not checks). Between two processes
@@ -12,33 +16,40 @@ its own with `read_blocks`, as a step's node transfers do (`compute_service.work
 - a fault injected after k blocks (a test hook at ``transfer.read_blocks``, `pagedkv.runtime.test_hooks`):
   TransferError naming k, and exactly the first k blocks written.
 
-`run(report, device="cpu")` does the same with cpu pools (checks this file without a GPU).
+`run(report, device="cpu")` does the same with cpu pools (memfds; checks this file without a GPU).
 SmolLM2's block layout in bf16 (360 KiB a block); about 10 s with N = 256 (90 MiB).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Node A: a pool of seeded random bytes and an agent over it; prints its source, waits for stdin to close.
+#: Node A's worker: maps its node's pool, fills it with seeded random bytes, serves it with an
+#: agent; prints its source, waits for stdin to close.
 SOURCE = r"""
 import sys, torch
+from compute_service.pool_map import map_pool
 from compute_service.transfer_agent import TransferAgent
-device, blocks = sys.argv[1], int(sys.argv[2])
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
+device, desc = sys.argv[1], mpb.PoolDescriptor.FromString(bytes.fromhex(sys.argv[2]))
+mapped = map_pool(desc)
 g = torch.Generator(device=device).manual_seed(1234)
-pool = torch.randint(-32768, 32767, (blocks, 30, 2, 16, 3, 64), generator=g, device=device,
-                     dtype=torch.int16).view(torch.bfloat16)
-agent = TransferAgent(f"gpu-check-a-{device}", pool)
+mapped.tensor.view(torch.int16).copy_(torch.randint(-32768, 32767, mapped.tensor.shape, generator=g, device=device,
+                                                    dtype=torch.int16))
+agent = TransferAgent(f"gpu-check-a-{device}", mapped.tensor)
 print(agent.source().to_proto().SerializeToString().hex(), flush=True)
 sys.stdin.read()
 agent.close()
+mapped.close()
 """
 
 
@@ -46,7 +57,9 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
         env: dict[str, str] | None = None, repeats: int = 3) -> None:
     """The node-transfer section (see the module docstring); ``report(name, ok, detail)`` per check."""
     import torch
+    from gpu_check_pools import Owner, ipc_capability
 
+    from compute_service.pool_map import map_pool
     from compute_service.transfer_agent import TransferAgent, TransferError, TransferSource
     from pagedkv.grant.v1 import grant_pb2
     from pagedkv.runtime import test_hooks
@@ -55,10 +68,17 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
     blocks = blocks or (256 if cuda else 16)
     label = f"node transfers ({device} pools, {blocks} blocks)"
     env = env or {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos"), *sys.path])}
-    source = subprocess.Popen([sys.executable, "-c", SOURCE, device, str(blocks)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
-    agent = None
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu-check-nodes-"))
+    owners = [Owner(device, n, "bfloat16", str(run_dir / f"{name}.sock"), env, pool_id=f"node-{name}")
+              for name, n in (("a", blocks), ("b", 2 * blocks))]
+    source = agent = mapped = None
     try:
+        if any(o.descriptor is None for o in owners):
+            report(f"{label}: pool owners start", False, f"exit codes {[o.proc.poll() for o in owners]}")
+            return
+        a_desc = owners[0].descriptor.SerializeToString().hex()
+        source = subprocess.Popen([sys.executable, "-c", SOURCE, device, a_desc],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
         line = source.stdout.readline().strip()
         if not line:
             report(f"{label}: source process starts", False, f"exit code {source.poll()}")
@@ -66,10 +86,13 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
         peer = TransferSource.from_proto(grant_pb2.TransferSource.FromString(bytes.fromhex(line)))
         g = torch.Generator(device=device).manual_seed(1234)
         want = torch.randint(-32768, 32767, (blocks, 30, 2, 16, 3, 64), generator=g, device=device, dtype=torch.int16)
-        pool = torch.zeros(2 * blocks, 30, 2, 16, 3, 64, dtype=torch.bfloat16, device=device)
+        mapped = map_pool(owners[1].descriptor)
+        pool = mapped.tensor
+        pool.zero_()
         agent = TransferAgent(f"gpu-check-b-{device}", pool)
-        report(f"{label}: agents over both pools", peer.mem_type == ("VRAM" if cuda else "DRAM")
-               and peer.block_bytes == agent.block_bytes, f"peer {peer.mem_type}, {peer.block_bytes} B a block")
+        report(f"{label}: agents over both pools, each mapped as a worker maps it",
+               peer.mem_type == ("VRAM" if cuda else "DRAM") and peer.block_bytes == agent.block_bytes,
+               f"peer {peer.mem_type}, {peer.block_bytes} B a block; this pool: {ipc_capability(pool)}")
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         nbytes = blocks * agent.block_bytes
         runs = {"consecutive": [(b, blocks + b) for b in range(blocks)],
@@ -109,5 +132,11 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
     finally:
         if agent is not None:
             agent.close()
-        source.stdin.close()
-        source.wait(timeout=30)
+        if mapped is not None:
+            mapped.close()
+        if source is not None:
+            source.stdin.close()
+            source.wait(timeout=30)
+        for o in owners:
+            o.close()
+        shutil.rmtree(run_dir, ignore_errors=True)

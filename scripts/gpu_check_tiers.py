@@ -1,11 +1,11 @@
 """GPU check, host tier: offload and reload copies between a CUDA pool and its page-locked host tier.
 
-A pool owner process (the memory service's side: `memory_service.pool.CudaPool` with a host
-tier, served on a worker socket) and this process as the worker: it maps both tiers through the
-socket (`compute_service.pool_map.map_pool`: CUDA IPC for the pool, the host memfd
-``cudaHostRegister``ed), fills N device blocks with random bytes, and moves them with the
-worker's own path, a step whose signed grant names the copies (`check_grants` -> its copy plan ->
-`compute_service.worker.do_copies`):
+A pool owner process (scripts/gpu_check_pools.py: the memory service's side, its
+`memory_service.pool.CudaPool` with a host tier, served on a worker socket) and this process as
+the worker: it maps both tiers through the socket (`compute_service.pool_map.map_pool`: CUDA IPC
+for the pool, the host memfd ``cudaHostRegister``ed), fills N device blocks with random bytes,
+and moves them with the worker's own path, a step whose signed grant names the copies
+(`check_grants` -> its copy plan -> `compute_service.worker.do_copies`):
 
 - offload device blocks [0, N) -> host blocks [0, N), then reload host [0, N) -> device blocks
   [N, 2N): every byte equal each way;
@@ -20,38 +20,12 @@ SmolLM2's block layout (30 layers, 3 KV heads, head_dim 64, 16 tokens: 360 KiB i
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-#: The pool owner: makes the pool with its host tier, serves it, prints the public descriptor
-#: (hex), and releases it when its stdin closes.
-OWNER = r"""
-import asyncio, sys
-from memory_service.layout import PoolLayout
-from memory_service.pool import CpuPool, CudaPool
-from memory_service.worker_socket import WorkerSocketServer
-
-device, blocks, dtype, sock = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-layout = PoolLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype, num_blocks=2 * blocks + 1)
-
-async def main():
-    pool = (CudaPool(layout, pool_id="tiers", host_num_blocks=blocks) if device == "cuda"
-            else CpuPool(layout, pool_id="tiers", host_num_blocks=blocks))
-    server = WorkerSocketServer(pool, sock)
-    await server.start()
-    print(pool.descriptor().SerializeToString().hex(), flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    await server.close()
-    pool.close()
-
-asyncio.run(main())
-"""
-
 
 def _step(mapped, pairs, src_medium, dst_medium):
     """The copy plan of a one-sequence step whose signed grant names ``pairs`` (``check_grants``)."""
@@ -93,27 +67,25 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
         env: dict[str, str] | None = None, work: Path | None = None, repeats: int = 3) -> None:
     """The host-tier section (see the module docstring); ``report(name, ok, detail)`` per check."""
     import torch
+    from gpu_check_pools import Owner
 
     from compute_service.pool_map import map_pool
     from compute_service.worker import do_copies
     from pagedkv.grant.v1 import grant_pb2
-    from pagedkv.memory.v1 import memory_service_pb2 as mpb
 
     cuda = device == "cuda"
     blocks = blocks or (512 if cuda else 32)
     label = f"host tier ({'cuda' if cuda else 'cpu'} pool, {blocks} blocks)"
     env = env or {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos"), *sys.path])}
     sock = str(Path(work or "/tmp") / f"tiers-{os.getpid()}.sock")
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, device, str(blocks), "bfloat16" if cuda else "float32",
-                              sock],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+    owner = Owner(device, 2 * blocks + 1, "bfloat16" if cuda else "float32", sock, env, host_blocks=blocks,
+                  pool_id="tiers")
     mapped = None
     try:
-        line = owner.stdout.readline().strip()
-        if not line:
-            report(f"{label}: pool owner starts", False, f"exit code {owner.poll()}")
+        if owner.descriptor is None:
+            report(f"{label}: pool owner starts", False, f"exit code {owner.proc.poll()}")
             return
-        mapped = map_pool(mpb.PoolDescriptor.FromString(bytes.fromhex(line)))
+        mapped = map_pool(owner.descriptor)
         pool, host = mapped.tensor, mapped.host_tensor
         pinned = host is not None and host.is_pinned() if cuda else host is not None
         report(f"{label}: mapped through the socket{', host memory page-locked' if cuda else ''}",
@@ -156,15 +128,11 @@ def run(report: Callable[[str, bool, str], None], device: str = "cuda", blocks: 
     finally:
         if mapped is not None:
             mapped.close()
-        owner.stdin.close()
-        try:
-            owner.wait(30)
-        except subprocess.TimeoutExpired:
-            owner.kill()
+        owner.close()
 
 
-if __name__ == "__main__":  # PYTHONPATH=.:protos python scripts/gpu_check_tiers.py [cpu|cuda]
-    sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+if __name__ == "__main__":  # python scripts/gpu_check_tiers.py [cpu|cuda]
+    sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "scripts")]
 
     def _print(name: str, ok: bool, detail: str = "") -> None:
         print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}".rstrip(), flush=True)
