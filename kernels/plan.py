@@ -23,6 +23,7 @@ conversions of the metadata tensors are queued.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -34,29 +35,35 @@ from pagedkv.config import env
 
 KERNELS = ("triton_decode", "triton_prefill", "torch")
 
-# Split-KV policy of the Triton decode kernel: below this context length one pass per
-# (sequence, KV head) is used.
-SPLIT_KV_MIN_TOKENS = 1024
-# Context positions per split when splitting.
-SPLIT_KV_TOKENS_PER_SPLIT = 512
-# Split only while (sequences x KV heads) leaves the GPU under-filled: aim for this many programs.
-SPLIT_KV_TARGET_PROGRAMS = 1024
-# Upper bound on splits.
+# Split-KV policy of the Triton decode kernel (flash-decoding): one program per (sequence, KV head)
+# leaves most of a GPU idle at small batches (3 programs for SmolLM2 at batch 1 on 132 SMs), so the
+# context is split until the programs fill the SMs this many times over.
+SPLIT_KV_WAVES = 2
+# A split covers at least this many context positions (4 tiles of 32): below, the per-split cost
+# (loading the query rows, the partial result and the reduce) outweighs what it spreads.
+SPLIT_KV_MIN_TOKENS_PER_SPLIT = 128
+# Upper bound on splits; a power of two (the reduce kernel's width, kernels.triton.decode).
 SPLIT_KV_MAX_SPLITS = 64
+# SMs assumed when the plan does not know the device (a CPU plan, or a GPU not yet asked): an H100/H200's.
+DEFAULT_NUM_SMS = 132
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
     """Split-KV ranges of the Triton decode kernel for a batch of this shape (host arithmetic).
 
-    One range up to `SPLIT_KV_MIN_TOKENS` positions; beyond, one per `SPLIT_KV_TOKENS_PER_SPLIT`
-    positions, but only as many as needed to reach `SPLIT_KV_TARGET_PROGRAMS` programs
-    (num_seqs x num_kv_heads x splits), at most `SPLIT_KV_MAX_SPLITS`.
+    By occupancy: no split once ``num_seqs * num_kv_heads`` programs reach ``SPLIT_KV_WAVES *
+    num_sms``; below, enough splits to get there, but no more than one per
+    `SPLIT_KV_MIN_TOKENS_PER_SPLIT` context positions of the longest sequence, and at most
+    `SPLIT_KV_MAX_SPLITS`. The split count is a runtime argument of the kernels: a value never
+    seen costs no compilation.
     """
-    if max_seq_len <= SPLIT_KV_MIN_TOKENS:
+    programs = max(1, num_seqs * num_kv_heads)
+    target = SPLIT_KV_WAVES * max(1, num_sms)
+    if programs >= target:
         return 1
-    by_length = -(-max_seq_len // SPLIT_KV_TOKENS_PER_SPLIT)
-    by_occupancy = max(1, SPLIT_KV_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))
-    return max(1, min(by_length, by_occupancy, SPLIT_KV_MAX_SPLITS))
+    by_occupancy = -(-target // programs)
+    by_length = max(1, max_seq_len // SPLIT_KV_MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, SPLIT_KV_MAX_SPLITS))
 
 
 @dataclass(slots=True)
@@ -97,10 +104,20 @@ class AttentionPlan:
     workspace: dict = field(default_factory=dict)
 
     def splits_for(self, num_kv_heads: int) -> int:
-        """Split-KV ranges of the decode kernel for a cache with `num_kv_heads` heads."""
+        """Split-KV ranges of the decode kernel for a cache with `num_kv_heads` heads, on the SMs of
+        the metadata's GPU."""
         if self.num_splits is None:
-            self.num_splits = default_num_splits(self.num_seqs, num_kv_heads, self.max_seq_len)
+            self.num_splits = default_num_splits(self.num_seqs, num_kv_heads, self.max_seq_len,
+                                                 num_sms(self.block_tables.device))
         return self.num_splits
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; `DEFAULT_NUM_SMS` for any other."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def plan_attention(
@@ -146,7 +163,7 @@ def plan_attention(
         ValueError: bad shapes/dtypes/devices, a missing or misshapen host copy, query_start_loc
             not starting at 0 or decreasing, new tokens > seq_len, a seq_len past the block
             table, an int64 block id to be read that does not fit in int32 (or int64 block
-            tables off the CPU), num_splits < 1 or given for another kernel, a malformed
+            tables off the CPU), num_splits outside [1, SPLIT_KV_MAX_SPLITS] or given for another kernel, a malformed
             sliding_window.
         NotImplementedError: a sliding_window that is set.
     """
@@ -200,8 +217,8 @@ def _check_arguments(block_tables, query_start_loc, seq_lens, block_size: int, n
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if num_kv_heads is not None and num_kv_heads < 1:
         raise ValueError(f"num_kv_heads must be >= 1 or None, got {num_kv_heads}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+    if num_splits is not None and not 1 <= num_splits <= SPLIT_KV_MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {SPLIT_KV_MAX_SPLITS}] or None, got {num_splits}")
     _check_unimplemented(sliding_window)
     devices = {t.device for t in (block_tables, query_start_loc, seq_lens)}
     if len(devices) != 1:

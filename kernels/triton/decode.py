@@ -17,17 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.plan import SPLIT_KV_MAX_SPLITS as MAX_SPLITS
 from kernels.triton.paged import MIN_DOT, attend_context, attention_strides, dim_pad, fp8_scales
 
 # Context positions processed per loop iteration.
 TILE = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def kernel_paged_decode(
-    out_ptr,  # [num_seqs, num_q_heads, head_dim] (NUM_SPLITS == 1) query dtype
-    part_out_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
-    part_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] fp32 (NUM_SPLITS > 1)
+    out_ptr,  # [num_seqs, num_q_heads, head_dim] (num_splits == 1) query dtype
+    part_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_dim] fp32 (num_splits > 1)
+    part_lse_ptr,  # [num_seqs, num_q_heads, num_splits] fp32 (num_splits > 1)
     query_ptr,  # [num_seqs, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -37,6 +38,7 @@ def kernel_paged_decode(
     v_scale_ptr,  # [num_kv_heads] fp32 (FP8; else any pointer, unread)
     scale,  # softmax scale (fp32)
     tokens_per_split,  # context positions per split (multiple of TILE)
+    num_splits,  # split-KV ranges per sequence (>= 1): a runtime value, so a growing context recompiles nothing
     stride_q_seq, stride_q_head,  # query strides
     stride_o_seq, stride_o_head,  # out strides
     stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # cache strides
@@ -47,7 +49,7 @@ def kernel_paged_decode(
     DIM_PAD: tl.constexpr,  # paged.dim_pad(HEAD_DIM): power of two >= max(16, HEAD_DIM)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     TILE: tl.constexpr,  # context positions per iteration
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partial results for kernel_reduce_splits
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
     FP8: tl.constexpr,  # e4m3 caches with per-KV-head scales
 ):  # fmt: skip
@@ -78,7 +80,7 @@ def kernel_paged_decode(
     )  # [G_PAD], [G_PAD], [G_PAD, DIM_PAD]  # fmt: skip
 
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = acc / l_i[:, None]
         o_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -87,34 +89,34 @@ def kernel_paged_decode(
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))  # log2 units
-        row = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [G_PAD] int64
+        row = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [G_PAD] int64
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def kernel_reduce_splits(
     out_ptr,  # [num_seqs, num_q_heads, head_dim] query dtype
-    part_out_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS, head_dim] fp32, contiguous
-    part_lse_ptr,  # [num_seqs, num_q_heads, NUM_SPLITS] fp32 (log2 units), contiguous
+    part_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_dim] fp32, contiguous
+    part_lse_ptr,  # [num_seqs, num_q_heads, num_splits] fp32 (log2 units), contiguous
     stride_o_seq, stride_o_head,  # out strides
+    num_splits,  # split-KV ranges per sequence, 2..SPLITS_PAD (runtime: one compiled kernel for all)
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    SPLITS_PAD: tl.constexpr,  # kernels.plan.SPLIT_KV_MAX_SPLITS, a power of two
 ):  # fmt: skip
     # Grid: (num_seqs, num_q_heads). Merge the splits' partial outputs by their log-sum-exp.
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     sp = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
     d = tl.arange(0, DIM_PAD)  # [DIM_PAD]
-    row0 = (seq * NUM_Q_HEADS + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row0 + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
+    row0 = (seq * NUM_Q_HEADS + head) * num_splits
+    lse = tl.load(part_lse_ptr + row0 + sp, mask=sp < num_splits, other=float("-inf"))
     w = tl.math.exp2(lse - tl.max(lse, axis=0))  # [SPLITS_PAD]; split 0 is never empty
     o = tl.load(
         part_out_ptr + (row0 + sp[:, None]) * HEAD_DIM + d[None, :],
-        mask=(sp[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM),
+        mask=(sp[:, None] < num_splits) & (d[None, :] < HEAD_DIM),
         other=0.0,
     )  # [SPLITS_PAD, DIM_PAD]
     res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)  # [DIM_PAD]
@@ -147,6 +149,7 @@ def paged_decode_attention(
     k_scale, v_scale, fp8 = fp8_scales(key_cache, k_scale, v_scale, seq_lens)
     if num_seqs == 0:
         return out
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits
     tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), TILE) * TILE
     if num_splits > 1:
         part_out = torch.empty(
@@ -159,24 +162,23 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused
     kernel_paged_decode[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        k_scale, v_scale, scale, tokens_per_split, *strides,
+        k_scale, v_scale, scale, tokens_per_split, num_splits, *strides,
         GROUP=group,
         G_PAD=max(MIN_DOT, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad(head_dim),
         BLOCK_SIZE=block_size,
         TILE=TILE,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         IEEE=query.dtype == torch.float32,
         FP8=fp8,
     )  # fmt: skip
     if num_splits > 1:
         kernel_reduce_splits[(num_seqs, num_q_heads)](
-            out, part_out, part_lse, out.stride(0), out.stride(1),
+            out, part_out, part_lse, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=num_q_heads,
             HEAD_DIM=head_dim,
             DIM_PAD=dim_pad(head_dim),
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=MAX_SPLITS,
         )  # fmt: skip
     return out

@@ -205,12 +205,14 @@ def test_plan_picks_the_kernel():
     assert (mixed.kernel, mixed.decode_only, mixed.num_splits, mixed.total_q) == ("triton_prefill", False, None, 9)
     with pytest.raises(ValueError, match="num_splits applies to the triton decode kernel only"):
         kernels.plan_attention(*metadata([1, 7, 1], [5, 40, 17], 16), 16, backend="triton", num_splits=2)
-    # Llama-3-8B-like decode: 64 sequences x 8 KV heads at 4096 tokens -> 2 splits (policy).
+    # Llama-3-8B-like decode: 64 sequences x 8 KV heads fill 132 SMs twice over -> no split (policy).
     long = kernels.plan_attention(*metadata([1] * 64, [4096] * 64, 16), 16, backend="triton", num_kv_heads=8)
-    assert long.kernel == "triton_decode" and long.num_splits == plan_mod.default_num_splits(64, 8, 4096) == 2
+    assert long.kernel == "triton_decode" and long.num_splits == plan_mod.default_num_splits(64, 8, 4096) == 1
     # Without num_kv_heads the split count is decided at the first call from the cache's shape.
     late = kernels.plan_attention(*metadata([1], [4096], 16), 16, backend="triton")
-    assert late.num_splits is None and late.splits_for(8) == 8 and late.num_splits == 8
+    assert late.num_splits is None and late.splits_for(8) == 32 and late.num_splits == 32
+    with pytest.raises(ValueError, match=r"num_splits must be in \[1, 64\]"):
+        kernels.plan_attention(*meta, 16, backend="triton", num_kv_heads=8, num_splits=65)
     forced = kernels.plan_attention(*meta, 16, backend="triton", num_kv_heads=8, num_splits=5)
     assert forced.num_splits == 5
     # CPU: the torch path, decode rows to the native kernel when it is built.
@@ -393,11 +395,18 @@ def test_planned_path_without_row_view_falls_back():
 
 
 def test_default_split_policy():
-    assert plan_mod.default_num_splits(64, 8, 4096) == 2
-    assert plan_mod.default_num_splits(1, 8, 32768) == 64
-    assert plan_mod.default_num_splits(1, 8, 4096) == 8
-    assert plan_mod.default_num_splits(4, 3, plan_mod.SPLIT_KV_MIN_TOKENS) == 1
-    assert plan_mod.default_num_splits(512, 8, 100_000) == 1
+    # Split by occupancy: until sequences x KV heads x splits fill the SMs twice (264 programs on
+    # 132 SMs), each split at least 128 context positions, at most 64 splits.
+    split = plan_mod.default_num_splits
+    assert split(1, 3, 256) == 2  # SmolLM2 at batch 1: 6 programs, not 3
+    assert split(1, 3, 1000) == 7  # by length: 1000 // 128
+    assert split(1, 3, 16384) == 64  # by the cap (88 would fill the SMs)
+    assert split(1, 8, 32768) == 33  # by occupancy: ceil(264 / 8)
+    assert split(8, 8, 4096) == 5  # ceil(264 / 64)
+    assert split(33, 8, 100_000) == split(64, 8, 4096) == split(512, 8, 100_000) == 1  # the SMs are full
+    assert split(1, 3, 100) == 1  # under one split's worth of context
+    assert split(1, 8, 4096, num_sms=16) == 4  # a smaller GPU: 32 programs
+    assert plan_mod.num_sms(torch.device("cpu")) == plan_mod.DEFAULT_NUM_SMS == 132
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -96,12 +96,14 @@ def plan_and_attend(case, **kw) -> tuple[kernels.AttentionPlan, torch.Tensor]:
 def test_decode_triton(params):
     heads, bs, hd, dtype, split = params
     # Short lengths at block boundaries; a longer one (split-KV forced when `split`, else the
-    # plan's policy: one range at these lengths).
+    # plan's policy by occupancy: 2 ranges at 257 tokens, 1 at 70).
     lens = [n for n in (1, bs - 1, bs, bs + 1, 2 * bs + 3) if n >= 1]
     lens.append(257 if bs > 1 else 70)
     case = make_case(lens, [1] * len(lens), *heads, hd, bs, dtype, seed=bs)
     plan, out = plan_and_attend(case, num_splits=5 if split else None, num_kv_heads=heads[1])
-    assert plan.kernel == "triton_decode" and plan.num_splits == (5 if split else 1)
+    policy = kernels.plan.default_num_splits(len(lens), heads[1], max(lens))
+    assert plan.kernel == "triton_decode" and plan.num_splits == (5 if split else policy)
+    assert policy == (2 if max(lens) == 257 else 1)
     ref = ref_attention(
         case.query, case.key_cache, case.value_cache, case.block_tables,
         case.query_start_loc, case.seq_lens, case.scale,

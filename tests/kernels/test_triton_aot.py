@@ -38,3 +38,34 @@ def test_every_kernel_compiles_for_sm90():
                      "kernel_reshape_and_cache", "kernel_copy_blocks"}, names
     assert any("head_dim 8 fp16" in r["launch"] and r["launch"].startswith("kernel_paged_prefill") for r in launches)
     assert all(r["cubin_bytes"] > 0 for r in launches)
+
+
+def test_split_counts_and_context_lengths_compile_nothing_new():
+    """The decode kernels take the split count and the context per split at run time: launches at
+    3 and 7 splits (and other lengths) have the same compile-time constants, so one compiled
+    kernel serves a sequence as it grows (as a constexpr, a new count recompiled both kernels)."""
+    import torch
+
+    from kernels.triton import aot, decode
+
+    launches = []
+    real = decode.kernel_paged_decode, decode.kernel_reduce_splits
+    decode.kernel_paged_decode = aot._Recorder(real[0], "", launches)
+    decode.kernel_reduce_splits = aot._Recorder(real[1], "", launches)
+    try:
+        cache = torch.zeros(8, 16, 3, 64, dtype=torch.bfloat16)
+        q = torch.zeros(2, 9, 64, dtype=torch.bfloat16)
+        tables = torch.zeros(2, 8, dtype=torch.int32)
+        for splits, ctx in ((3, 100), (7, 128), (64, 90)):
+            lens = torch.full((2,), ctx, dtype=torch.int32)
+            decode.paged_decode_attention(q, cache, cache, tables, lens, 0.125, splits, ctx)
+    finally:
+        decode.kernel_paged_decode, decode.kernel_reduce_splits = real
+    by_kernel: dict[str, list] = {}
+    for launch in launches:
+        by_kernel.setdefault(launch.kernel.fn.__name__, []).append(launch)
+    assert {k: len(v) for k, v in by_kernel.items()} == {"kernel_paged_decode": 3, "kernel_reduce_splits": 3}
+    for name, group in by_kernel.items():
+        assert all(g.constexprs == group[0].constexprs for g in group), name
+        assert [g.args[g.kernel.arg_names.index("num_splits")] for g in group] == [3, 7, 64]
+        assert "num_splits" in group[0].kernel.do_not_specialize, name  # no variant for counts divisible by 16
