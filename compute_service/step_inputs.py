@@ -30,6 +30,7 @@ import kernels
 from compute_service.penalties import TokenHistory
 from compute_service.sampling import SamplingParams
 from compute_service.step_sampling import ints, sampling_from_proto, token_history
+from compute_service.step_upload import StepUpload
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.runtime.errors import InvalidArgumentError
 
@@ -175,6 +176,7 @@ def build_step_inputs(
     num_blocks: int,
     vocab_size: int,
     device: torch.device | str,
+    upload: StepUpload | None = None,
 ) -> StepInputs:
     """Validate the batch of `request` and build the model's packed inputs on `device`.
 
@@ -190,6 +192,8 @@ def build_step_inputs(
         num_blocks: blocks in the mapped pool; block ids must be below it.
         vocab_size: token ids must be below it.
         device: where the model runs.
+        upload: moves the metadata to ``device`` (one packed copy on CUDA,
+            compute_service.step_upload); None: a ``.to(device)`` per tensor.
 
     Raises:
         InvalidArgumentError: empty or oversized batch; a duplicate seq_id; no tokens; a
@@ -217,16 +221,19 @@ def build_step_inputs(
     torch.cumsum(torch.tensor(counts.lens, dtype=torch.int32), 0, out=qsl[1:])
     logits_indices = (qsl[1:].to(torch.int64) - 1)[torch.tensor(counts.sample_rows, dtype=torch.int64)]
     seq_lens_t = torch.from_numpy(packed.seq_lens.astype(np.int32))
+    token_ids, positions, slots, tables, qsl_d, lens_d, logits_d = (upload or StepUpload(device, staged=False))([
+        packed.token_ids, np.asarray(packed.positions, dtype=np.int64), packed.slot_mapping, packed.block_tables,
+        qsl.numpy(), seq_lens_t.numpy(), logits_indices.numpy()])
     return StepInputs(
-        token_ids=torch.from_numpy(packed.token_ids).to(device),
-        positions=torch.from_numpy(np.ascontiguousarray(packed.positions, dtype=np.int64)).to(device),
-        slot_mapping=torch.from_numpy(packed.slot_mapping).to(device),
-        block_tables=torch.from_numpy(packed.block_tables).to(device),
-        query_start_loc=qsl.to(device),
-        seq_lens=seq_lens_t.to(device),
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=tables,
+        query_start_loc=qsl_d,
+        seq_lens=lens_d,
         host_query_start_loc=qsl,
         host_seq_lens=seq_lens_t,
-        logits_indices=logits_indices.to(device),
+        logits_indices=logits_d,
         sample_rows=counts.sample_rows,
         sampling=counts.sampling,
         history=counts.history,

@@ -31,6 +31,7 @@ from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool
 from compute_service.sampling import sample
 from compute_service.step_inputs import StepInputs, build_step_inputs
+from compute_service.step_upload import StepUpload
 from compute_service.timing import AttentionClock
 from compute_service.weights.source import ModelConfig
 from pagedkv.compute.v1 import compute_service_pb2 as pb
@@ -74,6 +75,8 @@ class Worker:
         self.transfer_agent = None
         #: Fences each step's device work before its receipts are signed (compute_service.device_sync).
         self.fence = StepFence(self.device)
+        #: The step's metadata to the device in one copy (reuses its host buffer: safe behind the fence).
+        self.upload = StepUpload(self.device)
         #: Called once with the error when a step meets a sticky device error (the process's CUDA
         #: context is gone): the server reports NOT_SERVING and exits (compute_service.main).
         self.on_fatal: Callable[[BaseException], None] | None = None
@@ -137,7 +140,7 @@ class Worker:
         test_hooks.call("worker.step_begin", request=request)
         lay = pool.descriptor.layout
         inputs = build_step_inputs(request, block_size=lay.block_size, num_blocks=lay.num_blocks,
-                                   vocab_size=self.config.vocab_size, device=self.device)
+                                   vocab_size=self.config.vocab_size, device=self.device, upload=self.upload)
         checked = check_grants(request, pool.plane_key, pool.generation, pool.epochs,
                                host_epochs=getattr(pool, "host_epochs", None),  # None: no host tier
                                refused=self._past_window(request))
@@ -152,7 +155,7 @@ class Worker:
             kept = [c for c in checked if c is not None]
             if run.sequences:
                 inputs = build_step_inputs(run, block_size=lay.block_size, num_blocks=lay.num_blocks,
-                                           vocab_size=self.config.vocab_size, device=self.device)
+                                           vocab_size=self.config.vocab_size, device=self.device, upload=self.upload)
         if plan.has_tier_copies or plan.copy_on_write or plan.transfers:
             do_copies(pool, plan, self.transfer_agent)
         fence = self.fence

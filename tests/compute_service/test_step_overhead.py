@@ -114,3 +114,29 @@ def test_receipts_from_check_equal_receipts_from_grants():
     second = fast[1].receipt
     assert (second.start, second.end, list(second.block_ids), list(second.block_epochs)) == (6, 7, [8], [epochs[8]])
     assert second.token_digest == token_digest([9])
+
+
+def test_one_packed_copy_gives_the_same_inputs():
+    """The step's metadata packed into one buffer and copied at once (compute_service.step_upload:
+    the CUDA path, staged here on the CPU) is the same tensors as one copy each: values, dtypes,
+    shapes; and the host buffer is reused without changing an earlier step's inputs."""
+    from compute_service.step_upload import ALIGN, StepUpload
+
+    batch = [seq(0, 5, [7], [3, 9]), seq(1, 2, [1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 30], skip_sampling=True),
+             seq(2, 0, [4, 4, 4], [20]), seq(3, 8, [9], [1, 2, 0, 5])]
+    req = pb.StepRequest(sequences=batch)
+    upload = StepUpload("cpu", staged=True)
+    direct = build_step_inputs(req, block_size=BS, num_blocks=NB, vocab_size=VOCAB, device="cpu")
+    packed = build_step_inputs(req, block_size=BS, num_blocks=NB, vocab_size=VOCAB, device="cpu", upload=upload)
+    names = ("token_ids", "positions", "slot_mapping", "block_tables", "query_start_loc", "seq_lens", "logits_indices")
+    for name in names:
+        a, b = getattr(direct, name), getattr(packed, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+        assert b.data_ptr() % ALIGN == 0, name
+    before = {name: getattr(packed, name).clone() for name in names}
+    build_step_inputs(pb.StepRequest(sequences=[seq(9, 0, [1, 2], [4])]), block_size=BS, num_blocks=NB,
+                      vocab_size=VOCAB, device="cpu", upload=upload)  # the next step, same host buffer
+    assert all(torch.equal(before[name], getattr(packed, name)) for name in names)
+    odd = upload([np.arange(3, dtype=np.int32), np.arange(5, dtype=np.int64).reshape(5, 1), np.zeros(0, np.int64)])
+    assert [t.tolist() for t in odd] == [[0, 1, 2], [[0], [1], [2], [3], [4]], []]
+    assert [t.dtype for t in odd] == [torch.int32, torch.int64, torch.int64]
