@@ -1,11 +1,13 @@
 """Batched, reproducible token sampling from logits with per-sequence parameters.
 
-The random draw of a sequence at output position t depends only on (seed, t): each sampled row
-gets its own `torch.Generator` seeded from a stable 64-bit mix of the two, and draws one
-exponential variate per vocabulary entry; the token is argmax(p / q) over the filtered
-probabilities p (the Gumbel-max / exponential-race trick vLLM uses). So a sample is the same
-whatever else shares the batch, equals a solo run with that seed, and a preempted request
-resumes on the same draws. The n samples of one request use seeds seed, seed+1, ...
+The random draw of a sequence at output position t depends only on (seed, t): a stable 64-bit
+mix of the two (`draw_seed`) keys one Philox4x32-10 uniform ``u`` (`kernels.draws`: computed on the
+logits' device, on a GPU by a Triton kernel, with the same bits everywhere), and the token is the
+first whose cumulative filtered probability exceeds ``u`` times the total (inverse-transform
+sampling, as FlashInfer's sampling kernels; one random number per row instead of one per
+vocabulary entry). So a sample is the same whatever else shares the batch, equals a solo run with
+that seed, and a preempted request resumes on the same draws. The n samples of one request use
+seeds seed, seed+1, ...
 
 Order as vLLM's sampler: penalties (repetition, presence, frequency:
 `compute_service.penalties`), then greedy's argmax or temperature, top-k, then top-p over what
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels.draws
 from compute_service.penalties import TokenHistory, penalised
 from pagedkv.runtime.limits import MAX_LOGPROBS
 
@@ -140,6 +143,18 @@ def filtered_probs(
     return x.softmax(dim=-1)
 
 
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose cumulative probability first exceeds ``u`` times the row's
+    total (inverse-transform sampling; the cumulative sums in float64).
+
+    probs: [S, V] float, >= 0, each row with a positive sum; u: [S] float in (0, 1), on probs'
+    device. Returns [S] int64 there. A token of probability 0 is never chosen.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u.double() * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -183,17 +198,10 @@ def sample(
         top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)
         dev = logits.device
         probs = filtered_probs(x[idx.to(dev)], temp.to(dev), top_k.to(dev), top_p.to(dev))
-        # Draws on the CPU, so a CUDA worker makes the same ones as a CPU worker.
-        q = torch.empty(len(rows), vocab, dtype=torch.float32)
-        gen = torch.Generator(device="cpu")
-        for r, i in enumerate(rows):
-            seed = params[i].seed
-            if seed is None:
-                seed = int.from_bytes(os.urandom(8), "little")
-            gen.manual_seed(draw_seed(seed, output_positions[i]))
-            q[r].exponential_(generator=gen)
-        q = q.clamp_(min=torch.finfo(torch.float32).tiny).to(probs.device)
-        tokens[idx.to(tokens.device)] = row_argmax(probs / q)
+        keys = [draw_seed(int.from_bytes(os.urandom(8), "little") if params[i].seed is None else params[i].seed,
+                          output_positions[i]) for i in rows]
+        u = kernels.draws.uniforms(keys, dev)  # on the logits' device, the same bits on every device
+        tokens[idx.to(tokens.device)] = inverse_transform(probs, u).to(tokens.device)
 
     want = [p.logprobs for p in params if p.logprobs is not None]
     if not want:

@@ -103,18 +103,22 @@ class _Recorder:
 
 def record(cases=CASES) -> list[Launch]:
     """Run every launch wrapper on CPU tensors at each case's shapes (decode with one split and
-    with four, a mixed prefill, the cache write, the block copy); returns the launches made."""
-    from kernels.triton import cache_ops, decode, prefill
+    with four, a mixed prefill, the cache write, the block copy; the sampler's draws once);
+    returns the launches made."""
+    from kernels.triton import cache_ops, decode, draws, prefill
 
     launches: list[Launch] = []
     kernels = [(decode, "kernel_paged_decode"), (decode, "kernel_reduce_splits"), (prefill, "kernel_paged_prefill"),
-               (cache_ops, "kernel_reshape_and_cache"), (cache_ops, "kernel_copy_blocks")]
+               (cache_ops, "kernel_reshape_and_cache"), (cache_ops, "kernel_copy_blocks"),
+               (draws, "kernel_uniforms")]
     real = {(m, n): getattr(m, n) for m, n in kernels}
     try:
         for c in cases:
             for (m, n), k in real.items():
                 setattr(m, n, _Recorder(k, c.name, launches))
             _launch_all(c, decode, prefill, cache_ops)
+            if c is cases[0]:  # the sampler's draws: one kernel whatever the model
+                draws.uniforms(torch.zeros(3, dtype=torch.int64))
     finally:
         for (m, n), k in real.items():
             setattr(m, n, k)

@@ -303,3 +303,19 @@ def test_fp8_copy_blocks_triton():
     rest = [b for b in range(10) if b not in (7, 2, 9)]
     assert torch.equal(got[rest], before[rest]), "a block outside dst changed"
 
+
+
+def test_sampler_draws_triton_equal_numpy_bit_for_bit():
+    """kernels.triton.draws (Philox via tl.randint, the stated float transform) gives the bits of
+    kernels.draws' numpy path for every key, high bit set or not, over several programs."""
+    import numpy as np
+
+    from kernels import draws
+    from kernels.triton.draws import uniforms
+
+    gen = np.random.default_rng(7)
+    keys = np.concatenate([gen.integers(0, 2**63, 300, dtype=np.uint64) * np.uint64(2) + np.uint64(1),
+                           np.array([0, 1, 2**32 - 1, 2**32, 2**64 - 1], dtype=np.uint64)])
+    got = uniforms(torch.from_numpy(keys.view(np.int64)))
+    want = draws.to_uniform(draws.random_uint32(keys))
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))

@@ -35,7 +35,7 @@ def test_every_kernel_compiles_for_sm90():
     assert proc.returncode == 0, proc.stderr[-2000:]
     names = {r["launch"].split(" [")[0] for r in launches}
     assert names == {"kernel_paged_decode", "kernel_reduce_splits", "kernel_paged_prefill",
-                     "kernel_reshape_and_cache", "kernel_copy_blocks"}, names
+                     "kernel_reshape_and_cache", "kernel_copy_blocks", "kernel_uniforms"}, names
     assert any("head_dim 8 fp16" in r["launch"] and r["launch"].startswith("kernel_paged_prefill") for r in launches)
     assert all(r["cubin_bytes"] > 0 for r in launches)
 

@@ -46,7 +46,7 @@ def test_dry_run_passes_every_check_of_both_phases(tmp_path):
     compiled = [r for r in results if r["name"].startswith("sm_90 compile")]
     assert {r["name"].split(": ")[1].split(" [")[0] for r in compiled} == {
         "kernel_paged_decode", "kernel_reduce_splits", "kernel_paged_prefill", "kernel_reshape_and_cache",
-        "kernel_copy_blocks"}
+        "kernel_copy_blocks", "kernel_uniforms"}
     assert all(r["t"] >= 0 for r in results) and results == sorted(results, key=lambda r: r["t"])
 
 
