@@ -15,7 +15,8 @@ Needs one CUDA device, torch and triton (tested for torch 2.11 + triton 3.6). Th
    dequantized cache (outputs over their head's magnitude; needs compute capability >= 8.9,
    skipped below). Cases are spread over `--jobs` worker processes because compiling ~400
    kernel variants dominates the time.
-2. cache ops and int64 offsets: reshape_and_cache / copy_blocks round trips (fp8: the stored
+2. cache ops, int64 offsets and the sampler's draws (the Triton kernel's bits against the CPU
+   path's): reshape_and_cache / copy_blocks round trips (fp8: the stored
    bytes are `kernels.quantize_fp8`'s, saturation and rounding edges included) and attention
    through blocks past element 2**31 of a 4 GiB pool.
 3. the attention table of benchmarks/bench_kernels.py: decode at a Llama-3-8B-like layer (block
@@ -181,6 +182,20 @@ def check_cache_ops(report: Report) -> None:
     torch.cuda.empty_cache()
 
 
+def check_draws(report: Report) -> None:
+    """The sampler's Philox uniforms computed by the Triton kernel on the GPU have the CPU path's bits."""
+    import numpy as np
+
+    from kernels import draws
+
+    keys = [*range(4096), 2**63, 2**64 - 1]
+    gpu = draws.uniforms(keys, "cuda").cpu().numpy()
+    cpu = draws.uniforms(keys, "cpu").numpy()
+    same = np.array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
+    report("sampler draws: the GPU's bits equal the CPU's", same,
+           f"{len(keys)} keys, {int((gpu != cpu).sum())} differ")
+
+
 def fp8_supported() -> bool:
     """Whether Triton can load float8e4nv on this GPU (compute capability >= 8.9)."""
     return torch.cuda.get_device_capability() >= (8, 9)
@@ -286,6 +301,7 @@ def run(report: Report | None = None, quick: bool = False, jobs: int = 8) -> boo
                 _report(*r)
     print(f"# grid: {len(cases)} cases in {time.time() - t0:.0f} s", flush=True)
     check_cache_ops(_report)
+    check_draws(_report)
     bandwidth_table(_report, quick=True)
     print(f"# {len(failures)} failed: {failures[:20]}" if failures else "# all passed")
     return not failures
