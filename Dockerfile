@@ -54,10 +54,11 @@ RUN apt-get update \
 
 # Non-root user; $PAGEDKV_HOME holds the dequantized weights, the tokenizer and the native CPU
 # kernels (kernels/cpu/native.py), built once at the end. gcc and the Python headers above also
-# serve Triton, which compiles its launcher stubs on first use.
+# serve Triton, which compiles its launcher stubs on first use. /var/cache/triton is where compose
+# and Kubernetes mount the workers' Triton kernel cache (TRITON_CACHE_DIR); a new volume takes its owner.
 RUN useradd --uid 10001 --user-group --create-home pagedkv \
- && mkdir -p "${PAGEDKV_HOME}" /run/pagedkv \
- && chown pagedkv:pagedkv "${PAGEDKV_HOME}" /run/pagedkv
+ && mkdir -p "${PAGEDKV_HOME}" /run/pagedkv /var/cache/triton \
+ && chown pagedkv:pagedkv "${PAGEDKV_HOME}" /run/pagedkv /var/cache/triton
 
 RUN --mount=type=secret,id=pip-ca \
     if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
