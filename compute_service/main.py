@@ -32,12 +32,14 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from compute_service.device_sync import bind_compute_thread
 from compute_service.kv_calibration import fit_kv_scales
 from compute_service.model.fused_decode import cpu_path
 from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool, map_pool
 from compute_service.server import SERVICE_NAME, ComputeServicer
 from compute_service.transfer_source import keep_source_live, publish_transfer_agent, withdraw_source
+from compute_service.warmup import warm_kernels
 from compute_service.weights.load_progress import load_progress
 from compute_service.weights.source import ModelConfig, check_model_source, load_model_source
 from compute_service.worker import Worker
@@ -259,6 +261,10 @@ def _load(spec: WorkerSpec, desc: mpb.PoolDescriptor, device: str) -> tuple[Work
         pool.close()
         raise
     pool = _map_with_scales(desc, spec.memory_socket, model, spec.model, (spec.memory, spec.bind.tls), pool)
+    if pool.tensor.is_cuda:  # compiled now, not in the first requests' steps (compute_service.warmup)
+        bind_compute_thread(pool.tensor.device)
+        warmed = warm_kernels(config.num_q_heads, pool.tensor, pool.kv_scales)
+        log.info("kernels_warmed", seconds={k: round(v, 2) for k, v in warmed.items()})
     log.info("model_loaded", model=config.name, architecture=config.architecture,
              seconds=round(time.perf_counter() - t, 2), weight_bytes=model.nbytes(), device=model_device,
              dtype=str(dtype).removeprefix("torch."), checkpoint_dtype=config.dtype,

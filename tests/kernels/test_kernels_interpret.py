@@ -319,3 +319,17 @@ def test_sampler_draws_triton_equal_numpy_bit_for_bit():
     got = uniforms(torch.from_numpy(keys.view(np.int64)))
     want = draws.to_uniform(draws.random_uint32(keys))
     assert got.dtype == torch.float32 and np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, kernels.FP8_DTYPE], ids=["fp16", "fp8"])
+def test_worker_warmup_launches_every_triton_kernel(dtype):
+    """compute_service.warmup on a pool's layout (under the interpreter): every kernel a GPU step
+    runs is launched once on scratch tensors, and the pool itself is not touched."""
+    from compute_service.warmup import warm_kernels
+
+    pool = torch.full((6, 2, 2, 4, 2, 16), 1.5).to(dtype)
+    before = pool.clone()
+    scales = [(torch.ones(2), torch.ones(2))] * 2 if dtype == kernels.FP8_DTYPE else None
+    seconds = warm_kernels(4, pool, scales)
+    assert list(seconds) == ["cache write", "decode", "decode, split", "prefill", "block copy", "sampler draws"]
+    assert torch.equal(pool.view(torch.uint8), before.view(torch.uint8))
