@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
+
+from pagedkv.config import env
 
 #: torch dtype -> Triton signature type of a pointer to it.
 _POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", action="append", choices=[c.name for c in CASES],
                     help="only this case of CASES (repeat); default every one")
     args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if env("TRITON_INTERPRET"):
         print("TRITON_INTERPRET=1 is set: interpreted kernels cannot be compiled; unset it", file=sys.stderr)
         return 2
     failed = 0
