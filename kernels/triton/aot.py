@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,7 @@ class Case:
     dtype: torch.dtype
     block_size: int = 16
     fp8: bool = False  # an e4m3 cache (the query stays ``dtype``)
+    tune: bool = False  # compile every tuning candidate (kernels.triton.tuning), not only the first
 
 
 #: The project's shapes (SmolLM2-135M, a Llama-3-8B layer, Qwen2.5's 80-wide... and the
@@ -50,12 +51,12 @@ class Case:
 CASES = (
     Case("smollm2 bf16", 9, 3, 64, torch.bfloat16),
     Case("smollm2 fp16", 9, 3, 64, torch.float16),
-    Case("smollm2 fp32", 9, 3, 64, torch.float32),
-    Case("llama3-8b bf16", 32, 8, 128, torch.bfloat16),
+    Case("smollm2 fp32", 9, 3, 64, torch.float32, tune=True),
+    Case("llama3-8b bf16", 32, 8, 128, torch.bfloat16, tune=True),
     Case("head_dim 80 fp16 bs 24", 28, 4, 80, torch.float16, block_size=24),
     Case("head_dim 8 bf16", 4, 2, 8, torch.bfloat16),
     Case("head_dim 8 fp16", 4, 2, 8, torch.float16),
-    Case("smollm2 bf16 fp8 cache", 9, 3, 64, torch.bfloat16, fp8=True),
+    Case("smollm2 bf16 fp8 cache", 9, 3, 64, torch.bfloat16, fp8=True, tune=True),
 )
 
 
@@ -67,10 +68,14 @@ class Launch:
     kernel: object  # the triton JITFunction
     args: tuple
     constexprs: dict
+    #: Compiler options (num_warps, num_stages) of a tuning candidate; {} for Triton's defaults.
+    options: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        return f"{self.kernel.fn.__name__} [{self.case}]"
+        tuned = "".join(f" {k}={v}" for k, v in self.options.items())
+        tile = f" TILE={self.constexprs['TILE']}" if self.options and "TILE" in self.constexprs else ""
+        return f"{self.kernel.fn.__name__} [{self.case}{tile}{tuned}]"
 
     def signature(self) -> tuple[dict[str, str], dict[str, object]]:
         """Triton's ``signature`` (every argument's type, ``constexpr`` for the constants) and ``constexprs``."""
@@ -99,7 +104,11 @@ class _Recorder:
         self.kernel, self.case, self.into = kernel, case, into
 
     def __getitem__(self, grid):
-        return lambda *args, **constexprs: self.into.append(Launch(self.case, self.kernel, args, constexprs))
+        def launch(*args, **kwargs):
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+            self.into.append(Launch(self.case, self.kernel, args, kwargs, options))
+
+        return launch
 
 
 def record(cases=CASES) -> list[Launch]:
@@ -123,7 +132,20 @@ def record(cases=CASES) -> list[Launch]:
     finally:
         for (m, n), k in real.items():
             setattr(m, n, k)
-    return launches
+    tune = {c.name for c in cases if c.tune}
+    return [c for launch in launches for c in (candidates(launch) if launch.case in tune else [launch])]
+
+
+def candidates(launch: Launch) -> list[Launch]:
+    """``launch`` once per tuning candidate of its kernel (kernels.triton.tuning), or as it is."""
+    from kernels.triton import tuning
+
+    configs = {"kernel_paged_decode": tuning.DECODE, "kernel_paged_prefill": tuning.PREFILL}.get(
+        launch.kernel.fn.__name__)
+    if configs is None:
+        return [launch]
+    return [Launch(launch.case, launch.kernel, launch.args, {**launch.constexprs, **c.kwargs},
+                   {"num_warps": c.num_warps, "num_stages": c.num_stages}) for c in configs]
 
 
 def _launch_all(c: Case, decode, prefill, cache_ops) -> None:
@@ -160,7 +182,7 @@ def compile_launch(launch: Launch, arch: int) -> int:
 
     sig, constexprs = launch.signature()
     compiled = triton.compile(ASTSource(fn=launch.kernel, signature=sig, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32))
+                              target=GPUTarget("cuda", arch, 32), options=launch.options or None)
     return len(compiled.asm["cubin"])
 
 
@@ -184,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
         seconds = time.perf_counter() - t
         if args.json:
-            print(json.dumps({"launch": launch.name, "ok": not error, "cubin_bytes": size, "seconds": round(seconds, 2),
-                              "error": error}), flush=True)
+            print(json.dumps({"launch": launch.name, "ok": not error, "cubin_bytes": size,
+                              "seconds": round(seconds, 2), "error": error}), flush=True)
         else:
             print(f"{'ok  ' if not error else 'FAIL'} sm_{args.arch} {launch.name}: "
                   f"{f'{size} B cubin' if not error else error} ({seconds:.1f} s)", flush=True)

@@ -18,13 +18,14 @@ import triton
 import triton.language as tl
 
 from kernels.plan import SPLIT_KV_MAX_SPLITS as MAX_SPLITS
+from kernels.triton import tuning
 from kernels.triton.paged import MIN_DOT, attend_context, attention_strides, dim_pad, fp8_scales
 
-# Context positions processed per loop iteration.
+# The split sizes' granule (context positions); the kernel's own TILE is a tuning.DECODE candidate's.
 TILE = 32
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "LEN_BUCKET"])
 def kernel_paged_decode(
     out_ptr,  # [num_seqs, num_q_heads, head_dim] (num_splits == 1) query dtype
     part_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_dim] fp32 (num_splits > 1)
@@ -39,6 +40,7 @@ def kernel_paged_decode(
     scale,  # softmax scale (fp32)
     tokens_per_split,  # context positions per split (multiple of TILE)
     num_splits,  # split-KV ranges per sequence (>= 1): a runtime value, so a growing context recompiles nothing
+    LEN_BUCKET,  # tuning.len_bucket(tokens_per_split): part of the autotune key, not read here
     stride_q_seq, stride_q_head,  # query strides
     stride_o_seq, stride_o_head,  # out strides
     stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # cache strides
@@ -48,7 +50,7 @@ def kernel_paged_decode(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,  # paged.dim_pad(HEAD_DIM): power of two >= max(16, HEAD_DIM)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    TILE: tl.constexpr,  # context positions per iteration
+    TILE: tl.constexpr,  # context positions per iteration (a tuning.DECODE candidate's)
     SPLIT: tl.constexpr,  # num_splits > 1: write partial results for kernel_reduce_splits
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
     FP8: tl.constexpr,  # e4m3 caches with per-KV-head scales
@@ -150,7 +152,7 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), TILE) * TILE
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), TILE) * TILE  # any TILE fits
     if num_splits > 1:
         part_out = torch.empty(
             num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
@@ -160,18 +162,21 @@ def paged_decode_attention(
         )
     else:
         part_out = part_lse = out  # unused
-    kernel_paged_decode[(num_seqs, num_kv_heads, num_splits)](
+    # On a GPU the fastest of tuning.DECODE for this key; elsewhere (the interpreter) its first.
+    cuda = query.is_cuda
+    kernel = tuning.tuned(kernel_paged_decode, tuning.DECODE) if cuda else kernel_paged_decode
+    kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        k_scale, v_scale, scale, tokens_per_split, num_splits, *strides,
+        k_scale, v_scale, scale, tokens_per_split, num_splits, tuning.len_bucket(tokens_per_split), *strides,
         GROUP=group,
         G_PAD=max(MIN_DOT, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad(head_dim),
         BLOCK_SIZE=block_size,
-        TILE=TILE,
         SPLIT=num_splits > 1,
         IEEE=query.dtype == torch.float32,
         FP8=fp8,
+        **({} if cuda else tuning.default(tuning.DECODE)),
     )  # fmt: skip
     if num_splits > 1:
         kernel_reduce_splits[(num_seqs, num_q_heads)](

@@ -68,10 +68,21 @@ def fp8_scales(
 
 
 @triton.jit
+def load_block_ids(
+    bt_row,  # pointer to this sequence's block-table row (int32)
+    pos,  # [TILE] context positions
+    end,  # one past the last context position
+    BLOCK_SIZE: tl.constexpr,
+):
+    """The physical block of each position, int64 [TILE] (0 past ``end``): block_table[p // BLOCK_SIZE]."""
+    return tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
+
+
+@triton.jit
 def load_kv_tile(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides
-    bt_row,  # pointer to this sequence's block-table row (int32)
+    blk,  # [TILE] int64 physical block of each position (load_block_ids)
     pos,  # [TILE] context positions of the tile
     p_mask,  # [TILE] which positions are inside the context
     d,  # [DIM_PAD] head-dim offsets
@@ -83,9 +94,8 @@ def load_kv_tile(
 ):
     """(k, v) of one tile, [TILE, DIM_PAD] each; positions outside the context read as 0.
 
-    Slot of position p: block_table[p // BLOCK_SIZE], offset p % BLOCK_SIZE; offsets in int64.
+    Slot of position p: block ``blk`` (block_table[p // BLOCK_SIZE]), offset p % BLOCK_SIZE; offsets in int64.
     """
-    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)  # [TILE]
     off = (pos % BLOCK_SIZE).to(tl.int64)  # [TILE]
     kv_mask = p_mask[:, None] & d_mask[None, :]
     k = tl.load(
@@ -137,11 +147,17 @@ def attend_context(
     qk_scale = scale * 1.4426950408889634  # log2(e): use exp2
     if FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)  # scores are linear in the key
+    # The block ids of each tile are loaded one iteration ahead: the K/V addresses of a tile then
+    # depend on a loop-carried value, not on a load of the same iteration, so the software
+    # pipeline (num_stages) can issue the next tile's K/V loads while this tile's dots run.
+    blk_next = load_block_ids(bt_row, start + tl.arange(0, TILE), end, BLOCK_SIZE)  # [TILE]
     for t0 in range(start, end, TILE):
         pos = t0 + tl.arange(0, TILE)  # [TILE] context positions
         p_mask = pos < end
+        blk = blk_next
+        blk_next = load_block_ids(bt_row, pos + TILE, end, BLOCK_SIZE)
         k, v = load_kv_tile(
-            key_cache_ptr, value_cache_ptr, bt_row, pos, p_mask, d, d_mask, kv_head,
+            key_cache_ptr, value_cache_ptr, blk, pos, p_mask, d, d_mask, kv_head,
             stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
             BLOCK_SIZE,
         )  # [TILE, DIM_PAD] each  # fmt: skip

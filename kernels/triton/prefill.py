@@ -20,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import tuning
 from kernels.triton.paged import attend_context, attention_strides, dim_pad, fp8_scales
 
-# Context positions processed per loop iteration, and rows per program.
-TILE = 32
-BLOCK_M = 64
+# Rows per program: tuning.PREFILL_BLOCK_M by dtype class (context positions per iteration, warps
+# and stages are a tuning.PREFILL candidate's).
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, target, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["LEN_BUCKET"])
 def kernel_paged_prefill(
     out_ptr,  # [total_q, num_q_heads, head_dim] query dtype
     query_ptr,  # [total_q, num_q_heads, head_dim]
@@ -55,6 +55,7 @@ def kernel_paged_prefill(
     v_scale_ptr,  # [num_kv_heads] fp32 (FP8; else any pointer, unread)
     num_seqs,
     scale,  # softmax scale (fp32)
+    LEN_BUCKET,  # tuning.len_bucket(total new tokens): part of the autotune key, not read here
     stride_q_tok, stride_q_head,  # query strides
     stride_o_tok, stride_o_head,  # out strides
     stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,  # cache strides
@@ -65,7 +66,7 @@ def kernel_paged_prefill(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,  # paged.dim_pad(HEAD_DIM): power of two >= max(16, HEAD_DIM)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    TILE: tl.constexpr,  # context positions per iteration
+    TILE: tl.constexpr,  # context positions per iteration (a tuning.PREFILL candidate's)
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
     FP8: tl.constexpr,  # e4m3 caches with per-KV-head scales
 ):  # fmt: skip
@@ -130,20 +131,24 @@ def paged_prefill_attention(
     k_scale, v_scale, fp8 = fp8_scales(key_cache, k_scale, v_scale, seq_lens)
     if total_q == 0 or num_seqs == 0:
         return out
-    block_m = max(BLOCK_M, triton.next_power_of_2(group))
+    ieee = query.dtype == torch.float32
+    block_m = max(tuning.PREFILL_BLOCK_M[ieee], triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (total_q // block_q + num_seqs, num_kv_heads)
-    kernel_paged_prefill[grid](
+    # On a GPU the fastest of tuning.PREFILL for this key; elsewhere (the interpreter) its first.
+    cuda = query.is_cuda
+    kernel = tuning.tuned(kernel_paged_prefill, tuning.PREFILL) if cuda else kernel_paged_prefill
+    kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        k_scale, v_scale, num_seqs, scale, *strides,
+        k_scale, v_scale, num_seqs, scale, tuning.len_bucket(total_q), *strides,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad(head_dim),
         BLOCK_SIZE=block_size,
-        TILE=TILE,
-        IEEE=query.dtype == torch.float32,
+        IEEE=ieee,
         FP8=fp8,
+        **({} if cuda else tuning.default(tuning.PREFILL)),
     )  # fmt: skip
     return out
