@@ -12,7 +12,8 @@ the worker's steps will launch once, on scratch tensors of the pool's layout and
 - the sampler's draws.
 
 With ``TRITON_CACHE_DIR`` on a volume (compose, Kubernetes), a restarted worker loads them from
-disk instead.
+disk instead. The attention kernels are autotuned per context bucket (kernels.triton.tuning): the
+warm-up tunes the shortest, and a longer bucket is tuned at its first launch.
 
 The scratch tensors are the worker's own: the mapped pool is never touched.
 """
