@@ -12,7 +12,7 @@
 #   docker build --build-arg BASE_IMAGE=ubuntu:24.04 \
 #                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
 #                --build-arg PAGEDKV_EXTRAS= --build-arg PAGEDKV_LOCK=requirements/cpu.lock \
-#                -t pagedkv:cpu .
+#                --build-arg TORCH_VERSION=2.13.0 -t pagedkv:cpu .
 #   scripts/compose_check.sh builds it with podman from a debootstrapped Debian base and a local
 #   CPU torch wheel (see docs/deploy.md, "Podman").
 #
@@ -32,8 +32,9 @@ FROM ${BASE_IMAGE}
 
 # Where torch comes from: cu128 wheels match the CUDA 12.8 runtime above (any driver >= 570).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-# torch, held to the version the locks were resolved with (scripts/lock.py, TORCH_VERSION).
-ARG TORCH_VERSION=2.13.0
+# torch, held to the version the lock was resolved with: the CUDA image's (scripts/lock.py,
+# CUDA_TORCH_VERSION, the GPU machines' own); a CPU build passes TORCH_VERSION=2.13.0 with cpu.lock.
+ARG TORCH_VERSION=2.11.0
 # pagedkv extras: cuda12 = cupy-cuda12x (the CUDA pool backend), triton = the Triton kernels.
 ARG PAGEDKV_EXTRAS=cuda12,triton
 # The hashed lock of every other dependency: cuda.lock (pyproject + cuda12,triton) or cpu.lock.

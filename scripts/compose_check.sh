@@ -133,7 +133,8 @@ if ((!SKIP_BUILD)); then
     build_args=(--build-arg "BASE_IMAGE=$BASE_IMAGE"
                 --build-arg "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
                 --build-arg "PAGEDKV_EXTRAS="
-                --build-arg "PAGEDKV_LOCK=requirements/cpu.lock")
+                --build-arg "PAGEDKV_LOCK=requirements/cpu.lock"
+                --build-arg "TORCH_VERSION=$TORCH_VERSION")
     secret=()
     [[ -f $PIP_CA ]] && secret=(--secret "id=pip-ca,src=$PIP_CA")
     log "podman build -t $IMAGE (log: $CACHE/build.log)"
