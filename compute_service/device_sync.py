@@ -54,7 +54,7 @@ def is_fatal_device_error(error: BaseException) -> bool:
     Out-of-memory and invalid-argument errors are not sticky: the step fails, the worker goes on.
     """
     text = str(error).lower()
-    return ("cuda" in text or "cudaerror" in text) and any(p in text for p in _STICKY)
+    return "cuda" in text and any(p in text for p in _STICKY)
 
 
 class _WallEvent:
