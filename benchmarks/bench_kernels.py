@@ -221,8 +221,10 @@ def bench_cuda(quick: bool) -> list[dict]:
     peak = next((v for k, v in HBM_PEAK_GBS.items() if k in name), None)
     llama, smol = ("llama3-8b 32/8/128 bf16", 32, 8, 128, 32), ("smollm2 9/3/64 bf16", 9, 3, 64, 30)
     # (shape, seqs, context, block size, mixed)
-    cases = [(llama, 64, 4096, bs, False) for bs in (16, 32, 64)]
-    cases += [(llama, 64, 4096, 16, True), (smol, 64, 4096, 16, False)]
+    cases = [(llama, 64, 4096, bs, False) for bs in (32, 64)]
+    cases += [(llama, 64, 4096, 16, True)]
+    # The decode bandwidth grid: batch 1/8/64 x context 1k/4k/16k, both shapes, block size 16 (eager).
+    cases += [(shape, b, ctx, 16, False) for shape in (smol, llama) for b in (1, 8, 64) for ctx in (1024, 4096, 16384)]
     if not quick:
         cases += [(llama, 1, 4096, 16, False), (llama, 1, 32768, 16, False), (llama, 16, 1024, 16, False)]
         cases += [(smol, 16, 1024, 16, True)]
