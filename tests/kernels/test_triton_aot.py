@@ -79,4 +79,5 @@ def test_split_counts_and_context_lengths_compile_nothing_new():
     for name, group in by_kernel.items():
         assert all(g.constexprs == group[0].constexprs for g in group), name
         assert [g.args[g.kernel.arg_names.index("num_splits")] for g in group] == [3, 7, 64]
-        assert "num_splits" in group[0].kernel.do_not_specialize, name  # no variant for counts divisible by 16
+        if hasattr(group[0].kernel, "do_not_specialize"):  # a JITFunction (not the interpreter's stand-in)
+            assert "num_splits" in group[0].kernel.do_not_specialize, name  # no variant for counts divisible by 16
