@@ -59,8 +59,7 @@ class StepUpload:
         dev = host[:total].to(self.device, non_blocking=True) if self.device.type != "cpu" else host[:total].clone()
         out = []
         for a, off in zip(arrays, offsets):
-            t = dev[off:off + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype)
-            out.append(t.view(a.shape))
+            out.append(dev[off:off + a.nbytes].view(torch.from_numpy(a).dtype).view(a.shape))
         return out
 
     def _buffer(self, nbytes: int) -> torch.Tensor:

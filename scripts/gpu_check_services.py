@@ -200,7 +200,7 @@ def run(device: str, model: Path, env: dict[str, str], work: Path, over_budget: 
         try:
             stack = start_stack(name, dev, model, env, work, dtype="float32", workers=2 if name == "test" else 1)
             if name == "test":
-                check_receipts_read_by_another_worker(stack, device)
+                check_receipts_read_by_another_worker(stack)
             runs[name] = generate(stack)
             if name == "test":
                 check_pool_handle(stack, device)
@@ -243,7 +243,7 @@ def run(device: str, model: Path, env: dict[str, str], work: Path, over_budget: 
         check_dtype_stack(dtype, model, env, work, ref)
 
 
-def check_receipts_read_by_another_worker(stack: LocalStack, device: str) -> None:
+def check_receipts_read_by_another_worker(stack: LocalStack) -> None:
     """A prompt prefilled in chunks on worker 0 is read from the prefix cache by worker 1 (item 1 of
     the GPU issue: a receipt signed before the device finished would let worker 1 read blocks still
     being written). Worker 1 must hit, give worker 0's tokens, and leave the hit blocks' bytes as
