@@ -38,6 +38,7 @@ from compute_service.model.fused_decode import cpu_path
 from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool, map_pool
 from compute_service.server import SERVICE_NAME, ComputeServicer
+from compute_service.step_inputs import MAX_STEP_SEQUENCES
 from compute_service.transfer_source import keep_source_live, publish_transfer_agent, withdraw_source
 from compute_service.warmup import warm_kernels
 from compute_service.weights.load_progress import load_progress
@@ -74,6 +75,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="register the mapped pool with a NIXL agent and publish it through the memory service, so "
                         "workers of other nodes can read its blocks and this one theirs (needs nixl-cu12; trusted "
                         "network only: docs/security.md)")
+    p.add_argument("--enforce-eager", action="store_true", default=env("PAGEDKV_ENFORCE_EAGER"),
+                   help="run every step eagerly: no CUDA graphs for decode (as vLLM's flag)")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=env("PAGEDKV_MAX_CUDAGRAPH_CAPTURE_SIZE"),
+                   help="decode steps of up to this many sequences run in CUDA graphs, captured per batch size (1, 2, "
+                        "4, then multiples of 8) when a GPU pool is mapped (default 256)")
     flags.add_tls_args(p)  # also this worker's credentials towards the memory service
     flags.add_logging_args(p)
     return p
@@ -101,14 +107,20 @@ class WorkerSpec:
     memory_timeout: float
     #: Publish the mapped pool to other nodes' workers over NIXL.
     node_transfers: bool
+    #: Decode steps of up to this many sequences in CUDA graphs (on a GPU pool); 0: ``--enforce-eager``.
+    max_capture_size: int = 0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerSpec:
         """Raises ValueError: bad TLS or bind flags, a dtype no model computes in, or a timeout <= 0."""
         if not args.memory_timeout > 0:
             raise ValueError(f"--memory-timeout must be > 0 seconds, got {args.memory_timeout}")
+        if not 1 <= args.max_cudagraph_capture_size <= MAX_STEP_SEQUENCES:
+            raise ValueError(f"--max-cudagraph-capture-size must be in [1, {MAX_STEP_SEQUENCES}] (a step's most "
+                             f"sequences), got {args.max_cudagraph_capture_size}; --enforce-eager turns graphs off")
         return cls(Bind.from_args(args), args.memory, args.device, args.model, args.revision,
-                   config.model_dtype(args.dtype), args.memory_socket, args.memory_timeout, bool(args.node_transfers))
+                   config.model_dtype(args.dtype), args.memory_socket, args.memory_timeout, bool(args.node_transfers),
+                   0 if args.enforce_eager else args.max_cudagraph_capture_size)
 
 
 def model_dtype(flag: config.DType | str | None, desc: mpb.PoolDescriptor,
@@ -269,7 +281,7 @@ def _load(spec: WorkerSpec, desc: mpb.PoolDescriptor, device: str) -> tuple[Work
              seconds=round(time.perf_counter() - t, 2), weight_bytes=model.nbytes(), device=model_device,
              dtype=str(dtype).removeprefix("torch."), checkpoint_dtype=config.dtype,
              threads=torch.get_num_threads(), cpu_path=cpu_path(model))
-    return Worker(model, config, pool, spec.model), model_device
+    return Worker(model, config, pool, spec.model, spec.max_capture_size), model_device
 
 
 #: Exit status of a worker whose device failed (a sticky CUDA error): its supervisor starts a fresh process.

@@ -27,6 +27,7 @@ from torch import nn
 import kernels
 from compute_service.device_sync import StepFence, bind_compute_thread, is_fatal_device_error
 from compute_service.grant_check import CopyPlan, check_grants, sign_receipts
+from compute_service.model.decode_graphs import DecodeGraphs
 from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool
 from compute_service.sampling import sample
@@ -46,7 +47,10 @@ from pagedkv.runtime.errors import (
     TransferFailedError,
     UnavailableError,
 )
+from pagedkv.runtime.logs import get_logger
 from pagedkv.runtime.service import status_proto
+
+log = get_logger("compute_service")
 
 
 class Worker:
@@ -56,9 +60,14 @@ class Worker:
         model: the decoder, on its device.
         config: its shape.
         pool: the mapped pool, or None until one is mapped.
+        model_source: where the model came from (calibrates an fp8 pool's scales).
+        max_capture_size: decode steps of up to this many sequences over a CUDA pool run in CUDA
+            graphs (compute_service.model.decode_graphs), captured when a pool is mapped; 0: every
+            step eager (``--enforce-eager``). A CPU pool is never captured.
     """
 
-    def __init__(self, model: LlamaForPagedLM, config: ModelConfig, pool: MappedPool | None, model_source: str = ""):
+    def __init__(self, model: LlamaForPagedLM, config: ModelConfig, pool: MappedPool | None, model_source: str = "",
+                 max_capture_size: int = 0):
         self.model = model
         #: Where the model came from ("smollm2", a directory, a .gguf): its tokenizer calibrates fp8 scales.
         self.model_source = model_source
@@ -81,18 +90,36 @@ class Worker:
         #: context is gone): the server reports NOT_SERVING and exits (compute_service.main).
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.fatal: BaseException | None = None
+        self.max_capture_size = max_capture_size
+        #: Decode steps in CUDA graphs over the mapped pool, or None: every step eager.
+        self.graphs: DecodeGraphs | None = self._capture(pool)
 
     def set_pool(self, pool: MappedPool | None) -> None:
         """Swap the mapped pool (None drops it); waits for an in-flight step."""
         self.pool_lost.set()
         with self._lock:
+            self.graphs = None  # they hold the old pool's addresses
             old, self.pool = self.pool, pool
             if self.transfer_agent is not None:  # it registered the old pool's memory
                 self.transfer_agent.close()
                 self.transfer_agent = None
             if old is not None:
                 old.close()
+            self.graphs = self._capture(pool)
             self.pool_lost.clear()
+
+    def _capture(self, pool: MappedPool | None) -> DecodeGraphs | None:
+        """The decode graphs over ``pool`` (a CUDA pool, graphs on), captured; else None."""
+        if pool is None or self.max_capture_size < 1 or not pool.tensor.is_cuda:
+            return None
+        bind_compute_thread(pool.tensor.device)
+        lay = pool.descriptor.layout
+        widest = min(-(-self.config.max_position_embeddings // lay.block_size), lay.num_blocks)
+        graphs = DecodeGraphs(self.model, pool.tensor, pool.kv_scales, max_size=self.max_capture_size,
+                              max_blocks=widest)
+        log.info("cuda_graphs_captured", sizes=len(graphs.sizes), largest=graphs.sizes[-1] if graphs.sizes else 0,
+                 max_blocks=widest, seconds=round(graphs.capture_all(), 2))
+        return graphs
 
     def step(self, request: pb.StepRequest) -> pb.StepResponse:
         """Run one step.
@@ -162,7 +189,12 @@ class Worker:
         fence.begin()
         results = []
         if run.sequences:
-            logits = self.model(*inputs.model_args(pool.tensor, pool.kv_scales))
+            graphs = self.graphs
+            if graphs is not None and graphs.applies(inputs.num_tokens, len(run.sequences),
+                                                     inputs.block_tables.shape[1]):
+                logits = graphs.run(inputs)  # a decode step: its bucket's graph replayed
+            else:
+                logits = self.model(*inputs.model_args(pool.tensor, pool.kv_scales))
             fence.end()
             if self.pool_lost.is_set():
                 raise FailedPreconditionError("the memory service went away during this step; its results are "

@@ -96,7 +96,7 @@ def paged_attention(
 
         return triton_decode.paged_decode_attention(
             query, key_cache, value_cache, plan.block_tables, plan.seq_lens, float(scale),
-            plan.splits_for(key_cache.shape[2]), plan.max_seq_len, k_scale, v_scale,
+            plan.splits_for(key_cache.shape[2]), plan.max_seq_len, k_scale, v_scale, plan.split_args,
         )  # fmt: skip
     from kernels.triton import prefill as triton_prefill
 

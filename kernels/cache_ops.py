@@ -39,7 +39,10 @@ def reshape_and_cache(
             the block-major pool).
         value_cache: same shape and dtype as `key_cache` (e.g. `pool[:, layer, 1]`).
         slot_mapping: [num_tokens] int64; slot = block_id * block_size + offset (tokens).
-            Slots must be distinct and in range; there is no padding sentinel.
+            Slots must be distinct and in range. On the Triton backend a slot of -1 marks a
+            padded row (a decode batch padded to its CUDA graph's size,
+            `compute_service.model.decode_graphs`): its key and value are not written, as vLLM's
+            cache write skips negative slots. The torch path refuses negative slots.
         k_scale, v_scale: the layer's fp8 scales, [num_kv_heads] float32 on the cache's device
             (positive, finite), required for a float8_e4m3fn cache and None for any other: the
             slots then hold `kernels.quantize_fp8(key, k_scale)` / `(value, v_scale)`, bit for

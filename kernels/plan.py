@@ -44,6 +44,8 @@ SPLIT_KV_WAVES = 2
 SPLIT_KV_MIN_TOKENS_PER_SPLIT = 128
 # Upper bound on splits; a power of two (the reduce kernel's width, kernels.triton.decode).
 SPLIT_KV_MAX_SPLITS = 64
+# Split sizes are multiples of this many context positions (the decode kernel's smallest tile).
+SPLIT_KV_GRANULE = 32
 # SMs assumed when the plan does not know the device (a CPU plan, or a GPU not yet asked): an H100/H200's.
 DEFAULT_NUM_SMS = 132
 
@@ -64,6 +66,13 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_s
     by_occupancy = -(-target // programs)
     by_length = max(1, max_seq_len // SPLIT_KV_MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, SPLIT_KV_MAX_SPLITS))
+
+
+def split_size(max_seq_len: int, num_splits: int) -> int:
+    """Context positions per split of the Triton decode kernel: ``max_seq_len`` over ``num_splits``,
+    rounded up to a multiple of `SPLIT_KV_GRANULE` (at least one granule)."""
+    per = -(-max(max_seq_len, 1) // num_splits)
+    return -(-per // SPLIT_KV_GRANULE) * SPLIT_KV_GRANULE
 
 
 @dataclass(slots=True)
@@ -102,6 +111,10 @@ class AttentionPlan:
     sliding_window: int | None = None  # tokens a query sees back from itself (incl. itself)
     # Gather buffers reused by every layer, keyed by (dtype, num_kv_heads, head_dim) (torch).
     workspace: dict = field(default_factory=dict)
+    # triton_decode in a CUDA graph (compute_service.model.decode_graphs): [2] int32 on the metadata's
+    # device, (num_splits, tokens_per_split) of the replay, written before each replay and read by the
+    # kernels at run time; `num_splits` is then the grid's count, the most a replay may use. None: eager.
+    split_args: torch.Tensor | None = None
 
     def splits_for(self, num_kv_heads: int) -> int:
         """Split-KV ranges of the decode kernel for a cache with `num_kv_heads` heads, on the SMs of

@@ -131,7 +131,8 @@ def embedded_args(args: ServeConfig, device: str = "cpu") -> tuple[list[str], li
     variables must not configure them behind the server's back); :class:`~client.ops.stack.LocalStack`
     adds ``--host``, ``--port``, ``--device``, ``--model``, ``--revision`` and TLS, and :func:`_embedded`
     ``--log-level``. Workers get ``--dtype`` (the model's), the memory service the pool's flags; both
-    resolved here (:func:`resolved_dtypes` on ``device``), so that the children run what the server reports.
+    resolved here (:func:`resolved_dtypes` on ``device``), so that the children run what the server reports;
+    workers also ``--enforce-eager`` when given.
     """
     model_dtype, pool_dtype = resolved_dtypes(args, device)
     memory_args = ["--block-size", str(args.block_size or 16),
@@ -143,7 +144,7 @@ def embedded_args(args: ServeConfig, device: str = "cpu") -> tuple[list[str], li
         memory_args += ["--kv-scales-file", args.kv_scales_file]
     if not args.prefix_caching:
         memory_args.append("--no-prefix-caching")
-    return memory_args, ["--dtype", model_dtype.name]
+    return memory_args, ["--dtype", model_dtype.name, *(["--enforce-eager"] if args.enforce_eager else [])]
 
 
 def resolved_dtypes(args: ServeConfig, device: str) -> tuple[config.DType, config.DType]:

@@ -144,6 +144,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="embedded memory service without automatic prefix caching (on by default)",
     )
+    model.add_argument("--enforce-eager", action="store_true", default=config.env("PAGEDKV_ENFORCE_EAGER"),
+                       help="embedded GPU workers run every step eagerly: no CUDA graphs for decode")
 
 
 def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -226,6 +228,7 @@ class ServeConfig:
     kv_cache_memory: str | None
     host_cache_memory: str | None
     prefix_caching: bool
+    enforce_eager: bool
     # -- scheduler
     max_num_seqs: int
     max_num_batched_tokens: int

@@ -116,11 +116,14 @@ class PagedAttention(nn.Module):
         meta: StepMeta,
     ) -> torch.Tensor:
         # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; key_cache, value_cache: [num_blocks, block_size, Hkv, Dh]
+        # The cache write on the plan's backend: a Triton plan's padded rows (slot -1) are skipped there.
+        backend = meta.plan.backend
         if meta.kv_scales is None:
-            kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, backend=backend)
             return kernels.paged_attention(q, key_cache, value_cache, meta.plan, self.scale)  # [T, Hq, Dh]
         ks, vs = meta.kv_scales[self.layer]  # fp8: quantized on write, dequantized inside the kernel
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale=ks, v_scale=vs)
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale=ks, v_scale=vs,
+                                  backend=backend)
         return kernels.paged_attention(q, key_cache, value_cache, meta.plan, self.scale, k_scale=ks, v_scale=vs)
 
 

@@ -112,9 +112,9 @@ class _Recorder:
 
 
 def record(cases=CASES) -> list[Launch]:
-    """Run every launch wrapper on CPU tensors at each case's shapes (decode with one split and
-    with four, a mixed prefill, the cache write, the block copy; the sampler's draws once);
-    returns the launches made."""
+    """Run every launch wrapper on CPU tensors at each case's shapes (decode with one split, with
+    four, and with its splits read on the device as a CUDA graph's; a mixed prefill, the cache
+    write, the block copy; the sampler's draws once); returns the launches made."""
     from kernels.triton import cache_ops, decode, draws, prefill
 
     launches: list[Launch] = []
@@ -160,6 +160,9 @@ def _launch_all(c: Case, decode, prefill, cache_ops) -> None:
     q = torch.zeros(seqs, c.num_q_heads, c.head_dim, dtype=c.dtype)
     for splits in (1, 4):
         decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, splits, ctx, *scales)
+    # A CUDA graph's decode: the split count and size read on the device (kernels.plan.AttentionPlan.split_args).
+    decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 4, ctx, *scales,
+                                  split_args=torch.tensor([2, 32], dtype=torch.int32))
     new = 5
     qp = torch.zeros(seqs * new, c.num_q_heads, c.head_dim, dtype=c.dtype)
     starts = torch.arange(0, seqs * new + 1, new, dtype=torch.int32)

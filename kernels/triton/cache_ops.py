@@ -63,7 +63,7 @@ def kernel_reshape_and_cache(
     off = slot % BLOCK_SIZE
     h = tl.arange(0, HEADS_PAD).to(tl.int64)[:, None]  # [HEADS_PAD, 1]
     d = tl.arange(0, DIM_PAD)[None, :]  # [1, DIM_PAD]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & (slot >= 0)  # slot -1: a padded row (CUDA graphs), not written
     k = tl.load(key_ptr + tok * stride_k_tok + h * stride_k_head + d, mask=mask)
     v = tl.load(value_ptr + tok * stride_v_tok + h * stride_v_head + d, mask=mask)
     kc = key_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + h * stride_kc_head + d
@@ -83,7 +83,7 @@ def reshape_and_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], head_dim contiguous
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
-    slot_mapping: torch.Tensor,  # [num_tokens] int64 contiguous, block * block_size + offset
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 contiguous, block * block_size + offset; -1: not written
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
     v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 contiguous: fp8 caches only
 ) -> None:

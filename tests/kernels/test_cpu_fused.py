@@ -206,24 +206,10 @@ def test_model_native_path_matches_torch_path(dtype):
     """A small random Llama (GQA 4:2, head_dim 16), prefill then decode, on the native fused ops and
     on the torch ops: the same logits within the dtype's rounding."""
     from helpers.model_fixtures import PagedCache
+    from helpers.random_llama import random_llama
 
-    from compute_service.model.llama import LlamaForPagedLM
-    from compute_service.weights.source import ModelConfig
-
-    c = ModelConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=4, num_kv_heads=2,
-        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(), name="tiny", source="test",
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    shapes = {"embed": (128, 64), "norm": (64,)}
-    for i in range(2):
-        shapes |= {f"layers.{i}.{k}": s for k, s in {
-            "attn_norm": (64,), "wq": (64, 64), "wk": (32, 64), "wv": (32, 64), "wo": (64, 64),
-            "mlp_norm": (64,), "w_gate": (96, 64), "w_up": (96, 64), "w_down": (64, 96)}.items()}  # fmt: skip
-    weights = {k: torch.randn(s, generator=g) * (1.0 if len(s) == 1 else 0.2) for k, s in shapes.items()}
-    model = LlamaForPagedLM(c, weights, dtype=dtype)
-    ids = torch.randint(0, 128, (24,), generator=g).tolist()
+    model = random_llama(dtype)
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = {}
     for native in (True, False):
         with cpu_native.use_native(native):

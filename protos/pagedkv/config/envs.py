@@ -119,6 +119,9 @@ ENV_VARS: dict[str, EnvVar] = _vars(
       aliases=("PAGEDKV_DEVICE",)),
     E("PAGEDKV_MEMORY_SOCKET", "str", None, "--memory-socket of pagedkv compute: the worker socket's path here"),
     E("PAGEDKV_NODE_TRANSFERS", "bool", False, "--node-transfers of pagedkv compute: publish the pool over NIXL"),
+    E("PAGEDKV_ENFORCE_EAGER", "bool", False, "--enforce-eager of pagedkv compute and serve: no CUDA graphs"),
+    E("PAGEDKV_MAX_CUDAGRAPH_CAPTURE_SIZE", "int", 256,
+      "--max-cudagraph-capture-size of pagedkv compute: the largest decode batch run in a CUDA graph"),
     # --- clients: pagedkv compute/serve/generate/stats
     E("PAGEDKV_MEMORY", "str", None, "--memory: the memory service's address host:port (default 127.0.0.1:50051)"),
     E("PAGEDKV_WORKERS", "list", None, "--workers: worker addresses, comma-separated (default 127.0.0.1:50052)"),
