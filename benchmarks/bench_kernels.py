@@ -15,7 +15,9 @@ dequantized fp32 copy.
 
 CUDA: a Llama-3-8B-like layer (32 q heads, 8 KV heads, head_dim 128, 32 layers, bf16), decode at
 batch 64 x context 4096 with block size 16 (32 and 64 beside it): achieved bandwidth (K and V
-bytes read / time) as a fraction of the device's HBM peak (`HBM_PEAK_GBS`), paged vs dense (goal:
+bytes read / time) as a fraction of the device's HBM peak (`HBM_PEAK_GBS`), eager (``paged_ms``)
+and replayed from a CUDA graph (``graph_ms``, ``graph_gbs``: the split count read on the device,
+as a decode step's graph runs it), paged vs dense (goal:
 >= 80% of peak, within 10% of dense), and `prefill_kernel_ms`, the prefill kernel on the same
 decode batch (what a plan-less op ran). Mixed: the same batch plus one 512-token chunk (prefill
 kernel). Also SmolLM2's shape.
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.plan import split_size
 
 HBM_PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # GB/s, vendor figures
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_kernels.json"
@@ -160,6 +163,9 @@ def measure(batch: Batch, layers: int, reps: int, cuda: bool, decode: bool) -> d
         "step_ms": (t_plan + layers * t_paged) * 1e3,
         "paged_gbs": batch.kv_bytes / t_paged / 1e9,
     }
+    if decode and cuda:
+        t_graph = graph_seconds(batch, scale, reps)
+        row |= {"graph_ms": t_graph * 1e3, "graph_gbs": batch.kv_bytes / t_graph / 1e9}
     if decode:
         kd, vd = batch.dense_kv(batch.query.shape[0])
         dense = lambda: dense_sdpa(batch.query, kd, vd, scale)
@@ -168,6 +174,24 @@ def measure(batch: Batch, layers: int, reps: int, cuda: bool, decode: bool) -> d
         row |= {"dense_ms": t_dense * 1e3, "paged_over_dense": t_paged / t_dense, "max_abs_diff": err}
         del kd, vd
     return row
+
+
+def graph_seconds(batch: Batch, scale: float, reps: int) -> float:
+    """One layer's decode attention replayed from a CUDA graph, as a decode step's graph runs it
+    (`compute_service.model.decode_graphs`): the split count and size read from a device tensor,
+    the grid's splits those of the eager plan."""
+    plan = batch.plan()
+    splits = plan.splits_for(batch.key_cache.shape[2])
+    plan.split_args = torch.tensor([splits, split_size(plan.max_seq_len, splits)], dtype=torch.int32,
+                                   device=batch.query.device)
+    kv_scales = {"k_scale": batch.k_scale, "v_scale": batch.v_scale}
+    attend = lambda: kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache, plan, scale, **kv_scales)
+    attend()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attend()
+    return time_cuda(graph.replay, reps)
 
 
 def prefill_kernel_seconds(batch: Batch) -> float:

@@ -14,7 +14,10 @@ allowance (machine start included) for a rerun.
 1. **kernels** (scripts/gpu_check_kernels.py): every Triton kernel against the dense fp64
    reference through the model's calls (``plan_attention`` + ``paged_attention``) over a pairwise
    grid of heads, head dims, block sizes and dtypes (fp8 caches on sm_89+), the cache ops and
-   int64 offsets, then the attention table of benchmarks/bench_kernels.py (GB/s and % of HBM peak).
+   int64 offsets, then the attention table of benchmarks/bench_kernels.py (GB/s and % of HBM peak,
+   eager and from a CUDA graph), then decode steps eager vs in CUDA graphs
+   (benchmarks/bench_decode_graphs.py: a SmolLM2-shaped model and a Llama-3-8B layer; the greedy
+   tokens of both paths must agree).
 2. **services** (scripts/gpu_check_services.py, in its priority order): a memory service and two
    workers over CUDA IPC with a chunked prefill read by the other worker's prefix hit, the stack's
    greedy tokens against a CPU stack's on the same seeded random model, the pool handle, `pagedkv
@@ -170,6 +173,9 @@ def setup_paths(prepared: Path, work: Path) -> dict[str, str]:
     env["NVIDIA_TF32_OVERRIDE"] = "0"  # fp32 matmuls in cuBLAS stay fp32, so greedy tokens compare exactly
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.pop("TRITON_INTERPRET", None)
+    # GPU workers run decode in CUDA graphs (their greedy tokens are checked against a CPU stack's);
+    # batches up to 16 keep each worker's capture at start within the phase's budget.
+    env["PAGEDKV_MAX_CUDAGRAPH_CAPTURE_SIZE"] = "16"
     print(f"# wheels used: {used or 'none'}", flush=True)
     return env
 
@@ -228,6 +234,18 @@ def kernels_phase(phase: Phase, results: Results, dry_run: bool, env: dict[str, 
     mod = _load("gpu_check_kernels")
     phase.step("kernel grid, cache ops and the attention table", mod.run, results.report, quick,
                min(8, os.cpu_count() or 1))
+    phase.step("decode steps eager vs CUDA graphs (benchmarks/bench_decode_graphs.py)", _decode_graphs, results)
+
+
+def _decode_graphs(results: Results) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_decode_graphs", ROOT / "benchmarks" / "bench_decode_graphs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for r in bench.main(["--quick", "--reps", "10"]):
+        results.report(f"decode graphs {r['model']} b{r['seqs']} ctx{r['context']}", r["greedy_equal"],
+                       f"eager {r['eager_ms']:.3f} ms, graphs {r['graphs_ms']:.3f} ms ({r['speedup']:.2f}x), "
+                       f"{r['graphs_tok_s']:.0f} tok/s; captured in {r['capture_s']:.1f} s")
 
 
 def _aot(results: Results, env: dict[str, str]) -> None:
