@@ -22,6 +22,8 @@ copied into them:
   They are the eager path's, so a replay splits the context as an eager step does.
 - **The plan** is built once per bucket, outside the capture. The forward's host-side checks
   read shapes only, so the captured region has no host synchronization.
+- **The LM head** runs after the replay, on the sampled rows only (vLLM's split of
+  ``forward`` and ``compute_logits``): a graph's output is [B, hidden], not [B, vocabulary].
 
 Captured only over a mapped pool (the graphs hold its addresses): `Worker.set_pool` drops them
 with the pool and captures anew over the next. Prefill, mixed batches and wide tables run
@@ -81,7 +83,7 @@ class _Bucket:
     logits_indices: torch.Tensor  # [B] int64, 0..B-1: every row's logits
     plan: AttentionPlan  # triton_decode over block_tables [B, W] int32 and seq_lens [B] int32, split_args [2]
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None  # [B, vocab] float32, the captured forward's output
+    hidden: torch.Tensor | None = None  # [B, D], the captured forward's output (final-normed hidden states)
 
 
 class DecodeGraphs:
@@ -150,18 +152,17 @@ class DecodeGraphs:
             inputs: the step's `compute_service.step_inputs.StepInputs`, on the pool's device.
 
         Returns:
-            [S', vocab] float32, row r the logits of sampled sequence ``inputs.sample_rows[r]``
-            (a view of the graph's output: read it before the next step).
+            [S', vocab] float32, row r the logits of sampled sequence ``inputs.sample_rows[r]``.
         """
         b = self.buckets[bucket_for(inputs.num_tokens, self.sizes)]
         self._fill(b, inputs)
         if b.graph is not None:
             b.graph.replay()
-            logits = b.logits
+            hidden = b.hidden
         else:
-            logits = self._forward(b)
+            hidden = self._forward(b)
         self.replays += 1
-        return logits[inputs.logits_indices]
+        return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def split_args(self, num_seqs: int, max_seq_len: int, grid_splits: int) -> tuple[int, int]:
         """(num_splits, tokens_per_split) of a decode step, as the eager path chooses them
@@ -188,7 +189,7 @@ class DecodeGraphs:
                        torch.arange(size, dtype=torch.int64, device=dev), plan)
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
-        return self.model(b.token_ids, b.positions, self.pool, b.slot_mapping, b.plan, b.logits_indices,
+        return self.model.hidden_states(b.token_ids, b.positions, self.pool, b.slot_mapping, b.plan, b.logits_indices,
                           self.kv_scales)
 
     def _capture(self, b: _Bucket) -> None:
@@ -201,7 +202,7 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         b.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(b.graph, pool=self._mempool):
-            b.logits = self._forward(b)
+            b.hidden = self._forward(b)
 
     def _fill(self, b: _Bucket, inputs) -> None:
         """Copy a step's inputs into bucket ``b`` (queued on the current stream, before the replay):

@@ -263,7 +263,17 @@ class LlamaForPagedLM(nn.Module):
         return sum(m.nbytes() for m in linears) + sum(p.nbytes for p in rest) + self.inv_freq.nbytes
 
     @torch.inference_mode()
-    def forward(
+    def forward(self, *args, **kwargs) -> torch.Tensor:  # [S', vocab] float32
+        """One model step: `hidden_states` (same arguments), then `compute_logits`."""
+        return self.compute_logits(self.hidden_states(*args, **kwargs))
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S', D] (final-normed, `hidden_states`) -> logits [S', vocab] float32 (the LM head)."""
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def hidden_states(
         self,
         input_ids: torch.Tensor,  # [T] int64, new tokens of all sequences, packed
         positions: torch.Tensor,  # [T] int64, position of each new token in its sequence
@@ -272,8 +282,11 @@ class LlamaForPagedLM(nn.Module):
         plan: kernels.AttentionPlan,  # this step's attention plan (block tables, lengths, kernel)
         logits_indices: torch.Tensor,  # [S'] int64, packed rows whose logits to return
         kv_scales: Sequence[LayerScales] | None = None,  # fp8 pool: per layer (k_scale [Hkv], v_scale [Hkv])
-    ) -> torch.Tensor:  # [S', vocab] float32
-        """One model step: writes the new tokens' K/V into the pool, returns chosen logits.
+    ) -> torch.Tensor:  # [S', D]
+        """One model step up to the LM head: writes the new tokens' K/V into the pool, returns the
+        final-normed hidden states of the chosen rows (`compute_logits` turns them into logits; a
+        CUDA graph captures this part only, vLLM's split, so that no graph holds a vocabulary-wide
+        output).
 
         `plan` is `kernels.plan_attention(block_tables, query_start_loc, seq_lens, block_size,
         host_query_start_loc=..., host_seq_lens=..., num_kv_heads=...)` of the step (see
@@ -329,8 +342,7 @@ class LlamaForPagedLM(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, kv_pool[:, i, 0], kv_pool[:, i, 1], meta)
-        x = self.norm(x[logits_indices], residual[logits_indices])  # [S', D]: last add, final norm
-        return self.lm_head(x).float()  # [S', vocab]
+        return self.norm(x[logits_indices], residual[logits_indices])  # [S', D]: last add, final norm
 
 
 def _largest_projection(c: ModelConfig) -> int:
