@@ -42,6 +42,10 @@ POINTS: dict[str, str] = {
                             "its pairs checked, before any byte moves: agent (the reader's name), source (the "
                             "peer's name), pairs (list of (source block, local block)). An int k: read only the "
                             "first k pairs, then raise TransferError(blocks_done=k).",
+    "disk.between_payload_and_header": "a disk-tier slot write (compute_service.disk_io.SlabIO.write) has "
+                                       "written the block's bytes and not yet its header: slot. A hook that "
+                                       "raises (or a SIGKILL here) leaves a torn slot, whose old header then "
+                                       "fails its checksum at the next read.",
     "tier.copy_block": "before each whole-block copy between the pool and a tier (kernels.copy_blocks_between; "
                        "with a hook installed the copies go block by block): src, dst (the tensors), src_block, "
                        "dst_block, index (of this block in the call), count (blocks in the call). A hook that "
