@@ -79,7 +79,7 @@ def slab(folder: Path, blocks: list[np.ndarray], direct: bool) -> tuple[float, f
     into = np.empty(blocks[0].nbytes, dtype=np.uint8)
     t = time.perf_counter()
     for i, h in enumerate(hdrs):
-        assert io.read(i, into, h).ok
+        assert io.read(i, into, block_hash=h.block_hash).ok
     t_read = time.perf_counter() - t
     io.close()
     path.unlink()

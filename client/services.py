@@ -204,6 +204,27 @@ class MemoryClient(_Channel):
         return self.stub.AllocateSequences(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
+    def prefetch_prefix(self, lease_id: str, token_ids: list[int], model_id: str = "",
+                        cache_salt: str = "") -> mpb.PrefetchPrefixResponse:
+        """How much of a prompt is cached on the device, the host and the disk tier; the disk's blocks
+        are queued to be read into the host tier (``disk_reads_pending``: not yet there)."""
+        req = mpb.PrefetchPrefixRequest(lease_id=lease_id, token_ids=token_ids, model_id=model_id,
+                                        cache_salt=cache_salt)
+        return self.stub.PrefetchPrefix(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
+
+    @_typed
+    def take_disk_work(self, lease_id: str, max_copies: int = 16) -> mpb.TakeDiskWorkResponse:
+        """The disk tier's queued copies, signed, for a worker's CopyDiskBlocks."""
+        req = mpb.TakeDiskWorkRequest(lease_id=lease_id, max_copies=max_copies)
+        return self.stub.TakeDiskWork(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
+
+    @_typed
+    def settle_disk_work(self, lease_id: str, receipts: list) -> int:
+        """Hand in a worker's disk receipts (unchanged); returns how many settled taken work."""
+        req = mpb.SettleDiskWorkRequest(lease_id=lease_id, receipts=receipts)
+        return self.stub.SettleDiskWork(req, timeout=self.timeout, metadata=self._lease_md(lease_id)).settled
+
+    @_typed
     def export_prefix(self, lease_id: str, token_ids: list[int], model_id: str = "",
                       cache_salt: str = "") -> mpb.ExportPrefixResponse:
         """Pin the prompt's cached leading blocks on this node for another node to read (a sequence
@@ -319,6 +340,11 @@ class WorkerClient(_Channel):
         return self.stub.GetModelInfo(cpb.GetModelInfoRequest(), timeout=timeout)
 
     @_typed
+    def copy_disk_blocks(self, generation: int, copies) -> cpb.CopyDiskBlocksResponse:
+        """Have the worker do disk-tier copies (TakeDiskWork's, unchanged); one receipt each."""
+        return self.stub.CopyDiskBlocks(cpb.CopyDiskBlocksRequest(pool_generation=generation, copies=copies),
+                                        timeout=self.timeout)
+
     def step(self, request: cpb.StepRequest) -> cpb.StepResponse:
         return self.stub.Step(request, timeout=self.timeout)
 

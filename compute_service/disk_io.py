@@ -2,7 +2,7 @@
 
 The layout and header are `pagedkv.runtime.disk_block`'s. A write puts the payload first and the
 header last, so the header commits the slot. A read checks the header (magic, MAC, identity, the
-hash and checksum the grant expects) and then the payload's checksum before the bytes count as
+hash the grant expects) and then the payload's checksum before the bytes count as
 read. A slot that fails either check is reported, never used.
 
 Buffered I/O by default (docs/benchmarks.md, section 21: faster than ``O_DIRECT`` where it was
@@ -107,10 +107,12 @@ class SlabIO:
         else:
             _full(os.pwrite(self.fd, raw, off), HEADER_BYTES)
 
-    def read(self, slot: int, into: np.ndarray, expect: BlockHeader | None = None) -> ReadResult:
-        """Read ``slot`` and check it: its header (and, given ``expect``, the same identity, block
-        hash and checksum), then its payload's checksum; only then is the payload copied ``into``
-        (uint8, the block's size: e.g. a host-tier block). Nothing is copied on a failed check.
+    def read(self, slot: int, into: np.ndarray, *, identity: bytes | None = None,
+             block_hash: bytes | None = None) -> ReadResult:
+        """Read ``slot`` and check it: its header (its size the block's; given, ``identity`` and
+        ``block_hash`` the ones expected), then its payload against the header's checksum; only
+        then is the payload copied ``into`` (uint8, the block's size: e.g. a host-tier block).
+        Nothing is copied on a failed check.
 
         Raises:
             OSError: the read failed.
@@ -128,9 +130,8 @@ class SlabIO:
             if os.preadv(self.fd, [memoryview(self._bounce)[HEADER_BYTES:HEADER_BYTES + n]], off + HEADER_BYTES) < n:
                 return ReadResult(False, "header")
         header = unpack_header(raw)
-        if header is None or header.payload_bytes != n or (expect is not None and (
-                header.identity, header.block_hash, header.checksum) != (
-                expect.identity, expect.block_hash, expect.checksum)):
+        if (header is None or header.payload_bytes != n or identity not in (None, header.identity)
+                or block_hash not in (None, header.block_hash)):
             return ReadResult(False, "header", header)
         if checksum(body) != header.checksum:
             return ReadResult(False, "checksum", header)

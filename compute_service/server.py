@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
+from compute_service.disk_copier import check_generation
 from compute_service.model.fused_decode import cpu_path
 from compute_service.model.llama import LlamaForPagedLM
 from compute_service.worker import Worker
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as pb_grpc
 from pagedkv.model.source import ResolvedModel
+from pagedkv.runtime.errors import POOL_NOT_MAPPED, FailedPreconditionError
 from pagedkv.runtime.service import map_errors
 from pagedkv.runtime.tls import require_role
 
@@ -34,6 +36,8 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
         self.worker = worker
         #: Where steps run (None: asyncio's default executor).
         self.compute = compute
+        #: Where disk-tier copies run: a thread of their own, so that a slow disk delays no step.
+        self.disk_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-io")
         #: The model as named (--model): "smollm2", a path, or a repo id.
         self.model_source = model.name
         #: The local file or directory loaded (a hub snapshot folder for a repo id).
@@ -53,6 +57,16 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
     async def Step(self, request, context):
         require_role(context, {"scheduler"}, "Step")  # under TLS: schedulers (and the admin) only
         return await asyncio.get_running_loop().run_in_executor(self.compute, self.worker.step, request)
+
+    async def CopyDiskBlocks(self, request, context):
+        require_role(context, {"scheduler"}, "CopyDiskBlocks")  # under TLS: schedulers (and the admin) only
+        check_generation(self.worker.pool, request.pool_generation)
+        copier = self.worker.disk
+        if copier is None:
+            raise FailedPreconditionError("the mapped pool has no disk tier (the memory service runs without "
+                                          "--disk-cache-dir)", reason=POOL_NOT_MAPPED)
+        receipts = await asyncio.get_running_loop().run_in_executor(self.disk_io, copier.run, request.copies)
+        return pb.CopyDiskBlocksResponse(receipts=receipts)
 
     async def GetModelInfo(self, request, context):
         c = self.worker.config

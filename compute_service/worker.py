@@ -26,6 +26,7 @@ from torch import nn
 
 import kernels
 from compute_service.device_sync import StepFence, bind_compute_thread, is_fatal_device_error
+from compute_service.disk_copier import DiskCopier
 from compute_service.grant_check import CopyPlan, check_grants, sign_receipts
 from compute_service.model.decode_graphs import DecodeGraphs
 from compute_service.model.llama import LlamaForPagedLM
@@ -93,12 +94,17 @@ class Worker:
         self.max_capture_size = max_capture_size
         #: Decode steps in CUDA graphs over the mapped pool, or None: every step eager.
         self.graphs: DecodeGraphs | None = self._capture(pool)
+        #: Disk-tier copies over the mapped pool (compute_service.disk_copier), or None: no disk tier.
+        self.disk: DiskCopier | None = _disk_copier(pool)
 
     def set_pool(self, pool: MappedPool | None) -> None:
         """Swap the mapped pool (None drops it); waits for an in-flight step."""
         self.pool_lost.set()
         with self._lock:
             self.graphs = None  # they hold the old pool's addresses
+            if self.disk is not None:  # waits for a batch of disk copies in flight over the old pool
+                self.disk.close()
+                self.disk = None
             old, self.pool = self.pool, pool
             if self.transfer_agent is not None:  # it registered the old pool's memory
                 self.transfer_agent.close()
@@ -106,6 +112,7 @@ class Worker:
             if old is not None:
                 old.close()
             self.graphs = self._capture(pool)
+            self.disk = _disk_copier(pool)
             self.pool_lost.clear()
 
     def _capture(self, pool: MappedPool | None) -> DecodeGraphs | None:
@@ -259,6 +266,13 @@ class Worker:
                 res.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t,
                                         lp in zip(top_ids[r][:k], top_lp[r][:k]))
         return results
+
+
+def _disk_copier(pool: MappedPool | None) -> DiskCopier | None:
+    """A copier over ``pool``'s host and disk tiers, or None when it has no disk tier."""
+    if pool is None or not pool.descriptor.HasField("disk_tier") or pool.host_tensor is None:
+        return None
+    return DiskCopier(pool)
 
 
 def _with_refusals(request: pb.StepRequest, results: list[pb.StepResult],

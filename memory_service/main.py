@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
+from pathlib import Path
 
 from memory_service.authz import create_admin_token
 from memory_service.layout import make_layout
@@ -37,8 +39,9 @@ from memory_service.manager.block_manager import BlockManager
 from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.quotas import DEFAULT_BLOCKS_PER_LEASE, DEFAULT_MAX_LEASES_PER_PEER, parse_block_quota, parse_limit
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
-from memory_service.spec import MemorySpec
+from memory_service.spec import MemorySpec, PoolSpec
 from memory_service.step_grants import GrantSigner
+from memory_service.tiers.disk_tier import DiskTier
 from memory_service.transfers import NodeTransfers
 from memory_service.worker_socket import WorkerSocketServer
 from pagedkv import config
@@ -46,6 +49,7 @@ from pagedkv.config import (
     env,
     flags,
 )
+from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.model.source import ResolvedModel, resolve_model
 from pagedkv.runtime import test_hooks
@@ -200,6 +204,10 @@ def create_pool(service: MemorySpec, model: ResolvedModel | None = None) -> Pool
             f"--host-cache-memory {spec.host_cache_memory} bytes holds no block of {layout.block_nbytes} "
             "bytes; give at least one block's size, or 0 for no host tier"
         )
+    if spec.disk_cache_dir and not host_blocks:  # every disk copy stages through a host block
+        host_blocks = DISK_STAGING_BLOCKS
+        log.info("disk_staging_host_tier", blocks=host_blocks, bytes=host_blocks * layout.block_nbytes,
+                 message="a disk tier without --host-cache-memory stages through a small host tier")
     scales = None
     if spec.kv_scales_file:
         try:
@@ -217,6 +225,42 @@ def create_pool(service: MemorySpec, model: ResolvedModel | None = None) -> Pool
     return pool
 
 
+#: Host blocks made to stage disk copies through when a disk tier has no --host-cache-memory.
+DISK_STAGING_BLOCKS = 64
+
+
+def model_identity(pool: Pool, model, scales: pb.KvScales | None) -> dict:
+    """What a block's KV depends on besides its tokens (the disk tier keeps blocks apart by it):
+    the model's name, source and revision, the pool's KV dtype, block size and layout, and an fp8
+    pool's scales (their SHA-256)."""
+    lay = pool.layout
+    ident = {"model": pool.model, "source": str(model.load_source), "revision": model.revision,
+             "kv_dtype": lay.dtype.name, "block_size": lay.block_size,
+             "layout": [lay.num_layers, lay.num_kv_heads, lay.head_dim]}
+    if lay.dtype.is_fp8:
+        ident["kv_scales_sha256"] = hashlib.sha256(scales.SerializeToString(deterministic=True)).hexdigest()
+    return ident
+
+
+def open_disk_tier(spec: PoolSpec, pool: Pool, model) -> DiskTier | None:
+    """The disk tier ``--disk-cache-dir`` asks for, its folder in the pool's descriptor; None without one.
+
+    Raises:
+        ValueError: a size that holds no block.
+        PermissionError: a directory another uid owns.
+    """
+    if not spec.disk_cache_dir:
+        return None
+    ident = model_identity(pool, model, pool.kv_scales)
+    disk = DiskTier(Path(spec.disk_cache_dir), ident, pool.layout.block_nbytes, spec.disk_cache_size)
+    pool.disk_tier = pb.DiskTierInfo(folder=str(disk.folder), slot_bytes=disk.slot_bytes,
+                                     slots_per_slab=disk.slots_per_slab, num_slots=disk.num_slots,
+                                     identity=disk.identity)
+    log.info("disk_tier", folder=str(disk.folder), slots=disk.num_slots, recovered=disk.recovered,
+             torn_headers=disk.unreadable_at_start)
+    return disk
+
+
 async def serve(spec: MemorySpec) -> None:
     """Create the pool and serve until SIGTERM."""
     model = await asyncio.to_thread(resolve_model, spec.model, spec.revision, files="config")
@@ -231,6 +275,7 @@ async def serve(spec: MemorySpec) -> None:
     except BaseException:
         pool.close()
         raise
+    disk = open_disk_tier(spec.pool, pool, model)
     manager = BlockManager(
         pool.layout.num_blocks,
         pool.layout.block_size,
@@ -244,6 +289,7 @@ async def serve(spec: MemorySpec) -> None:
         max_leases_per_peer=spec.max_leases_per_peer,
         host_num_blocks=pool.host_num_blocks,
         host_epochs=pool.host_epochs,
+        disk=disk,
     )
     ready_info = {
         "pool_id": pool.pool_id,

@@ -130,6 +130,8 @@ class Pool:
     """
 
     backend = pb.POOL_BACKEND_UNSPECIFIED
+    #: Where the disk tier's slots are (set by the service when it has one; in the descriptor).
+    disk_tier: pb.DiskTierInfo | None = None
 
     def __init__(self, layout: PoolLayout, *, pool_id: str | None = None, model: str = "", host_num_blocks: int = 0):
         self.layout = layout
@@ -195,6 +197,7 @@ class Pool:
             host_num_blocks=self.host_num_blocks,
             host_nbytes=self.host_nbytes,
             kv_scales=self.kv_scales,
+            disk_tier=self.disk_tier,
         )
 
     def set_kv_scales(self, scales: pb.KvScales) -> tuple[pb.KvScales, bool]:

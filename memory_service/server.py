@@ -238,6 +238,31 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         device, host = self.manager.lookup_prefix(request.token_ids, CacheKey(request.model_id, request.cache_salt))
         return pb.LookupPrefixResponse(cached_tokens=device + host, device_tokens=device, host_tokens=host)
 
+    async def PrefetchPrefix(self, request, context):
+        self.authz.lease(context, request.lease_id)
+        key = CacheKey(request.model_id, request.cache_salt)
+        device, host, disk, pending = self.manager.prefetch_prefix(list(request.token_ids), key)
+        return pb.PrefetchPrefixResponse(device_tokens=device, host_tokens=host, disk_tokens=disk,
+                                         disk_reads_pending=pending)
+
+    async def TakeDiskWork(self, request, context):
+        self.authz.lease(context, request.lease_id)
+        tiers = self.manager.tiers
+        tiers_now = self.manager.leases.clock()
+        if tiers.disk is None:
+            return pb.TakeDiskWorkResponse()
+        tiers.expire_disk_work(tiers_now)
+        work = tiers.take_disk_work(min(request.max_copies or 16, 256), tiers_now)
+        return pb.TakeDiskWorkResponse(copies=[self.signer.disk_copy(w) for w in work])
+
+    async def SettleDiskWork(self, request, context):
+        self.authz.lease(context, request.lease_id)
+        check_batch(len(request.receipts), "SettleDiskWork receipts")
+        settled = self.signer.disk_receipts(request.receipts)  # a forged one refuses the call first
+        tiers = self.manager.tiers
+        done = sum(tiers.settle_disk_work(work_id, ok) for work_id, ok in settled) if tiers.disk is not None else 0
+        return pb.SettleDiskWorkResponse(settled=done)
+
     async def GetBlockTable(self, request, context):
         caller, seq = self.authz.read_sequence(context, request.seq_id, self.manager.get_sequence)
         return pb.GetBlockTableResponse(sequence=_info(self.manager.sequence_info(seq.seq_id), caller.is_admin))
@@ -260,7 +285,11 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     def _stats(self) -> pb.GetStatsResponse:
         s = self.manager.stats()
         lay = self.pool.layout
-        return pb.GetStatsResponse(**{f: getattr(s, f) for f in s.__slots__}, generation=self.pool.generation,
+        fields = {f: getattr(s, f) for f in s.__slots__}
+        disk = fields.pop("disk")
+        if disk is not None:
+            fields["disk"] = pb.DiskTierStats(**{k.removeprefix("disk_"): v for k, v in disk.items()})
+        return pb.GetStatsResponse(**fields, generation=self.pool.generation,
                                    kv_cache_dtype=lay.dtype.name, kv_bytes_per_token=lay.block_nbytes // lay.block_size,
                                    token_capacity=lay.num_blocks * lay.block_size, pool_bytes=lay.nbytes)
 

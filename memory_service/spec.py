@@ -32,6 +32,9 @@ class PoolSpec:
     host_cache_memory: int
     #: An fp8 pool's scales file (``--kv-scales-file``).
     kv_scales_file: str | None
+    #: The disk tier's directory (``--disk-cache-dir``) and bytes (``--disk-cache-size``); None: none.
+    disk_cache_dir: str | None = None
+    disk_cache_size: int | None = None
 
     @property
     def cuda(self) -> bool:
@@ -52,6 +55,12 @@ class PoolSpec:
         if args.kv_scales_file and (dtype is None or not dtype.is_fp8):
             raise ValueError("--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds "
                              f"{dtype or 'the auto dtype'}")
+        disk_dir, disk_size = getattr(args, "disk_cache_dir", None), getattr(args, "disk_cache_size", None)
+        if bool(disk_dir) != bool(disk_size):
+            raise ValueError("--disk-cache-dir and --disk-cache-size go together: the disk tier needs both")
+        if disk_dir and dtype is not None and dtype.is_fp8 and not args.kv_scales_file:
+            raise ValueError("an fp8 pool's disk tier needs the scales fixed at start (--kv-scales-file): blocks on "
+                             "disk are kept per set of scales, and calibrated scales are known only later")
         memory = None
         if args.num_blocks is None:
             memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if cuda else DEFAULT_CPU_KV_MEMORY))
@@ -63,6 +72,8 @@ class PoolSpec:
             memory,
             host_cache_bytes(args.host_cache_memory),
             args.kv_scales_file,
+            disk_dir or None,
+            parse_bytes(disk_size) if disk_dir else None,
         )
 
 

@@ -20,10 +20,23 @@ from memory_service.manager.requests import BlockCopy, Receipt
 from memory_service.manager.sequence import Sequence
 from pagedkv.grant.v1 import grant_pb2
 from pagedkv.runtime.errors import PermissionDeniedError
-from pagedkv.runtime.grants import copy_tuple, grant_parts_message, granted_copy, mac, receipt_signed, token_digest
+from pagedkv.runtime.grants import (
+    copy_tuple,
+    disk_signed,
+    grant_parts_message,
+    granted_copy,
+    mac,
+    receipt_signed,
+    sign_disk,
+    token_digest,
+)
 
 #: ``pagedkv.grant.v1.Medium`` of another node's pool.
 REMOTE = grant_pb2.MEDIUM_REMOTE
+
+
+#: Seconds a disk copy's grant is valid (the memory service drops taken work after DISK_WORK_TIMEOUT).
+DISK_COPY_TTL = 30.0
 
 
 class GrantSigner:
@@ -86,5 +99,32 @@ class GrantSigner:
                                tuple(r.block_epochs), tuple(copy_tuple(c) for c in r.copies)))
         return out
 
+    def disk_copy(self, w, ttl: float = DISK_COPY_TTL) -> grant_pb2.DiskCopy:
+        """The signed grant of disk work ``w`` (:class:`memory_service.tiers.disk_traffic.DiskWork`),
+        valid for ``ttl`` seconds."""
+        return sign_disk(self.key, grant_pb2.DiskCopy(
+            pool_generation=self.generation, work_id=w.work_id, write=w.kind == "write", host_block=w.host,
+            host_epoch=w.host_epoch, slot=w.slot, slot_epoch=w.slot_epoch, block_hash=w.block_hash,
+            parent_hash=w.parent, token_ids=w.tokens, sequence=w.sequence, expires_at=self.wall_clock() + ttl))
 
-__all__ = ["GrantSigner"]
+    def disk_receipts(self, msgs: Seq[grant_pb2.DiskReceipt]) -> list[tuple[int, bool | None]]:
+        """Check every disk receipt's signature and generation; returns ``(work_id, ok)`` each: True
+        done, False failed on the slot's bytes or the file (header, checksum, io), None not done
+        (refused: a stale or expired grant).
+
+        Raises:
+            PermissionDeniedError: a receipt not signed with this generation's plane key, or of another
+                generation (nothing of the call is applied).
+        """
+        out = []
+        for r in msgs:
+            if r.pool_generation != self.generation or not disk_signed(self.key, r):
+                raise PermissionDeniedError(
+                    f"SettleDiskWork: the receipt for disk work {r.work_id} is not a worker's receipt for pool "
+                    f"generation {self.generation}; hand in CopyDiskBlocksResponse.receipts unchanged (nothing was "
+                    "settled)")
+            out.append((r.work_id, True if r.ok else None if r.failure == "refused" else False))
+        return out
+
+
+__all__ = ["DISK_COPY_TTL", "GrantSigner"]

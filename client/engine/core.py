@@ -45,6 +45,7 @@ import time
 
 from client.engine.beam import BeamState, Branching
 from client.engine.commits import Commits
+from client.engine.disk import DISK_POLL, DiskGate, DiskMover
 from client.engine.failover import Failover, WorkersDown
 from client.engine.preemption import Preemption
 from client.engine.recovery import DEFAULT_TIMEOUT as DEFAULT_RECOVERY_TIMEOUT
@@ -131,6 +132,12 @@ class Engine:
                                  lambda ids: self._free_ids(ids, mpb.FREE_REASON_FINISHED), self._fail)
         self.slots = Slots(memory, lambda: self.lease.lease_id, self.scheduler, self.commits, self.pulls,
                            self.model_id, self.block_size)
+        #: The disk tier's copies, moved through the workers beside the steps; None without a disk tier.
+        self.disk_mover: DiskMover | None = None
+        if pool.HasField("disk_tier"):
+            self.scheduler.admit_gate = DiskGate(memory, lambda: self.lease.lease_id, self.model_id)
+            self.disk_mover = DiskMover(memory, workers, lambda: self.lease.lease_id,
+                                        lambda: self.runner.pool_generation).start()
         #: What the front reads (client.engine.stats): fixed limits, and the stats of the last step.
         self.limits = EngineLimits(info, self.model_id, self.max_context, self.block_size, self.num_blocks,
                                    min(w.timeout for w in workers))
@@ -198,6 +205,8 @@ class Engine:
                 f.info(*queues), self.last_step_at)
 
     def close(self) -> None:
+        if self.disk_mover is not None:
+            self.disk_mover.close()
         self.recovery.cancel()
         self.runner.close()
         if self.pulls is not None:
@@ -247,6 +256,8 @@ class Engine:
             out = self.scheduler.schedule(self._available_blocks())
         if not out.scheduled:
             self._fail_unschedulable(updated)
+            if self.disk_mover is not None and self.scheduler.waiting:
+                time.sleep(DISK_POLL)  # requests wait for disk reads the mover's thread is doing
             return list(updated.values())
         swapped_in = self.preemption.swap_in(out) if out.swapped else set()
         appended = self.slots.append(out, swapped_in, self.preemption.preempt,
@@ -345,6 +356,9 @@ class Engine:
         if not self.scheduler.stalled():
             return
         head = self.scheduler.head()
+        gate = self.scheduler.admit_gate
+        if head is not None and gate is not None and not gate(head):
+            return  # its prompt's blocks are being read from disk: it waits for them, it does not fail
         if head is not None and head.status == Status.SWAPPED:
             self.preemption.recompute_swapped(head)
             return

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 
 from client.engine.scheduler_types import PREEMPTION_MODES, ROLES, ScheduledSeq, SchedulerConfig, SchedulerOutput
 from client.request import Request, Status
@@ -68,6 +69,9 @@ class Scheduler:
         #: Workers that take no work now (failed: client.engine.failover).
         self.down: set[int] = set()
         self.waiting: collections.deque[Request] = collections.deque()
+        #: Asked before a waiting request is admitted; False holds it this step and the others behind it
+        #: go first (client.engine.disk.DiskGate: its prompt's blocks are being read from disk). None: none.
+        self.admit_gate: Callable[[Request], bool] | None = None
         self.running: list[Request] = []
         self._lock = threading.Lock()
         self._aborts: set[str] = set()
@@ -160,10 +164,14 @@ class Scheduler:
                     budget -= n
         admitted: list[Request] = []
         swapped: list[Request] = []
+        held: list[Request] = []  # waiting for their prompt's blocks (the admission gate): the others go first
         free_blocks = available_blocks - self._growth(scheduled)
         with self._lock:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if self.admit_gate is not None and not self.admit_gate(req):
+                    held.append(self.waiting.popleft())
+                    continue
                 chunks = []
                 for seq in req.live_seqs():
                     n = min(seq.pending(), budget - sum(chunks))
@@ -191,6 +199,7 @@ class Scheduler:
                     if seq.pending() > 0:
                         scheduled.append(ScheduledSeq(req, seq, next(it, 0)))
                 scheduled = [x for x in scheduled if x.num_new_tokens > 0]
+            self.waiting.extendleft(reversed(held))
         return SchedulerOutput(scheduled, admitted, swapped)
 
     def _growth(self, scheduled: list[ScheduledSeq]) -> int:

@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             state = up(device=args.device, model=args.model, memory_port=args.memory_port, worker_port=args.worker_port,
                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
                        host_cache_memory=args.host_cache_memory, tls=plane_tls.from_args(args),
-                       revision=args.revision, kv_cache_dtype=args.kv_cache_dtype)
+                       revision=args.revision, kv_cache_dtype=args.kv_cache_dtype,
+                       disk_cache_dir=args.disk_cache_dir, disk_cache_size=args.disk_cache_size)
             print(f"memory service  {state['memory']['address']}  (pid {state['memory']['pid']})")
             for w in state["workers"]:
                 print(f"worker          {w['address']}  (pid {w['pid']}, {state['device']})")

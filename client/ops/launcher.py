@@ -79,7 +79,8 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
        worker_port: int = COMPUTE_PORT,
        block_size: int = 16, kv_cache_memory: str | None = None, num_blocks: int | None = None,
        host_cache_memory: str | None = None, timeout: float = 300.0, tls: TlsFiles | None = None,
-       revision: str | None = None, kv_cache_dtype: str | None = None) -> dict:
+       revision: str | None = None, kv_cache_dtype: str | None = None, disk_cache_dir: str | None = None,
+       disk_cache_size: str | None = None) -> dict:
     """Start a supervisor (:mod:`client.ops.supervisor`, detached) that starts a memory service and
     one worker as its children, restarts either when it dies, and writes the state file once both
     are healthy; returns the state.
@@ -91,7 +92,8 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
     ``host_cache_memory`` (e.g. "4GiB"; None or "0": none) sizes the memory service's host tier
     (``--host-cache-memory``): offloaded prefix-cache blocks and swapped-out requests.
     ``kv_cache_dtype`` (None: auto, pagedkv.config.default_dtype) is the pool's ``--kv-cache-dtype``,
-    which the worker's model follows.
+    which the worker's model follows. ``disk_cache_dir`` and ``disk_cache_size`` give it a disk tier
+    (``--disk-cache-dir``, ``--disk-cache-size``).
 
     With ``tls`` both services get these files (``--tls-cert/--tls-key/--tls-ca``) and serve
     mutual TLS; without, plaintext on loopback.
@@ -114,6 +116,8 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
         mem_args += ["--host-cache-memory", host_cache_memory]
     if kv_cache_dtype:  # the worker's --dtype auto follows the pool
         mem_args += ["--kv-cache-dtype", kv_cache_dtype]
+    if disk_cache_dir:
+        mem_args += ["--disk-cache-dir", disk_cache_dir, "--disk-cache-size", disk_cache_size or ""]
     run_dir = pagedkv_home() / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     LocalStack(memory_port=memory_port, worker_port=worker_port, timeout=timeout)  # checks the ports here

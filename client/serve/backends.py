@@ -142,6 +142,8 @@ def embedded_args(args: ServeConfig, device: str = "cpu") -> tuple[list[str], li
         memory_args += ["--kv-cache-memory", args.kv_cache_memory]
     if args.kv_scales_file:
         memory_args += ["--kv-scales-file", args.kv_scales_file]
+    if args.disk_cache_dir:
+        memory_args += ["--disk-cache-dir", args.disk_cache_dir, "--disk-cache-size", args.disk_cache_size or ""]
     if not args.prefix_caching:
         memory_args.append("--no-prefix-caching")
     return memory_args, ["--dtype", model_dtype.name, *(["--enforce-eager"] if args.enforce_eager else [])]

@@ -227,6 +227,8 @@ class ServeConfig:
     block_size: int | None
     kv_cache_memory: str | None
     host_cache_memory: str | None
+    disk_cache_dir: str | None
+    disk_cache_size: str | None
     prefix_caching: bool
     enforce_eager: bool
     # -- scheduler

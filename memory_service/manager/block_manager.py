@@ -75,6 +75,7 @@ class BlockManager(ManagerPrefix, ManagerQuota, ManagerSwap, ManagerViews):
         max_leases_per_peer: most live leases one peer opened, the admin's not counted; None = unlimited.
         host_num_blocks: blocks in the host tier behind the pool (0: none; :mod:`memory_service.tiers.manager`).
         host_epochs: the host tier's epochs, int64 [host_num_blocks] (default: a private table).
+        disk: the disk tier behind the host tier (:mod:`memory_service.tiers.disk_traffic`; needs a host tier).
 
     NOTE: quotas (:mod:`memory_service.manager.quota`). Allocate, append and fork check the lease's
     quotas after validating the batch and before the pool's availability, so a refusal (QuotaExceededError,
@@ -91,7 +92,7 @@ class BlockManager(ManagerPrefix, ManagerQuota, ManagerSwap, ManagerViews):
                  epochs: np.ndarray | None = None, max_blocks_per_lease: int | None = None,
                  max_sequences_per_lease: int | None = None, max_leases: int | None = None,
                  max_leases_per_peer: int | None = None, host_num_blocks: int = 0,
-                 host_epochs: np.ndarray | None = None):
+                 host_epochs: np.ndarray | None = None, disk=None):
         for name, quota in (("max_blocks_per_lease", max_blocks_per_lease),
                             ("max_sequences_per_lease", max_sequences_per_lease)):
             if quota is not None and quota < 1:
@@ -107,6 +108,10 @@ class BlockManager(ManagerPrefix, ManagerQuota, ManagerSwap, ManagerViews):
         #: The host tier and the copies between it and the pool (offload, reload, swap).
         self.tiers = Tiers(self.pool, self.prefix_cache,
                            HostTier(host_num_blocks, host_epochs) if host_num_blocks else None)
+        if disk is not None:
+            if self.tiers.host is None:
+                raise ValueError("a disk tier stages its copies through a host tier: give host_num_blocks")
+            self.tiers.attach_disk(disk)
         self.allocation_failures = 0  # requests refused with OutOfBlocks
         self.preemptions = 0  # sequences freed as preempted
         #: Block references of dropped leases' sequences not yet returned (see _free_lease_sequences).

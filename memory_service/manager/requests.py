@@ -271,6 +271,8 @@ class Stats:
     swap_outs: int = 0
     swap_ins: int = 0
     swapped_sequences: int = 0
+    #: The disk tier's :meth:`DiskTier.stats` (``disk_`` names), or None without one.
+    disk: dict | None = None
 
     @property
     def usage(self) -> float:

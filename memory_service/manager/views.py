@@ -63,6 +63,24 @@ class ManagerViews:
         hit, host = self.cached_prefix(token_ids, key)
         return len(hit.block_ids) * self.block_size, len(host) * self.block_size
 
+    def prefetch_prefix(self, token_ids: Seq[int], key: CacheKey) -> tuple[int, int, int, int]:
+        """``(device_tokens, host_tokens, disk_tokens, disk_reads_pending)`` of ``token_ids``: as
+        :meth:`lookup_prefix`, then the disk tier's blocks continuing them, queued to be read into
+        the host tier (:meth:`Tiers.prefetch_disk`); the allocation finds them there once no read
+        is pending. Without a disk tier, disk_tokens and disk_reads_pending are 0.
+
+        Raises:
+            InvalidArgumentError: more token ids than one call may carry, or ids outside int32.
+        """
+        check_token_ids(len(token_ids), "PrefetchPrefix")
+        hit, host = self.cached_prefix(token_ids, key)
+        found, pending = 0, 0
+        if self.prefix_cache.enabled and self.tiers.disk is not None:
+            parent = host[-1][0] if host else hit.block_hashes[-1] if hit.block_hashes else None
+            found, pending = self.tiers.prefetch_disk(token_ids, key, parent, len(hit.block_ids) + len(host))
+        bs = self.block_size
+        return len(hit.block_ids) * bs, len(host) * bs, found * bs, pending
+
     def cached_prefix(self, token_ids: Seq[int] | None, key: CacheKey) -> tuple[CachedPrefix, list[tuple[bytes, int]]]:
         """The leading full blocks of ``token_ids`` cached on the device (:meth:`PrefixCache.lookup`),
         and the host tier's ``(hash, host block)`` continuing them (:meth:`Tiers.host_hits`); read-only.
@@ -98,6 +116,8 @@ class ManagerViews:
             out.update(host_total_blocks=h.num_blocks, host_free_blocks=h.num_free, host_cached_blocks=h.num_cached,
                        host_used_blocks=h.num_used, offloads=h.offloads, reloads=h.reloads,
                        offloads_dropped=h.offloads_dropped, host_cache_hits=h.hits, host_cache_evictions=h.evictions)
+        if t.disk is not None:
+            out["disk"] = t.disk.stats()
         return out
 
     def check_invariants(self) -> None:

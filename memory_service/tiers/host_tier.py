@@ -81,6 +81,8 @@ class HostTier:
         #: Called as ``on_stored(h, hash, parent, tokens)`` / ``on_removed(h, hash)`` (KV events).
         self.on_stored: Callable[[int, bytes, bytes, tuple[int, ...]], None] | None = None
         self.on_removed: Callable[[int, bytes], None] | None = None
+        #: Called as ``on_cached(h)`` once a block's content is proven here (the disk tier writes it through).
+        self.on_cached: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ counts
     @property
@@ -155,25 +157,29 @@ class HostTier:
         self.pending[block_hash] = h
         return h
 
-    def offload_proven(self, h: int) -> None:
-        """A receipt proves the copy into pending block ``h``: it becomes a cached hit (a "stored" event)."""
+    def offload_proven(self, h: int, *, from_disk: bool = False) -> None:
+        """A receipt proves the copy into pending block ``h`` (an offload from the device, or with
+        ``from_disk`` a read from the disk tier): it becomes a cached hit (a "stored" event)."""
         assert self.state[h] == PENDING, f"host block {h} is {self.state[h]}, not pending"
         block_hash = self.hash_of[h]
         del self.pending[block_hash]
         self.state[h] = CACHED
         self.cached[block_hash] = h
         self.lru[h] = None
-        self.offloads += 1
+        self.offloads += not from_disk
         if self.on_stored is not None:
             self.on_stored(h, block_hash, self.parent[h], self.tokens[h])
+        if self.on_cached is not None:
+            self.on_cached(h)
 
-    def offload_dropped(self, h: int) -> None:
+    def offload_dropped(self, h: int, *, from_disk: bool = False) -> None:
         """The copy into pending block ``h`` will never be proven (its owner's step did not do it, or
-        the owner was freed first): the block is free again."""
+        the owner was freed first; with ``from_disk``, a disk read that failed or did not run): the
+        block is free again."""
         assert self.state[h] == PENDING, f"host block {h} is {self.state[h]}, not pending"
         del self.pending[self.hash_of[h]]
         self._release(h)
-        self.offloads_dropped += 1
+        self.offloads_dropped += not from_disk
 
     # ------------------------------------------------------------------- reload
     def lookup(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:

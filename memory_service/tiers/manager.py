@@ -37,13 +37,15 @@ from memory_service.block_pool import BlockPool
 from memory_service.manager.requests import DEVICE, HOST, REMOTE, BlockCopy, RemotePrefix
 from memory_service.manager.sequence import Reload, Sequence, SwapEntry
 from memory_service.prefix_cache import PrefixCache
+from memory_service.tiers.disk_traffic import TierDisk
 from memory_service.tiers.host_tier import HELD, PENDING, HostTier
 from memory_service.tiers.swap import TierSwap
 from pagedkv.runtime.block_hash import CacheKey, block_hash, leading_hits
 
 
-class Tiers(TierSwap):
-    """The host tier's traffic with one device pool (``host`` None: no host tier; swaps refused).
+class Tiers(TierSwap, TierDisk):
+    """The host tier's traffic with one device pool (``host`` None: no host tier; swaps refused), and
+    the disk tier's behind it (:meth:`attach_disk`, :mod:`memory_service.tiers.disk_traffic`).
 
     Args:
         pool: the device pool.
@@ -276,10 +278,16 @@ class Tiers(TierSwap):
         if self.host is None:
             return
         self.host.check()
+        if self.disk is not None:
+            self.disk.check()
+            pins.update(self.disk_pins())
+            offload_dst.update(self.disk_read_targets())
+            work = {w.work_id for w in [*self.disk_queue, *self.disk_taken.values()]}
+            assert {w.work_id for w in self.disk_reading.values()} <= work, "a read in disk_reading is not queued"
         for h, s in enumerate(self.host.state):
             if s == PENDING:
                 assert offload_dst[h] == 1, f"pending host block {h} is the destination of {offload_dst[h]} offloads"
-            assert self.host.pins[h] == pins[h], f"host block {h}: {self.host.pins[h]} pins, {pins[h]} reloads"
+            assert self.host.pins[h] == pins[h], f"host block {h}: {self.host.pins[h]} pins, {pins[h]} reloads/writes"
         assert all(self.host.state[h] == HELD for h in self.swap_targets)
 
 

@@ -44,7 +44,8 @@ from pagedkv.grant.v1 import grant_pb2
 from pagedkv.memory.v1 import memory_service_pb2 as pb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as pb_grpc
 from pagedkv.runtime.block_hash import CacheKey, chain_hashes
-from pagedkv.runtime.grants import grant_signed, sign_receipt, token_digest
+from pagedkv.runtime.disk_block import slot_bytes
+from pagedkv.runtime.grants import disk_signed, grant_signed, sign_disk, sign_receipt, token_digest
 from pagedkv.runtime.kv_scales import sign_scales
 from pagedkv.runtime.limits import MAX_BATCH, MAX_FORK_CHILDREN, MAX_TOKEN_IDS_PER_CALL
 from pagedkv.runtime.pool_socket import receive_handle
@@ -56,6 +57,8 @@ NUM_BLOCKS, BLOCK_SIZE = 64, 4
 #: A host tier of a quarter of the pool (swaps, offloads and reloads are fuzzed too).
 HOST_BLOCKS, BLOCK_NBYTES = 16, make_layout("smollm2", block_size=BLOCK_SIZE, dtype="float32",
                                             num_blocks=1).block_nbytes
+#: Slots of the disk tier behind the host tier.
+DISK_SLOTS = 12
 CAPACITY = NUM_BLOCKS * BLOCK_SIZE  # tokens
 MAX_SEQUENCES_PER_LEASE, MAX_BLOCKS_PER_LEASE = 32, 48
 #: The service's --lease-ttl, seconds: a lease with at least this TTL outlives an example, so a
@@ -187,6 +190,10 @@ def target(tmp_path_factory):
         str(tmp / "transfer.key"),
         "--node-name",
         "fuzz",
+        "--disk-cache-dir",
+        str(tmp / "disk"),
+        "--disk-cache-size",
+        str(DISK_SLOTS * slot_bytes(BLOCK_NBYTES)),
     ]
     with local_stack(tmp, flags, num_workers=0, name="fuzz") as s, grpc.insecure_channel(s.memory.address) as channel:
         stub = pb_grpc.MemoryServiceStub(channel)
@@ -218,6 +225,7 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
         self.grants: dict[int, grant_pb2.StepGrant] = {}  # each sequence's latest grant
         self.page_tokens: list[str] = []
         self.honest = False  # the current call's HONEST_CALL
+        self.disk_taken: list[grant_pb2.DiskCopy] = []  # disk copies taken and not settled by this machine
 
     # ------------------------------------------------------------------ choosing values
     def _lease(self, choice) -> tuple[LeaseModel | None, str]:
@@ -622,6 +630,60 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
             after = self.stub.GetStats(pb.GetStatsRequest(), timeout=CALL_TIMEOUT)
             assert [getattr(after, c) for c in counters] == [getattr(before, c) for c in counters]
 
+    # ------------------------------------------------------------------ the disk tier
+    @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED, tokens=TOKENS, salt=SALT)
+    def prefetch_prefix(self, honest, lease, cred, tokens, salt):
+        """PrefetchPrefix: whole blocks, never the last token's, the disk's continuing the host's; reads
+        pending only for blocks found on disk."""
+        self.honest = honest
+        model, lease_id = self._lease(lease)
+        resp = self.call("PrefetchPrefix", pb.PrefetchPrefixRequest(lease_id=lease_id, token_ids=tokens,
+                                                                    cache_salt=salt), self._md(cred, model))
+        if resp is not None:
+            total = resp.device_tokens + resp.host_tokens + resp.disk_tokens
+            assert total % BLOCK_SIZE == 0 and total <= max(0, len(tokens) - 1), resp
+            assert resp.disk_reads_pending <= resp.disk_tokens // BLOCK_SIZE, resp
+
+    @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED, n=st.integers(0, 300))
+    def take_disk_work(self, honest, lease, cred, n):
+        """TakeDiskWork: copies signed with the plane key, for this generation, inside both tiers."""
+        self.honest = honest
+        model, lease_id = self._lease(lease)
+        resp = self.call("TakeDiskWork", pb.TakeDiskWorkRequest(lease_id=lease_id, max_copies=n),
+                         self._md(cred, model))
+        if resp is not None:
+            assert len(resp.copies) <= min(n or 16, 256)
+            for c in resp.copies:
+                assert c.pool_generation == self.t.generation and disk_signed(self.t.key, c), c
+                assert c.host_block < HOST_BLOCKS and c.slot < DISK_SLOTS and len(c.block_hash) == 32, c
+            self.disk_taken.extend(resp.copies)
+
+    @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED, picks=st.lists(st.tuples(PICK, st.booleans()), max_size=4),
+          kind=st.sampled_from(["worker"] * 4 + ["refused", "wrong-key", "tampered", "other-generation", "unknown"]))
+    def settle_disk_work(self, honest, lease, cred, picks, kind):
+        """SettleDiskWork: a receipt not signed with this generation's plane key refuses the call
+        (PERMISSION_DENIED, nothing settled); a signed one settles taken work at most once."""
+        self.honest = honest
+        model, lease_id = self._lease(lease)
+        kind = "worker" if honest else kind
+        receipts = []
+        for i, ok in picks:
+            work = self.disk_taken[i % len(self.disk_taken)].work_id if self.disk_taken else i
+            r = grant_pb2.DiskReceipt(pool_generation=self.t.generation + (kind == "other-generation"),
+                                      work_id=work + (1 << 40 if kind == "unknown" else 0), ok=ok,
+                                      failure="" if ok else ("refused" if kind == "refused" else "checksum"))
+            sign_disk(b"\x02" * 32 if kind == "wrong-key" else self.t.key, r)
+            if kind == "tampered":
+                r.ok = not r.ok
+            receipts.append(r)
+        resp = self.call("SettleDiskWork", pb.SettleDiskWorkRequest(lease_id=lease_id, receipts=receipts),
+                         self._md(cred, model))
+        if resp is not None:
+            assert kind not in ("wrong-key", "tampered", "other-generation") or not receipts, kind
+            assert resp.settled <= len({r.work_id for r in receipts})
+            settled = {r.work_id for r in receipts}
+            self.disk_taken = [c for c in self.disk_taken if c.work_id not in settled]
+
     # ------------------------------------------------------------------ node transfers
     @rule(
         honest=HONEST_CALL,
@@ -830,7 +892,7 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
 #: the default run is derandomized (the same draws each time, every rule among them), the full one is not.
 SETTINGS = settings(
     max_examples=100 if FULL else 60,
-    stateful_step_count=50 if FULL else 30,
+    stateful_step_count=50 if FULL else 36,
     deadline=None,
     derandomize=not FULL,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -98,6 +98,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_BLOCK_SIZE", "int", 16, "--block-size of memory and serve: tokens per block"),
     E("PAGEDKV_KV_CACHE_MEMORY", "str", None, "--kv-cache-memory of memory and serve: pool size, e.g. 1GiB"),
     E("PAGEDKV_HOST_CACHE_MEMORY", "str", "0", "--host-cache-memory of memory and serve: the host tier, e.g. 4GiB"),
+    E("PAGEDKV_DISK_CACHE_DIR", "str", None, "--disk-cache-dir of memory, up and serve: the disk tier's directory"),
+    E("PAGEDKV_DISK_CACHE_SIZE", "str", None, "--disk-cache-size of memory, up and serve: the disk tier's bytes"),
     E("PAGEDKV_KV_SCALES_FILE", "str", None, "--kv-scales-file of memory and serve: an fp8 pool's scales (JSON)"),
     # --- pagedkv memory
     E("PAGEDKV_MEMORY_HOST", "str", "127.0.0.1", "--host of pagedkv memory: the address it binds"),

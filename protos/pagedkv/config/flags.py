@@ -64,7 +64,8 @@ def add_dtype_arg(p: Parser, *, default: str | None = "auto", help: str) -> None
 def add_pool_args(p: Parser, *, num_blocks: bool, kv_cache_dtype: bool,
                   given_only: bool = False, from_env: bool = True, kv_cache_dtype_help: str = "") -> None:
     """The pool's flags: ``--block-size``, ``--kv-cache-memory`` (with ``num_blocks``: and
-    ``--num-blocks``, one of the two), ``--host-cache-memory``, with ``kv_cache_dtype``
+    ``--num-blocks``, one of the two), ``--host-cache-memory``, ``--disk-cache-dir`` and
+    ``--disk-cache-size``, with ``kv_cache_dtype``
     ``--kv-cache-dtype``. ``given_only``: every default None, so that a caller can tell a flag
     given from its default (``pagedkv serve`` attaching to running services checks given ones).
     ``from_env``: defaults from ``PAGEDKV_<FLAG>``."""
@@ -82,6 +83,12 @@ def add_pool_args(p: Parser, *, num_blocks: bool, kv_cache_dtype: bool,
     p.add_argument("--host-cache-memory", default=_env("PAGEDKV_HOST_CACHE_MEMORY", from_env, host), metavar="SIZE",
                    help="host tier behind the pool, e.g. 4GiB (default 0 = none): evicted prefix-cache blocks are "
                         "offloaded there and reloaded on a hit, and swap preemption keeps sequences there")
+    p.add_argument("--disk-cache-dir", default=_env("PAGEDKV_DISK_CACHE_DIR", from_env, None), metavar="DIR",
+                   help="a disk tier behind the host tier (default: none): host-cached blocks are written here and "
+                        "read back for a prefix hit, and survive a restart; the directory is the memory service's "
+                        "(mode 0700) and its workers' (the same uid)")
+    p.add_argument("--disk-cache-size", default=_env("PAGEDKV_DISK_CACHE_SIZE", from_env, None), metavar="SIZE",
+                   help="bytes the disk tier may take under --disk-cache-dir, e.g. 100GiB (required with it)")
     if kv_cache_dtype:
         p.add_argument("--kv-cache-dtype", default=_env("PAGEDKV_KV_CACHE_DTYPE", from_env, None),
                        choices=KV_CACHE_DTYPE_CHOICES, help=kv_cache_dtype_help)

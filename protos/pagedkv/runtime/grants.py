@@ -149,6 +149,43 @@ def receipt_signed(key: bytes, receipt: grant_pb2.StepReceipt) -> bool:
     return hmac.compare_digest(receipt.signature, mac(key, receipt_message(receipt)))
 
 
-__all__ = ["KEY_BYTES", "copy_tuple", "granted_copy", "grant_message", "grant_parts_message", "mac", "grant_signed",
-           "receipt_message", "receipt_parts_message", "receipt_signed", "sign_grant",
-           "sign_receipt", "token_digest"]
+_DISK_COPY_DOMAIN = b"pagedkv.grant.v1.DiskCopy\x00"
+_DISK_RECEIPT_DOMAIN = b"pagedkv.grant.v1.DiskReceipt\x00"
+
+
+def disk_copy_message(c: grant_pb2.DiskCopy) -> bytes:
+    """The canonical bytes a disk copy's signature covers (every field but ``signature``)."""
+    return b"".join((
+        _DISK_COPY_DOMAIN,
+        struct.pack("<QQBIQIQQd", c.pool_generation, c.work_id, c.write, c.host_block, c.host_epoch, c.slot,
+                    c.slot_epoch, c.sequence, c.expires_at),
+        _bytes(c.block_hash), _bytes(c.parent_hash), struct.pack("<I", len(c.token_ids)), _packed("i", c.token_ids),
+    ))
+
+
+def disk_receipt_message(r: grant_pb2.DiskReceipt) -> bytes:
+    """The canonical bytes a disk receipt's signature covers (every field but ``signature``)."""
+    return b"".join((
+        _DISK_RECEIPT_DOMAIN, struct.pack("<QQB", r.pool_generation, r.work_id, r.ok),
+        _bytes(r.failure.encode()), _bytes(r.checksum),
+    ))
+
+
+def sign_disk(key: bytes, message) -> object:
+    """Set the ``signature`` of a DiskCopy or DiskReceipt under ``key``; returns it."""
+    message.signature = mac(key, _disk_message(message))
+    return message
+
+
+def disk_signed(key: bytes, message) -> bool:
+    """True when a DiskCopy's or DiskReceipt's ``signature`` is one made with ``key`` (constant-time compare)."""
+    return hmac.compare_digest(message.signature, mac(key, _disk_message(message)))
+
+
+def _disk_message(m) -> bytes:
+    return disk_copy_message(m) if isinstance(m, grant_pb2.DiskCopy) else disk_receipt_message(m)
+
+
+__all__ = ["KEY_BYTES", "copy_tuple", "disk_copy_message", "disk_receipt_message", "disk_signed", "grant_message",
+           "grant_parts_message", "grant_signed", "granted_copy", "mac", "receipt_message", "receipt_parts_message",
+           "receipt_signed", "sign_disk", "sign_grant", "sign_receipt", "token_digest"]

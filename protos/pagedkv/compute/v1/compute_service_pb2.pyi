@@ -174,3 +174,17 @@ class GenerationDefaults(_message.Message):
     top_k: int
     repetition_penalty: float
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
+
+class CopyDiskBlocksRequest(_message.Message):
+    __slots__ = ("pool_generation", "copies")
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    pool_generation: int
+    copies: _containers.RepeatedCompositeFieldContainer[_grant_pb2.DiskCopy]
+    def __init__(self, pool_generation: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[_grant_pb2.DiskCopy, _Mapping]]] = ...) -> None: ...
+
+class CopyDiskBlocksResponse(_message.Message):
+    __slots__ = ("receipts",)
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    receipts: _containers.RepeatedCompositeFieldContainer[_grant_pb2.DiskReceipt]
+    def __init__(self, receipts: _Optional[_Iterable[_Union[_grant_pb2.DiskReceipt, _Mapping]]] = ...) -> None: ...

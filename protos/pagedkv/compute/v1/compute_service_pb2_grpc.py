@@ -50,6 +50,11 @@ class ComputeServiceStub(object):
                 request_serializer=pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.CopyDiskBlocks = channel.unary_unary(
+                '/pagedkv.compute.v1.ComputeService/CopyDiskBlocks',
+                request_serializer=pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.CopyDiskBlocksRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.CopyDiskBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class ComputeServiceServicer(object):
@@ -70,6 +75,18 @@ class ComputeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyDiskBlocks(self, request, context):
+        """Does disk-tier copies (the memory service's DiskCopy grants, from
+        TakeDiskWork) on an I/O thread of its own, beside the steps: a write puts
+        a host block into a disk slot with its header and checksum; a read checks
+        a slot's header and checksum, then copies it into a host block. One
+        signed receipt per copy, in order (a refused or failed copy's says why).
+        FAILED_PRECONDITION: no pool mapped, another generation, or no disk tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ComputeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +99,11 @@ def add_ComputeServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'CopyDiskBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyDiskBlocks,
+                    request_deserializer=pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.CopyDiskBlocksRequest.FromString,
+                    response_serializer=pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.CopyDiskBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +161,33 @@ class ComputeService(object):
             '/pagedkv.compute.v1.ComputeService/GetModelInfo',
             pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.GetModelInfoRequest.SerializeToString,
             pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyDiskBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.compute.v1.ComputeService/CopyDiskBlocks',
+            pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.CopyDiskBlocksRequest.SerializeToString,
+            pagedkv_dot_compute_dot_v1_dot_compute__service__pb2.CopyDiskBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

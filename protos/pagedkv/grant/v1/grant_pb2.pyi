@@ -11,9 +11,11 @@ class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEDIUM_DEVICE: _ClassVar[Medium]
     MEDIUM_HOST: _ClassVar[Medium]
     MEDIUM_REMOTE: _ClassVar[Medium]
+    MEDIUM_DISK: _ClassVar[Medium]
 MEDIUM_DEVICE: Medium
 MEDIUM_HOST: Medium
 MEDIUM_REMOTE: Medium
+MEDIUM_DISK: Medium
 
 class TransferSource(_message.Message):
     __slots__ = ("agent_name", "agent_metadata", "base_address", "num_blocks", "block_bytes", "mem_type", "device_id")
@@ -96,3 +98,49 @@ class StepReceipt(_message.Message):
     signature: bytes
     copies: _containers.RepeatedCompositeFieldContainer[GrantedCopy]
     def __init__(self, pool_generation: _Optional[int] = ..., seq_id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., token_digest: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_epochs: _Optional[_Iterable[int]] = ..., signature: _Optional[bytes] = ..., copies: _Optional[_Iterable[_Union[GrantedCopy, _Mapping]]] = ...) -> None: ...
+
+class DiskCopy(_message.Message):
+    __slots__ = ("pool_generation", "work_id", "write", "host_block", "host_epoch", "slot", "slot_epoch", "block_hash", "parent_hash", "token_ids", "sequence", "expires_at", "signature")
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HOST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    pool_generation: int
+    work_id: int
+    write: bool
+    host_block: int
+    host_epoch: int
+    slot: int
+    slot_epoch: int
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sequence: int
+    expires_at: float
+    signature: bytes
+    def __init__(self, pool_generation: _Optional[int] = ..., work_id: _Optional[int] = ..., write: bool = ..., host_block: _Optional[int] = ..., host_epoch: _Optional[int] = ..., slot: _Optional[int] = ..., slot_epoch: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., sequence: _Optional[int] = ..., expires_at: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class DiskReceipt(_message.Message):
+    __slots__ = ("pool_generation", "work_id", "ok", "failure", "checksum", "signature")
+    POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    pool_generation: int
+    work_id: int
+    ok: bool
+    failure: str
+    checksum: bytes
+    signature: bytes
+    def __init__(self, pool_generation: _Optional[int] = ..., work_id: _Optional[int] = ..., ok: bool = ..., failure: _Optional[str] = ..., checksum: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...

@@ -44,7 +44,7 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolDescriptor(_message.Message):
-    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid", "worker_socket", "host_num_blocks", "host_nbytes", "node_name", "transfer_sources", "kv_scales")
+    __slots__ = ("pool_id", "generation", "backend", "layout", "dim_names", "shape", "strides", "nbytes", "block_nbytes", "shm_path", "cuda_ipc_handle", "cuda_offset", "cuda_device_uuid", "model", "owner_pid", "worker_socket", "host_num_blocks", "host_nbytes", "node_name", "transfer_sources", "kv_scales", "disk_tier")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class PoolDescriptor(_message.Message):
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SOURCES_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    DISK_TIER_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     generation: int
     backend: PoolBackend
@@ -87,7 +88,22 @@ class PoolDescriptor(_message.Message):
     node_name: str
     transfer_sources: _containers.RepeatedCompositeFieldContainer[_grant_pb2.TransferSource]
     kv_scales: KvScales
-    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ..., worker_socket: _Optional[str] = ..., host_num_blocks: _Optional[int] = ..., host_nbytes: _Optional[int] = ..., node_name: _Optional[str] = ..., transfer_sources: _Optional[_Iterable[_Union[_grant_pb2.TransferSource, _Mapping]]] = ..., kv_scales: _Optional[_Union[KvScales, _Mapping]] = ...) -> None: ...
+    disk_tier: DiskTierInfo
+    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., backend: _Optional[_Union[PoolBackend, str]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., dim_names: _Optional[_Iterable[str]] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device_uuid: _Optional[str] = ..., model: _Optional[str] = ..., owner_pid: _Optional[int] = ..., worker_socket: _Optional[str] = ..., host_num_blocks: _Optional[int] = ..., host_nbytes: _Optional[int] = ..., node_name: _Optional[str] = ..., transfer_sources: _Optional[_Iterable[_Union[_grant_pb2.TransferSource, _Mapping]]] = ..., kv_scales: _Optional[_Union[KvScales, _Mapping]] = ..., disk_tier: _Optional[_Union[DiskTierInfo, _Mapping]] = ...) -> None: ...
+
+class DiskTierInfo(_message.Message):
+    __slots__ = ("folder", "slot_bytes", "slots_per_slab", "num_slots", "identity")
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_PER_SLAB_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    folder: str
+    slot_bytes: int
+    slots_per_slab: int
+    num_slots: int
+    identity: bytes
+    def __init__(self, folder: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., slots_per_slab: _Optional[int] = ..., num_slots: _Optional[int] = ..., identity: _Optional[bytes] = ...) -> None: ...
 
 class KvScales(_message.Message):
     __slots__ = ("k_scale", "v_scale", "source")
@@ -438,7 +454,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching", "host_total_blocks", "host_free_blocks", "host_cached_blocks", "host_used_blocks", "offloads", "reloads", "host_cache_hits", "swap_outs", "swap_ins", "swapped_sequences", "offloads_dropped", "host_cache_evictions", "kv_cache_dtype", "kv_bytes_per_token", "token_capacity", "pool_bytes")
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching", "host_total_blocks", "host_free_blocks", "host_cached_blocks", "host_used_blocks", "offloads", "reloads", "host_cache_hits", "swap_outs", "swap_ins", "swapped_sequences", "offloads_dropped", "host_cache_evictions", "kv_cache_dtype", "kv_bytes_per_token", "token_capacity", "pool_bytes", "disk")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +489,7 @@ class GetStatsResponse(_message.Message):
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     cached_blocks: int
@@ -507,7 +524,84 @@ class GetStatsResponse(_message.Message):
     kv_bytes_per_token: int
     token_capacity: int
     pool_bytes: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: bool = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., token_capacity: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
+    disk: DiskTierStats
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: bool = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., token_capacity: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., disk: _Optional[_Union[DiskTierStats, _Mapping]] = ...) -> None: ...
+
+class DiskTierStats(_message.Message):
+    __slots__ = ("blocks", "bytes", "slots", "hits", "writes", "reads", "dropped", "checksum_failures", "evictions", "recovered")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes: int
+    slots: int
+    hits: int
+    writes: int
+    reads: int
+    dropped: int
+    checksum_failures: int
+    evictions: int
+    recovered: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., slots: _Optional[int] = ..., hits: _Optional[int] = ..., writes: _Optional[int] = ..., reads: _Optional[int] = ..., dropped: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., recovered: _Optional[int] = ...) -> None: ...
+
+class PrefetchPrefixRequest(_message.Message):
+    __slots__ = ("token_ids", "model_id", "cache_salt", "lease_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    model_id: str
+    cache_salt: str
+    lease_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class PrefetchPrefixResponse(_message.Message):
+    __slots__ = ("device_tokens", "host_tokens", "disk_tokens", "disk_reads_pending")
+    DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    device_tokens: int
+    host_tokens: int
+    disk_tokens: int
+    disk_reads_pending: int
+    def __init__(self, device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., disk_tokens: _Optional[int] = ..., disk_reads_pending: _Optional[int] = ...) -> None: ...
+
+class TakeDiskWorkRequest(_message.Message):
+    __slots__ = ("max_copies", "lease_id")
+    MAX_COPIES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    max_copies: int
+    lease_id: str
+    def __init__(self, max_copies: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class TakeDiskWorkResponse(_message.Message):
+    __slots__ = ("copies",)
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    copies: _containers.RepeatedCompositeFieldContainer[_grant_pb2.DiskCopy]
+    def __init__(self, copies: _Optional[_Iterable[_Union[_grant_pb2.DiskCopy, _Mapping]]] = ...) -> None: ...
+
+class SettleDiskWorkRequest(_message.Message):
+    __slots__ = ("receipts", "lease_id")
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    receipts: _containers.RepeatedCompositeFieldContainer[_grant_pb2.DiskReceipt]
+    lease_id: str
+    def __init__(self, receipts: _Optional[_Iterable[_Union[_grant_pb2.DiskReceipt, _Mapping]]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class SettleDiskWorkResponse(_message.Message):
+    __slots__ = ("settled",)
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    settled: int
+    def __init__(self, settled: _Optional[int] = ...) -> None: ...
 
 class ComputedTokens(_message.Message):
     __slots__ = ("seq_id", "num_computed_tokens")

@@ -145,6 +145,21 @@ class MemoryServiceStub(object):
                 request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesResponse.FromString,
                 _registered_method=True)
+        self.PrefetchPrefix = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/PrefetchPrefix',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PrefetchPrefixRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PrefetchPrefixResponse.FromString,
+                _registered_method=True)
+        self.TakeDiskWork = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/TakeDiskWork',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.TakeDiskWorkRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.TakeDiskWorkResponse.FromString,
+                _registered_method=True)
+        self.SettleDiskWork = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/SettleDiskWork',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer(object):
@@ -329,6 +344,38 @@ class MemoryServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefetchPrefix(self, request, context):
+        """With a disk tier (--disk-cache-dir): how many leading tokens of a prompt
+        this node holds on the device, in the host tier and, continuing them, on
+        disk; the disk's blocks are queued to be read into the host tier (a
+        scheduler has a worker do them: TakeDiskWork). An allocation finds them in
+        the host tier once disk_reads_pending is 0. With a lease's secret, as
+        AllocateSequences (the cache salt keeps tenants apart).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TakeDiskWork(self, request, context):
+        """The disk tier's queued copies (write-through of host blocks, reads for
+        prefetched prefixes), signed, for a scheduler to hand to a worker
+        (ComputeService.CopyDiskBlocks). Work not settled within 30 s is dropped.
+        With a lease's secret.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SettleDiskWork(self, request, context):
+        """The workers' receipts for taken disk copies: a proven write makes its slot
+        a disk hit, a proven read its host block a host hit; a read whose checksum
+        failed drops the slot (counted). Receipts not signed with the plane key
+        are PERMISSION_DENIED, nothing settled. With a lease's secret.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -436,6 +483,21 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.SetKvScales,
                     request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesRequest.FromString,
                     response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesResponse.SerializeToString,
+            ),
+            'PrefetchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefetchPrefix,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PrefetchPrefixRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PrefetchPrefixResponse.SerializeToString,
+            ),
+            'TakeDiskWork': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeDiskWork,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.TakeDiskWorkRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.TakeDiskWorkResponse.SerializeToString,
+            ),
+            'SettleDiskWork': grpc.unary_unary_rpc_method_handler(
+                    servicer.SettleDiskWork,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1006,6 +1068,87 @@ class MemoryService(object):
             '/pagedkv.memory.v1.MemoryService/SetKvScales',
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesRequest.SerializeToString,
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SetKvScalesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/PrefetchPrefix',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PrefetchPrefixRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PrefetchPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeDiskWork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/TakeDiskWork',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.TakeDiskWorkRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.TakeDiskWorkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SettleDiskWork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/SettleDiskWork',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,171 @@
+"""The disk tier end to end: real services, the real model, a device pool and host tier too small to
+keep a prompt, and a disk tier behind them. A prefix evicted through the host to disk comes back
+(read, checked and reloaded: only the rest is computed) with the cold run's output; after the
+memory service restarts over the same directory, the prompt still hits; a corrupted block file is
+never served; another model identity over the same directory finds nothing."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+from conftest import local_stack
+
+from client.engine.core import Engine
+from client.engine.scheduler import SchedulerConfig
+from client.params import SamplingParams
+from client.request import Request
+from client.services import MemoryClient, WorkerClient
+from pagedkv.model.tokenizer import load_tokenizer
+
+SHORT = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+FLUSH = ["Once upon a time, in a small village by the sea, there lived an old fisherman who",
+         "A long list of fruits: apples, pears, plums, cherries, peaches, grapes and figs, all"]
+
+
+def stack(tmp, disk_dir, name="disk", size="64MiB"):
+    """8 device blocks of 4 tokens, a host tier of 4 blocks (SmolLM2's fp32 layout: 180 KiB each),
+    and a disk tier of ``size`` under ``disk_dir``."""
+    return local_stack(tmp, ["--num-blocks", "8", "--block-size", "4", "--host-cache-memory", "720KiB",
+                             "--max-blocks-per-lease", "none", "--disk-cache-dir", str(disk_dir),
+                             "--disk-cache-size", size], name=name)
+
+
+def run(s, prompt: list[int], salt: str, timeout: float = 60.0) -> tuple[Engine, Request]:
+    """Run one prompt to the end on a fresh engine (closed after); returns it and the request."""
+    memory = MemoryClient(s.memory.address)
+    engine = Engine(memory, [WorkerClient(a) for a in s.worker_addresses], load_tokenizer("smollm2"),
+                    config=SchedulerConfig(max_num_batched_tokens=64))
+    req = Request(prompt, prompt, SHORT, request_id=uuid.uuid4().hex[:8], cache_salt=salt)
+    try:
+        engine.add(req)
+        deadline = time.monotonic() + timeout
+        while engine.has_work() and time.monotonic() < deadline:
+            engine.step()
+        assert not engine.has_work() and req.error is None, req.error
+        wait_for_disk_work(memory)
+    finally:
+        engine.close()
+        memory.close()
+    return engine, req
+
+
+def wait_for_disk_work(memory: MemoryClient, timeout: float = 20.0) -> None:
+    """Until the write-through the run caused is done: no pending disk write, nothing pinned for it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = memory.stats()
+        if st.host_used_blocks == 0 and st.used_blocks == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"disk work still pending: {memory.stats()}")
+
+
+def evict(s, tok) -> None:
+    """Fill the device pool and the host tier with other prompts (other salts)."""
+    for text in FLUSH:
+        run(s, tok.encode(text), uuid.uuid4().hex)
+
+
+def disk_stats(s):
+    memory = MemoryClient(s.memory.address)
+    try:
+        return memory.stats()
+    finally:
+        memory.close()
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("disk") / "kv"
+
+
+def test_a_prefix_evicted_to_disk_comes_back_and_survives_a_restart(tmp_path_factory, disk_dir):
+    tok = load_tokenizer("smollm2")
+    prompt = tok.encode(PROMPT)
+    salt = uuid.uuid4().hex
+    full = (len(prompt) - 1) // 4 * 4  # every full block but the one holding the last token
+    with stack(tmp_path_factory.mktemp("disk-stack"), disk_dir) as s:
+        _, cold = run(s, prompt, salt)
+        evict(s, tok)
+        mid = disk_stats(s)
+        assert mid.disk.writes >= full // 4 and mid.disk.blocks >= full // 4, mid.disk
+        engine, warm = run(s, prompt, salt)
+        after = disk_stats(s)
+        read = after.disk.hits - mid.disk.hits
+        assert read >= 4 and after.disk.reads - mid.disk.reads == read // 4, (mid.disk, after.disk)
+        # Whatever was not on the device or the host came back from disk: only the rest is computed.
+        assert warm.num_cached_tokens == full
+        assert engine.traces[0].num_tokens == len(prompt) - full
+        assert warm.seqs[0].generated == cold.seqs[0].generated
+        assert after.disk.checksum_failures == 0 and after.used_blocks == 0
+        # A restart of the memory service (SIGTERM) over the same directory: the blocks are found again.
+        s.memory.stop()
+        s.memory = s.memory.respawn()
+        wait_for_worker(s)
+        fresh = disk_stats(s)
+        assert fresh.disk.recovered >= full // 4 and fresh.disk.blocks == fresh.disk.recovered
+        engine, again = run(s, prompt, salt)
+        assert again.num_cached_tokens == full and engine.traces[0].num_tokens == len(prompt) - full
+        assert again.seqs[0].generated == cold.seqs[0].generated
+        token = open(s.memory.info["admin_token_file"]).read().strip()
+        check = MemoryClient(s.memory.address, admin_token=token)
+        try:
+            assert check.check_invariants().ok
+        finally:
+            check.close()
+
+
+def test_a_corrupted_block_is_never_served_and_another_identity_shares_nothing(tmp_path_factory, disk_dir):
+    tok = load_tokenizer("smollm2")
+    prompt = tok.encode(PROMPT + " Madrid, and the capital of Portugal is")
+    salt = uuid.uuid4().hex
+    with stack(tmp_path_factory.mktemp("disk-corrupt"), disk_dir, name="corrupt") as s:
+        _, cold = run(s, prompt, salt)
+        evict(s, tok)
+        before = disk_stats(s)
+        folder = next(p for p in disk_dir.iterdir() if p.is_dir())
+        for slab in folder.glob("slab-*.bin"):  # flip a byte in every slot's payload
+            size = os.path.getsize(slab)
+            slot = before.disk.slots and size // before.disk.slots or size
+            with open(slab, "r+b") as f:
+                for off in range(4096 + 100, size, max(slot, 1)):
+                    f.seek(off)
+                    b = f.read(1)
+                    f.seek(off)
+                    f.write(bytes([b[0] ^ 0xFF]) if b else b"")
+        _, warm = run(s, prompt, salt)
+        after = disk_stats(s)
+        assert after.disk.checksum_failures >= 1, after.disk
+        assert warm.seqs[0].generated == cold.seqs[0].generated  # recomputed, not served
+    # Another block size over the same directory: a folder of its own, nothing recovered.
+    with local_stack(tmp_path_factory.mktemp("disk-other"), ["--num-blocks", "8", "--block-size", "8",
+                                                             "--host-cache-memory", "720KiB",
+                                                             "--max-blocks-per-lease", "none", "--disk-cache-dir",
+                                                             str(disk_dir), "--disk-cache-size", "64MiB"],
+                     name="other") as other:
+        assert disk_stats(other).disk.recovered == 0
+
+
+def wait_for_worker(s, timeout: float = 60.0) -> None:
+    """Until the worker has mapped the restarted memory service's pool."""
+    memory = MemoryClient(s.memory.address)
+    try:
+        generation = memory.pool().generation
+    finally:
+        memory.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        w = WorkerClient(s.worker_addresses[0])
+        try:
+            if w.model_info().pool_generation == generation:
+                return
+        except Exception:  # noqa: BLE001 - restarting
+            pass
+        finally:
+            w.close()
+        time.sleep(0.2)
+    raise AssertionError("the worker did not map the restarted pool")
