@@ -79,7 +79,13 @@ def total_pool_stats(parts: list[mpb.GetStatsResponse]) -> mpb.GetStatsResponse:
     out = mpb.GetStatsResponse()
     out.CopyFrom(parts[0])
     for f in out.DESCRIPTOR.fields:
-        if f.name not in _NOT_ADDED:
+        if f.message_type is not None:  # the disk tier's counters: added up over the nodes that have one
+            disks = [getattr(p, f.name) for p in parts if p.HasField(f.name)]
+            if disks:
+                total = getattr(out, f.name)
+                for g in total.DESCRIPTOR.fields:
+                    setattr(total, g.name, sum(getattr(d, g.name) for d in disks))
+        elif f.name not in _NOT_ADDED:
             setattr(out, f.name, sum(getattr(p, f.name) for p in parts))
     slots = out.used_blocks * out.block_size
     out.utilization = out.tokens_stored / slots if slots else 0.0

@@ -345,6 +345,7 @@ class WorkerClient(_Channel):
         return self.stub.CopyDiskBlocks(cpb.CopyDiskBlocksRequest(pool_generation=generation, copies=copies),
                                         timeout=self.timeout)
 
+    @_typed
     def step(self, request: cpb.StepRequest) -> cpb.StepResponse:
         return self.stub.Step(request, timeout=self.timeout)
 

@@ -160,7 +160,7 @@ def build(*, seq: int, now: float, stats, sequences: list, front: EngineStats, s
         "scope_note": scope_note,
         "pool": pool,
         "host": host,
-        "stats": {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields},
+        "stats": stats_dict(stats),
         "requests": {"running": running, "waiting": waiting},
         "leases": [{"lease_id": k, "sequences": v} for k, v in sorted(leases.items())],
         "truncated": budget.skipped > 0,
@@ -183,3 +183,16 @@ def build(*, seq: int, now: float, stats, sequences: list, front: EngineStats, s
 
 
 __all__ = ["MAX_TABLE_SEQUENCES", "SCHEMA_VERSION", "build"]
+
+
+def stats_dict(stats) -> dict:
+    """GetStats as plain JSON values; the disk tier's (a message) as a dict of its counters, when it has one."""
+    out = {}
+    for f in stats.DESCRIPTOR.fields:
+        v = getattr(stats, f.name)
+        if f.message_type is not None:
+            if not stats.HasField(f.name):
+                continue
+            v = {g.name: getattr(v, g.name) for g in v.DESCRIPTOR.fields}
+        out[f.name] = v
+    return out
