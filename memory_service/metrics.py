@@ -71,6 +71,21 @@ METRICS = {
 }
 
 
+#: The disk tier's metrics (only with one): name -> (family, help, its DiskTier.stats() key). Named
+#: ``pagedkv:``, every process's prefix from now on (DESIGN.md, "Metrics").
+DISK_METRICS = {
+    "pagedkv:disk_blocks": (GaugeMetricFamily, "Blocks on disk (the disk tier's cached slots).", "disk_blocks"),
+    "pagedkv:disk_bytes": (GaugeMetricFamily, "Bytes of the blocks on disk, headers included.", "disk_bytes"),
+    "pagedkv:disk_hits_total": (CounterMetricFamily, "Prompt tokens read back from disk (proven reads).",
+                                "disk_hits"),
+    "pagedkv:disk_writes_total": (CounterMetricFamily, "Blocks written to disk (proven writes).", "disk_writes"),
+    "pagedkv:disk_dropped_total": (CounterMetricFamily, "Writes to disk dropped: no room, the write queue full, "
+                                   "or never proven.", "disk_dropped"),
+    "pagedkv:disk_checksum_failures_total": (CounterMetricFamily, "Disk blocks whose header or checksum was wrong "
+                                             "when read (dropped, never served).", "disk_checksum_failures"),
+}
+
+
 class BlockManagerCollector(Collector):
     """Exports a :class:`BlockManager`'s counters."""
 
@@ -81,6 +96,10 @@ class BlockManagerCollector(Collector):
         s = self.manager.stats()
         for name, (family, doc, field) in METRICS.items():
             yield family(name, doc, value=getattr(s, field))
+        if s.disk is not None:
+            for name, (family, doc, key) in DISK_METRICS.items():
+                yield family(name.removesuffix("_total") if family is CounterMetricFamily else name, doc,
+                             value=s.disk[key])
 
 
 def start_metrics_server(manager: BlockManager, host: str, port: int) -> int:

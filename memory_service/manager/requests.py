@@ -134,7 +134,7 @@ class BlockTableUpdate:
 
 #: Media of a :class:`BlockCopy`'s sides (``pagedkv.grant.v1.Medium``): the pool, the host tier,
 #: another node's pool.
-DEVICE, HOST, REMOTE = 0, 1, 2
+DEVICE, HOST, REMOTE, DISK = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from memory_service.manager.requests import DISK
 from memory_service.tiers.disk_tier import DiskTier
 from pagedkv.runtime.block_hash import CacheKey, leading_hits
 
@@ -67,6 +68,9 @@ class TierDisk:
         self.disk_reading: dict[bytes, DiskWork] = {}
         self._next_work = 1
         self.host.on_cached = self._write_through
+        disk.on_stored = lambda s, k, parent, toks: self.cache.emit(
+            "stored", block_id=s, block_hash=k, parent_hash=parent, token_ids=toks, medium=DISK)
+        disk.on_removed = lambda s, k: self.cache.emit("removed", block_id=s, block_hash=k, medium=DISK)
 
     # -------------------------------------------------------------- write-through
     def _write_through(self, h: int) -> None:

@@ -223,3 +223,48 @@ def test_a_full_file_system_shrinks_the_tier(tmp_path, monkeypatch):
                  slab_bytes=2 * slot_bytes(BLOCK_NBYTES))
     assert t.num_slots == 2 and len(t.slabs()) == 1
     t.check()
+
+
+def test_the_block_manager_reads_a_prompts_disk_blocks_through_the_host_tier(tmp_path):
+    """Blocks on disk after a restart: PrefetchPrefix's path queues one read per block (pending host
+    blocks, pinned slots), settling them makes the host tier hold them (a lookup finds them there),
+    a failed read drops its slot and counts it; the write-through of a block proven in the host tier
+    is queued at once; the invariants hold throughout; the metrics and events show the disk."""
+    from memory_service.manager.block_manager import BlockManager
+    from memory_service.metrics import BlockManagerCollector
+
+    t = tier(tmp_path / "disk", slots=6)
+    for i in range(3):
+        write(t, i)
+    key = CacheKey("tiny")
+    restarted = tier(tmp_path / "disk", slots=6)
+    m = BlockManager(8, 4, host_num_blocks=4, disk=restarted)
+    m.check_invariants()
+    prompt = TOKENS[:13]  # blocks 0-2 full, the last token in block 3
+    assert m.prefetch_prefix(prompt, key) == (0, 0, 12, 3)
+    m.check_invariants()
+    assert m.prefetch_prefix(prompt, key) == (0, 0, 12, 3), "the reads in flight are not queued twice"
+    work = m.tiers.take_disk_work(16, now=0.0)
+    assert [(w.kind, w.slot, w.block_hash) for w in work] == [("read", s, HASHES[s]) for s in range(3)]
+    assert {w.host for w in work} == {0, 1, 2} and all(restarted.pins[s] == 1 for s in range(3))
+    m.check_invariants()
+    assert m.tiers.settle_disk_work(work[0].work_id, True) and m.tiers.settle_disk_work(work[1].work_id, True)
+    assert m.tiers.settle_disk_work(work[2].work_id, False)  # block 2's checksum failed
+    assert not m.tiers.settle_disk_work(work[2].work_id, True), "settled once"
+    m.check_invariants()
+    assert m.lookup_prefix(prompt, key) == (0, 8)
+    assert restarted.checksum_failures == 1 and HASHES[2] not in restarted.cached and restarted.hits == 8
+    assert m.prefetch_prefix(prompt, key) == (0, 8, 0, 0), "block 2 is gone from disk: computed"
+    # A block proven in the host tier is written through to disk at once (its host block pinned).
+    h = m.tiers.host.reserve_offload(HASHES[5], block(5)[1], HASHES[4])
+    m.tiers.host.offload_proven(h)
+    (w,) = m.tiers.take_disk_work(16, now=1.0)
+    assert (w.kind, w.host, w.block_hash) == ("write", h, HASHES[5]) and m.tiers.host.pins[h] == 1
+    m.check_invariants()
+    assert m.tiers.expire_disk_work(now=100.0) == 1 and restarted.dropped == 1 and m.tiers.host.pins[h] == 0
+    m.check_invariants()
+    metrics = {f.name: f.samples[0].value for f in BlockManagerCollector(m).collect()}
+    assert metrics["pagedkv:disk_blocks"] == 2 and metrics["pagedkv:disk_checksum_failures"] == 1
+    assert metrics["pagedkv:disk_hits"] == 8 and metrics["pagedkv:disk_dropped"] == 1
+    media = [(e.kind, e.medium) for e in m.prefix_cache.events]
+    assert ("removed", 3) in media and ("stored", 1) in media
