@@ -129,12 +129,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for m in args.models:
         rows += bench(m, [1, 64], contexts, args.reps)
         torch.cuda.empty_cache()  # the model, pool and graphs of the last are gone
-    print(table(f"Decode step, eager vs CUDA graphs ({torch.cuda.get_device_name()}, bf16)",
+    table(f"Decode step, eager vs CUDA graphs ({torch.cuda.get_device_name()}, bf16)",
                 ["model", "seqs", "context", "eager ms", "graphs ms", "speedup", "eager tok/s", "graphs tok/s",
                  "greedy equal"],
                 [[r["model"], r["seqs"], r["context"], fmt(r["eager_ms"], ".3f"), fmt(r["graphs_ms"], ".3f"),
                   fmt(r["speedup"]), fmt(r["eager_tok_s"], ".0f"), fmt(r["graphs_tok_s"], ".0f"), r["greedy_equal"]]
-                 for r in rows]))
+                 for r in rows])
     write_result("bench_decode_graphs", {"machine": machine(), "rows": rows})
     plt = pyplot()
     if plt is not None and rows:

@@ -107,12 +107,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rows.append({"block": label, "blocks": n, "layout": layout, "o_direct": direct,
                              "write_gbs": total / w, "read_gbs": total / r, "evict_ms": e * 1e3,
                              "write_us_per_block": w / n * 1e6, "read_us_per_block": r / n * 1e6})
-    print(table("Disk tier files: write, read (with checksums), evict",
+    table("Disk tier files: write, read (with checksums), evict",
                 ["block", "n", "layout", "O_DIRECT", "write GB/s", "read GB/s", "us/block w", "us/block r",
                  "evict all ms"],
                 [[r["block"], r["blocks"], r["layout"], r["o_direct"], fmt(r["write_gbs"]), fmt(r["read_gbs"]),
                   fmt(r["write_us_per_block"], ".0f"), fmt(r["read_us_per_block"], ".0f"), fmt(r["evict_ms"], ".1f")]
-                 for r in rows]))
+                 for r in rows])
     write_result("bench_disk_io", {"machine": machine(), "rows": rows})
     plt = pyplot()
     if plt is not None:

@@ -26,14 +26,25 @@ Part 2, swap vs recompute. ``--swap-requests`` requests of ``--swap-prompt`` pro
 caching off (so recompute recomputes), preemption by recompute vs by swap (a host tier large
 enough for every request), at block sizes 8, 16, 32, 64: wall time, preemptions and swaps.
 
+Part 3, the disk tier (``--skip-disk`` leaves it out). The same trace, a working set 4x the host
+tier (and 8x the device pool): device only, device + host, device + host + disk (a disk tier
+larger than the working set). Then a restart of the memory service (SIGTERM) after half the turns:
+the TTFT of the next turn with the disk tier kept (warm) against an emptied directory (cold), and
+the disk's write and read rates for blocks of this size (slab files with checksums, as
+benchmarks/bench_disk_io.py measures them).
+
     python benchmarks/bench_tiers.py [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 from common import Stack, machine, pct, pyplot, run_engine, save_plot, table, write_result
 from prompts import corpus_ids
 
@@ -49,16 +60,18 @@ def block_nbytes(block_size: int, dtype: str = "float32") -> int:
     return make_layout("smollm2", block_size=block_size, dtype=dtype, num_blocks=1).block_nbytes
 
 
-def chat(stack: Stack, tok, ids: list[int], args) -> dict:
-    """Run the multi-turn trace on ``stack``; TTFTs by turn and counters."""
+def chat(stack: Stack, tok, ids: list[int], args, turns: range | None = None, histories: list | None = None) -> dict:
+    """Run the multi-turn trace on ``stack`` (``turns`` of it, from ``histories``: the conversations
+    so far, extended in place); TTFTs by turn and counters."""
     engine = stack.engine(SchedulerConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=512), tok)
+    turns = range(args.turns) if turns is None else turns
     try:
-        histories = [[] for _ in range(args.conversations)]
+        histories = [[] for _ in range(args.conversations)] if histories is None else histories
         ttfts: dict[int, list[float]] = {}
         out_tokens, wall = 0, 0.0
         computed = 0
         before = engine.memory.stats()
-        for turn in range(args.turns):
+        for turn in turns:
             reqs = []
             for c, hist in enumerate(histories):
                 at = (7919 * (c * args.turns + turn + 1)) % (len(ids) - args.turn_tokens)
@@ -77,17 +90,87 @@ def chat(stack: Stack, tok, ids: list[int], args) -> dict:
                 histories[c] = list(r.prompt_token_ids) + list(r.seqs[0].generated)
                 out_tokens += len(r.seqs[0].generated)
             ttfts[turn] = [r.metrics.ttft for r in reqs]
+        wait_for_disk_writes(engine.memory)
         after = engine.memory.stats()
     finally:
         engine.close()
-    later = [t for turn in range(1, args.turns) for t in ttfts[turn]]
+    later = [t for turn in turns if turn >= 1 for t in ttfts[turn]]
     return {"ttft_mean_s": sum(later) / len(later), "ttft_p50_s": pct(later, 0.5), "ttft_p99_s": pct(later, 0.99),
             "ttft_by_turn_s": {t: sum(v) / len(v) for t, v in ttfts.items()}, "wall_s": wall,
             "output_tokens_per_s": out_tokens / wall, "tokens_computed": computed,
             "reloads": after.reloads - before.reloads, "offloads": after.offloads - before.offloads,
             "host_cache_hits": after.host_cache_hits - before.host_cache_hits,
             "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
+            "disk_hits": after.disk.hits - before.disk.hits, "disk_writes": after.disk.writes - before.disk.writes,
             "final_history_tokens": max(len(h) for h in histories)}
+
+
+def wait_for_disk_writes(memory, timeout: float = 60.0) -> None:
+    """Until the disk tier's queued writes are done (no host block held for one): what a restart keeps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and memory.stats().host_used_blocks:
+        time.sleep(0.05)
+
+
+def restarted(stack: Stack, wipe: Path | None = None) -> None:
+    """Stop the memory service (SIGTERM) and start it again over the same flags (after removing
+    ``wipe``, its disk directory, for a cold start); wait for the worker to map the new pool."""
+    from client.services import MemoryClient, WorkerClient
+
+    stack.memory.stop()
+    if wipe is not None:
+        shutil.rmtree(wipe)
+    stack.memory = stack.memory.respawn()
+    memory, worker = MemoryClient(stack.memory.address), WorkerClient(stack.worker.address)
+    try:
+        generation = memory.pool().generation
+        deadline = time.monotonic() + 120
+        while worker.model_info().pool_generation != generation and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        memory.close()
+        worker.close()
+
+
+def disk_part(tok, ids: list[int], args, tmp: Path) -> dict:
+    """Part 3: the trace with a working set 4x the host tier, device only / + host / + host + disk;
+    then a restart after half the turns, warm (the disk tier kept) against cold (a new directory)."""
+    bs, nbytes = args.block_size, block_nbytes(args.block_size)
+    final = args.turns * (args.turn_tokens + args.answer_tokens)
+    working_set = args.conversations * -(-final // bs)
+    device = max(working_set // 8, args.concurrency * -(-(final + bs) // bs))
+    host = max(working_set // 4, 1)
+    tiers = {"device only": ["--num-blocks", str(device)],
+             "device + host": ["--num-blocks", str(device), "--host-cache-memory", str(host * nbytes)]}
+    disk_flags = lambda d: [*tiers["device + host"], "--disk-cache-dir", str(d),  # noqa: E731
+                            "--disk-cache-size", str(4 * working_set * (nbytes + 8192))]
+    tiers["device + host + disk"] = disk_flags(tmp / "disk")
+    out: dict = {"config": {"device_blocks": device, "host_blocks": host, "working_set_blocks": working_set}}
+    for name, mem in tiers.items():
+        with Stack([*mem, "--block-size", str(bs)], "disk") as stack:
+            out[name] = chat(stack, tok, ids, args)
+        print(f"  {name:<22} TTFT mean {out[name]['ttft_mean_s']:.3f} s  p99 {out[name]['ttft_p99_s']:.3f} s  "
+              f"computed {out[name]['tokens_computed']}  disk hits {out[name]['disk_hits']}", flush=True)
+    half = args.turns // 2
+    for i, (name, cold) in enumerate((("warm restart (disk kept)", False), ("cold restart (new disk)", True))):
+        folder = tmp / f"restart{i}"
+        with Stack([*disk_flags(folder), "--block-size", str(bs)], "restart") as stack:
+            histories = [[] for _ in range(args.conversations)]
+            chat(stack, tok, ids, args, range(half), histories)
+            restarted(stack, wipe=folder if cold else None)
+            r = out[name] = chat(stack, tok, ids, args, range(half, half + 1), histories)
+        print(f"  {name:<24} TTFT of turn {half + 1}: {r['ttft_mean_s']:.3f} s  computed {r['tokens_computed']}  "
+              f"disk hits {r['disk_hits']}", flush=True)
+    out["restart_gain"] = out["cold restart (new disk)"]["ttft_mean_s"] / out["warm restart (disk kept)"]["ttft_mean_s"]
+    # The disk's own rates for blocks of this size (bench_disk_io's slab files, buffered, with checksums).
+    from bench_disk_io import slab
+
+    rng = np.random.default_rng(0)
+    blocks = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(64)]
+    (tmp / "io").mkdir()
+    w, r, _, _ = slab(tmp / "io", blocks, False)
+    out["disk_write_gbs"], out["disk_read_gbs"] = 64 * nbytes / w / 1e9, 64 * nbytes / r / 1e9
+    return out
 
 
 def swap_run(stack: Stack, tok, ids: list[int], mode: str, args) -> dict:
@@ -128,6 +211,7 @@ def main() -> int:
                     help="swap vs recompute block sizes (default 8,16,32,64; quick 16,32)")
     ap.add_argument("--skip-swap", action="store_true", help="only the multi-turn chat")
     ap.add_argument("--skip-chat", action="store_true", help="only swap vs recompute")
+    ap.add_argument("--skip-disk", action="store_true", help="without the disk tier's part")
     args = ap.parse_args()
     args.conversations = args.conversations or (6 if args.quick else 8)
     args.turns = args.turns or (3 if args.quick else 4)
@@ -222,10 +306,28 @@ def main() -> int:
             ["block", "recompute s", "preempt", "swap s", "preempt", "swap-outs", "swap speedup", "same output"],
             rows,
         )
+    if not args.skip_disk:
+        with tempfile.TemporaryDirectory(prefix="pagedkv-bench-disk-") as tmp:
+            d = result["disk"] = disk_part(tok, ids, args, Path(tmp))
+        cfg = d["config"]
+        names = ["device only", "device + host", "device + host + disk"]
+        table(f"Multi-turn chat with a disk tier: working set {cfg['working_set_blocks']} blocks, host tier "
+              f"{cfg['host_blocks']} (1/4 of it), device pool {cfg['device_blocks']}; TTFT over turns >= 2",
+              ["run", "TTFT mean s", "p99 s", "tokens computed", "disk hits (tokens)", "disk writes"],
+              [[n, f"{d[n]['ttft_mean_s']:.3f}", f"{d[n]['ttft_p99_s']:.3f}", d[n]["tokens_computed"],
+                d[n]["disk_hits"], d[n]["disk_writes"]] for n in names])
+        half = args.turns // 2
+        table(f"After a memory-service restart (SIGTERM) at turn {half + 1}: its TTFT, warm (the disk tier kept) vs "
+              f"cold (an empty directory); disk {d['disk_write_gbs']:.2f} GB/s write, {d['disk_read_gbs']:.2f} GB/s "
+              "read",
+              ["run", "TTFT mean s", "tokens computed", "disk hits (tokens)", "cold / warm"],
+              [[n, f"{d[n]['ttft_mean_s']:.3f}", d[n]["tokens_computed"], d[n]["disk_hits"],
+                f"{d['restart_gain']:.2f}x" if n.startswith("warm") else ""]
+               for n in ("warm restart (disk kept)", "cold restart (new disk)")])
     write_result("bench_tiers", result)
     plt = pyplot()
     if plt is not None:
-        panels = [p for p in ("chat", "swap") if result.get(p)]
+        panels = [p for p in ("chat", "swap", "disk") if result.get(p)]
         fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
         if "chat" in panels:
             ax = axes[0][0]
@@ -244,6 +346,16 @@ def main() -> int:
             ax.set_ylim(bottom=0)
             ax.set_title("Preemption: swap vs recompute (paper Fig. 19)")
             ax.legend()
+        if "disk" in panels:
+            ax = axes[0][panels.index("disk")]
+            d = result["disk"]
+            names = ["device only", "device + host", "device + host + disk", "warm restart (disk kept)",
+                     "cold restart (new disk)"]
+            ax.bar(range(len(names)), [d[n]["ttft_mean_s"] for n in names], color=["#999", "#2a7", "#47c", "#c72",
+                                                                                   "#777"])
+            ax.set_xticks(range(len(names)), [n.replace(" (", "\n(") for n in names], fontsize=7)
+            ax.set_ylabel("mean TTFT (s)")
+            ax.set_title("Disk tier: working set 4x the host tier; a restart")
         save_plot(fig, "bench_tiers")
     return 0
 

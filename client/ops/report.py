@@ -36,6 +36,19 @@ def host_table(stats) -> Table:
     return t
 
 
+def disk_table(stats) -> Table:
+    """The disk tier's counters (``--disk-cache-dir``): blocks and bytes on disk, reads, writes, drops,
+    checksum failures, blocks found at start."""
+    d = stats.disk
+    t = Table(title="Disk tier", show_header=True)
+    for col in ("blocks", "MiB", "slots", "hits", "writes", "reads", "dropped", "checksum fails", "evictions",
+                "recovered"):
+        t.add_column(col, justify="right")
+    t.add_row(str(d.blocks), f"{d.bytes / 2**20:.1f}", *map(str, (d.slots, d.hits, d.writes, d.reads, d.dropped,
+                                                                   d.checksum_failures, d.evictions, d.recovered)))
+    return t
+
+
 #: Most sequences drawn as a rich table; more print as plain text.
 RICH_MAX_ROWS = 200
 
@@ -84,6 +97,8 @@ def print_stats(stats, sequences, labels: dict[int, str] | None = None, console:
     console.print(stats_table(stats))
     if stats.host_total_blocks:
         console.print(host_table(stats))
+    if stats.HasField("disk"):
+        console.print(disk_table(stats))
     if len(sequences) <= RICH_MAX_ROWS:
         console.print(sequences_table(sequences, labels))
     else:
