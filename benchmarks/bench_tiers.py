@@ -28,8 +28,8 @@ enough for every request), at block sizes 8, 16, 32, 64: wall time, preemptions 
 
 Part 3, the disk tier (``--skip-disk`` leaves it out). The same trace, a working set 4x the host
 tier (and 8x the device pool): device only, device + host, device + host + disk (a disk tier
-larger than the working set). Then a restart of the memory service (SIGTERM) after half the turns:
-the TTFT of the next turn with the disk tier kept (warm) against an emptied directory (cold), and
+larger than the working set). Then a restart of the memory service (SIGTERM) before the last turn:
+the TTFT of that turn with the disk tier kept (warm) against an emptied directory (cold), and
 the disk's write and read rates for blocks of this size (slab files with checksums, as
 benchmarks/bench_disk_io.py measures them).
 
@@ -94,7 +94,7 @@ def chat(stack: Stack, tok, ids: list[int], args, turns: range | None = None, hi
         after = engine.memory.stats()
     finally:
         engine.close()
-    later = [t for turn in turns if turn >= 1 for t in ttfts[turn]]
+    later = [t for turn in turns if turn >= 1 for t in ttfts[turn]] or [t for v in ttfts.values() for t in v]
     return {"ttft_mean_s": sum(later) / len(later), "ttft_p50_s": pct(later, 0.5), "ttft_p99_s": pct(later, 0.99),
             "ttft_by_turn_s": {t: sum(v) / len(v) for t, v in ttfts.items()}, "wall_s": wall,
             "output_tokens_per_s": out_tokens / wall, "tokens_computed": computed,
@@ -134,7 +134,7 @@ def restarted(stack: Stack, wipe: Path | None = None) -> None:
 
 def disk_part(tok, ids: list[int], args, tmp: Path) -> dict:
     """Part 3: the trace with a working set 4x the host tier, device only / + host / + host + disk;
-    then a restart after half the turns, warm (the disk tier kept) against cold (a new directory)."""
+    then a restart before the last turn, warm (the disk tier kept) against cold (a new directory)."""
     bs, nbytes = args.block_size, block_nbytes(args.block_size)
     final = args.turns * (args.turn_tokens + args.answer_tokens)
     working_set = args.conversations * -(-final // bs)
@@ -151,7 +151,7 @@ def disk_part(tok, ids: list[int], args, tmp: Path) -> dict:
             out[name] = chat(stack, tok, ids, args)
         print(f"  {name:<22} TTFT mean {out[name]['ttft_mean_s']:.3f} s  p99 {out[name]['ttft_p99_s']:.3f} s  "
               f"computed {out[name]['tokens_computed']}  disk hits {out[name]['disk_hits']}", flush=True)
-    half = args.turns // 2
+    half = args.turns - 1  # the restart comes before the last turn
     for i, (name, cold) in enumerate((("warm restart (disk kept)", False), ("cold restart (new disk)", True))):
         folder = tmp / f"restart{i}"
         with Stack([*disk_flags(folder), "--block-size", str(bs)], "restart") as stack:
@@ -316,7 +316,7 @@ def main() -> int:
               ["run", "TTFT mean s", "p99 s", "tokens computed", "disk hits (tokens)", "disk writes"],
               [[n, f"{d[n]['ttft_mean_s']:.3f}", f"{d[n]['ttft_p99_s']:.3f}", d[n]["tokens_computed"],
                 d[n]["disk_hits"], d[n]["disk_writes"]] for n in names])
-        half = args.turns // 2
+        half = args.turns - 1  # the restart comes before the last turn
         table(f"After a memory-service restart (SIGTERM) at turn {half + 1}: its TTFT, warm (the disk tier kept) vs "
               f"cold (an empty directory); disk {d['disk_write_gbs']:.2f} GB/s write, {d['disk_read_gbs']:.2f} GB/s "
               "read",

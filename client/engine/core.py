@@ -355,10 +355,9 @@ class Engine:
         still share on the device may be what keeps it out)."""
         if not self.scheduler.stalled():
             return
+        if self.scheduler.gate_held:
+            return  # requests wait for their prompt's blocks from disk: not unschedulable, tried next step
         head = self.scheduler.head()
-        gate = self.scheduler.admit_gate
-        if head is not None and gate is not None and not gate(head):
-            return  # its prompt's blocks are being read from disk: it waits for them, it does not fail
         if head is not None and head.status == Status.SWAPPED:
             self.preemption.recompute_swapped(head)
             return

@@ -72,6 +72,8 @@ class Scheduler:
         #: Asked before a waiting request is admitted; False holds it this step and the others behind it
         #: go first (client.engine.disk.DiskGate: its prompt's blocks are being read from disk). None: none.
         self.admit_gate: Callable[[Request], bool] | None = None
+        #: Requests the gate held in the last :meth:`schedule` (they wait; they are not unschedulable).
+        self.gate_held = 0
         self.running: list[Request] = []
         self._lock = threading.Lock()
         self._aborts: set[str] = set()
@@ -200,6 +202,7 @@ class Scheduler:
                         scheduled.append(ScheduledSeq(req, seq, next(it, 0)))
                 scheduled = [x for x in scheduled if x.num_new_tokens > 0]
             self.waiting.extendleft(reversed(held))
+            self.gate_held = len(held)
         return SchedulerOutput(scheduled, admitted, swapped)
 
     def _growth(self, scheduled: list[ScheduledSeq]) -> int:

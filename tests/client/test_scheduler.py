@@ -313,3 +313,20 @@ def test_add_refuses_a_prompt_longer_than_the_context():
 def test_config_refuses_a_reservation_that_is_not_a_policy(bad):
     with pytest.raises(ValueError, match="reservation must be a client.engine.reservation policy"):
         SchedulerConfig(reservation=bad)
+
+
+def test_a_request_the_admission_gate_holds_waits_at_the_head_and_the_others_go_first():
+    """The disk tier's gate (client.engine.disk.DiskGate): a request whose prompt's blocks are being
+    read waits, keeps its place at the head of the queue, and the requests behind it are admitted;
+    once the gate lets it pass it is admitted before the rest."""
+    sch = scheduler(max_num_batched_tokens=8)
+    for rid in ("a", "b", "c"):
+        sch.add(request(rid, 4))
+    reading = {"a"}
+    sch.admit_gate = lambda r: r.request_id not in reading
+    out = sch.schedule(available_blocks=100)
+    assert ids(out.admitted) == ["b", "c"] and ids(sch.waiting) == ["a"] and sch.gate_held == 1
+    run(out)
+    reading.clear()
+    out = sch.schedule(available_blocks=100)
+    assert ids(out.admitted) == ["a"] and sch.gate_held == 0 and not sch.waiting
