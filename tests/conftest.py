@@ -64,10 +64,10 @@ def pagedkv_process(args: list[str], tmp: Path, name: str, env: dict | None = No
 
 
 def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: str = "stack",
-                model: str | Path | None = None) -> LocalStack:
+                model: str | Path | None = None, env: dict[str, str] | None = None) -> LocalStack:
     """``pagedkv memory <memory_args>`` and ``num_workers`` workers on free ports, logging under ``tmp``;
-    both services on ``--model model`` (None: SmolLM2); the pool in :data:`REFERENCE_DTYPE` unless
-    ``memory_args`` names its ``--kv-cache-dtype``.
+    both services on ``--model model`` (None: SmolLM2), with ``env`` added to their environment; the
+    pool in :data:`REFERENCE_DTYPE` unless ``memory_args`` names its ``--kv-cache-dtype``.
 
     Not started: use it as ``with local_stack(...) as s:``. Its memory service writes its admin
     token under ``tmp`` (the ready file's ``admin_token_file`` names it).
@@ -81,7 +81,7 @@ def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: s
     # Over an fp8 pool a worker's auto is the device's default, not the pool's: the reference dtype too.
     worker_args = ["--dtype", REFERENCE_DTYPE] if pool in ("fp8", "fp8_e4m3") else []
     return LocalStack(memory_args, num_workers=num_workers, run_dir=tmp, name=name, cwd=ROOT, timeout=START_TIMEOUT,
-                      model=None if model is None else str(model), worker_args=worker_args)
+                      model=None if model is None else str(model), worker_args=worker_args, env=env)
 
 
 @pytest.fixture

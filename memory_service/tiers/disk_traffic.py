@@ -117,13 +117,17 @@ class TierDisk:
 
     # ---------------------------------------------------------------------- queue
     def take_disk_work(self, limit: int, now: float) -> list[DiskWork]:
-        """Up to ``limit`` queued copies, oldest first, for a scheduler to have a worker do."""
-        out = []
-        while self.disk is not None and self.disk_queue and len(out) < limit:
-            w = self.disk_queue.popleft()
+        """Up to ``limit`` queued copies for a scheduler to have a worker do: reads first (a request
+        waits for them), then writes, each oldest first."""
+        if self.disk is None or not self.disk_queue:
+            return []
+        reads = [w for w in self.disk_queue if w.kind == READ]
+        out = (reads + [w for w in self.disk_queue if w.kind == WRITE])[:limit]
+        taken = {w.work_id for w in out}
+        self.disk_queue = deque(w for w in self.disk_queue if w.work_id not in taken)
+        for w in out:
             w.taken_at = now
             self.disk_taken[w.work_id] = w
-            out.append(w)
         return out
 
     def settle_disk_work(self, work_id: int, ok: bool | None) -> bool:

@@ -258,6 +258,7 @@ def test_the_block_manager_reads_a_prompts_disk_blocks_through_the_host_tier(tmp
     # A block proven in the host tier is written through to disk at once (its host block pinned).
     h = m.tiers.host.reserve_offload(HASHES[5], block(5)[1], HASHES[4])
     m.tiers.host.offload_proven(h)
+    assert m.prefetch_prefix(TOKENS[:9], CacheKey("other")) == (0, 0, 0, 0)
     (w,) = m.tiers.take_disk_work(16, now=1.0)
     assert (w.kind, w.host, w.block_hash) == ("write", h, HASHES[5]) and m.tiers.host.pins[h] == 1
     m.check_invariants()

@@ -11,7 +11,7 @@ import time
 import uuid
 
 import pytest
-from conftest import local_stack
+from conftest import ROOT, local_stack
 
 from client.engine.core import Engine
 from client.engine.scheduler import SchedulerConfig
@@ -26,12 +26,17 @@ FLUSH = ["Once upon a time, in a small village by the sea, there lived an old fi
          "A long list of fruits: apples, pears, plums, cherries, peaches, grapes and figs, all"]
 
 
-def stack(tmp, disk_dir, name="disk", size="64MiB"):
+HOOKS = str(ROOT / "tests" / "hooks" / "disk_fault.py")
+
+
+def stack(tmp, disk_dir, name="disk", size="64MiB", fault: str | None = None):
     """8 device blocks of 4 tokens, a host tier of 4 blocks (SmolLM2's fp32 layout: 180 KiB each),
-    and a disk tier of ``size`` under ``disk_dir``."""
+    and a disk tier of ``size`` under ``disk_dir``; ``fault``: the workers' disk writes fail so
+    (tests/hooks/disk_fault.py)."""
+    env = {"PAGEDKV_TEST_HOOKS": HOOKS, "PAGEDKV_TEST_DISK_FAULT": fault} if fault else None
     return local_stack(tmp, ["--num-blocks", "8", "--block-size", "4", "--host-cache-memory", "720KiB",
                              "--max-blocks-per-lease", "none", "--disk-cache-dir", str(disk_dir),
-                             "--disk-cache-size", size], name=name)
+                             "--disk-cache-size", size], name=name, env=env)
 
 
 def run(s, prompt: list[int], salt: str, timeout: float = 60.0) -> tuple[Engine, Request]:
@@ -169,3 +174,29 @@ def wait_for_worker(s, timeout: float = 60.0) -> None:
             w.close()
         time.sleep(0.2)
     raise AssertionError("the worker did not map the restarted pool")
+
+
+def test_a_full_disk_and_a_small_tier_drop_offloads_and_keep_serving(tmp_path_factory):
+    """ENOSPC on every write (a hook on the workers' write path): every offload to disk is dropped and
+    counted, nothing is on disk, every request is answered. A tier of 3 slots: it never holds more,
+    evicts to make room, and answers as well."""
+    tok = load_tokenizer("smollm2")
+    prompt = tok.encode(PROMPT)
+    with stack(tmp_path_factory.mktemp("disk-full"), tmp_path_factory.mktemp("full") / "kv", name="full",
+               fault="enospc") as s:
+        _, cold = run(s, prompt, "x")
+        evict(s, tok)
+        _, again = run(s, prompt, "x")
+        st = disk_stats(s)
+        assert st.disk.dropped >= 3 and st.disk.writes == 0 and st.disk.blocks == 0, st.disk
+        assert again.seqs[0].generated == cold.seqs[0].generated and st.used_blocks == 0
+    slot = 4096 + 184_320  # a header and one block of SmolLM2's fp32 layout at block size 4, 4 KiB aligned
+    with stack(tmp_path_factory.mktemp("disk-small"), tmp_path_factory.mktemp("small") / "kv", name="small",
+               size=str(3 * -(-slot // 4096) * 4096)) as s:
+        _, cold = run(s, prompt, "y")
+        evict(s, tok)
+        _, again = run(s, prompt, "y")
+        st = disk_stats(s)
+        assert st.disk.slots == 3 and st.disk.blocks <= 3 and st.disk.evictions >= 1, st.disk
+        assert again.seqs[0].generated == cold.seqs[0].generated and st.used_blocks == 0
+
