@@ -58,8 +58,9 @@ RUN apt-get update \
 # serve Triton, which compiles its launcher stubs on first use. /var/cache/triton is where compose
 # and Kubernetes mount the workers' Triton kernel cache (TRITON_CACHE_DIR); a new volume takes its owner.
 RUN useradd --uid 10001 --user-group --create-home pagedkv \
- && mkdir -p "${PAGEDKV_HOME}" /run/pagedkv /var/cache/triton \
- && chown pagedkv:pagedkv "${PAGEDKV_HOME}" /run/pagedkv /var/cache/triton
+ && mkdir -p "${PAGEDKV_HOME}" /run/pagedkv /var/cache/triton /var/cache/pagedkv-disk \
+ && chmod 0700 /var/cache/pagedkv-disk \
+ && chown pagedkv:pagedkv "${PAGEDKV_HOME}" /run/pagedkv /var/cache/triton /var/cache/pagedkv-disk
 
 RUN --mount=type=secret,id=pip-ca \
     if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
