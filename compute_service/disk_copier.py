@@ -53,9 +53,12 @@ class DiskCopier:
         self.info = info
         self._slabs: dict[int, SlabIO] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
+        """Close the slab files; later batches are refused (the pool is being dropped)."""
         with self._lock:
+            self._closed = True
             for io in self._slabs.values():
                 io.close()
             self._slabs.clear()
@@ -67,10 +70,11 @@ class DiskCopier:
             FailedPreconditionError: the pool has no host or disk tier (nothing done).
         """
         pool = self.pool
-        if self.info is None or pool.host_tensor is None:
-            raise FailedPreconditionError("this pool has no disk tier (the memory service runs without "
-                                          "--disk-cache-dir), so there is nothing to copy", reason=POOL_NOT_MAPPED)
-        with self._lock:
+        with self._lock:  # checked under the lock: :meth:`close` (a pool being dropped) waits for a batch in flight
+            if self._closed or self.info is None or pool.host_tensor is None:
+                raise FailedPreconditionError("no disk tier is mapped (the pool is being dropped, or the memory "
+                                              "service runs without --disk-cache-dir); retry shortly",
+                                              reason=POOL_NOT_MAPPED)
             return [sign_disk(pool.plane_key, self._one(c)) for c in copies]
 
     def _one(self, c: grant_pb2.DiskCopy) -> grant_pb2.DiskReceipt:

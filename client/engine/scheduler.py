@@ -34,6 +34,11 @@ from pagedkv.runtime.logs import get_logger
 log = get_logger("scheduler")
 
 
+#: Most waiting requests the admission gate may hold in one :meth:`Scheduler.schedule` before the
+#: rest of the queue waits for the next step (each gate check is a memory-service call).
+MAX_GATE_HELD = 16
+
+
 class Scheduler:
     """Continuous batching under a token budget and the pool's free blocks.
 
@@ -173,6 +178,8 @@ class Scheduler:
                 req = self.waiting[0]
                 if self.admit_gate is not None and not self.admit_gate(req):
                     held.append(self.waiting.popleft())
+                    if len(held) >= MAX_GATE_HELD:  # one memory-service call each: the queue's rest waits
+                        break
                     continue
                 chunks = []
                 for seq in req.live_seqs():

@@ -2,13 +2,16 @@
 keep a prompt, and a disk tier behind them. A prefix evicted through the host to disk comes back
 (read, checked and reloaded: only the rest is computed) with the cold run's output; after the
 memory service restarts over the same directory, the prompt still hits; a corrupted block file is
-never served; another model identity over the same directory finds nothing."""
+never served; another model identity over the same directory finds nothing; a full disk (ENOSPC)
+and a tier of 3 slots drop and evict, and serve on; a worker SIGKILLed in the middle of a slot
+write loses that block only."""
 
 from __future__ import annotations
 
 import os
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, local_stack
@@ -29,11 +32,14 @@ FLUSH = ["Once upon a time, in a small village by the sea, there lived an old fi
 HOOKS = str(ROOT / "tests" / "hooks" / "disk_fault.py")
 
 
-def stack(tmp, disk_dir, name="disk", size="64MiB", fault: str | None = None):
+def stack(tmp, disk_dir, name="disk", size="64MiB", fault: str | None = None, kill_file: Path | None = None):
     """8 device blocks of 4 tokens, a host tier of 4 blocks (SmolLM2's fp32 layout: 180 KiB each),
-    and a disk tier of ``size`` under ``disk_dir``; ``fault``: the workers' disk writes fail so
-    (tests/hooks/disk_fault.py)."""
-    env = {"PAGEDKV_TEST_HOOKS": HOOKS, "PAGEDKV_TEST_DISK_FAULT": fault} if fault else None
+    and a disk tier of ``size`` under ``disk_dir``; ``fault``: the workers' disk writes fail so, and
+    ``kill_file``: while it exists, the next write SIGKILLs its worker mid-slot (tests/hooks/disk_fault.py)."""
+    env = None
+    if fault or kill_file:
+        env = {"PAGEDKV_TEST_HOOKS": HOOKS, "PAGEDKV_TEST_DISK_FAULT": fault or "",
+               "PAGEDKV_TEST_DISK_KILL_FILE": str(kill_file or "")}
     return local_stack(tmp, ["--num-blocks", "8", "--block-size", "4", "--host-cache-memory", "720KiB",
                              "--max-blocks-per-lease", "none", "--disk-cache-dir", str(disk_dir),
                              "--disk-cache-size", size], name=name, env=env)
@@ -200,3 +206,47 @@ def test_a_full_disk_and_a_small_tier_drop_offloads_and_keep_serving(tmp_path_fa
         assert st.disk.slots == 3 and st.disk.blocks <= 3 and st.disk.evictions >= 1, st.disk
         assert again.seqs[0].generated == cold.seqs[0].generated and st.used_blocks == 0
 
+
+
+def test_a_worker_killed_in_the_middle_of_a_write_loses_that_block_only(tmp_path_factory):
+    """SIGKILL between a slot's payload and its header (a tier of 6 slots, full by then: the slot is
+    reused, so its old header stays over new bytes), then both services restarted: every prompt gets
+    its cold output again, the torn block is dropped and counted (the old header's checksum fails
+    when its block is read), the rest is found, and CheckInvariants holds on all three tiers."""
+    tok = load_tokenizer("smollm2")
+    texts = [PROMPT, *FLUSH]
+    prompts = [tok.encode(t) for t in texts]
+    slot = -(-(4096 + 184_320) // 4096) * 4096
+    tmp = tmp_path_factory.mktemp("disk-torn")
+    kill = tmp / "kill-next-write"
+    with stack(tmp, tmp / "kv", name="torn", size=str(6 * slot), kill_file=kill) as s:
+        cold = [run(s, p, "t")[1].seqs[0].generated for p in prompts]
+        assert disk_stats(s).disk.evictions >= 1, "the tier is full: slots are reused"
+        kill.touch()
+        late = tok.encode("Colours of the rainbow: red, orange, yellow, green, blue, indigo and violet, so")
+        deadline = time.monotonic() + 60
+        while s.workers[0].proc.poll() is None and time.monotonic() < deadline:
+            try:  # new blocks pass through the host tier to disk: the first write kills the worker
+                run(s, late, uuid.uuid4().hex, timeout=10)
+            except Exception:  # noqa: BLE001 - the worker died under this run
+                break
+        deadline = time.monotonic() + 30
+        while s.workers[0].proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s.workers[0].proc.poll() is not None and not kill.exists(), "the hook killed the worker mid-write"
+        s.memory.stop()
+        s.memory = s.memory.respawn()
+        s.workers[0] = s.workers[0].respawn()
+        wait_for_worker(s)
+        found = disk_stats(s).disk.recovered
+        again = [run(s, p, "t")[1] for p in prompts]
+        st = disk_stats(s)
+        assert found >= 1 and st.disk.checksum_failures == 1, st.disk
+        assert [r.seqs[0].generated for r in again] == cold
+        assert sum(r.num_cached_tokens for r in again) > 0, "blocks written before the kill are hits"
+        token = open(s.memory.info["admin_token_file"]).read().strip()
+        check = MemoryClient(s.memory.address, admin_token=token)
+        try:
+            assert check.check_invariants().ok
+        finally:
+            check.close()

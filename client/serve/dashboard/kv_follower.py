@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from client.errors import from_rpc_error
-from client.serve.dashboard.block_states import MEDIUM_HOST
+from client.serve.dashboard.block_states import MEDIUM_DEVICE, MEDIUM_HOST
 from pagedkv.runtime.logs import get_logger
 
 log = get_logger("dashboard")
@@ -95,12 +95,11 @@ class CachedBlocks:
     def _apply(self, event) -> None:
         kind = event.WhichOneof("event")
         with self._lock:
-            if kind == "block_stored":
-                e = event.block_stored
-                (self._host if e.medium == MEDIUM_HOST else self._device).add(e.block_id)
-            elif kind == "block_removed":
-                e = event.block_removed
-                (self._host if e.medium == MEDIUM_HOST else self._device).discard(e.block_id)
+            if kind in ("block_stored", "block_removed"):
+                e = getattr(event, kind)
+                blocks = {MEDIUM_DEVICE: self._device, MEDIUM_HOST: self._host}.get(e.medium)
+                if blocks is not None:  # the disk tier's slots are no block of either map
+                    (blocks.add if kind == "block_stored" else blocks.discard)(e.block_id)
             elif kind == "all_cleared":
                 self._device.clear()
                 self._host.clear()

@@ -179,8 +179,13 @@
       ["generation_tokens_per_s", "output tokens/s", num(c.now.generation_tokens_per_s)],
     ];
     if (st.host_total_blocks) cards.push(["host_used_blocks", "host tier used", `${st.host_used_blocks} / ${st.host_total_blocks}`]);
+    if (st.disk) {  // the disk tier (--disk-cache-dir): blocks on disk, tokens read back, blocks dropped as corrupt
+      cards.push(["disk_blocks", "disk tier", `${st.disk.blocks} / ${st.disk.slots} blocks`]);
+      cards.push(["disk_hits", "disk hits (tokens)", Number(st.disk.hits).toLocaleString("en-US")]);
+      cards.push(["disk_checksum_failures", "disk checksum failures", String(st.disk.checksum_failures)]);
+    }
     const box = $("counters");
-    if (box.children.length !== cards.length) {  // built once (again when the host tier appears)
+    if (box.children.length !== cards.length) {  // built once (again when a host or disk tier appears)
       box.replaceChildren(...cards.map(([key, label]) =>
         el("div", { class: "card", data: { counter: key } }, el("div", { class: "label" }, label), el("div", { class: "value" }))));
     }
