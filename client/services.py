@@ -19,19 +19,17 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import threading
 from pathlib import Path
 
 import grpc
 
-from client.errors import ServiceError, from_rpc_error
+from client.errors import from_rpc_error
 from pagedkv.compute.v1 import compute_service_pb2 as cpb
 from pagedkv.compute.v1 import compute_service_pb2_grpc as cpb_grpc
 from pagedkv.config import env
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.memory.v1 import memory_service_pb2_grpc as mpb_grpc
 from pagedkv.runtime.credentials import LEASE_SECRET_METADATA, default_admin_token_file
-from pagedkv.runtime.errors import LEASE_EXPIRED, LEASE_NOT_FOUND
 from pagedkv.runtime.logs import get_logger
 from pagedkv.runtime.tls import TlsFiles
 from pagedkv.runtime.tls import channel as plane_channel
@@ -349,55 +347,3 @@ class WorkerClient(_Channel):
     def step(self, request: cpb.StepRequest) -> cpb.StepResponse:
         return self.stub.Step(request, timeout=self.timeout)
 
-
-class Lease:
-    """A lease on ``memory`` renewed in the background until :meth:`close`.
-
-    When a keep-alive is refused because the memory service no longer knows the lease (reason
-    LEASE_NOT_FOUND: it restarted) or it expired (LEASE_EXPIRED), renewing stops and :attr:`lost`
-    holds that error; the engine then recovers with a new lease (client.engine.recovery).
-    """
-
-    def __init__(self, memory: MemoryClient, ttl: float | None = None):
-        self.memory = memory
-        resp = memory.create_lease(ttl)
-        self.lease_id = resp.lease_id
-        #: The lease's secret (``memory`` sends it on every call on the lease).
-        self.secret = resp.lease_secret
-        self.ttl = resp.ttl_seconds
-        #: Block-table entries the lease may hold; None: no quota (none set, or created with the admin token).
-        self.max_blocks = resp.max_blocks or None
-        #: The refusal that showed the lease is gone, once a keep-alive met one; None while it lives.
-        self.lost: ServiceError | None = None
-        self._closed = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._renew, name="pagedkv-lease", daemon=True)
-        self._thread.start()
-
-    def _renew(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            try:
-                self.memory.keep_alive(self.lease_id)
-            except Exception as e:  # noqa: BLE001 - keep trying unless the lease is gone
-                if isinstance(e, ServiceError) and e.reason in (LEASE_NOT_FOUND, LEASE_EXPIRED):
-                    self.lost = e
-                    log.warning("lease_lost", lease_id=self.lease_id, reason=e.reason, error=e.message)
-                    return
-                log.warning("keep_alive_failed", lease_id=self.lease_id, error=str(e))
-
-    def stop_renewing(self) -> None:
-        """Stop the keep-alives and keep the lease: it expires after its TTL unless :meth:`close` releases it."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-
-    def close(self) -> None:
-        """Stop renewing and release the lease (its sequences are freed)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        try:
-            self.memory.release_lease(self.lease_id)
-        except Exception as e:  # noqa: BLE001 - the service may already be gone
-            log.info("release_failed", lease_id=self.lease_id, error=str(e))

@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from client.engine.scheduler import ScheduledSeq
-from client.services import Lease, MemoryClient
+from client.lease import Lease
+from client.services import MemoryClient
 from pagedkv.runtime.limits import MAX_BATCH
 
 

@@ -58,9 +58,10 @@ from client.engine.swap import Swapper, check_host_tier
 from client.engine.transfers import Peer, PrefixPull
 from client.engine.worker_step import StepRunner
 from client.errors import OutOfBlocks, QuotaExceeded, ServiceError
+from client.lease import Lease
 from client.params import model_defaults
 from client.request import Request, Status
-from client.services import Lease, MemoryClient, WorkerClient
+from client.services import MemoryClient, WorkerClient
 from client.stop import StopChecker, context_limit, same_model
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.model.source import model_identity

@@ -5,7 +5,7 @@ its pool has a new generation) or when the lease expires (no keep-alive within i
 after a long pause); every block its sequences held is gone with it. The engine finds out by
 
 - a memory-service call refused with ErrorInfo reason ``LEASE_NOT_FOUND`` or ``LEASE_EXPIRED``
-  (or the lease's keep-alive thread meeting one: :attr:`client.services.Lease.lost`),
+  (or the lease's keep-alive thread meeting one: :attr:`client.lease.Lease.lost`),
 - a worker's Step refused with ``POOL_GENERATION_MISMATCH`` or ``POOL_NOT_MAPPED``,
 - GetStats reporting a pool generation other than the one the engine steps,
 - UNAVAILABLE from the memory service or a worker (it stopped, or the connection broke).
@@ -51,8 +51,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from client.errors import FailedPrecondition, ServiceError, Unavailable
+from client.lease import Lease
 from client.ops.stack import serving
-from client.services import Lease
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.runtime.errors import LEASE_EXPIRED, LEASE_NOT_FOUND, POOL_GENERATION_MISMATCH, POOL_NOT_MAPPED
 from pagedkv.runtime.logs import get_logger

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from client.errors import ServiceError
-from client.services import Lease, MemoryClient
+from client.lease import Lease
+from client.services import MemoryClient
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.runtime.errors import LEASE_EXPIRED, LEASE_NOT_FOUND
 from pagedkv.runtime.logs import get_logger

@@ -18,7 +18,8 @@ import pytest
 from helpers.credentials import admin_md, new_lease
 
 from client.errors import error_info
-from client.services import Lease, MemoryClient
+from client.lease import Lease
+from client.services import MemoryClient
 from memory_service.leases import LeaseTable
 from memory_service.manager import block_manager as bm
 from memory_service.manager.block_manager import BlockManager

@@ -17,7 +17,8 @@ from conftest import local_stack
 from helpers.credentials import admin_md, new_lease
 
 from client.errors import error_info
-from client.services import Lease, MemoryClient
+from client.lease import Lease
+from client.services import MemoryClient
 from memory_service.main import build_parser
 from memory_service.peers import parse_peer, socket_uid
 from memory_service.quotas import BlockQuota, parse_block_quota, parse_limit
