@@ -32,7 +32,6 @@ import torch
 from compute_service.disk_io import SlabIO, header_for, open_slab
 from compute_service.pool_map import MappedPool
 from pagedkv.grant.v1 import grant_pb2
-from pagedkv.runtime.disk_block import checksum
 from pagedkv.runtime.errors import POOL_GENERATION_MISMATCH, POOL_NOT_MAPPED, FailedPreconditionError
 from pagedkv.runtime.grants import disk_signed, sign_disk
 from pagedkv.runtime.logs import get_logger
@@ -99,7 +98,7 @@ class DiskCopier:
             else:
                 result = io.read(slot, block, identity=bytes(info.identity), block_hash=bytes(c.block_hash))
                 if result.ok:
-                    receipt.ok, receipt.checksum = True, checksum(block)
+                    receipt.ok, receipt.checksum = True, result.header.checksum  # the read checked the bytes against it
                 else:
                     receipt.failure = result.reason
                     log.warning("disk_block_unreadable", slot=c.slot, reason=result.reason)

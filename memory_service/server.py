@@ -248,11 +248,11 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
     async def TakeDiskWork(self, request, context):
         self.authz.lease(context, request.lease_id)
         tiers = self.manager.tiers
-        tiers_now = self.manager.leases.clock()
+        now = self.manager.leases.clock()
         if tiers.disk is None:
             return pb.TakeDiskWorkResponse()
-        tiers.expire_disk_work(tiers_now)
-        work = tiers.take_disk_work(min(request.max_copies or 16, 256), tiers_now)
+        tiers.expire_disk_work(now)
+        work = tiers.take_disk_work(min(request.max_copies or 16, 256), now)
         return pb.TakeDiskWorkResponse(copies=[self.signer.disk_copy(w) for w in work])
 
     async def SettleDiskWork(self, request, context):
