@@ -231,6 +231,27 @@ class MemoryClient(_Channel):
         return self.stub.ExportPrefix(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
 
     @_typed
+    def pin_prefix(self, lease_id: str, token_ids: list[int], *, ttl: float, priority: int = 0, model_id: str = "",
+                   cache_salt: str = "", label: str = "") -> mpb.PrefixPin | None:
+        """Keep the prompt's cached leading blocks resident for ``ttl`` seconds, charged to ``lease_id``,
+        with retention ``priority`` (0-100) once unpinned; None when none is cached."""
+        req = mpb.PinPrefixRequest(lease_id=lease_id, token_ids=token_ids, model_id=model_id, cache_salt=cache_salt,
+                                   ttl_seconds=ttl, priority=priority, label=label)
+        resp = self.stub.PinPrefix(req, timeout=self.timeout, metadata=self._lease_md(lease_id))
+        return resp.pin if resp.HasField("pin") else None
+
+    @_typed
+    def unpin_prefix(self, lease_id: str, pin_id: str) -> int:
+        """End a prefix pin of ``lease_id`` now; returns the blocks it held (they stay cached)."""
+        req = mpb.UnpinPrefixRequest(lease_id=lease_id, pin_id=pin_id)
+        return self.stub.UnpinPrefix(req, timeout=self.timeout, metadata=self._lease_md(lease_id)).num_blocks
+
+    @_typed
+    def list_pins(self) -> list[mpb.PrefixPin]:
+        """Every live prefix pin (admin)."""
+        return list(self.stub.ListPins(mpb.ListPinsRequest(), timeout=self.timeout, metadata=self._admin_md()).pins)
+
+    @_typed
     def append(self, lease_id: str, appends: list[tuple[int, int] | tuple[int, int, list[int]]],
                receipts: list = ()) -> mpb.AppendSlotsResponse:
         """Grow sequences by ``(seq_id, num_tokens[, token_ids])``; ``receipts`` (the last step's, unchanged)

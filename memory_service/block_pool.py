@@ -8,6 +8,13 @@ tail, a sequence's blocks in reverse order, so the head is the least recently
 used leaf and eviction is LRU, leaves before parents; a freed block without
 content goes to the head, to be reused before any cached block is evicted.
 
+Retention priority (PinPrefix, :mod:`memory_service.manager.pins`; TensorRT-LLM's retention
+priorities, SGLang's priority eviction): a cached block whose content an operator asked to keep
+carries a priority > 0 and waits in the LRU queue of its priority instead
+(:attr:`BlockPool.retained`), so eviction takes the free queue first, then the lowest priority
+first, LRU within one. The priority belongs to the content: it goes when the block is evicted
+or its content dropped.
+
 The pool knows nothing of hashes: the prefix cache marks a block as keeping
 content (:meth:`BlockPool.keep_content`), drops the mark on reset
 (:meth:`BlockPool.drop_content`), and hears through ``on_evict`` when a cached
@@ -19,11 +26,14 @@ NOTE: invariants (checked by :meth:`BlockPool.check`):
   * a refcount-0 block is cached  <=>  ``has_content[b]``;
   * ``fill[b] == 0`` for every refcount-0 block without content;
   * ``tokens_stored == sum(fill[b] for used b)``;
-  * ``shared_refs == sum(ref_counts[b] for b with refcount > 1)``.
+  * ``shared_refs == sum(ref_counts[b] for b with refcount > 1)``;
+  * a refcount-0 block is in ``retained[p]``  <=>  it is cached with ``retention[b] == p > 0``;
+    every other refcount-0 block is in the free queue; ``retention[b] == 0`` without content.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -132,31 +142,69 @@ class BlockPool:
         self.has_content = [False] * num_blocks
         #: Called as ``on_evict(block_id)`` when a cached block is popped for reuse.
         self.on_evict: Callable[[int], None] | None = None
+        #: retention[b]: the retention priority of block b's content (0: none, evicted in LRU order).
+        self.retention = [0] * num_blocks
+        #: Refcount-0 cached blocks with a retention priority: priority -> block ids, LRU first.
+        self.retained: dict[int, OrderedDict[int, None]] = {}
+        #: Blocks in :attr:`retained`.
+        self.num_retained = 0
 
     @property
     def num_available(self) -> int:
         """Blocks an allocation may take now: free + cached (evictable)."""
-        return len(self.free_queue)
+        return len(self.free_queue) + self.num_retained
 
     @property
     def num_used(self) -> int:
         """Blocks with refcount > 0."""
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_available
+
+    def set_retention(self, block_ids: Iterable[int], priority: int) -> None:
+        """Raise the retention priority of used blocks' content to ``priority`` (a block keeps the
+        highest it was given). Callers validate ``priority`` (>= 0)."""
+        for b in block_ids:
+            assert self.ref_counts[b] > 0, f"retention of block {b} with refcount 0"
+            self.retention[b] = max(self.retention[b], priority)
+
+    def _pop_evictable(self) -> int:
+        """The next block to hand out: the free queue's head, else the LRU block of the lowest priority."""
+        if len(self.free_queue):
+            return self.free_queue.popleft()
+        level = min(self.retained)
+        queue = self.retained[level]
+        b, _ = queue.popitem(last=False)
+        if not queue:
+            del self.retained[level]
+        self.num_retained -= 1
+        return b
+
+    def _unqueue(self, block_id: int) -> None:
+        """Take a refcount-0 block out of the free queue or its retention queue."""
+        level = self.retention[block_id]
+        if level and self.has_content[block_id]:
+            queue = self.retained[level]
+            del queue[block_id]
+            if not queue:
+                del self.retained[level]
+            self.num_retained -= 1
+        else:
+            self.free_queue.remove(block_id)
 
     @property
     def num_free(self) -> int:
         """Blocks with no content."""
-        return len(self.free_queue) - self.num_cached
+        return self.num_available - self.num_cached
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the head of the free queue, refcount 1 each."""
-        assert n <= len(self.free_queue), f"allocate({n}) with {len(self.free_queue)} available"
+        assert n <= self.num_available, f"allocate({n}) with {self.num_available} available"
         out = []
         for _ in range(n):
-            b = self.free_queue.popleft()
+            b = self._pop_evictable()
             assert self.ref_counts[b] == 0, f"block {b} popped while in use"
             if self.has_content[b]:  # evict: its content goes
                 self.has_content[b] = False
+                self.retention[b] = 0
                 self.fill[b] = 0
                 self.num_cached -= 1
                 if self.on_evict is not None:
@@ -179,7 +227,7 @@ class BlockPool:
         for b in block_ids:
             if self.ref_counts[b] == 0:
                 assert self.has_content[b], f"hit on block {b} without content"
-                self.free_queue.remove(b)
+                self._unqueue(b)
                 self.num_cached -= 1
                 self.ref_counts[b] = 1
                 self.tokens_stored += self.fill[b]
@@ -189,10 +237,13 @@ class BlockPool:
     def drop_content(self, block_id: int) -> bool:
         """Unmark a block's content; a cached (refcount-0) one becomes free. True if it was cached."""
         assert self.has_content[block_id], f"block {block_id} keeps no content"
-        self.has_content[block_id] = False
         if self.ref_counts[block_id]:
+            self.has_content[block_id] = False
+            self.retention[block_id] = 0
             return False
-        self.free_queue.remove(block_id)
+        self._unqueue(block_id)
+        self.has_content[block_id] = False
+        self.retention[block_id] = 0
         self.fill[block_id] = 0
         self.free_queue.appendleft(block_id)
         self.num_cached -= 1
@@ -226,6 +277,10 @@ class BlockPool:
                 if not self.has_content[b]:
                     self.fill[b] = 0
                     self.free_queue.appendleft(b)
+                elif level := self.retention[b]:  # cached with a retention priority: its own LRU queue
+                    self.retained.setdefault(level, OrderedDict())[b] = None
+                    self.num_retained += 1
+                    self.num_cached += 1
                 else:  # keeps its content: cached, evictable, most recently used
                     self.free_queue.append(b)
                     self.num_cached += 1
@@ -256,10 +311,21 @@ class BlockPool:
         """Assert the module's invariants (O(num_blocks); tests call it after every step)."""
         queued = set(self.free_queue)
         assert len(queued) == len(self.free_queue), "free queue has a cycle or duplicate"
+        assert self.num_retained == sum(len(q) for q in self.retained.values()), "retained count is off"
+        for level, queue in self.retained.items():
+            assert level > 0 and queue, f"retention queue {level} is empty or not a priority"
+            for b in queue:
+                assert b not in queued and self.has_content[b] and self.retention[b] == level, (
+                    f"block {b} in retention queue {level}: retention {self.retention[b]}, "
+                    f"content {self.has_content[b]}, in free queue {b in queued}")
+            queued |= set(queue)
+        assert all(self.retention[b] == 0 or self.has_content[b] for b in range(self.num_blocks)), (
+            "a block without content has a retention priority")
         for b in range(self.num_blocks):
             assert (b in queued) == (self.ref_counts[b] == 0), (
                 f"block {b}: refcount {self.ref_counts[b]} but in_free_queue={b in queued}"
             )
+        assert len(queued) == self.num_available, "a block is in two queues"
         assert self.num_free + self.num_cached + self.num_used == self.num_blocks
         assert self.num_cached == sum(1 for b in queued if self.has_content[b])
         assert all(self.fill[b] == 0 for b in queued if not self.has_content[b])

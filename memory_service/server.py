@@ -22,6 +22,7 @@ from memory_service.manager.paging import decode_page_token, encode_page_token, 
 from memory_service.manager.requests import Allocation, Append, BlockCopy, OutOfBlocks, check_batch, check_request_size
 from memory_service.manager.sequence import Sequence, SequenceInfo
 from memory_service.peers import peer_identity
+from memory_service.pin_rpcs import PinRpcs
 from memory_service.pool import Pool
 from memory_service.step_grants import GrantSigner
 from memory_service.transfers import NodeTransfers
@@ -74,7 +75,7 @@ def _worker_order(copies: list[BlockCopy]) -> list[BlockCopy]:
 
 
 @map_errors
-class MemoryServicer(pb_grpc.MemoryServiceServicer):
+class MemoryServicer(PinRpcs, pb_grpc.MemoryServiceServicer):
     """Serves one :class:`BlockManager` over one :class:`Pool`; ``signer`` signs its grants.
 
     ``admin_token``: the loopback admin credential (None: admin only by TLS certificate);
@@ -289,6 +290,7 @@ class MemoryServicer(pb_grpc.MemoryServiceServicer):
         disk = fields.pop("disk")
         if disk is not None:
             fields["disk"] = pb.DiskTierStats(**{k.removeprefix("disk_"): v for k, v in disk.items()})
+        fields["pins"] = pb.PinStats(**fields["pins"])
         return pb.GetStatsResponse(**fields, generation=self.pool.generation,
                                    kv_cache_dtype=lay.dtype.name, kv_bytes_per_token=lay.block_nbytes // lay.block_size,
                                    token_capacity=lay.num_blocks * lay.block_size, pool_bytes=lay.nbytes)
@@ -381,6 +383,7 @@ async def expire_leases_forever(manager: BlockManager, period: float) -> None:
             await asyncio.sleep(period)
             await asyncio.sleep(0)  # calls received meanwhile (keep-alives) run before the sweep
             leases.expire()
+            manager.expire_pins()
     finally:
         drainer.cancel()
         manager.on_releasing = None

@@ -11,8 +11,8 @@ exceptions before anything changes.
 
 Here: allocate, append (with copy-on-write), fork and free, and the release of dropped leases'
 blocks. Mixed in from their own modules: cached prefixes, exports, commits and cache resets
-(:mod:`memory_service.manager.prefix`), swap-out and swap-in (:mod:`memory_service.manager.swap`),
-and the read-only views (:mod:`memory_service.manager.views`).
+(:mod:`memory_service.manager.prefix`), prefix pins (:mod:`memory_service.manager.pins`), swap-out
+and swap-in (:mod:`memory_service.manager.swap`), and the read-only views (:mod:`memory_service.manager.views`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 
 from memory_service.block_pool import BlockPool
 from memory_service.leases import Lease, LeaseTable
+from memory_service.manager.pins import ManagerPins
 from memory_service.manager.prefix import ManagerPrefix
 from memory_service.manager.quota import ManagerQuota
 from memory_service.manager.requests import (
@@ -53,7 +54,7 @@ from pagedkv.runtime.logs import get_logger
 log = get_logger("block_manager")
 
 
-class BlockManager(ManagerPrefix, ManagerQuota, ManagerSwap, ManagerViews):
+class BlockManager(ManagerPrefix, ManagerPins, ManagerQuota, ManagerSwap, ManagerViews):
     """Sequences and block tables over a pool of ``num_blocks`` x ``block_size`` tokens.
 
     Leases are opened, renewed and released through :attr:`leases`; KV events
@@ -112,8 +113,8 @@ class BlockManager(ManagerPrefix, ManagerQuota, ManagerSwap, ManagerViews):
             if self.tiers.host is None:
                 raise ValueError("a disk tier stages its copies through a host tier: give host_num_blocks")
             self.tiers.attach_disk(disk)
-        self.allocation_failures = 0  # requests refused with OutOfBlocks
-        self.preemptions = 0  # sequences freed as preempted
+        self.allocation_failures, self.preemptions = 0, 0  # requests refused with OutOfBlocks; preempted sequences
+        self.pins, self.pins_expired = {}, 0  # prefix pins (memory_service.manager.pins)
         #: Block references of dropped leases' sequences not yet returned (see _free_lease_sequences).
         self.releasing = ReleaseQueue(self.pool)
         #: Called (no arguments) when references are left to release; the server wakes its drain task.
@@ -122,9 +123,8 @@ class BlockManager(ManagerPrefix, ManagerQuota, ManagerSwap, ManagerViews):
     def _check_tokens(self, n: int, what: str) -> None:
         capacity = self.pool.num_blocks * self.block_size
         if not 1 <= n <= capacity:
-            raise InvalidArgumentError(
-                f"{what}: num_tokens must be in [1, {capacity}] (the pool's whole token capacity), got {n}"
-            )
+            raise InvalidArgumentError(f"{what}: num_tokens must be in [1, {capacity}] (the pool's whole token "
+                                       f"capacity), got {n}")
 
     def _refuse(self, required: int, pinned: int = 0) -> OutOfBlocks:
         """Count and return a refusal; ``pinned`` cached hits are not available to this request."""

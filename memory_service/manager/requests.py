@@ -273,6 +273,8 @@ class Stats:
     swapped_sequences: int = 0
     #: The disk tier's :meth:`DiskTier.stats` (``disk_`` names), or None without one.
     disk: dict | None = None
+    #: Prefix pins and retention (:meth:`ManagerPins.pin_stats`, GetStats.pins).
+    pins: dict | None = None
 
     @property
     def usage(self) -> float:

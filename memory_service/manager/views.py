@@ -106,7 +106,7 @@ class ManagerViews:
             allocation_failures=self.allocation_failures, preemptions=self.preemptions,
             prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits, shared_block_refs=p.shared_refs,
             prefix_cache_evictions=cache.evictions, prefix_caching=cache.enabled,
-            **self._tier_stats(),
+            **self._tier_stats(), pins=self.pin_stats(),
         )
 
     def _tier_stats(self) -> dict:
@@ -129,5 +129,6 @@ class ManagerViews:
         refs.update(self.releasing.blocks())
         self.tiers.check(self.sequences.values())
         self.releasing.check()
+        self.check_pins()
         for b, rc in enumerate(self.pool.ref_counts):
             assert rc == refs[b], f"block {b}: refcount {rc} but {refs[b]} block-table entries"

@@ -126,6 +126,9 @@ ADMIN_CRED = st.tuples(st.sampled_from(["admin"] * 5 + ["admin+own", "own", "non
 SEQ = st.tuples(st.sampled_from(["live"] * 3 + ["freed", "next", "random"]), PICK, U64)
 TTL = weighted((3, st.none()), (2, st.sampled_from(
     [0.0, -1.0, math.nan, math.inf, -math.inf, 1e-9, 0.05, 0.5, 2.0, DEFAULT_TTL, 60.0, 86_400.0, 86_400.5, 1e300])))
+#: A pin's TTL: valid ones outlast any example (a pin ending between two calls would change the
+#: sequences a refused call must leave alone), else out of range.
+PIN_TTL = st.sampled_from([3600.0, 86_400.0, 0.0, -1.0, math.nan, math.inf, 86_400.5, 1e300])
 #: (kind, seq, pick, start, end, block_ids, epochs, digest) of a receipt; honest ones take their fields from a grant.
 RECEIPT = st.tuples(
     st.sampled_from(["honest", "signed-random", "tampered", "wrong-key", "wrong-generation", "unsigned"]),
@@ -226,6 +229,7 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
         self.page_tokens: list[str] = []
         self.honest = False  # the current call's HONEST_CALL
         self.disk_taken: list[grant_pb2.DiskCopy] = []  # disk copies taken and not settled by this machine
+        self.pins: dict[str, tuple[LeaseModel, int]] = {}  # live prefix pins: id -> (lease, seq_id)
 
     # ------------------------------------------------------------------ choosing values
     def _lease(self, choice) -> tuple[LeaseModel | None, str]:
@@ -753,6 +757,42 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
             assert resp.num_tokens == len(t.block_ids) * BLOCK_SIZE <= max(0, len(tokens) - 1), resp
             assert list(t.block_hashes) == chain_hashes(tokens, BLOCK_SIZE, CacheKey("", salt), len(t.block_ids))
             self.seqs[resp.seq_id] = SeqModel(model, tokens[: resp.num_tokens])
+
+    @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED, tokens=TOKENS, salt=SALT, ttl=PIN_TTL,
+          priority=st.sampled_from([0, 1, 50, 100, 101, 2**32 - 1]), label=TEXT)
+    def pin_prefix(self, honest, lease, cred, tokens, salt, ttl, priority, label):
+        """PinPrefix: a sequence of the lease holding the cached full blocks, never the last token's."""
+        self.honest = honest
+        model, lease_id = self._lease(lease)
+        if honest:
+            tokens, ttl, priority, label = [t % 4 for t in tokens[:24]], 3600.0, priority % 101, label[:128]
+        resp = self.call("PinPrefix", pb.PinPrefixRequest(lease_id=lease_id, token_ids=tokens, cache_salt=salt,
+                                                          ttl_seconds=ttl, priority=priority, label=label),
+                         self._md(cred, model))
+        if resp is not None and resp.HasField("pin"):
+            pin = resp.pin
+            assert 0 < pin.num_tokens == len(pin.block_ids) * BLOCK_SIZE <= max(0, len(tokens) - 1), pin
+            assert pin.lease_id == lease_id and pin.priority == priority and 0 < pin.expires_in_seconds <= ttl, pin
+            self.pins[pin.pin_id] = (model, pin.seq_id)
+            self.seqs[pin.seq_id] = SeqModel(model, tokens[: pin.num_tokens])
+
+    @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED, pick=PICK, text=TEXT)
+    def unpin_prefix(self, honest, lease, cred, pick, text):
+        """UnpinPrefix: a pin of the caller's lease ends (its sequence is freed); any other is NOT_FOUND."""
+        self.honest = honest
+        live = sorted(p for p, (m, s) in self.pins.items() if s in self.seqs)
+        pin_id = live[pick % len(live)] if live and (honest or pick % 3) else text
+        model, lease_id = (self.pins[pin_id][0], self.pins[pin_id][0].lease_id) if honest and live else \
+            self._lease(lease)
+        resp = self.call("UnpinPrefix", pb.UnpinPrefixRequest(lease_id=lease_id, pin_id=pin_id), self._md(cred, model))
+        if resp is not None:
+            self._forget([self.pins.pop(pin_id)[1]])
+
+    @rule(cred=ADMIN_CRED)
+    def list_pins(self, cred):
+        resp = self.call("ListPins", pb.ListPinsRequest(), self._md(cred, None))
+        if resp is not None:
+            assert all(p.num_tokens == len(p.block_ids) * BLOCK_SIZE for p in resp.pins), resp
 
     @rule(
         honest=HONEST_CALL,

@@ -454,7 +454,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching", "host_total_blocks", "host_free_blocks", "host_cached_blocks", "host_used_blocks", "offloads", "reloads", "host_cache_hits", "swap_outs", "swap_ins", "swapped_sequences", "offloads_dropped", "host_cache_evictions", "kv_cache_dtype", "kv_bytes_per_token", "token_capacity", "pool_bytes", "disk")
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching", "host_total_blocks", "host_free_blocks", "host_cached_blocks", "host_used_blocks", "offloads", "reloads", "host_cache_hits", "swap_outs", "swap_ins", "swapped_sequences", "offloads_dropped", "host_cache_evictions", "kv_cache_dtype", "kv_bytes_per_token", "token_capacity", "pool_bytes", "disk", "pins")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -490,6 +490,7 @@ class GetStatsResponse(_message.Message):
     TOKEN_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     cached_blocks: int
@@ -525,7 +526,8 @@ class GetStatsResponse(_message.Message):
     token_capacity: int
     pool_bytes: int
     disk: DiskTierStats
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: bool = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., token_capacity: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., disk: _Optional[_Union[DiskTierStats, _Mapping]] = ...) -> None: ...
+    pins: PinStats
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: bool = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., token_capacity: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., disk: _Optional[_Union[DiskTierStats, _Mapping]] = ..., pins: _Optional[_Union[PinStats, _Mapping]] = ...) -> None: ...
 
 class DiskTierStats(_message.Message):
     __slots__ = ("blocks", "bytes", "slots", "hits", "writes", "reads", "dropped", "checksum_failures", "evictions", "recovered")
@@ -756,3 +758,85 @@ class LookupPrefixResponse(_message.Message):
     device_tokens: int
     host_tokens: int
     def __init__(self, cached_tokens: _Optional[int] = ..., device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ...) -> None: ...
+
+class PinPrefixRequest(_message.Message):
+    __slots__ = ("lease_id", "token_ids", "model_id", "cache_salt", "ttl_seconds", "priority", "label")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    model_id: str
+    cache_salt: str
+    ttl_seconds: float
+    priority: int
+    label: str
+    def __init__(self, lease_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., label: _Optional[str] = ...) -> None: ...
+
+class PrefixPin(_message.Message):
+    __slots__ = ("pin_id", "lease_id", "num_tokens", "block_ids", "priority", "expires_in_seconds", "label", "seq_id")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    lease_id: str
+    num_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    priority: int
+    expires_in_seconds: float
+    label: str
+    seq_id: int
+    def __init__(self, pin_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., label: _Optional[str] = ..., seq_id: _Optional[int] = ...) -> None: ...
+
+class PinPrefixResponse(_message.Message):
+    __slots__ = ("pin",)
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    pin: PrefixPin
+    def __init__(self, pin: _Optional[_Union[PrefixPin, _Mapping]] = ...) -> None: ...
+
+class UnpinPrefixRequest(_message.Message):
+    __slots__ = ("lease_id", "pin_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    pin_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., pin_id: _Optional[str] = ...) -> None: ...
+
+class UnpinPrefixResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class ListPinsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPinsResponse(_message.Message):
+    __slots__ = ("pins",)
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    pins: _containers.RepeatedCompositeFieldContainer[PrefixPin]
+    def __init__(self, pins: _Optional[_Iterable[_Union[PrefixPin, _Mapping]]] = ...) -> None: ...
+
+class PinStats(_message.Message):
+    __slots__ = ("num_pins", "pinned_blocks", "pinned_tokens", "retained_blocks", "expired")
+    NUM_PINS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    num_pins: int
+    pinned_blocks: int
+    pinned_tokens: int
+    retained_blocks: int
+    expired: int
+    def __init__(self, num_pins: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pinned_tokens: _Optional[int] = ..., retained_blocks: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...

@@ -160,6 +160,21 @@ class MemoryServiceStub(object):
                 request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkResponse.FromString,
                 _registered_method=True)
+        self.PinPrefix = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/PinPrefix',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PinPrefixRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PinPrefixResponse.FromString,
+                _registered_method=True)
+        self.UnpinPrefix = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/UnpinPrefix',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.UnpinPrefixRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.UnpinPrefixResponse.FromString,
+                _registered_method=True)
+        self.ListPins = channel.unary_unary(
+                '/pagedkv.memory.v1.MemoryService/ListPins',
+                request_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ListPinsRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ListPinsResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer(object):
@@ -376,6 +391,35 @@ class MemoryServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinPrefix(self, request, context):
+        """Keeps the leading full blocks of a prompt cached on the device resident
+        for ttl_seconds (a prefix pin, apart from ExportPrefix's transfer pins):
+        nothing evicts them while pinned, and once the pin ends they keep its
+        retention priority (eviction takes lower priorities first, then LRU).
+        Charged to the caller's lease (its secret): the pinned blocks count as
+        one sequence's block-table entries against its quota, and the lease's end
+        ends the pin. Nothing cached: pin_id empty, nothing changes.
+        INVALID_ARGUMENT for a ttl or priority out of range.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinPrefix(self, request, context):
+        """Ends a prefix pin of the caller's lease now (NOT_FOUND: no such pin of
+        that lease); its blocks stay cached with its retention priority.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPins(self, request, context):
+        """Every live prefix pin of every lease (admin).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -498,6 +542,21 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.SettleDiskWork,
                     request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkRequest.FromString,
                     response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkResponse.SerializeToString,
+            ),
+            'PinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinPrefix,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PinPrefixRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PinPrefixResponse.SerializeToString,
+            ),
+            'UnpinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinPrefix,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.UnpinPrefixRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.UnpinPrefixResponse.SerializeToString,
+            ),
+            'ListPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPins,
+                    request_deserializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ListPinsRequest.FromString,
+                    response_serializer=pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ListPinsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1149,6 +1208,87 @@ class MemoryService(object):
             '/pagedkv.memory.v1.MemoryService/SettleDiskWork',
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkRequest.SerializeToString,
             pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.SettleDiskWorkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/PinPrefix',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PinPrefixRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.PinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/UnpinPrefix',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.UnpinPrefixRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.UnpinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.memory.v1.MemoryService/ListPins',
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ListPinsRequest.SerializeToString,
+            pagedkv_dot_memory_dot_v1_dot_memory__service__pb2.ListPinsResponse.FromString,
             options,
             channel_credentials,
             insecure,
