@@ -136,6 +136,9 @@ class Client:
             (pagedkv.runtime.cache_salt). A string: that namespace, shared with whoever uses it
             (several users, or fronts, that share a cache on purpose). "": none, every process of
             the machine shares.
+        scheduling_policy: the order of the waiting queue (vLLM's ``--scheduling-policy``): "fcfs"
+            (the default) or "priority" (by each request's ``priority``, lower first; preemption takes
+            the least urgent, latest request first). See client.engine.scheduler.
         admin_token_file: the memory service's admin token file (``--admin-token-file``), read each
             time the engine creates its lease: a lease created with the token is exempt from the
             per-lease block quota (``--max-blocks-per-lease``, half the pool by default) and the limit
@@ -143,7 +146,8 @@ class Client:
             it). None, an unreadable file or another service's token: a plain lease, under the quota.
 
     Raises:
-        ValueError: no worker address, an unknown ``preemption_mode``, or a timeout <= 0.
+        ValueError: no worker address, an unknown ``preemption_mode`` or ``scheduling_policy``, or a
+            timeout <= 0.
         ValueError: also when the user's secret file may be read by other users.
         client.errors.ServiceError: a service refused the connection-time calls.
         FileNotFoundError: the model's tokenizer is not on this host (nor, for a Hugging Face repo
@@ -155,13 +159,15 @@ class Client:
                  max_model_len: int | None = None, recovery_timeout: float = DEFAULT_RECOVERY_TIMEOUT,
                  tls: TlsFiles | None = None, preemption_mode: str = "recompute", peers: Iterable[str] = (),
                  worker_roles: list[str] | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT,
-                 cache_namespace: str | None = None, admin_token_file: str | None = None):
+                 cache_namespace: str | None = None, admin_token_file: str | None = None,
+                 scheduling_policy: str = "fcfs"):
         #: The namespace every request's cache salt starts with ("" none).
         self.cache_namespace = namespace(load_secret(), "user") if cache_namespace is None else cache_namespace
         workers = list(workers)
         if not workers:
             raise ValueError("give at least one worker address")
-        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode=preemption_mode)
+        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode=preemption_mode,
+                                 policy=scheduling_policy)
         self.memory = MemoryClient(memory, tls=tls, lease_admin_token_file=admin_token_file)
         if not step_timeout > 0:
             raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
@@ -190,21 +196,23 @@ class Client:
 
     # ---------------------------------------------------------------- submit
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-               cache_salt: str | None = None, request_id: str | None = None, listener=None) -> RequestHandle:
+               cache_salt: str | None = None, request_id: str | None = None, listener=None,
+               priority: int = 0) -> RequestHandle:
         """Queue one prompt (a string, chat messages or token ids); returns its handle at once.
 
         ``cache_salt`` isolates the request's prefix-cache entries: only requests with
         the same salt share cached blocks (vLLM's cache_salt), inside the client's
         ``cache_namespace``. ``request_id`` names it in
-        step traces (default ``req-N``); ``listener`` see :class:`RequestHandle`.
+        step traces (default ``req-N``); ``listener`` see :class:`RequestHandle`. ``priority``: its
+        place under the "priority" scheduling policy (lower runs first; vLLM's).
 
         Raises:
-            ValueError: an empty prompt, a token id outside the vocabulary, or a prompt longer
-                than the model's context.
+            ValueError: an empty prompt, a token id outside the vocabulary, a prompt longer
+                than the model's context, or a priority other than 0 under the "fcfs" policy.
         """
         params = sampling_params or SamplingParams()
         req = Request(prompt, encode_prompt(self.tokenizer, prompt), params,
-                      cache_salt=salted(self.cache_namespace, cache_salt))
+                      cache_salt=salted(self.cache_namespace, cache_salt), priority=priority)
         if request_id is not None:
             req.request_id = request_id
         handle = RequestHandle(self, req, listener)

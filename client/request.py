@@ -144,6 +144,8 @@ class Request:
     #: A request whose node transfer failed, or whose ticket was refused, computes everything here
     #: from then on (client.engine.transfers).
     no_pull: bool = False
+    #: Scheduling priority under the "priority" policy (vLLM's): lower runs first; 0 by default.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not self.seqs:

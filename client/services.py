@@ -248,8 +248,12 @@ class MemoryClient(_Channel):
 
     @_typed
     def list_pins(self) -> list[mpb.PrefixPin]:
-        """Every live prefix pin (admin)."""
-        return list(self.stub.ListPins(mpb.ListPinsRequest(), timeout=self.timeout, metadata=self._admin_md()).pins)
+        """Every live prefix pin (admin: the admin token, else the one in ``lease_admin_token_file``)."""
+        md = self._admin_md()
+        if not md and self.lease_admin_token_file is not None:
+            token = read_admin_token(self.lease_admin_token_file)
+            md = _bearer(token) if token else ()
+        return list(self.stub.ListPins(mpb.ListPinsRequest(), timeout=self.timeout, metadata=md).pins)
 
     @_typed
     def append(self, lease_id: str, appends: list[tuple[int, int] | tuple[int, int, list[int]]],

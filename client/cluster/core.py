@@ -226,7 +226,7 @@ class Cluster:
         return sum(-(-len(q.seqs[0].tokens) // bs) for q in [*s.running, *s.waiting] if q.seqs)
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, cache_salt: str | None = None,
-               request_id: str | None = None, listener=None):
+               request_id: str | None = None, listener=None, priority: int = 0):
         """Route one prompt (the module's roles); returns its handle (:class:`RequestHandle`, or a
         :class:`TwoPhaseHandle` when it prefills on one node and decodes on another).
 
@@ -239,12 +239,13 @@ class Cluster:
         p = self.router.choose(prefill, ids, salt)
         if self.nodes[p].spec.role == "both":
             handle = self.nodes[p].client.submit(ids, sampling_params, cache_salt=cache_salt, request_id=request_id,
-                                                 listener=listener)
+                                                 listener=listener, priority=priority)
             self._track(handle.request_id, p, handle.request_id)
             return handle
         decode = self.health.live([n for n, x in self.nodes.items() if x.spec.role != "prefill"])
         d = min(decode, key=self._load)
-        return TwoPhaseHandle(self, p, d, ids, sampling_params or SamplingParams(), cache_salt, request_id, listener)
+        return TwoPhaseHandle(self, p, d, ids, sampling_params or SamplingParams(), cache_salt, request_id, listener,
+                              priority)
 
     def _track(self, rid: str, node: str, there: str) -> None:
         with self._lock:
@@ -290,16 +291,16 @@ class TwoPhaseHandle:
     :class:`RequestHandle`'s; the listener sees only the decode node's outputs."""
 
     def __init__(self, cluster: Cluster, p: str, d: str, ids: list[int], params: SamplingParams,
-                 cache_salt: str | None, request_id: str | None, listener):
+                 cache_salt: str | None, request_id: str | None, listener, priority: int = 0):
         self.cluster, self.decode_node, self.ids, self.params = cluster, d, ids, params
-        self.cache_salt, self.listener = cache_salt, listener
+        self.cache_salt, self.listener, self.priority = cache_salt, listener, priority
         self.decode: RequestHandle | None = None
         #: Why the request ended before its decode (the decode node refused it), else None.
         self.error: Exception | None = None
         self._started = threading.Event()
         self._cancelled = False
         prefill = cluster.nodes[p].client.submit(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                                                 cache_salt=cache_salt, listener=self._prefilled)
+                                                 cache_salt=cache_salt, listener=self._prefilled, priority=priority)
         self.request_id = request_id or f"{prefill.request_id}-decode"
         cluster._track(self.request_id, p, prefill.request_id)
 
@@ -311,7 +312,7 @@ class TwoPhaseHandle:
             if error is None and not (self._cancelled or aborted):
                 self.decode = self.cluster.nodes[self.decode_node].client.submit(
                     self.ids, self.params, cache_salt=self.cache_salt, request_id=self.request_id,
-                    listener=self.listener)
+                    listener=self.listener, priority=self.priority)
                 self.cluster._track(self.request_id, self.decode_node, self.request_id)
             elif error is not None and self.listener is not None:
                 self.listener(None, error)

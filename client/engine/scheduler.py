@@ -10,9 +10,10 @@ leases share the pool, so the engine may still meet OUT_OF_BLOCKS, and then call
 readmitted) or :meth:`Scheduler.unadmit` (a request admitted this step, which waits again).
 
 NOTE: invariants
-- A request is in exactly one of ``waiting`` (FCFS; preempted and unadmitted
-  requests go back to the front) and ``running`` (admission order), or in neither
-  once finished.
+- A request is in exactly one of ``waiting`` and ``running`` (admission order), or
+  in neither once finished. ``waiting`` is FCFS (preempted and unadmitted requests go
+  back to the front), or under the "priority" policy sorted by (priority, arrival)
+  wherever a request goes back (vLLM's priority queue).
 - A SWAPPED request holds live (swapped-out) sequences in the memory service: it
   is in ``waiting``, or in ``running`` between its admission and the engine's
   swap-in in the same step (SchedulerOutput.swapped).
@@ -27,7 +28,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from client.engine.scheduler_types import PREEMPTION_MODES, ROLES, ScheduledSeq, SchedulerConfig, SchedulerOutput
+from client.engine.placement import WorkerPlacement
+from client.engine.scheduler_types import (
+    PREEMPTION_MODES,
+    ROLES,
+    SCHEDULING_POLICIES,
+    ScheduledSeq,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from client.request import Request, Status
 from pagedkv.runtime.logs import get_logger
 
@@ -39,7 +48,7 @@ log = get_logger("scheduler")
 MAX_GATE_HELD = 16
 
 
-class Scheduler:
+class Scheduler(WorkerPlacement):
     """Continuous batching under a token budget and the pool's free blocks.
 
     Args:
@@ -85,12 +94,16 @@ class Scheduler:
 
     # ----------------------------------------------------------------- intake
     def add(self, request: Request) -> None:
-        """Queue ``request`` at the back of ``waiting`` (thread-safe).
+        """Queue ``request`` at the back of ``waiting`` (thread-safe); under the "priority" policy,
+        behind every request of its priority or a lower one.
 
         Raises:
-            ValueError: the prompt cannot fit the context, or the reservation policy refuses
-                parallel sampling or beam search.
+            ValueError: the prompt cannot fit the context, the reservation policy refuses parallel
+                sampling or beam search, or a priority other than 0 under the "fcfs" policy.
         """
+        if request.priority and self.config.policy != "priority":
+            raise ValueError(f"priority {request.priority}: priority scheduling is not enabled "
+                             "(scheduling policy 'priority', pagedkv serve --scheduling-policy priority)")
         policy = self.config.reservation
         if self.reservation(request) is not None and (request.params.n > 1 or request.params.use_beam_search):
             raise ValueError(f"the {policy.name!r} reservation policy takes n=1 requests without beam search")
@@ -98,6 +111,18 @@ class Scheduler:
             raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens; the model and pool allow "
                              f"{self.max_context - 1} (max context {self.max_context})")
         with self._lock:
+            self._wait(request, front=False)
+
+    def _wait(self, request: Request, front: bool) -> None:
+        """Put ``request`` in ``waiting`` (the caller holds the lock): at the front or the back (FCFS),
+        or at its place by (priority, arrival) under the "priority" policy."""
+        if self.config.policy == "priority":
+            key = _priority_key(request)
+            at = next((i for i, r in enumerate(self.waiting) if _priority_key(r) > key), len(self.waiting))
+            self.waiting.insert(at, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
             self.waiting.append(request)
 
     def abort(self, request_id: str) -> None:
@@ -208,7 +233,8 @@ class Scheduler:
                     if seq.pending() > 0:
                         scheduled.append(ScheduledSeq(req, seq, next(it, 0)))
                 scheduled = [x for x in scheduled if x.num_new_tokens > 0]
-            self.waiting.extendleft(reversed(held))
+            for r in reversed(held):
+                self._wait(r, front=True)
             self.gate_held = len(held)
         return SchedulerOutput(scheduled, admitted, swapped)
 
@@ -246,43 +272,18 @@ class Scheduler:
             req.metrics.first_scheduled = time.time()
         self.running.append(req)
 
-    def _least_loaded(self, workers: list[int]) -> int:
-        """The least loaded of ``workers`` that is not down (of any live worker when none of them is)."""
-        live = [w for w in workers if w not in self.down] or \
-            [w for w in range(self.num_workers) if w not in self.down] or workers
-        load = collections.Counter(r.worker for r in self.running)
-        return min(live, key=lambda w: load[w])
-
-    def repin(self, worker: int) -> list[Request]:
-        """Pin every request pinned to ``worker`` (running, waiting or swapped) to the least loaded
-        live worker of its phase; returns them."""
-        with self._lock:
-            pinned = [r for r in [*self.running, *self.waiting] if r.worker == worker]
-        for r in pinned:
-            prefilled = all(s.num_computed >= len(s.tokens) - 1 for s in r.live_seqs()) and r.seqs
-            r.worker = self._least_loaded(self.decode_workers if prefilled else self.prefill_workers)
-        return pinned
-
-    def hand_off(self, req: Request) -> bool:
-        """Move ``req`` from a prefill-only worker to the least loaded decode worker once its prompt is
-        computed (every live sequence past its prompt); True when it moved. Its KV stays where it is:
-        every worker maps the pool (DESIGN.md: a sequence may move between workers between steps)."""
-        if (req.worker in self.decode_workers and req.worker not in self.down) or req.finished:
-            return False
-        if any(s.num_computed < len(s.tokens) - 1 for s in req.live_seqs()):
-            return False
-        req.worker = self._least_loaded(self.decode_workers)
-        self.handoffs += 1
-        return True
-
     # ------------------------------------------------------ shortfall, endings
     def pick_victim(self, scheduled: list[ScheduledSeq]) -> Request | None:
-        """The most recently admitted running request in ``scheduled`` (vLLM's recompute preemption
-        order); None when it is the only one (preempting it would free nothing for another)."""
+        """The running request in ``scheduled`` to preempt: the most recently admitted (vLLM's FCFS
+        order), or under the "priority" policy the one with the highest (priority, arrival), the
+        least urgent and latest (vLLM v1); None when it is the only one (preempting it would free
+        nothing for another)."""
         live = [r for r in self.running if any(x.request is r for x in scheduled)]
         if len(live) <= 1:
             return None
-        return live[-1]
+        if self.config.policy != "priority":
+            return live[-1]
+        return max(enumerate(live), key=lambda x: (*_priority_key(x[1]), x[0]))[1]  # ties: the later admitted
 
     def preempt(self, request: Request, swap: bool = False) -> None:
         """Preempt ``request``: it waits at the front of ``waiting``.
@@ -304,7 +305,7 @@ class Scheduler:
         self.running.remove(request)
         request.metrics.preemptions += 1
         with self._lock:
-            self.waiting.appendleft(request)
+            self._wait(request, front=True)
         log.info("preempted", request_id=request.request_id, mode="swap" if swap else "recompute",
                  generated=[len(s.generated) for s in request.seqs])
 
@@ -346,7 +347,8 @@ class Scheduler:
                 for s in r.seqs:
                     s.reset()
                 r.status = Status.WAITING
-            self.waiting.extendleft(reversed(requeued))
+            for r in reversed(requeued):
+                self._wait(r, front=True)
         return [*requeued, *swapped]
 
     def unadmit(self, request: Request) -> None:
@@ -356,7 +358,7 @@ class Scheduler:
         if request.status != Status.SWAPPED:
             request.status = Status.WAITING
         with self._lock:
-            self.waiting.appendleft(request)
+            self._wait(request, front=True)
 
     def finish(self, request: Request) -> None:
         """``request`` ended (finished or failed): it leaves ``running``."""
@@ -387,4 +389,10 @@ class Scheduler:
         return reqs
 
 
-__all__ = ["PREEMPTION_MODES", "ROLES", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+def _priority_key(request: Request) -> tuple[int, float]:
+    """The "priority" policy's order: lower priority value first, then earlier arrival."""
+    return request.priority, request.metrics.arrival
+
+
+__all__ = ["PREEMPTION_MODES", "ROLES", "SCHEDULING_POLICIES", "ScheduledSeq", "Scheduler", "SchedulerConfig",
+           "SchedulerOutput"]

@@ -17,6 +17,11 @@ from client.request import Request, Seq
 PREEMPTION_MODES = ("recompute", "swap")
 
 
+#: The order of the waiting queue (vLLM's ``--scheduling-policy``): "fcfs" by arrival, preempted
+#: requests first; "priority" by (request priority, arrival), lower first, and preemption takes the
+#: running request with the highest (priority, arrival) (vLLM v1's ``Scheduler._preempt_request``).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 #: Worker roles (``pagedkv serve --node ...,role=``): run prefills, decodes, or both.
 ROLES = ("prefill", "decode", "both")
 
@@ -33,11 +38,15 @@ class SchedulerConfig:
     reservation: ReservationPolicy = field(default_factory=Paged)
     #: "recompute" (the default) or "swap" (:data:`PREEMPTION_MODES`).
     preemption_mode: str = "recompute"
+    #: "fcfs" (the default) or "priority" (:data:`SCHEDULING_POLICIES`).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"got {self.preemption_mode!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not callable(getattr(self.reservation, "reserve", None)):

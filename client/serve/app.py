@@ -47,6 +47,7 @@ from client.serve.dashboard.page import add_dashboard_page
 from client.serve.dashboard.routes import add_dashboard_routes
 from client.serve.generation import generate
 from client.serve.metrics import ServeMetrics
+from client.serve.pin_routes import add_pin_routes
 from client.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -91,6 +92,8 @@ class Server:
     in_flight: collections.Counter = field(default_factory=collections.Counter, init=False, repr=False)
     #: Seconds between dashboard snapshots while someone watches.
     dashboard_interval: float = DEFAULT_INTERVAL
+    #: The engine's scheduling policy (--scheduling-policy): a request's priority other than 0 needs "priority".
+    scheduling_policy: str = "fcfs"
     #: Dashboard logins (client.serve.dashboard.auth).
     sessions: Sessions = field(default_factory=Sessions, init=False, repr=False)
     #: Wrong keys (Bearer keys on every route, dashboard logins) per client address (client.serve.dashboard.auth).
@@ -172,9 +175,15 @@ class Server:
         if not tenant:
             return salt or ""
         group = self.tenants.groups.get(tenant)
-        label = f"group:{group}" if group is not None else f"tenant:{tenant}"
-        mine = hmac.new(self.secret, label.encode(), hashlib.sha256).hexdigest()[:32]
+        mine = self.group_salt(group) if group is not None else self._namespace(f"tenant:{tenant}")
         return f"{mine}:{salt}" if salt else mine
+
+    def group_salt(self, group: str) -> str:
+        """The cache-salt namespace of cache-sharing group ``group`` (what its tenants' requests carry)."""
+        return self._namespace(f"group:{group}")
+
+    def _namespace(self, label: str) -> str:
+        return hmac.new(self.secret, label.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def create_app(server: Server) -> FastAPI:
@@ -267,6 +276,7 @@ def create_app(server: Server) -> FastAPI:
         return await generate(server, request, tenant, req, ids, chat=False, logprobs=req.logprobs,
                                max_tokens=req.max_tokens)
 
+    add_pin_routes(app, server)
     add_dashboard_routes(app, server)
     add_dashboard_page(app)
     return app

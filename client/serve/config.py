@@ -17,6 +17,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from client.cluster.core import NodeSpec, parse_node
+from client.engine.scheduler_types import SCHEDULING_POLICIES
 from client.serve.http_limits import HttpLimits, add_http_limit_args, parse_http_limits
 from client.serve.tenants import Tenants
 from pagedkv import config
@@ -169,6 +170,11 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         "and back, nothing recomputed; needs --host-cache-memory, else it recomputes)",
     )
     sched.add_argument(
+        "--scheduling-policy", choices=SCHEDULING_POLICIES, default=_env("SCHEDULING_POLICY", "fcfs"),
+        help="the order of waiting requests (vLLM's): 'fcfs' by arrival (the default), or 'priority' by each "
+        "request's `priority` field, lower first, then arrival; preemption then takes the least urgent, "
+        "latest request first. Under 'fcfs' a request's priority must be 0")
+    sched.add_argument(
         "--step-timeout", type=float, default=_env("STEP_TIMEOUT", 600.0),
         help="seconds a worker's step may take before the worker counts as hung: its sequences go on on "
         "another worker from their KV, only the lost step recomputed (default 600)")
@@ -235,6 +241,7 @@ class ServeConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     preemption_mode: str
+    scheduling_policy: str
     max_model_len: int | None
     #: Seconds before a worker's step counts as hung; to wait for the services after a failure.
     step_timeout: float
@@ -280,6 +287,8 @@ def parse_args(argv: list[str]) -> ServeConfig:
         p.error("--max-model-len must be >= 2")
     if args.preemption_mode not in ("recompute", "swap"):  # from PAGEDKV_PREEMPTION_MODE
         p.error(f"--preemption-mode must be recompute or swap, got {args.preemption_mode!r}")
+    if args.scheduling_policy not in SCHEDULING_POLICIES:  # from PAGEDKV_SCHEDULING_POLICY
+        p.error(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {args.scheduling_policy!r}")
     if args.block_size is not None and args.block_size < 1:
         p.error("--block-size must be >= 1")
     if not 0 <= args.port <= 65535:

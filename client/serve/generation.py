@@ -148,11 +148,15 @@ async def generate(
         req.return_tokens_as_token_ids,
         req.return_token_ids,
     )
+    if req.priority and server.scheduling_policy != "priority":  # vLLM's refusal, before anything is queued
+        raise bad_request(f"priority={req.priority}: priority scheduling is not enabled; start pagedkv serve with "
+                          "--scheduling-policy priority, or send priority 0", "priority")
     run = _Run(server, rid, len(prompt_ids), tenant, weight)
     salt = server.cache_salt(tenant, req.cache_salt)
     try:
         for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
-            server.client.submit(ids, sp, cache_salt=salt, request_id=run.ids[i], listener=run.listener(i))
+            server.client.submit(ids, sp, cache_salt=salt, request_id=run.ids[i], listener=run.listener(i),
+                                 priority=req.priority or 0)
     except ValueError as e:
         run.close()
         raise bad_request(str(e), "messages" if chat else "prompt") from None

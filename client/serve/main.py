@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         secret = load_secret(args.cache_salt_secret_file)  # kept across restarts: tenants keep their cache
         limits = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=args.max_model_len, tls=backends.tls, preemption_mode=args.preemption_mode,
+                      scheduling_policy=args.scheduling_policy,
                       step_timeout=args.step_timeout, recovery_timeout=args.recovery_timeout,
                       cache_namespace=namespace(secret, "user"),
                       admin_token_file=backends.admin_token_file)  # the lease is the admin's: the whole pool
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             client = Client(backends.memory, backends.workers, **limits)
         name = args.served_model_name or args.model or "smollm2"
         pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests, args.max_requests_per_tenant,
-                         dashboard_interval=args.dashboard_interval, secret=secret)
+                         dashboard_interval=args.dashboard_interval, secret=secret,
+                         scheduling_policy=args.scheduling_policy)
         server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5,
                                          **uvicorn_options(args.http_limits)), pagedkv)
         if args.ready_file:

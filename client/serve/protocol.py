@@ -82,7 +82,8 @@ class _Sampling(BaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
-    priority: int | None = 0
+    #: Under --scheduling-policy priority: lower runs first (vLLM's); else only 0.
+    priority: int | None = Field(default=0, ge=-(2**31), le=2**31 - 1)
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -121,7 +122,6 @@ NEUTRAL = {
     "spaces_between_special_tokens": (lambda v: v, "true"),
     "include_stop_str_in_output": (lambda v: not v, "false"),
     "use_beam_search": (lambda v: not v, "false"),
-    "priority": (lambda v: not v, "0"),
     "store": (lambda v: not v, "false"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
     "add_generation_prompt": (lambda v: v, "true"),
@@ -134,7 +134,33 @@ NEUTRAL = {
 
 
 def parse(model: type[_Sampling], raw: bytes) -> _Sampling:
-    """Validate a JSON body as ``model``.
+    """Validate a JSON body as a completion request ``model``: :func:`parse_body`, then the
+    parameters accepted only at their neutral value, stream options and stop strings.
+
+    Raises:
+        APIError: 413 for a body over :data:`MAX_BODY_BYTES`; 400 naming the first bad parameter
+            (OpenAI's message for an unknown one).
+    """
+    req = parse_body(model, raw)
+    for name in req.model_fields_set:
+        if name in NEUTRAL and not NEUTRAL[name][0](getattr(req, name)):
+            raise bad_request(f"{name}={getattr(req, name)!r} is not supported; only {NEUTRAL[name][1]} is accepted",
+                              name)
+    if req.stream_options is not None:
+        if not req.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        if req.stream_options.continuous_usage_stats:
+            raise bad_request("stream_options.continuous_usage_stats=true is not supported", "stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise bad_request(f"each stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+    if isinstance(req, CompletionRequest) and req.best_of not in (None, req.n):
+        raise bad_request(f"best_of={req.best_of} is not supported; only best_of equal to n is accepted", "best_of")
+    return req
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """Validate a JSON body as ``model`` (any request model of the server's routes).
 
     Raises:
         APIError: 413 for a body over :data:`MAX_BODY_BYTES`; 400 naming the first bad parameter
@@ -162,20 +188,6 @@ def parse(model: type[_Sampling], raw: bytes) -> _Sampling:
             raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
                               "token-id lists", "prompt") from None
         raise bad_request(f"{'.'.join(loc)}: {err['msg']} (got {err.get('input')!r:.80})", loc[0]) from None
-    for name in req.model_fields_set:
-        if name in NEUTRAL and not NEUTRAL[name][0](getattr(req, name)):
-            raise bad_request(f"{name}={getattr(req, name)!r} is not supported; only {NEUTRAL[name][1]} is accepted",
-                              name)
-    if req.stream_options is not None:
-        if not req.stream:
-            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-        if req.stream_options.continuous_usage_stats:
-            raise bad_request("stream_options.continuous_usage_stats=true is not supported", "stream_options")
-    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
-    if any(len(x) > MAX_STOP_CHARS for x in stops):
-        raise bad_request(f"each stop string may have at most {MAX_STOP_CHARS} characters", "stop")
-    if isinstance(req, CompletionRequest) and req.best_of not in (None, req.n):
-        raise bad_request(f"best_of={req.best_of} is not supported; only best_of equal to n is accepted", "best_of")
     return req
 
 

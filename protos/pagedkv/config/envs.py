@@ -160,6 +160,7 @@ ENV_VARS: dict[str, EnvVar] = _vars(
       "X-Forwarded-For/-Proto count, comma-separated (default none)"),
     E("PAGEDKV_SERVED_MODEL_NAME", "str", None, "--served-model-name of pagedkv serve"),
     E("PAGEDKV_PREEMPTION_MODE", "str", "recompute", "--preemption-mode of pagedkv serve: recompute or swap"),
+    E("PAGEDKV_SCHEDULING_POLICY", "str", "fcfs", "--scheduling-policy of pagedkv serve: fcfs or priority"),
     E("PAGEDKV_MAX_NUM_SEQS", "int", 64, "--max-num-seqs of pagedkv serve"),
     E("PAGEDKV_MAX_NUM_BATCHED_TOKENS", "int", 512, "--max-num-batched-tokens of pagedkv serve"),
     E("PAGEDKV_MAX_MODEL_LEN", "int", None, "--max-model-len of pagedkv serve"),

@@ -236,6 +236,7 @@ BAD = [
     ("completions", {"prompt": [1] * 9000}, 400, "prompt"),
     ("completions", {"prompt": [10**9]}, 400, "prompt"),
     ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("completions", {"prompt": "hi", "priority": 1}, 400, "priority"),  # this server schedules FCFS, as vLLM's default
     ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
     # values the worker's int32 / float32 fields cannot carry: refused here, never failing the batch
