@@ -84,9 +84,10 @@ def test_a_pinned_prompt_survives_another_tenants_pressure_and_keeps_its_priorit
     b = complete(url, KEY_B, [*SYSTEM, 7, 8, 9])
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
-    r = httpx.delete(f"{url}/admin/pins/{pin['id']}", headers={"Authorization": f"Bearer {ADMIN}"})
+    admin_key = {"Authorization": f"Bearer {ADMIN}"}
+    r = httpx.delete(f"{url}/admin/pins/{pin['id']}", headers=admin_key)
     assert r.status_code == 200 and r.json() == {"id": pin["id"], "num_blocks": 6}, r.text
-    assert httpx.delete(f"{url}/admin/pins/{pin['id']}", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
+    assert httpx.delete(f"{url}/admin/pins/{pin['id']}", headers=admin_key).status_code == 404
     stats = admin.stats().pins
     assert (stats.num_pins, stats.pinned_blocks) == (0, 0) and stats.retained_blocks >= 6
     admin.check_invariants()
