@@ -130,7 +130,8 @@ def _stats(args: argparse.Namespace) -> int:
             print(f"no admin token at {path}, so no block tables: run this as the user of the memory service, "
                   "or pass --admin-token-file", file=sys.stderr)
             return 1
-        print_stats(m.stats(), m.sequences())
+        stats = m.stats()
+        print_stats(stats, m.sequences(), pins=m.list_pins() if stats.pins.num_pins else ())
     finally:
         m.close()
     return 0

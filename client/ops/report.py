@@ -49,6 +49,26 @@ def disk_table(stats) -> Table:
     return t
 
 
+def pins_summary(stats) -> str:
+    """The prefix pins' totals: pinned blocks and tokens, cached blocks left with a retention
+    priority, pins ended by their TTL."""
+    p = stats.pins
+    return (f"Prefix pins: {p.num_pins} live, {p.pinned_blocks} blocks, {p.pinned_tokens} tokens; "
+            f"{p.retained_blocks} cached blocks with a retention priority; {p.expired} expired")
+
+
+def pins_table(pins) -> Table:
+    """Prefix pins (PinPrefix): one row per pin of ``pins`` (ListPins)."""
+    t = Table(title="Prefix pins", show_header=True)
+    for col, justify in (("pin", "left"), ("label", "left"), ("seq", "right"), ("tokens", "right"),
+                         ("blocks", "right"), ("priority", "right"), ("ends in s", "right")):
+        t.add_column(col, justify=justify)
+    for pin in pins:
+        t.add_row(pin.pin_id, pin.label, str(pin.seq_id), str(pin.num_tokens), str(len(pin.block_ids)),
+                  str(pin.priority), f"{pin.expires_in_seconds:.0f}")
+    return t
+
+
 #: Most sequences drawn as a rich table; more print as plain text.
 RICH_MAX_ROWS = 200
 
@@ -91,14 +111,20 @@ def sequences_table(sequences, labels: dict[int, str] | None = None, max_blocks:
     return t
 
 
-def print_stats(stats, sequences, labels: dict[int, str] | None = None, console: Console | None = None) -> None:
-    """Print both tables (the block tables as plain text past :data:`RICH_MAX_ROWS` sequences)."""
+def print_stats(stats, sequences, labels: dict[int, str] | None = None, console: Console | None = None,
+                pins=()) -> None:
+    """Print the tables (the block tables as plain text past :data:`RICH_MAX_ROWS` sequences); the
+    prefix pins' when there are any (``pins``: ListPins) or cached blocks they left."""
     console = console or Console(width=140)
     console.print(stats_table(stats))
     if stats.host_total_blocks:
         console.print(host_table(stats))
     if stats.HasField("disk"):
         console.print(disk_table(stats))
+    if pins or stats.pins.num_pins or stats.pins.retained_blocks:
+        console.print(pins_summary(stats))
+        if pins:
+            console.print(pins_table(pins))
     if len(sequences) <= RICH_MAX_ROWS:
         console.print(sequences_table(sequences, labels))
     else:

@@ -28,3 +28,15 @@ def test_nodes_disk_counters_add_up_and_a_node_without_one_adds_nothing():
     total = total_pool_stats([a, b, c])
     assert total.total_blocks == 16 and (total.disk.blocks, total.disk.hits, total.disk.dropped) == (5, 12, 1)
     assert not total_pool_stats([b, pb.GetStatsResponse(total_blocks=2)]).HasField("disk")
+
+
+def test_prefix_pins_are_a_nested_object_and_add_up_over_nodes():
+    a = pb.GetStatsResponse(total_blocks=8, pins=pb.PinStats(num_pins=1, pinned_blocks=2, pinned_tokens=32,
+                                                             retained_blocks=1))
+    b = pb.GetStatsResponse(total_blocks=8, pins=pb.PinStats(num_pins=2, pinned_blocks=3, pinned_tokens=48,
+                                                             expired=4))
+    assert stats_dict(a)["pins"] == {"num_pins": 1, "pinned_blocks": 2, "pinned_tokens": 32, "retained_blocks": 1,
+                                     "expired": 0}
+    total = total_pool_stats([a, b]).pins
+    assert (total.num_pins, total.pinned_blocks, total.pinned_tokens, total.retained_blocks, total.expired) == (
+        3, 5, 80, 1, 4)

@@ -184,8 +184,12 @@
       cards.push(["disk_hits", "disk hits (tokens)", Number(st.disk.hits).toLocaleString("en-US")]);
       cards.push(["disk_checksum_failures", "disk checksum failures", String(st.disk.checksum_failures)]);
     }
+    if (st.pins && (st.pins.num_pins || st.pins.retained_blocks)) {  // prefix pins (POST /admin/pins) and what they left
+      cards.push(["pinned_blocks", "pinned", `${st.pins.num_pins} pins · ${st.pins.pinned_blocks} blocks`]);
+      cards.push(["retained_blocks", "retained (priority)", `${st.pins.retained_blocks} blocks`]);
+    }
     const box = $("counters");
-    if (box.children.length !== cards.length) {  // built once (again when a host or disk tier appears)
+    if (box.children.length !== cards.length) {  // built once (again when a tier or a pin appears)
       box.replaceChildren(...cards.map(([key, label]) =>
         el("div", { class: "card", data: { counter: key } }, el("div", { class: "label" }, label), el("div", { class: "value" }))));
     }
