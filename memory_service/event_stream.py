@@ -1,7 +1,7 @@
 """StreamKvEvents' body: the prefix cache's KV event log as a stream of ``pb.KvEvent``.
 
 Every event in order, sent as soon as it is logged: the stream wakes on each event (the prefix
-cache's ``on_emit``), never polls. Where the stream starts is checked once, before anything is
+cache's ``listeners``), never polls. Where the stream starts is checked once, before anything is
 sent (:meth:`memory_service.prefix_cache.PrefixCache.subscribe`): a number below 1 is
 INVALID_ARGUMENT, one the log no longer keeps FAILED_PRECONDITION naming it, and one past the
 next event to be logged OUT_OF_RANGE (such a cursor would wait for ever, or for a later event
@@ -58,8 +58,8 @@ class _Changes:
     def __init__(self) -> None:
         self._event = asyncio.Event()
 
-    def notify(self) -> None:
-        """An event was logged (called synchronously from the prefix cache)."""
+    def notify(self, event: KvEvent) -> None:
+        """``event`` was logged (called synchronously from the prefix cache)."""
         self._event.set()
 
     def current(self) -> asyncio.Event:
@@ -70,11 +70,14 @@ class _Changes:
 
 
 def _kv_changes(cache: PrefixCache) -> _Changes:
-    """The notifier of ``cache``'s log, installed as its ``on_emit`` on first use."""
-    changes = getattr(cache.on_emit, "__self__", None)
-    if not isinstance(changes, _Changes):
-        changes = _Changes()
-        cache.on_emit = changes.notify
+    """The notifier of ``cache``'s log, added to its ``listeners`` on first use (one for every stream,
+    beside the other readers of the log)."""
+    for listener in cache.listeners:
+        changes = getattr(listener, "__self__", None)
+        if isinstance(changes, _Changes):
+            return changes
+    changes = _Changes()
+    cache.listeners.append(changes.notify)
     return changes
 
 

@@ -19,7 +19,9 @@ admin (memory_service/authz.py). ``--max-blocks-per-lease`` and
 so that dropping one lease stays bounded work on the event loop), ``--max-leases-per-peer`` the live
 leases of one caller (default 64); the admin's leases are exempt from the first and the last
 (:mod:`memory_service.quotas`). Automatic prefix caching is on
-unless ``--no-prefix-caching``; ``--metrics-port`` serves Prometheus metrics. SIGTERM marks the service NOT_SERVING
+unless ``--no-prefix-caching``; ``--metrics-port`` serves Prometheus metrics. ``--kv-events-endpoint``
+also publishes the KV event log in vLLM's ZMQ/msgpack format (:mod:`memory_service.kv_events`; the
+ready file names the bound endpoints). SIGTERM marks the service NOT_SERVING
 (workers
 watching health drop their mapping), closes the worker socket, waits the grace
 period, stops the server, then releases the pool.
@@ -34,6 +36,8 @@ import os
 from pathlib import Path
 
 from memory_service.authz import create_admin_token
+from memory_service.kv_events.endpoints import add_kv_events_args
+from memory_service.kv_events.publisher import open_publisher
 from memory_service.layout import make_layout
 from memory_service.manager.block_manager import BlockManager
 from memory_service.pool import CpuPool, CudaPool, Pool
@@ -126,6 +130,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     flags.add_tls_args(p)
     flags.add_logging_args(p)
     _add_trust_args(p)
+    add_kv_events_args(p)
     return p
 
 
@@ -299,6 +304,11 @@ async def serve(spec: MemorySpec) -> None:
         "admin_token_file": token_file,
         "revision": model.revision,
     }
+    events = None
+    if spec.kv_events is not None:
+        events = open_publisher(spec.kv_events, manager.prefix_cache, pool.layout.block_size, spec.max_kv_events,
+                                os.path.dirname(token_file))
+        ready_info.update(events.ready_info())
     if spec.metrics_port is not None:
         from memory_service.metrics import start_metrics_server
 
@@ -321,6 +331,8 @@ async def serve(spec: MemorySpec) -> None:
         await asyncio.sleep(spec.grace)
 
     async def release() -> None:
+        if events is not None:
+            events.close()
         pool.close()
 
     server = ServerSpec.bound(
@@ -335,6 +347,8 @@ async def serve(spec: MemorySpec) -> None:
     try:
         await run_server(server)
     finally:
+        if events is not None:
+            events.close()
         await sock.close()
         pool.close()
 

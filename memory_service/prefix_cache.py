@@ -13,8 +13,10 @@ hash. Every change is logged as a :class:`KvEvent` ("stored", "removed",
 :class:`KvEventCursor` returns every event in order, or raises
 FAILED_PRECONDITION naming the first number it lost (it fell more than
 ``max_events`` behind, or asked for one no longer kept): never a silent gap.
-``on_emit`` (set by the server) is called after each event, so followers wake
-at once instead of polling.
+Each of ``listeners`` is called with each event as it is logged, so followers
+wake at once instead of polling: the gRPC streams' notifier
+(:mod:`memory_service.event_stream`) and the ZMQ publisher of vLLM's wire format
+(:mod:`memory_service.kv_events.publisher`), two readers of the one log.
 
 NOTE: invariants (checked by :meth:`PrefixCache.check`):
   * ``cached[h] == b``  <=>  ``block_hash[b] == h``;
@@ -56,7 +58,7 @@ class KvEvent:
     parent_hash: bytes = b""
     #: The block's token ids ("stored").
     token_ids: tuple[int, ...] = ()
-    #: Where the block is: 0 the device pool, 1 the host tier (``pagedkv.grant.v1.Medium``).
+    #: Where the block is: 0 the device pool, 1 the host tier, 3 the disk tier (``pagedkv.grant.v1.Medium``).
     medium: int = 0
 
 
@@ -102,8 +104,9 @@ class PrefixCache:
         #: Retained KV events, oldest first.
         self.events: deque[KvEvent] = deque(maxlen=max_events)
         self._next_event = 1
-        #: Called (no arguments) after each event is logged; the server wakes its event streams.
-        self.on_emit: Callable[[], None] | None = None
+        #: Called with each event, in order, right after it is logged (on the event loop: each must
+        #: return at once); the gRPC streams' notifier and the ZMQ publisher add themselves here.
+        self.listeners: list[Callable[[KvEvent], None]] = []
         #: Called as ``on_evicted(block_id, hash, tokens, parent)`` after a cached block is evicted
         #: (the host tier offloads it).
         self.on_evicted: Callable[[int, bytes, tuple[int, ...], bytes], None] | None = None
@@ -237,10 +240,11 @@ class PrefixCache:
         self._emit(kind, **fields)
 
     def _emit(self, kind: str, **fields) -> None:
-        self.events.append(KvEvent(self._next_event, kind, **fields))
+        event = KvEvent(self._next_event, kind, **fields)
+        self.events.append(event)
         self._next_event += 1
-        if self.on_emit is not None:
-            self.on_emit()
+        for listener in self.listeners:
+            listener(event)
 
     def subscribe(self, first: int | None = None) -> KvEventCursor:
         """A cursor on the event log at event ``first`` (None: only events from now on), for StreamKvEvents.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from memory_service.kv_events.endpoints import KvEventsSpec
 from memory_service.quotas import BlockQuota
 from pagedkv import config
 from pagedkv.config import DEFAULT_CPU_KV_MEMORY, DEFAULT_CUDA_KV_MEMORY, DType, host_cache_bytes, parse_bytes
@@ -113,11 +114,13 @@ class MemorySpec:
     metrics_port: int | None
     #: Seconds between NOT_SERVING and releasing the pool.
     grace: float
+    #: The KV events' ZMQ publisher in vLLM's format (``--kv-events-*``); None: off.
+    kv_events: KvEventsSpec | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MemorySpec:
-        """Raises ValueError: bad bind or TLS flags, a bad pool (:meth:`PoolSpec.from_args`), or a TTL,
-        event count or grace period out of range."""
+        """Raises ValueError: bad bind or TLS flags, a bad pool (:meth:`PoolSpec.from_args`), a TTL,
+        event count or grace period out of range, or bad ``--kv-events-*`` flags (:meth:`KvEventsSpec.from_args`)."""
         if not args.lease_ttl > 0:
             raise ValueError(f"--lease-ttl must be > 0 seconds, got {args.lease_ttl}")
         if args.max_kv_events < 1:
@@ -128,5 +131,5 @@ class MemorySpec:
             Bind.from_args(args), PoolSpec.from_args(args), args.model, args.revision, args.pool_id,
             args.worker_socket, args.admin_token_file, args.transfer_key_file, args.node_name, args.lease_ttl,
             args.prefix_caching, args.max_kv_events, args.max_blocks_per_lease, args.max_sequences_per_lease,
-            args.max_leases, args.max_leases_per_peer, args.metrics_port, args.grace,
+            args.max_leases, args.max_leases_per_peer, args.metrics_port, args.grace, KvEventsSpec.from_args(args),
         )
