@@ -91,6 +91,8 @@ class Server:
     in_flight: collections.Counter = field(default_factory=collections.Counter, init=False, repr=False)
     #: Seconds between dashboard snapshots while someone watches.
     dashboard_interval: float = DEFAULT_INTERVAL
+    #: ``--metrics-compat``: "vllm" also exports vLLM's metric names (client.serve.metrics_vllm).
+    metrics_compat: str = "none"
     #: Dashboard logins (client.serve.dashboard.auth).
     sessions: Sessions = field(default_factory=Sessions, init=False, repr=False)
     #: Wrong keys (Bearer keys on every route, dashboard logins) per client address (client.serve.dashboard.auth).
@@ -99,7 +101,7 @@ class Server:
     _feed: DashboardFeed | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        self.metrics = ServeMetrics(self.model_name, self.client)
+        self.metrics = ServeMetrics(self.model_name, self.client, compat=self.metrics_compat)
 
     def front_stats(self) -> EngineStats:
         """The engine stats the dashboard shows: with several nodes (``--node``), the first node's,
