@@ -16,7 +16,9 @@ them (:mod:`compute_service.kv_calibration`) and set them on the memory service;
 serve. A background task watches the memory service's health: on NOT_SERVING
 (shutdown) or a new pool generation it drops the mapping, fails steps with
 FAILED_PRECONDITION until a pool is mapped again, and re-maps the new pool
-through the socket; it never computes on stale memory.
+through the socket; it never computes on stale memory. ``--metrics-port`` serves the worker's step
+metrics (:mod:`compute_service.metrics`) as Prometheus ``/metrics``; the ready file then names its
+``metrics_port``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from compute_service.device_sync import bind_compute_thread
 from compute_service.kv_calibration import fit_kv_scales
+from compute_service.metrics import WorkerMetrics, start_metrics_server
 from compute_service.model.fused_decode import cpu_path
 from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool, map_pool
@@ -71,6 +74,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--memory-timeout", type=float, default=60.0,
                    help="seconds to wait for the memory service at start (default 60)")
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
+    p.add_argument("--metrics-port", type=int, default=env("PAGEDKV_COMPUTE_METRICS_PORT"),
+                   help="serve Prometheus /metrics on this port of --host (0: any free port; the ready file's "
+                        "metrics_port): pagedkv:worker_* step histograms and copy counters (default: off)")
     p.add_argument("--node-transfers", action="store_true", default=env("PAGEDKV_NODE_TRANSFERS"),
                    help="register the mapped pool with a NIXL agent and publish it through the memory service, so "
                         "workers of other nodes can read its blocks and this one theirs (needs nixl-cu12; trusted "
@@ -109,6 +115,8 @@ class WorkerSpec:
     node_transfers: bool
     #: Decode steps of up to this many sequences in CUDA graphs (on a GPU pool); 0: ``--enforce-eager``.
     max_capture_size: int = 0
+    #: Port of Prometheus /metrics (0: any free port); None: no metrics.
+    metrics_port: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerSpec:
@@ -118,9 +126,11 @@ class WorkerSpec:
         if not 1 <= args.max_cudagraph_capture_size <= MAX_STEP_SEQUENCES:
             raise ValueError(f"--max-cudagraph-capture-size must be in [1, {MAX_STEP_SEQUENCES}] (a step's most "
                              f"sequences), got {args.max_cudagraph_capture_size}; --enforce-eager turns graphs off")
+        if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must lie in 0-65535 (0: any free port), got {args.metrics_port}")
         return cls(Bind.from_args(args), args.memory, args.device, args.model, args.revision,
                    config.model_dtype(args.dtype), args.memory_socket, args.memory_timeout, bool(args.node_transfers),
-                   0 if args.enforce_eager else args.max_cudagraph_capture_size)
+                   0 if args.enforce_eager else args.max_cudagraph_capture_size, args.metrics_port)
 
 
 def model_dtype(flag: config.DType | str | None, desc: mpb.PoolDescriptor,
@@ -320,6 +330,11 @@ async def serve(spec: WorkerSpec) -> None:
     if spec.node_transfers:
         await loop.run_in_executor(compute, publish_transfer_agent, worker, spec.memory, files)
     pool = worker.pool
+    ready_info = {"memory": spec.memory, "model": spec.model, "revision": model.revision, "device": model_device,
+                  "generation": pool.generation}
+    if spec.metrics_port is not None:
+        worker.metrics = WorkerMetrics()
+        ready_info["metrics_port"] = start_metrics_server(worker.metrics, spec.bind.host, spec.metrics_port)
     servicer = ComputeServicer(worker, model, model_device, compute)
     from grpc_health.v1 import health
 
@@ -328,8 +343,7 @@ async def serve(spec: WorkerSpec) -> None:
         exit_on_device_failure(health_servicer, e)))
     server = ServerSpec.bound(
         spec.bind, SERVICE_NAME, lambda server: pb_grpc.add_ComputeServiceServicer_to_server(servicer, server),
-        ready_info={"memory": spec.memory, "model": spec.model, "revision": model.revision, "device": model_device,
-                    "generation": pool.generation},
+        ready_info=ready_info,
         background=[lambda: watch_memory_service(spec.memory, worker, health_servicer, compute, spec.memory_socket,
                                                  files, spec.node_transfers),
                     *([lambda: keep_source_live(worker, spec.memory, files)] if spec.node_transfers else [])],

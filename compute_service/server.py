@@ -66,6 +66,9 @@ class ComputeServicer(pb_grpc.ComputeServiceServicer):
             raise FailedPreconditionError("the mapped pool has no disk tier (the memory service runs without "
                                           "--disk-cache-dir)", reason=POOL_NOT_MAPPED)
         receipts = await asyncio.get_running_loop().run_in_executor(self.disk_io, copier.run, request.copies)
+        if self.worker.metrics is not None:
+            done = [c.write for c, r in zip(request.copies, receipts) if r.ok]
+            self.worker.metrics.observe_disk(writes=sum(done), reads=len(done) - sum(done))
         return pb.CopyDiskBlocksResponse(receipts=receipts)
 
     async def GetModelInfo(self, request, context):

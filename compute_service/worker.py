@@ -28,6 +28,7 @@ import kernels
 from compute_service.device_sync import StepFence, bind_compute_thread, is_fatal_device_error
 from compute_service.disk_copier import DiskCopier
 from compute_service.grant_check import CopyPlan, check_grants, sign_receipts
+from compute_service.metrics import WorkerMetrics
 from compute_service.model.decode_graphs import DecodeGraphs
 from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool
@@ -96,6 +97,8 @@ class Worker:
         self.graphs: DecodeGraphs | None = self._capture(pool)
         #: Disk-tier copies over the mapped pool (compute_service.disk_copier), or None: no disk tier.
         self.disk: DiskCopier | None = _disk_copier(pool)
+        #: Step metrics observed once per step (``pagedkv compute --metrics-port``), or None: none kept.
+        self.metrics: WorkerMetrics | None = None
 
     def set_pool(self, pool: MappedPool | None) -> None:
         """Swap the mapped pool (None drops it); waits for an in-flight step."""
@@ -222,6 +225,12 @@ class Worker:
             step_seconds=time.perf_counter() - t0,
             num_tokens=inputs.num_tokens if run.sequences else 0,
         )
+        if self.metrics is not None:
+            self.metrics.observe_step(
+                step_seconds=response.step_seconds, model_seconds=model_seconds, batch_size=len(run.sequences),
+                attention_seconds=response.attention_seconds if self.attention_clock else None,
+                num_tokens=response.num_tokens, offloads=len(plan.offloads), reloads=len(plan.reloads),
+                transfers=sum(map(len, plan.transfers.values())), copy_on_write=len(plan.copy_on_write))
         test_hooks.call("worker.step_end", request=request, response=response)
         return response
 

@@ -115,7 +115,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="turn automatic prefix caching off (on by default)",
     )
     p.add_argument(
-        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0 = any free port)"
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0 = any free port): "
+        "pagedkv:* names, and for one release their older pagedkv_* names as deprecated aliases (same values)"
     )
     p.add_argument("--ready-file", default=None, help="write the bound address here as JSON once serving")
     p.add_argument(

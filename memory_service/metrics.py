@@ -1,7 +1,11 @@
 """Prometheus metrics of the memory service (``--metrics-port``), read from GetStats at scrape time.
 
 Names follow vLLM's where one exists (kv cache usage, prefix cache queries/hits,
-preemptions), with the ``pagedkv_`` prefix.
+preemptions), with the ``pagedkv:`` prefix of every pagedkv process (DESIGN.md, "Metrics"). The
+older ``pagedkv_`` names of :data:`METRICS` are exported too, for one release, as deprecated
+aliases: the same values under ``pagedkv_<same rest>`` (``pagedkv:num_blocks_used`` and
+``pagedkv_num_blocks_used``; counters end in ``_total`` under both), each alias's help text
+naming its new name. Dashboards and alerts should move to the ``pagedkv:`` names.
 """
 
 from __future__ import annotations
@@ -11,63 +15,64 @@ from prometheus_client.registry import REGISTRY, Collector
 
 from memory_service.manager.block_manager import BlockManager
 
-#: Exported metrics: name -> (family, help, the :class:`Stats` attribute it reads).
+#: Exported metrics: name after the prefix -> (family, help, the :class:`Stats` attribute it reads); each
+#: as ``pagedkv:<name>`` and, until the next release, as the alias ``pagedkv_<name>``.
 METRICS = {
-    "pagedkv_kv_cache_usage_perc": (GaugeMetricFamily, "Fraction of KV blocks in use (0-1).", "usage"),
-    "pagedkv_kv_cache_utilization": (
+    "kv_cache_usage_perc": (GaugeMetricFamily, "Fraction of KV blocks in use (0-1).", "usage"),
+    "kv_cache_utilization": (
         GaugeMetricFamily,
         "Token states stored / token capacity of used blocks.",
         "utilization",
     ),
-    "pagedkv_num_blocks_total": (GaugeMetricFamily, "Blocks in the pool.", "total_blocks"),
-    "pagedkv_num_blocks_used": (GaugeMetricFamily, "Blocks with refcount > 0.", "used_blocks"),
-    "pagedkv_num_blocks_free": (GaugeMetricFamily, "Blocks with no content.", "free_blocks"),
-    "pagedkv_num_blocks_cached": (
+    "num_blocks_total": (GaugeMetricFamily, "Blocks in the pool.", "total_blocks"),
+    "num_blocks_used": (GaugeMetricFamily, "Blocks with refcount > 0.", "used_blocks"),
+    "num_blocks_free": (GaugeMetricFamily, "Blocks with no content.", "free_blocks"),
+    "num_blocks_cached": (
         GaugeMetricFamily,
         "Refcount-0 blocks keeping content (prefix cache, swapped-out blocks).",
         "cached_blocks",
     ),
-    "pagedkv_num_sequences": (GaugeMetricFamily, "Live sequences.", "num_sequences"),
-    "pagedkv_num_leases": (GaugeMetricFamily, "Live leases.", "num_leases"),
-    "pagedkv_tokens_stored": (GaugeMetricFamily, "Token states held in used blocks.", "tokens_stored"),
-    "pagedkv_prefix_cache_queries": (
+    "num_sequences": (GaugeMetricFamily, "Live sequences.", "num_sequences"),
+    "num_leases": (GaugeMetricFamily, "Live leases.", "num_leases"),
+    "tokens_stored": (GaugeMetricFamily, "Token states held in used blocks.", "tokens_stored"),
+    "prefix_cache_queries": (
         CounterMetricFamily,
         "Prompt tokens looked up in the prefix cache.",
         "prefix_cache_queries",
     ),
-    "pagedkv_prefix_cache_hits": (CounterMetricFamily, "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-    "pagedkv_prefix_cache_evictions": (CounterMetricFamily, "Cached blocks evicted.", "prefix_cache_evictions"),
-    "pagedkv_num_preemptions": (CounterMetricFamily, "Sequences freed as preempted by clients.", "preemptions"),
-    "pagedkv_allocation_failures": (CounterMetricFamily, "Requests refused with OUT_OF_BLOCKS.", "allocation_failures"),
+    "prefix_cache_hits": (CounterMetricFamily, "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    "prefix_cache_evictions": (CounterMetricFamily, "Cached blocks evicted.", "prefix_cache_evictions"),
+    "num_preemptions": (CounterMetricFamily, "Sequences freed as preempted by clients.", "preemptions"),
+    "allocation_failures": (CounterMetricFamily, "Requests refused with OUT_OF_BLOCKS.", "allocation_failures"),
     # The host tier (all 0 without one).
-    "pagedkv_host_num_blocks_total": (GaugeMetricFamily, "Blocks in the host tier.", "host_total_blocks"),
-    "pagedkv_host_num_blocks_used": (
+    "host_num_blocks_total": (GaugeMetricFamily, "Blocks in the host tier.", "host_total_blocks"),
+    "host_num_blocks_used": (
         GaugeMetricFamily,
         "Host blocks held: pending copies, swapped sequences.",
         "host_used_blocks",
     ),
-    "pagedkv_host_num_blocks_free": (GaugeMetricFamily, "Host blocks with no content.", "host_free_blocks"),
-    "pagedkv_host_num_blocks_cached": (
+    "host_num_blocks_free": (GaugeMetricFamily, "Host blocks with no content.", "host_free_blocks"),
+    "host_num_blocks_cached": (
         GaugeMetricFamily,
         "Host blocks holding offloaded prefix-cache blocks.",
         "host_cached_blocks",
     ),
-    "pagedkv_host_cache_hits": (
+    "host_cache_hits": (
         CounterMetricFamily,
         "Prompt tokens found in the host tier (reloaded).",
         "host_cache_hits",
     ),
-    "pagedkv_host_cache_evictions": (CounterMetricFamily, "Cached host blocks evicted.", "host_cache_evictions"),
-    "pagedkv_offloads": (CounterMetricFamily, "Blocks offloaded device to host (copies proven).", "offloads"),
-    "pagedkv_offloads_dropped": (
+    "host_cache_evictions": (CounterMetricFamily, "Cached host blocks evicted.", "host_cache_evictions"),
+    "offloads": (CounterMetricFamily, "Blocks offloaded device to host (copies proven).", "offloads"),
+    "offloads_dropped": (
         CounterMetricFamily,
         "Offloads that did not happen (no host room, or never proven).",
         "offloads_dropped",
     ),
-    "pagedkv_reloads": (CounterMetricFamily, "Blocks reloaded host to device (copies proven).", "reloads"),
-    "pagedkv_swap_outs": (CounterMetricFamily, "Sequences swapped out to the host tier.", "swap_outs"),
-    "pagedkv_swap_ins": (CounterMetricFamily, "Sequences swapped back in.", "swap_ins"),
-    "pagedkv_num_sequences_swapped": (GaugeMetricFamily, "Sequences swapped out now.", "swapped_sequences"),
+    "reloads": (CounterMetricFamily, "Blocks reloaded host to device (copies proven).", "reloads"),
+    "swap_outs": (CounterMetricFamily, "Sequences swapped out to the host tier.", "swap_outs"),
+    "swap_ins": (CounterMetricFamily, "Sequences swapped back in.", "swap_ins"),
+    "num_sequences_swapped": (GaugeMetricFamily, "Sequences swapped out now.", "swapped_sequences"),
 }
 
 
@@ -86,8 +91,13 @@ DISK_METRICS = {
 }
 
 
+#: Every metric's prefix, and the older one its aliases keep for one release.
+NEW_PREFIX, OLD_PREFIX = "pagedkv:", "pagedkv_"
+
+
 class BlockManagerCollector(Collector):
-    """Exports a :class:`BlockManager`'s counters."""
+    """Exports a :class:`BlockManager`'s counters: :data:`METRICS` under both prefixes (same values),
+    :data:`DISK_METRICS` (``pagedkv:`` only) with a disk tier."""
 
     def __init__(self, manager: BlockManager):
         self.manager = manager
@@ -95,7 +105,10 @@ class BlockManagerCollector(Collector):
     def collect(self):
         s = self.manager.stats()
         for name, (family, doc, field) in METRICS.items():
-            yield family(name, doc, value=getattr(s, field))
+            value = getattr(s, field)
+            yield family(f"{NEW_PREFIX}{name}", doc, value=value)
+            yield family(f"{OLD_PREFIX}{name}", f"Deprecated alias of {NEW_PREFIX}{name} (removed in the next "
+                         f"release): {doc}", value=value)
         if s.disk is not None:
             for name, (family, doc, key) in DISK_METRICS.items():
                 yield family(name.removesuffix("_total") if family is CounterMetricFamily else name, doc,

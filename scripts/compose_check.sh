@@ -290,7 +290,7 @@ log "memory service GetStats: $stats"
 [[ $stats =~ total=([0-9]+).*available=([0-9]+) && ${BASH_REMATCH[1]} == "${BASH_REMATCH[2]}" ]] \
     || fail "available != total"
 log "metrics on 127.0.0.1:$PAGEDKV_METRICS_HOST_PORT: $(curl -s "localhost:$PAGEDKV_METRICS_HOST_PORT/metrics" \
-    | grep -E '^pagedkv_num_blocks_(used|total) ' | tr '\n' ' ')"
+    | grep -E '^pagedkv:num_blocks_(used|total) ' | tr '\n' ' ')"
 log "every block freed"
 
 # ------------------------------------------------------------------------------------------

@@ -64,10 +64,12 @@ def pagedkv_process(args: list[str], tmp: Path, name: str, env: dict | None = No
 
 
 def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: str = "stack",
-                model: str | Path | None = None, env: dict[str, str] | None = None) -> LocalStack:
-    """``pagedkv memory <memory_args>`` and ``num_workers`` workers on free ports, logging under ``tmp``;
-    both services on ``--model model`` (None: SmolLM2), with ``env`` added to their environment; the
-    pool in :data:`REFERENCE_DTYPE` unless ``memory_args`` names its ``--kv-cache-dtype``.
+                model: str | Path | None = None, env: dict[str, str] | None = None,
+                worker_args: list[str] | None = None) -> LocalStack:
+    """``pagedkv memory <memory_args>`` and ``num_workers`` workers (``pagedkv compute <worker_args>``)
+    on free ports, logging under ``tmp``; both services on ``--model model`` (None: SmolLM2), with
+    ``env`` added to their environment; the pool in :data:`REFERENCE_DTYPE` unless ``memory_args``
+    names its ``--kv-cache-dtype``.
 
     Not started: use it as ``with local_stack(...) as s:``. Its memory service writes its admin
     token under ``tmp`` (the ready file's ``admin_token_file`` names it).
@@ -79,7 +81,7 @@ def local_stack(tmp: Path, memory_args: list[str], num_workers: int = 1, name: s
     memory_args = with_reference_dtype(["memory", *memory_args])[1:]
     pool = memory_args[memory_args.index("--kv-cache-dtype") + 1]
     # Over an fp8 pool a worker's auto is the device's default, not the pool's: the reference dtype too.
-    worker_args = ["--dtype", REFERENCE_DTYPE] if pool in ("fp8", "fp8_e4m3") else []
+    worker_args = [*(worker_args or []), *(["--dtype", REFERENCE_DTYPE] if pool in ("fp8", "fp8_e4m3") else [])]
     return LocalStack(memory_args, num_workers=num_workers, run_dir=tmp, name=name, cwd=ROOT, timeout=START_TIMEOUT,
                       model=None if model is None else str(model), worker_args=worker_args, env=env)
 
@@ -139,10 +141,11 @@ def memory_stub(memory_service):
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
-    """Memory service (512 blocks of 16 tokens, SmolLM2 layout) + two workers mapping its pool."""
+    """Memory service (512 blocks of 16 tokens, SmolLM2 layout) + two workers mapping its pool; each
+    serves Prometheus metrics on a free port (its ready file's ``metrics_port``)."""
     with local_stack(tmp_path_factory.mktemp("stack"),
-                     ["--num-blocks", "512", "--block-size", "16", "--lease-ttl", "30"],
-                     num_workers=2) as s:
+                     ["--num-blocks", "512", "--block-size", "16", "--lease-ttl", "30", "--metrics-port", "0"],
+                     num_workers=2, worker_args=["--metrics-port", "0"]) as s:
         yield s
 
 

@@ -94,6 +94,8 @@ class Server:
     dashboard_interval: float = DEFAULT_INTERVAL
     #: The engine's scheduling policy (--scheduling-policy): a request's priority other than 0 needs "priority".
     scheduling_policy: str = "fcfs"
+    #: ``--metrics-compat``: "vllm" also exports vLLM's metric names (client.serve.metrics_vllm).
+    metrics_compat: str = "none"
     #: Dashboard logins (client.serve.dashboard.auth).
     sessions: Sessions = field(default_factory=Sessions, init=False, repr=False)
     #: Wrong keys (Bearer keys on every route, dashboard logins) per client address (client.serve.dashboard.auth).
@@ -102,7 +104,7 @@ class Server:
     _feed: DashboardFeed | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        self.metrics = ServeMetrics(self.model_name, self.client)
+        self.metrics = ServeMetrics(self.model_name, self.client, compat=self.metrics_compat)
 
     def front_stats(self) -> EngineStats:
         """The engine stats the dashboard shows: with several nodes (``--node``), the first node's,

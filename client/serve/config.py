@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from client.cluster.core import NodeSpec, parse_node
 from client.engine.scheduler_types import SCHEDULING_POLICIES
 from client.serve.http_limits import HttpLimits, add_http_limit_args, parse_http_limits
+from client.serve.metrics_vllm import COMPAT_CHOICES
 from client.serve.tenants import Tenants
 from pagedkv import config
 from pagedkv.config import flags
@@ -92,6 +93,10 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     http.add_argument("--metrics-api-key", default=_env("METRICS_API_KEY"),
                       help="a key that may read /metrics and nothing else (a Prometheus scraper's). With API keys "
                       "or this key given, /metrics needs it or the admin key; otherwise it is open")
+    http.add_argument("--metrics-compat", default=_env("METRICS_COMPAT"), metavar="{none,vllm}",
+                      help="vllm: /metrics also exports the same values under the names, labels and buckets of "
+                      "vllm serve 0.32 (vllm:num_requests_running, vllm:time_to_first_token_seconds, ...), for "
+                      "dashboards written for vLLM; the same key rule as /metrics (default none: pagedkv: only)")
     http.add_argument("--cache-sharing-group", action="append", default=None, metavar="NAME=TENANT,TENANT",
                       help="tenants that share one prefix cache (each tenant's is its own otherwise); repeatable, a "
                       "tenant in one group at most (env PAGEDKV_CACHE_SHARING_GROUP, groups separated by ';')")
@@ -215,6 +220,8 @@ class ServeConfig:
     cache_salt_secret_file: str | None
     max_queued_requests: int
     max_requests_per_tenant: int | None
+    #: "vllm": /metrics also exports vLLM's names (client.serve.metrics_vllm); "none": pagedkv: only.
+    metrics_compat: str
     #: Seconds between dashboard snapshots.
     dashboard_interval: float
     ready_file: str | None
@@ -285,6 +292,8 @@ def parse_args(argv: list[str]) -> ServeConfig:
             p.error(f"--{name.replace('_', '-')} must be > 0 seconds")
     if args.max_model_len is not None and args.max_model_len < 2:
         p.error("--max-model-len must be >= 2")
+    if args.metrics_compat not in COMPAT_CHOICES:  # checked here: also from PAGEDKV_METRICS_COMPAT
+        p.error(f"--metrics-compat must be one of {', '.join(COMPAT_CHOICES)}, got {args.metrics_compat!r}")
     if args.preemption_mode not in ("recompute", "swap"):  # from PAGEDKV_PREEMPTION_MODE
         p.error(f"--preemption-mode must be recompute or swap, got {args.preemption_mode!r}")
     if args.scheduling_policy not in SCHEDULING_POLICIES:  # from PAGEDKV_SCHEDULING_POLICY

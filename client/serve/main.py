@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         name = args.served_model_name or args.model or "smollm2"
         pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests, args.max_requests_per_tenant,
                          dashboard_interval=args.dashboard_interval, secret=secret,
-                         scheduling_policy=args.scheduling_policy)
+                         scheduling_policy=args.scheduling_policy, metrics_compat=args.metrics_compat)
         server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5,
                                          **uvicorn_options(args.http_limits)), pagedkv)
         if args.ready_file:

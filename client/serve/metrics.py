@@ -26,6 +26,10 @@ memlock limit refused it (its tier copies are synchronous); no sample on a CPU p
 ``preemption``, ``lease_lost`` |
 | ``pagedkv:kv_cache_usage_perc`` | gauge | used / total blocks of the pool, at scrape |
 | ``pagedkv:prefix_cache_queries_total`` / ``_hits_total`` | counter | the pool's, in tokens, at scrape |
+
+With ``--metrics-compat vllm`` the same values are also exported under vLLM's names, labels and
+buckets (:mod:`client.serve.metrics_vllm`), in the same registry: ``/metrics`` serves both, under
+one key rule (client.serve.access.authorize_metrics).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from client.api import RequestOutput
+from client.serve.metrics_vllm import COMPAT_CHOICES, VllmMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -59,9 +64,18 @@ class ServeMetrics:
         model_name: the ``model_name`` label (the served model name).
         backend: the Client or Cluster (client.backend.Backend) whose engine stats and pool
             GetStats are read at scrape (a Cluster's: every node's added up).
+        compat: "vllm": also export vLLM's names (:class:`client.serve.metrics_vllm.VllmMetrics`);
+            "none": the ``pagedkv:`` names only.
+        max_model_len: the longest context, tokens (with ``compat`` "vllm": its token histograms'
+            buckets); None: ``backend.limits.max_context``.
+
+    Raises:
+        ValueError: ``compat`` not one of :data:`client.serve.metrics_vllm.COMPAT_CHOICES`.
     """
 
-    def __init__(self, model_name: str, backend):
+    def __init__(self, model_name: str, backend, compat: str = "none", max_model_len: int | None = None):
+        if compat not in COMPAT_CHOICES:
+            raise ValueError(f"metrics compat {compat!r}: use one of {', '.join(COMPAT_CHOICES)}")
         self.registry = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": self.registry}
         self._labels = {"model_name": model_name}
@@ -78,7 +92,14 @@ class ServeMetrics:
                                          **label).labels(**self._labels)
         self.success = Counter("pagedkv:request_success", "Finished requests by finish reason.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
-        self.registry.register(_LiveCollector(self._labels, backend))
+        #: vLLM's names of the same values (``--metrics-compat vllm``), or None.
+        self.vllm: VllmMetrics | None = None
+        if compat == "vllm":
+            self.vllm = VllmMetrics(self.registry, model_name,
+                                    max_model_len if max_model_len is not None else backend.limits.max_context)
+        #: Where each request event goes: this prefix's metrics and, with compat, vLLM's.
+        self._sinks = [self] if self.vllm is None else [self, self.vllm]
+        self.registry.register(_LiveCollector(self._labels, backend, self.vllm))
         self._progress: dict[str, _Progress] = {}
         self._lock = threading.Lock()
         #: The two token counters' totals, kept beside them so reading them collects nothing (a
@@ -102,26 +123,35 @@ class ServeMetrics:
             new = tokens - prog.tokens
             if not prog.prompt_counted:
                 prog.prompt_counted = True
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                for m in self._sinks:
+                    m.prompt_tokens.inc(len(out.prompt_token_ids))
                 self._totals[0] += len(out.prompt_token_ids)
             if new > 0:
-                self.generation_tokens.inc(new)
+                for m in self._sinks:
+                    m.generation_tokens.inc(new)
                 self._totals[1] += new
                 if prog.tokens == 0:
                     if out.metrics.get("ttft") is not None:
-                        self.ttft.observe(out.metrics["ttft"])
+                        for m in self._sinks:
+                            m.ttft.observe(out.metrics["ttft"])
                     new -= 1  # the first token has no inter-token time
                 elif prog.last_token:
                     per = (now - prog.last_token) / new
-                    for _ in range(new):
-                        self.tpot.observe(per)
+                    for m in self._sinks:
+                        for _ in range(new):
+                            m.tpot.observe(per)
                 prog.tokens, prog.last_token = tokens, now
             if out.finished or error is not None:
                 self._progress.pop(request_id, None)
                 reason = "error" if error is not None else _reason(out)
-                self.success.labels(finished_reason=reason, **self._labels).inc()
-                if out.metrics.get("e2e") is not None:
-                    self.e2e.observe(out.metrics["e2e"])
+                for m in self._sinks:
+                    m.finished(reason, out)
+
+    def finished(self, reason: str, out: RequestOutput) -> None:
+        """A request finished with ``reason`` and last output ``out``: its success and latency."""
+        self.success.labels(finished_reason=reason, **self._labels).inc()
+        if out.metrics.get("e2e") is not None:
+            self.e2e.observe(out.metrics["e2e"])
 
 
 def _reason(out: RequestOutput) -> str:
@@ -133,8 +163,8 @@ def _reason(out: RequestOutput) -> str:
 class _LiveCollector:
     """Gauges and pool counters read at scrape time."""
 
-    def __init__(self, labels: dict, backend):
-        self.labels, self.backend = labels, backend
+    def __init__(self, labels: dict, backend, vllm: VllmMetrics | None = None):
+        self.labels, self.backend, self.vllm = labels, backend, vllm
 
     def collect(self):
         names, values = list(self.labels), list(self.labels.values())
@@ -173,6 +203,10 @@ class _LiveCollector:
         try:
             stats = self.backend.stats()
         except Exception:  # noqa: BLE001 - the memory service is down: no pool metrics this scrape
+            stats = None
+        if self.vllm is not None:
+            yield from self.vllm.live(engine_stats, stats)
+        if stats is None:
             return
         g = GaugeMetricFamily("pagedkv:kv_cache_usage_perc", "Used fraction of the KV pool's blocks (0-1).",
                               labels=names)

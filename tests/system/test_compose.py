@@ -8,11 +8,13 @@ No Docker engine is needed. Three kinds of checks:
    (`memory_service.main.build_parser`, `compute_service.main.build_parser`,
    `client.serve.config.parse_args`, `client.ops.cli.build_parser`), every environment variable is
    one the code reads, and the addresses, ports, health checks and namespaces agree across
-   services; the Dockerfile installs the dependencies before it copies the source.
+   services; the Dockerfile installs the dependencies before it copies the source; the header's
+   grpcurl command speaks the plane's mutual TLS.
 3. The CPU file's commands run as plain processes on this machine (same flags and environment,
    addresses rewritten to loopback and free ports, the worker socket to a temporary folder) and
    answer a greedy chat prompt through the client service's command and through the frontend
-   (its health check, then POST /v1/chat/completions), leaving no block used.
+   (its health check, then POST /v1/chat/completions), leaving no block used; the GPU file's grpcurl
+   line lists the memory service's services with the certificates `certs` made.
 
 The images themselves are built and run by scripts/compose_check.sh (podman), not here.
 """
@@ -31,127 +33,37 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
+from helpers.compose_files import (
+    BIN,
+    COMPOSE_ONLY_VARS,
+    CPU_FILE,
+    FILES,
+    FOREIGN_ENV_VARS,
+    GPU_FILE,
+    GRPC_SERVICES,
+    GRPCURL,
+    HEALTHCHECK,
+    HF_HOME_DIR,
+    HUB_VARS,
+    IMAGE_ROOT,
+    ROOT,
+    SUBCOMMANDS,
+    TLS_DIR,
+    TLS_MEMBER,
+    VARIABLE,
+    code_env_vars,
+    flag,
+    header_commands,
+    load,
+    parse_command,
+    published_ports,
+    service_port,
+    services,
+)
 
 from client.ops.stack import ServiceProcess
 from client.services import MemoryClient
 from pagedkv.runtime.tls import TlsFiles
-
-ROOT = Path(__file__).resolve().parents[2]
-GPU_FILE = ROOT / "docker-compose.yml"
-CPU_FILE = ROOT / "docker-compose.cpu.yml"
-FILES = [GPU_FILE, CPU_FILE]
-BIN = Path(sys.executable).parent
-#: Where the Dockerfile puts the source tree (WORKDIR) inside the image.
-IMAGE_ROOT = "/opt/pagedkv"
-
-#: Interpolation variables that only the compose files read (never a container's environment).
-COMPOSE_ONLY_VARS = {
-    "PAGEDKV_GPU",
-    "PAGEDKV_IMAGE",
-    "PAGEDKV_FRONTEND_HOST_PORT",
-    "PAGEDKV_MEMORY_HOST_PORT",
-    "PAGEDKV_METRICS_HOST_PORT",
-    "PAGEDKV_COMPUTE_HOST_PORTS",
-}
-#: The gRPC services (published on the host's loopback only) and the HTTP front-end.
-GRPC_SERVICES = ("memory", "compute")
-#: `pagedkv <subcommand>` each service runs.
-SUBCOMMANDS = {"certs": "certs", "memory": "memory", "compute": "compute", "frontend": "serve", "client": "generate"}
-#: Where the compose files mount the plane's certificates (the `tls` volume, made by `certs`).
-TLS_DIR = "/etc/pagedkv/tls"
-#: The certificate each service presents on the internal plane (`pagedkv certs` file stems).
-TLS_MEMBER = {"memory": "memory", "compute": "worker", "frontend": "scheduler", "client": "scheduler"}
-HEALTHCHECK = ROOT / "docker" / "healthcheck.py"
-
-#: Hugging Face's own variables (huggingface_hub reads them in the containers), passed from the
-#: host's shell: the cache (HF_HOME, also the host folder mounted), the token, offline mode.
-HUB_VARS = {"HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE"}
-#: Where the compose files mount the host's Hugging Face cache in the containers (their HF_HOME).
-HF_HOME_DIR = "/var/lib/huggingface"
-#: Container environment variables read by libraries rather than by pagedkv.
-FOREIGN_ENV_VARS = {
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "CUDA_VISIBLE_DEVICES",
-    "OMP_NUM_THREADS",
-    "NVIDIA_TF32_OVERRIDE",
-    "TRITON_CACHE_DIR",
-    *HUB_VARS,
-}
-
-_VAR = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
-
-
-def interpolate(value):
-    """Resolve `${VAR}` / `${VAR:-default}` with the defaults, as `docker compose` does with an empty environment."""
-    if isinstance(value, str):
-        return _VAR.sub(lambda m: m["default"] or "", value).replace("$$", "$")
-    if isinstance(value, list):
-        return [interpolate(v) for v in value]
-    if isinstance(value, dict):
-        return {k: interpolate(v) for k, v in value.items()}
-    return value
-
-
-def load(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
-
-
-def services(path: Path) -> dict[str, dict]:
-    return {name: interpolate(svc) for name, svc in load(path)["services"].items()}
-
-
-def code_env_vars() -> set[str]:
-    """PAGEDKV_* names the project's code reads from the environment: the registry's (canonical
-    names and aliases; tests/pagedkv/test_config.py holds every read to the registry)."""
-    from pagedkv.config import ENV_VARS
-
-    return {n for v in ENV_VARS.values() for n in (v.name, *v.aliases) if n.startswith("PAGEDKV_")}
-
-
-def flag(command: list[str], name: str) -> str | None:
-    """The value after `name` in an argv list (None when absent)."""
-    return command[command.index(name) + 1] if name in command else None
-
-
-def parse_command(command: list[str], env: dict[str, str], monkeypatch):
-    """Parse a compose `pagedkv ...` command with the CLI's parser under the service's environment.
-
-    Returns (subcommand, argparse.Namespace); argparse's SystemExit means an unknown flag or value.
-    """
-    assert command[0] == "pagedkv", f"command {command} does not run the pagedkv CLI"
-    for k, v in env.items():
-        monkeypatch.setenv(k, str(v))
-    sub = command[1]
-    if sub == "memory":
-        from memory_service.main import build_parser
-    elif sub == "compute":
-        from compute_service.main import build_parser
-    elif sub == "serve":
-        # build_parser's flags plus parse_args' own checks (ranges, dtype pairs, API keys).
-        from client.serve.config import parse_args
-
-        return sub, parse_args(command[2:])
-    else:
-        from client.ops.cli import build_parser
-
-        return sub, build_parser().parse_args(command[1:])
-    return sub, build_parser().parse_args(command[2:])
-
-
-def service_port(svc: dict, monkeypatch) -> int:
-    return parse_command(svc["command"], svc.get("environment", {}), monkeypatch)[1].port
-
-
-def published_ports(svc: dict) -> list[tuple[str | None, str, int]]:
-    """(host ip or None, host port or range, container port) of each `ports:` entry."""
-    out = []
-    for entry in svc.get("ports", []):
-        parts = str(entry).split(":")
-        ip = parts[0] if len(parts) == 3 else None
-        out.append((ip, parts[-2], int(parts[-1])))
-    return out
-
 
 # --------------------------------------------------------------------------------------------
 # 1. Compose specification
@@ -199,7 +111,7 @@ def test_environment_variables_are_read_by_the_code(path):
             assert var in known or var in FOREIGN_ENV_VARS, (
                 f"{path.name}: service {name} sets {var}, which no pagedkv code reads (known: {sorted(known)})"
             )
-    for m in _VAR.finditer(path.read_text()):
+    for m in VARIABLE.finditer(path.read_text()):
         var = m["name"]
         assert var in known or var in COMPOSE_ONLY_VARS or var in HUB_VARS, (
             f"{path.name}: ${{{var}}} is neither read by the code nor a documented compose knob"
@@ -325,12 +237,16 @@ def test_published_ports_follow_the_variables():
 
 def test_gpu_namespaces_and_reservation():
     svcs = services(GPU_FILE)
+    # Legacy CUDA IPC: the workers join the memory service's IPC and PID namespaces, never the host's;
+    # the services that never open the handle keep their own (and the CPU stack needs none).
+    assert svcs["memory"]["ipc"] == "shareable" and "pid" not in svcs["memory"]
+    assert svcs["compute"]["ipc"] == svcs["compute"]["pid"] == "service:memory"
+    for path in FILES:
+        for name, svc in services(path).items():
+            if (path, name) not in ((GPU_FILE, "memory"), (GPU_FILE, "compute")):
+                assert "ipc" not in svc and "pid" not in svc, (path.name, name)
     for name in ("memory", "compute"):
         svc = svcs[name]
-        assert svc["ipc"] in ("host", "service:memory") or (
-            name == "memory" and svc["ipc"] == "shareable"
-        ), name
-        assert svc["pid"] in ("host", "service:memory") or name == "memory", name
         (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
         assert "device_ids" in dev or "count" in dev
@@ -338,6 +254,21 @@ def test_gpu_namespaces_and_reservation():
     mem_dev = svcs["memory"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert svcs["compute"]["deploy"]["resources"]["reservations"]["devices"][0] == mem_dev
     assert "deploy" not in svcs["client"]
+
+
+def test_header_grpcurl_runs_over_mutual_tls(monkeypatch):
+    """The GPU file's header inspects the memory service with grpcurl as the plane's admin (its
+    gRPC port serves mutual TLS only): the admin files of the `tls` volume, copied out by the
+    header's own `docker compose cp`; test_cpu_stack_runs_the_compose_commands runs it."""
+    (cp,) = [c for c in header_commands(GPU_FILE, "docker") if c[2] == "cp"]
+    assert cp[3] == f"memory:{TLS_DIR}"
+    (cmd,) = header_commands(GPU_FILE, "grpcurl")
+    assert "-plaintext" not in cmd
+    local = cp[4].removeprefix("./")
+    assert [flag(cmd, f) for f in ("-cacert", "-cert", "-key")] == [
+        f"{local}/ca.pem", f"{local}/admin.pem", f"{local}/admin-key.pem"]
+    port = service_port(services(GPU_FILE)["memory"], monkeypatch)
+    assert cmd[-2:] == [f"localhost:{port}", "list"]
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
@@ -531,6 +462,13 @@ def test_cpu_stack_runs_the_compose_commands(tmp_path):
             "compute",
         )
         started.append(compute)
+
+        # The GPU file's grpcurl line (the same plane's certificates), against this memory service.
+        (cmd,) = header_commands(GPU_FILE, "grpcurl")
+        argv = [GRPCURL, *(a.replace("pagedkv-tls/", f"{tmp_path}/tls/") for a in cmd[1:-2]),
+                f"localhost:{memory.address.rsplit(':', 1)[1]}", cmd[-1]]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert r.returncode == 0 and "pagedkv.memory.v1.MemoryService" in r.stdout.split(), r.stdout + r.stderr
 
         for svc, proc in ((mem_svc, memory), (comp_svc, compute)):
             test = svc["healthcheck"]["test"]

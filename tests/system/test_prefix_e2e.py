@@ -123,9 +123,11 @@ def test_prometheus_metrics(start_service):
     svc = start_service(["memory", "--num-blocks", "32", "--metrics-port", "0"], name="metrics")
     port = svc.info["metrics_port"]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for name in ("pagedkv_kv_cache_usage_perc", "pagedkv_prefix_cache_queries_total", "pagedkv_prefix_cache_hits_total",
-                 "pagedkv_num_preemptions_total", "pagedkv_num_blocks_total 32.0"):
-        assert name in text, name
+    for name in ("kv_cache_usage_perc", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "num_preemptions_total", "num_blocks_total 32.0"):
+        for prefix in ("pagedkv:", "pagedkv_"):  # the older names stay one release, as aliases
+            assert f"\n{prefix}{name}" in text, prefix + name
+    assert "# HELP pagedkv_num_blocks_total Deprecated alias of pagedkv:num_blocks_total" in text
 
 
 def test_no_prefix_caching_flag(start_service):

@@ -120,6 +120,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_COMPUTE_DEVICE", "str", "cpu", "--device of pagedkv compute: cpu, cuda or cuda:N",
       aliases=("PAGEDKV_DEVICE",)),
     E("PAGEDKV_MEMORY_SOCKET", "str", None, "--memory-socket of pagedkv compute: the worker socket's path here"),
+    E("PAGEDKV_COMPUTE_METRICS_PORT", "int", None, "--metrics-port of pagedkv compute: its Prometheus /metrics "
+      "(0: any free port; default off)"),
     E("PAGEDKV_NODE_TRANSFERS", "bool", False, "--node-transfers of pagedkv compute: publish the pool over NIXL"),
     E("PAGEDKV_ENFORCE_EAGER", "bool", False, "--enforce-eager of pagedkv compute and serve: no CUDA graphs"),
     E("PAGEDKV_MAX_CUDAGRAPH_CAPTURE_SIZE", "int", 256,
@@ -145,6 +147,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_ADMIN_API_KEY", "str", None, "--admin-api-key of pagedkv serve; --key of pagedkv top; "
       "--api-key of pagedkv drain"),
     E("PAGEDKV_METRICS_API_KEY", "str", None, "--metrics-api-key of pagedkv serve: a key that may read /metrics only"),
+    E("PAGEDKV_METRICS_COMPAT", "str", "none", "--metrics-compat of pagedkv serve: none, or vllm (also export "
+      "vLLM's metric names)"),
     E("PAGEDKV_CACHE_SHARING_GROUP", "str", None, "--cache-sharing-group of pagedkv serve: groups separated by ';'"),
     E("PAGEDKV_CACHE_SALT_SECRET_FILE", "str", None, "--cache-salt-secret-file of pagedkv serve: the secret of "
       "its tenants' cache namespaces (default $PAGEDKV_HOME/cache-salt-secret)"),
