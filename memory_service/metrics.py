@@ -91,13 +91,23 @@ DISK_METRICS = {
 }
 
 
+#: Prefix pins (PinPrefix) and the retention they leave: name -> (family, help, its PinStats key).
+PIN_METRICS = {
+    "pagedkv:prefix_pins": (GaugeMetricFamily, "Live prefix pins.", "num_pins"),
+    "pagedkv:prefix_pinned_blocks": (GaugeMetricFamily, "Device blocks held by prefix pins.", "pinned_blocks"),
+    "pagedkv:retained_blocks": (GaugeMetricFamily, "Cached blocks with a retention priority (evicted after plain "
+                                "cached blocks, lowest priority first).", "retained_blocks"),
+    "pagedkv:prefix_pins_expired_total": (CounterMetricFamily, "Prefix pins ended by their TTL.", "expired"),
+}
+
+
 #: Every metric's prefix, and the older one its aliases keep for one release.
 NEW_PREFIX, OLD_PREFIX = "pagedkv:", "pagedkv_"
 
 
 class BlockManagerCollector(Collector):
     """Exports a :class:`BlockManager`'s counters: :data:`METRICS` under both prefixes (same values),
-    :data:`DISK_METRICS` (``pagedkv:`` only) with a disk tier."""
+    :data:`PIN_METRICS`, and :data:`DISK_METRICS` with a disk tier (``pagedkv:`` only)."""
 
     def __init__(self, manager: BlockManager):
         self.manager = manager
@@ -109,10 +119,11 @@ class BlockManagerCollector(Collector):
             yield family(f"{NEW_PREFIX}{name}", doc, value=value)
             yield family(f"{OLD_PREFIX}{name}", f"Deprecated alias of {NEW_PREFIX}{name} (removed in the next "
                          f"release): {doc}", value=value)
-        if s.disk is not None:
-            for name, (family, doc, key) in DISK_METRICS.items():
+        tables = [(PIN_METRICS, s.pins)] + ([(DISK_METRICS, s.disk)] if s.disk is not None else [])
+        for metrics, values in tables:
+            for name, (family, doc, key) in metrics.items():
                 yield family(name.removesuffix("_total") if family is CounterMetricFamily else name, doc,
-                             value=s.disk[key])
+                             value=values[key])
 
 
 def start_metrics_server(manager: BlockManager, host: str, port: int) -> int:

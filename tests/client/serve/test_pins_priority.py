@@ -32,7 +32,8 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pins")
     keys = tmp / "keys.txt"
     keys.write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
-    with local_stack(tmp, ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK), "--lease-ttl", "30"],
+    with local_stack(tmp, ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK), "--lease-ttl", "30",
+                           "--metrics-port", "0"],
                      num_workers=1, name="pins") as s:
         token_file = s.memory.info["admin_token_file"]
         svc = pagedkv_process(["serve", "--memory", s.memory.address, "--workers", s.worker_addresses[0],
@@ -44,6 +45,13 @@ def served(tmp_path_factory):
         finally:
             admin.close()
             svc.stop()
+
+
+def memory_metrics(stack) -> tuple[float, float, float]:
+    """The memory service's (prefix pins, pinned blocks, retained blocks) gauges."""
+    text = httpx.get(f"http://127.0.0.1:{stack.memory.info['metrics_port']}/metrics").text
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return tuple(values[f"pagedkv:{n}"] for n in ("prefix_pins", "prefix_pinned_blocks", "retained_blocks"))
 
 
 def post(url: str, path: str, body: dict, key: str = ADMIN) -> httpx.Response:
@@ -71,6 +79,7 @@ def test_a_pinned_prompt_survives_another_tenants_pressure_and_keeps_its_priorit
     got = httpx.get(f"{url}/admin/pins", headers={"Authorization": f"Bearer {ADMIN}"}).json()["pins"]
     assert [p["id"] for p in got] == [pin["id"]]
     assert admin.stats().pins.num_pins == 1 and admin.stats().pins.pinned_blocks == 6
+    assert memory_metrics(stack)[:2] == (1, 6)
 
     # Tenant b fills the pool several times over: 6 prompts of 10 blocks each, 34 blocks free of pins.
     evictions = admin.stats().prefix_cache_evictions
@@ -90,6 +99,7 @@ def test_a_pinned_prompt_survives_another_tenants_pressure_and_keeps_its_priorit
     assert httpx.delete(f"{url}/admin/pins/{pin['id']}", headers=admin_key).status_code == 404
     stats = admin.stats().pins
     assert (stats.num_pins, stats.pinned_blocks) == (0, 0) and stats.retained_blocks >= 6
+    assert memory_metrics(stack) == (0, 0, stats.retained_blocks)
     admin.check_invariants()
 
 
