@@ -72,14 +72,16 @@ class Backend(Protocol):
 
 def total_pool_stats(parts: list[mpb.GetStatsResponse]) -> mpb.GetStatsResponse:
     """Several pools' GetStats as one: every count added up, the layout fields the first's, and
-    ``utilization`` (tokens stored per used token slot) computed over all of them. One part is
-    returned as it is."""
+    ``utilization`` (tokens stored per used token slot) computed over all of them; no ``sizing`` (each
+    pool's own). One part is returned as it is."""
     if len(parts) == 1:
         return parts[0]
     out = mpb.GetStatsResponse()
     out.CopyFrom(parts[0])
     for f in out.DESCRIPTOR.fields:
-        if f.message_type is not None:  # the disk tier's counters: added up over the nodes that have one
+        if f.name == "sizing":  # how each pool was sized: one pool's, not a sum
+            out.ClearField(f.name)
+        elif f.message_type is not None:  # the disk tier's counters: added up over the nodes that have one
             disks = [getattr(p, f.name) for p in parts if p.HasField(f.name)]
             if disks:
                 total = getattr(out, f.name)

@@ -12,9 +12,10 @@ and the path of its worker socket), load the model, receive the pool's handle,
 epoch table and plane key on that socket (``--memory-socket`` overrides the
 path, for a container that mounts it elsewhere), map the pool and check that
 its layout fits the model (a mismatch is a start-up error naming both); over an fp8 pool without scales yet, calibrate
-them (:mod:`compute_service.kv_calibration`) and set them on the memory service; then
-serve. A background task watches the memory service's health: on NOT_SERVING
-(shutdown) or a new pool generation it drops the mapping, fails steps with
+them (:mod:`compute_service.kv_calibration`) and set them on the memory service; on a GPU, warm the
+kernels and run one forward at ``--max-num-batched-tokens`` (:mod:`compute_service.profile_run`: a
+step that does not fit refuses the start); then serve. A background task watches the memory
+service's health: on NOT_SERVING (shutdown) or a new pool generation it drops the mapping, fails steps with
 FAILED_PRECONDITION until a pool is mapped again, and re-maps the new pool
 through the socket; it never computes on stale memory. ``--metrics-port`` serves the worker's step
 metrics (:mod:`compute_service.metrics`) as Prometheus ``/metrics``; the ready file then names its
@@ -40,6 +41,7 @@ from compute_service.metrics import WorkerMetrics, start_metrics_server
 from compute_service.model.fused_decode import cpu_path
 from compute_service.model.llama import LlamaForPagedLM
 from compute_service.pool_map import MappedPool, map_pool
+from compute_service.profile_run import profile_worker
 from compute_service.server import SERVICE_NAME, ComputeServicer
 from compute_service.step_inputs import MAX_STEP_SEQUENCES
 from compute_service.transfer_source import keep_source_live, publish_transfer_agent, withdraw_source
@@ -86,6 +88,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--max-cudagraph-capture-size", type=int, default=env("PAGEDKV_MAX_CUDAGRAPH_CAPTURE_SIZE"),
                    help="decode steps of up to this many sequences run in CUDA graphs, captured per batch size (1, 2, "
                         "4, then multiples of 8) when a GPU pool is mapped (default 256)")
+    flags.add_max_batched_tokens_arg(p, "tokens of this worker's largest step: on a GPU a forward of that many "
+                                        "tokens runs at start and the worker refuses to start when it does not fit "
+                                        "(default 512, as pagedkv serve's)")
     flags.add_tls_args(p)  # also this worker's credentials towards the memory service
     flags.add_logging_args(p)
     return p
@@ -117,6 +122,8 @@ class WorkerSpec:
     max_capture_size: int = 0
     #: Port of Prometheus /metrics (0: any free port); None: no metrics.
     metrics_port: int | None = None
+    #: Tokens of the largest step, profiled at start on a GPU (``--max-num-batched-tokens``).
+    max_num_batched_tokens: int = 512
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerSpec:
@@ -128,9 +135,12 @@ class WorkerSpec:
                              f"sequences), got {args.max_cudagraph_capture_size}; --enforce-eager turns graphs off")
         if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must lie in 0-65535 (0: any free port), got {args.metrics_port}")
+        if args.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
         return cls(Bind.from_args(args), args.memory, args.device, args.model, args.revision,
                    config.model_dtype(args.dtype), args.memory_socket, args.memory_timeout, bool(args.node_transfers),
-                   0 if args.enforce_eager else args.max_cudagraph_capture_size, args.metrics_port)
+                   0 if args.enforce_eager else args.max_cudagraph_capture_size, args.metrics_port,
+                   args.max_num_batched_tokens)
 
 
 def model_dtype(flag: config.DType | str | None, desc: mpb.PoolDescriptor,
@@ -287,6 +297,7 @@ def _load(spec: WorkerSpec, desc: mpb.PoolDescriptor, device: str) -> tuple[Work
         bind_compute_thread(pool.tensor.device)
         warmed = warm_kernels(config.num_q_heads, pool.tensor, pool.kv_scales)
         log.info("kernels_warmed", seconds={k: round(v, 2) for k, v in warmed.items()})
+        profile_worker(model, pool.tensor, spec.max_num_batched_tokens, pool.kv_scales, spec.memory, spec.bind.tls)
     log.info("model_loaded", model=config.name, architecture=config.architecture,
              seconds=round(time.perf_counter() - t, 2), weight_bytes=model.nbytes(), device=model_device,
              dtype=str(dtype).removeprefix("torch."), checkpoint_dtype=config.dtype,

@@ -38,11 +38,11 @@ from pathlib import Path
 from memory_service.authz import create_admin_token
 from memory_service.kv_events.endpoints import add_kv_events_args
 from memory_service.kv_events.publisher import open_publisher
-from memory_service.layout import make_layout
 from memory_service.manager.block_manager import BlockManager
 from memory_service.pool import CpuPool, CudaPool, Pool
 from memory_service.quotas import DEFAULT_BLOCKS_PER_LEASE, DEFAULT_MAX_LEASES_PER_PEER, parse_block_quota, parse_limit
 from memory_service.server import SERVICE_NAME, MemoryServicer, expire_leases_forever
+from memory_service.sizing import log_capacity, plan_pool
 from memory_service.spec import MemorySpec, PoolSpec
 from memory_service.step_grants import GrantSigner
 from memory_service.tiers.disk_tier import DiskTier
@@ -95,6 +95,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "one byte with static scales per (layer, KV head), from a worker's calibration pass or --kv-scales-file: "
         "4x the tokens of float32 in the same memory"))
     flags.refuse_pool_dtype_flag(p)
+    _add_gpu_sizing_args(p)
     flags.add_model_args(p, help="layout source: " + flags.MODEL_HELP + "; only its config is read")
     p.add_argument("--kv-scales-file", default=env("PAGEDKV_KV_SCALES_FILE"),
                    help="an fp8 pool's scales, JSON {\"k_scale\": [[...]], \"v_scale\": [[...]]} of [num_layers]"
@@ -133,6 +134,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     _add_trust_args(p)
     add_kv_events_args(p)
     return p
+
+
+def _add_gpu_sizing_args(p: argparse.ArgumentParser) -> None:
+    """What a GPU pool sized by --gpu-memory-utilization leaves the workers (memory_service.sizing)."""
+    p.add_argument("--workers-per-device", type=int, default=env("PAGEDKV_WORKERS_PER_DEVICE"), metavar="W",
+                   help="workers that map the pool on its GPU, each with its own weights and activations: "
+                        "--gpu-memory-utilization sets W of them aside (default 1)")
+    flags.add_max_batched_tokens_arg(p, "tokens of the workers' largest step: --gpu-memory-utilization sets each "
+                                        "worker's activations at it aside (default 512, as pagedkv serve's)")
+    p.add_argument("--max-model-len", type=int, default=env("PAGEDKV_MAX_MODEL_LEN"),
+                   help="the longest sequence, in tokens: a pool sized by --gpu-memory-utilization must hold one "
+                        "(default: the model's context length)")
 
 
 def _add_trust_args(p: argparse.ArgumentParser) -> None:
@@ -188,22 +201,17 @@ def _add_trust_args(p: argparse.ArgumentParser) -> None:
 
 
 def create_pool(service: MemorySpec, model: ResolvedModel | None = None) -> Pool:
-    """The pool ``service`` asks for (:class:`PoolSpec`); its layout from ``model`` (default:
-    ``service.model`` resolved, config only).
+    """The pool ``service`` asks for (:class:`PoolSpec`), sized by :func:`memory_service.sizing.plan_pool`
+    (``pool.sizing`` says how); its layout from ``model`` (default: ``service.model`` resolved, config only).
 
     Raises:
-        ValueError: a pool that does not fit the layout, or an unreadable scales file.
+        ValueError: a pool that does not fit the layout or the device's budget, or an unreadable scales file.
         RuntimeError: cuda requested without CuPy.
     """
     spec = service.pool
     model = model or resolve_model(service.model, service.revision, files="config")
-    layout = make_layout(
-        model.load_source,
-        block_size=spec.block_size,
-        dtype=spec.resolved_dtype(model.load_source),
-        num_blocks=spec.num_blocks,
-        kv_cache_memory=spec.kv_cache_memory,
-    )
+    plan = plan_pool(spec, model)
+    layout = plan.layout
     host_blocks = spec.host_cache_memory // layout.block_nbytes
     if spec.host_cache_memory and not host_blocks:
         raise ValueError(
@@ -221,11 +229,12 @@ def create_pool(service: MemorySpec, model: ResolvedModel | None = None) -> Pool
         except OSError as e:
             raise ValueError(f"--kv-scales-file {spec.kv_scales_file}: cannot read it: {e.strerror or e}") from None
     if spec.cuda:
-        index = int(spec.device.split(":", 1)[1]) if ":" in spec.device else 0
-        pool = CudaPool(layout, device_index=index, pool_id=service.pool_id, model=service.model,
+        pool = CudaPool(layout, device_index=spec.device_index, pool_id=service.pool_id, model=service.model,
                         host_num_blocks=host_blocks)
     else:
         pool = CpuPool(layout, pool_id=service.pool_id, model=service.model, host_num_blocks=host_blocks)
+    pool.sizing = plan.sizing
+    log_capacity(layout, plan.sizing)
     if scales is not None:
         pool.set_kv_scales(scales)
     return pool

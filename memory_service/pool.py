@@ -132,6 +132,8 @@ class Pool:
     backend = pb.POOL_BACKEND_UNSPECIFIED
     #: Where the disk tier's slots are (set by the service when it has one; in the descriptor).
     disk_tier: pb.DiskTierInfo | None = None
+    #: How the pool's size was decided (set by the service, memory_service.sizing; in GetStats).
+    sizing: pb.PoolSizing | None = None
 
     def __init__(self, layout: PoolLayout, *, pool_id: str | None = None, model: str = "", host_num_blocks: int = 0):
         self.layout = layout

@@ -293,7 +293,8 @@ class MemoryServicer(PinRpcs, pb_grpc.MemoryServiceServicer):
         fields["pins"] = pb.PinStats(**fields["pins"])
         return pb.GetStatsResponse(**fields, generation=self.pool.generation,
                                    kv_cache_dtype=lay.dtype.name, kv_bytes_per_token=lay.block_nbytes // lay.block_size,
-                                   token_capacity=lay.num_blocks * lay.block_size, pool_bytes=lay.nbytes)
+                                   token_capacity=lay.num_blocks * lay.block_size, pool_bytes=lay.nbytes,
+                                   sizing=self.pool.sizing)
 
     async def CheckInvariants(self, request, context):
         """Assert the block manager's invariants now (admin); a broken one is reported, not raised."""

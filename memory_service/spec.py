@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from memory_service.kv_events.endpoints import KvEventsSpec
 from memory_service.quotas import BlockQuota
 from pagedkv import config
-from pagedkv.config import DEFAULT_CPU_KV_MEMORY, DEFAULT_CUDA_KV_MEMORY, DType, host_cache_bytes, parse_bytes
+from pagedkv.config import DEFAULT_CPU_KV_MEMORY, DType, host_cache_bytes, parse_bytes
+from pagedkv.config.gpu_sizing import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization, refuse_on_cpu
 from pagedkv.model.checkpoint_dtype import checkpoint_dtype
 from pagedkv.runtime.service import Bind
 
@@ -25,9 +26,10 @@ class PoolSpec:
     dtype: DType | None
     #: Tokens per block.
     block_size: int
-    #: Blocks in the pool (``--num-blocks``); None: sized by ``kv_cache_memory``.
+    #: Blocks in the pool (``--num-blocks``); None: sized by ``kv_cache_memory`` or ``gpu_memory_utilization``.
     num_blocks: int | None
-    #: Bytes of the pool (``--kv-cache-memory`` or the device's default); None with ``num_blocks``.
+    #: Bytes of the pool (``--kv-cache-memory``, or the CPU default); None with ``num_blocks`` or
+    #: ``gpu_memory_utilization``.
     kv_cache_memory: int | None
     #: Bytes of the host tier (``--host-cache-memory``); 0: none.
     host_cache_memory: int
@@ -36,10 +38,26 @@ class PoolSpec:
     #: The disk tier's directory (``--disk-cache-dir``) and bytes (``--disk-cache-size``); None: none.
     disk_cache_dir: str | None = None
     disk_cache_size: int | None = None
+    #: What sizes the pool (:data:`pagedkv.config.gpu_sizing.SIZING_SOURCES`): "num_blocks",
+    #: "kv_cache_memory", "gpu_memory_utilization" (a GPU pool by default) or "default" (a CPU pool's 1GiB).
+    sizing: str = "kv_cache_memory"
+    #: F of ``--gpu-memory-utilization`` when it sizes the pool (None otherwise: an absolute size won).
+    gpu_memory_utilization: float | None = None
+    #: W, workers that map the pool on its device (``--workers-per-device``); GPU sizing only.
+    workers_per_device: int = 1
+    #: Tokens of a step's largest batch (``--max-num-batched-tokens``): the workers' activation reserve.
+    max_num_batched_tokens: int = 512
+    #: The longest sequence the pool must hold once (``--max-model-len``); None: the model's context.
+    max_model_len: int | None = None
 
     @property
     def cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def device_index(self) -> int:
+        """N of "cuda:N" (0 for "cuda" and "cpu")."""
+        return int(self.device.split(":", 1)[1]) if ":" in self.device else 0
 
     def resolved_dtype(self, model_source: str) -> DType:
         """The pool's dtype: ``--kv-cache-dtype``, or :func:`pagedkv.config.pool_dtype`'s auto for the
@@ -48,10 +66,19 @@ class PoolSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PoolSpec:
-        """Raises ValueError: a device, dtype or size that is not valid, or scales for a pool that is not fp8."""
+        """The pool's size, most explicit first: ``--num-blocks``, ``--kv-cache-memory``, then on a GPU
+        ``--gpu-memory-utilization`` (default 0.9), on a CPU the 1GiB default.
+
+        Raises ValueError: a device, dtype or size that is not valid, ``--gpu-memory-utilization``
+        outside (0, 1] or on a cpu device, or scales for a pool that is not fp8."""
         cuda = args.device.startswith("cuda")
         if not cuda and args.device != "cpu":
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        utilization = getattr(args, "gpu_memory_utilization", None)
+        if utilization is not None:
+            utilization = check_utilization(utilization)
+        refuse_on_cpu(args.device, utilization)
+        sizing = _sizing_args(args)
         dtype = None if args.kv_cache_dtype in (None, "auto") else config.pool_dtype(args.kv_cache_dtype, cuda=cuda)
         if args.kv_scales_file and (dtype is None or not dtype.is_fp8):
             raise ValueError("--kv-scales-file is for an fp8 pool (--kv-cache-dtype fp8); this one holds "
@@ -62,9 +89,15 @@ class PoolSpec:
         if disk_dir and dtype is not None and dtype.is_fp8 and not args.kv_scales_file:
             raise ValueError("an fp8 pool's disk tier needs the scales fixed at start (--kv-scales-file): blocks on "
                              "disk are kept per set of scales, and calibrated scales are known only later")
-        memory = None
-        if args.num_blocks is None:
-            memory = parse_bytes(args.kv_cache_memory or (DEFAULT_CUDA_KV_MEMORY if cuda else DEFAULT_CPU_KV_MEMORY))
+        memory, source = None, "num_blocks"
+        if args.num_blocks is not None:
+            utilization = None
+        elif args.kv_cache_memory:
+            memory, source, utilization = parse_bytes(args.kv_cache_memory), "kv_cache_memory", None
+        elif cuda:
+            source, utilization = "gpu_memory_utilization", utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        else:
+            memory, source = parse_bytes(DEFAULT_CPU_KV_MEMORY), "default"
         return cls(
             args.device,
             dtype,
@@ -75,7 +108,27 @@ class PoolSpec:
             args.kv_scales_file,
             disk_dir or None,
             parse_bytes(disk_size) if disk_dir else None,
+            source,
+            utilization,
+            **sizing,
         )
+
+
+def _sizing_args(args: argparse.Namespace) -> dict:
+    """``--workers-per-device``, ``--max-num-batched-tokens``, ``--max-model-len`` (defaults where a
+    parser lacks them), checked.
+
+    Raises:
+        ValueError: a value < 1 (``--max-model-len`` < 2).
+    """
+    found = {"workers_per_device": getattr(args, "workers_per_device", 1),
+             "max_num_batched_tokens": getattr(args, "max_num_batched_tokens", 512),
+             "max_model_len": getattr(args, "max_model_len", None)}
+    for name, value in found.items():
+        if value is not None and value < (2 if name == "max_model_len" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {2 if name == 'max_model_len' else 1}, "
+                             f"got {value}")
+    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,8 @@ allowance (machine start included) for a rerun.
    greedy tokens against a CPU stack's on the same seeded random model, the pool handle, `pagedkv
    serve`, nothing leaked; then the host tier (scripts/gpu_check_tiers.py) and NIXL node transfers
    (scripts/gpu_check_nodes.py), then the bf16 and fp8 stacks, then the memory service stopping
-   first.
+   first; last the pool sized by ``--gpu-memory-utilization`` (scripts/gpu_check_sizing.py: the
+   budget's terms in GetStats, the logged capacity, the worker's profile run, the refusals).
 
 ``--dry-run`` (the older ``--cpu-only`` still works) needs no GPU: the kernels phase compiles every
 Triton launch for sm_90 (kernels.triton.aot) instead of running it, and the services phase runs on
@@ -262,7 +263,7 @@ def _aot(results: Results, env: dict[str, str]) -> None:
 
 
 def services_phase(phase: Phase, results: Results, device: str, env: dict[str, str], work: Path, prepared: Path,
-                   tiers: bool, nodes: bool) -> None:
+                   tiers: bool, nodes: bool, sizing: bool = True) -> None:
     services = _load("gpu_check_services")
     services.report = results.report
     model = work / "model"
@@ -277,6 +278,8 @@ def services_phase(phase: Phase, results: Results, device: str, env: dict[str, s
         phase.step("host tier", _load("gpu_check_tiers").run, results.report, device, None, env, work)
     if nodes:
         phase.step("node transfers", _load("gpu_check_nodes").run, results.report, device, None, env)
+    if sizing:
+        phase.step("pool sizing", _load("gpu_check_sizing").run, results.report, device, model, env, work)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", choices=["quick", "full"], default="quick", help="kernel grid: pairwise or full")
     ap.add_argument("--tiers", choices=["run", "skip"], default="run", help="the host-tier copy check")
     ap.add_argument("--nodes", choices=["run", "skip"], default="run", help="the NIXL node-transfer check")
+    ap.add_argument("--sizing", choices=["run", "skip"], default="run",
+                    help="the pool sized by --gpu-memory-utilization and the worker's profile run")
     ap.add_argument("--prepare", action="store_true", help="fetch the device's wheels and the tokenizer, then exit")
     ap.add_argument("--prepared", type=Path, default=PREPARED, help="what --prepare wrote (default .gpu-check/)")
     args = ap.parse_args(argv)
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.phase in ("all", "services"):
             phase = Phase(results, "services", args.phase_seconds)
             services_phase(phase, results, device, env, work, args.prepared, args.tiers == "run",
-                           args.nodes == "run")
+                           args.nodes == "run", args.sizing == "run")
             phase.end()
         failures = results.failures
         print(f"# {len(failures)} failed{': ' + '; '.join(failures[:20]) if failures else ''}; "

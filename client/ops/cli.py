@@ -114,7 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     from client.ops.launcher import addresses, check_tls
-    from client.ops.report import print_stats, stats_table
+    from client.ops.report import print_stats, sizing_table, stats_table
     from client.services import MemoryClient, admin_token_path, read_admin_token
 
     memory, _ = addresses()
@@ -126,7 +126,8 @@ def _stats(args: argparse.Namespace) -> int:
         if m.admin_token is None and tls is None:  # counters are open to all; block tables only to the admin
             from rich.console import Console
 
-            Console(width=140).print(stats_table(m.stats()))
+            stats = m.stats()
+            Console(width=140).print(stats_table(stats), *([sizing_table(stats)] if stats.HasField("sizing") else []))
             print(f"no admin token at {path}, so no block tables: run this as the user of the memory service, "
                   "or pass --admin-token-file", file=sys.stderr)
             return 1
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
                        host_cache_memory=args.host_cache_memory, tls=plane_tls.from_args(args),
                        revision=args.revision, kv_cache_dtype=args.kv_cache_dtype,
-                       disk_cache_dir=args.disk_cache_dir, disk_cache_size=args.disk_cache_size)
+                       disk_cache_dir=args.disk_cache_dir, disk_cache_size=args.disk_cache_size,
+                       gpu_memory_utilization=args.gpu_memory_utilization)
             print(f"memory service  {state['memory']['address']}  (pid {state['memory']['pid']})")
             for w in state["workers"]:
                 print(f"worker          {w['address']}  (pid {w['pid']}, {state['device']})")

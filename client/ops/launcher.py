@@ -22,6 +22,7 @@ from pathlib import Path
 
 from client.ops.stack import LocalStack
 from pagedkv.config import COMPUTE_PORT, DEFAULT_MEMORY, DEFAULT_WORKER, MEMORY_PORT, env
+from pagedkv.config.gpu_sizing import refuse_on_cpu
 from pagedkv.runtime.paths import pagedkv_home
 from pagedkv.runtime.tls import TlsFiles
 
@@ -80,7 +81,7 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
        block_size: int = 16, kv_cache_memory: str | None = None, num_blocks: int | None = None,
        host_cache_memory: str | None = None, timeout: float = 300.0, tls: TlsFiles | None = None,
        revision: str | None = None, kv_cache_dtype: str | None = None, disk_cache_dir: str | None = None,
-       disk_cache_size: str | None = None) -> dict:
+       disk_cache_size: str | None = None, gpu_memory_utilization: float | None = None) -> dict:
     """Start a supervisor (:mod:`client.ops.supervisor`, detached) that starts a memory service and
     one worker as its children, restarts either when it dies, and writes the state file once both
     are healthy; returns the state.
@@ -93,7 +94,9 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
     (``--host-cache-memory``): offloaded prefix-cache blocks and swapped-out requests.
     ``kv_cache_dtype`` (None: auto, pagedkv.config.default_dtype) is the pool's ``--kv-cache-dtype``,
     which the worker's model follows. ``disk_cache_dir`` and ``disk_cache_size`` give it a disk tier
-    (``--disk-cache-dir``, ``--disk-cache-size``).
+    (``--disk-cache-dir``, ``--disk-cache-size``). ``gpu_memory_utilization`` (``--gpu-memory-utilization``;
+    None: 0.9 on a GPU) sizes a GPU pool unless ``num_blocks`` or ``kv_cache_memory`` does; the one
+    worker ``up`` starts is the device's only one (``--workers-per-device 1``).
 
     With ``tls`` both services get these files (``--tls-cert/--tls-key/--tls-ca``) and serve
     mutual TLS; without, plaintext on loopback.
@@ -101,17 +104,21 @@ def up(*, device: str | None = None, model: str = "smollm2", memory_port: int = 
     Raises:
         RuntimeError: services from an earlier ``up`` still run, or one failed to start (with the
             supervisor's log).
+        ValueError: ``gpu_memory_utilization`` on a cpu device.
     """
+    device = device or default_device()
+    refuse_on_cpu(device, gpu_memory_utilization)
     state = read_state()
     if state and any(alive(p) for p in _pids(state)):
         raise RuntimeError(f"pagedkv is already up (memory {state['memory']['address']}); run `pagedkv down` first")
     forget_stale()
-    device = device or default_device()
     mem_args = ["--block-size", str(block_size)]
     if num_blocks is not None:
         mem_args += ["--num-blocks", str(num_blocks)]
     elif kv_cache_memory:
         mem_args += ["--kv-cache-memory", kv_cache_memory]
+    if gpu_memory_utilization is not None:
+        mem_args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if host_cache_memory:
         mem_args += ["--host-cache-memory", host_cache_memory]
     if kv_cache_dtype:  # the worker's --dtype auto follows the pool

@@ -9,6 +9,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
+
 
 def stats_table(stats) -> Table:
     """The pool's counters: blocks by state, tokens, utilization, leases, failures."""
@@ -20,6 +22,25 @@ def stats_table(stats) -> Table:
                          stats.available_blocks, stats.block_size, stats.tokens_stored)),
               f"{stats.utilization:.1%}", *map(str, (stats.num_sequences, stats.num_leases, stats.shared_block_refs,
                                                     stats.preemptions, stats.allocation_failures)))
+    return t
+
+
+def sizing_table(stats) -> Table:
+    """How the pool was sized (GetStats ``sizing``): what sized it, its capacity in blocks and tokens,
+    and with ``--gpu-memory-utilization`` the budget's terms (F x device - W x (weights + reserve))."""
+    z = stats.sizing
+    source = mpb.PoolSizingSource.Name(z.source).removeprefix("POOL_SIZING_SOURCE_").lower()
+    t = Table(title="Pool sizing", show_header=True)
+    cols = ["sized by", "blocks", "tokens", "GiB"]
+    row = [source, str(stats.total_blocks), str(stats.token_capacity), f"{stats.pool_bytes / 2**30:.2f}"]
+    if z.source == mpb.POOL_SIZING_SOURCE_GPU_MEMORY_UTILIZATION:
+        cols += ["F", "device GiB", "workers", "weights GiB", "reserve GiB", "at tokens"]
+        row += [f"{z.utilization:g}", f"{z.device_total_bytes / 2**30:.2f}", str(z.workers_per_device),
+                f"{z.weight_bytes / 2**30:.2f} ({z.weights_from})", f"{z.reserve_bytes / 2**30:.2f}",
+                str(z.max_num_batched_tokens)]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "sized by" else "right")
+    t.add_row(*row)
     return t
 
 
@@ -117,6 +138,8 @@ def print_stats(stats, sequences, labels: dict[int, str] | None = None, console:
     prefix pins' when there are any (``pins``: ListPins) or cached blocks they left."""
     console = console or Console(width=140)
     console.print(stats_table(stats))
+    if stats.HasField("sizing"):
+        console.print(sizing_table(stats))
     if stats.host_total_blocks:
         console.print(host_table(stats))
     if stats.HasField("disk"):

@@ -14,9 +14,10 @@ Every channel (health checks, the pool check, the engine's) uses ``Backends.tls`
 mutual-TLS files (``--tls-cert/--tls-key/--tls-ca``), and embedded services get the same files;
 without them everything is plaintext on loopback.
 
-Attaching, the pool flags given (``--block-size``, ``--kv-cache-memory``, ``--host-cache-memory``,
-``--kv-cache-dtype``, ``--dtype``, ``--model``, ``--revision``) are checked against the running pool's descriptor and
-the worker's model, and refused when they differ: a server must never believe in a pool it does not have.
+Attaching, the pool flags given (``--block-size``, ``--kv-cache-memory``, ``--gpu-memory-utilization``,
+``--host-cache-memory``, ``--kv-cache-dtype``, ``--dtype``, ``--model``, ``--revision``) are checked against the
+running pool's descriptor, its sizing (GetStats) and the worker's model, and refused when they differ: a server must
+never believe in a pool it does not have.
 ``--no-prefix-caching`` configures embedded services only, and is refused when attaching.
 """
 
@@ -33,6 +34,8 @@ from client.serve.config import ServeConfig
 from client.services import MemoryClient, WorkerClient, admin_token_path
 from pagedkv import config
 from pagedkv.config import host_cache_bytes, parse_bytes
+from pagedkv.config.gpu_sizing import refuse_on_cpu
+from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.model.checkpoint_dtype import checkpoint_dtype
 from pagedkv.model.source import resolve_model
 from pagedkv.runtime.tls import TlsFiles, from_args
@@ -132,21 +135,32 @@ def embedded_args(args: ServeConfig, device: str = "cpu") -> tuple[list[str], li
     adds ``--host``, ``--port``, ``--device``, ``--model``, ``--revision`` and TLS, and :func:`_embedded`
     ``--log-level``. Workers get ``--dtype`` (the model's), the memory service the pool's flags; both
     resolved here (:func:`resolved_dtypes` on ``device``), so that the children run what the server reports;
-    workers also ``--enforce-eager`` when given.
+    workers also ``--enforce-eager`` when given. Both get ``--max-num-batched-tokens`` (a GPU pool's
+    activation reserve, a GPU worker's profile run); the memory service ``--gpu-memory-utilization``
+    and ``--max-model-len`` when given (one worker: ``--workers-per-device 1``).
+
+    Raises:
+        ValueError: ``--gpu-memory-utilization`` for a cpu ``device``.
     """
+    refuse_on_cpu(device, args.gpu_memory_utilization)
     model_dtype, pool_dtype = resolved_dtypes(args, device)
+    batch = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     memory_args = ["--block-size", str(args.block_size or 16),
                    "--kv-cache-dtype", pool_dtype.name,
-                   "--host-cache-memory", args.host_cache_memory or "0"]
+                   "--host-cache-memory", args.host_cache_memory or "0", *batch]
     if args.kv_cache_memory:
         memory_args += ["--kv-cache-memory", args.kv_cache_memory]
+    if args.gpu_memory_utilization is not None:
+        memory_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.max_model_len is not None:
+        memory_args += ["--max-model-len", str(args.max_model_len)]
     if args.kv_scales_file:
         memory_args += ["--kv-scales-file", args.kv_scales_file]
     if args.disk_cache_dir:
         memory_args += ["--disk-cache-dir", args.disk_cache_dir, "--disk-cache-size", args.disk_cache_size or ""]
     if not args.prefix_caching:
         memory_args.append("--no-prefix-caching")
-    return memory_args, ["--dtype", model_dtype.name, *(["--enforce-eager"] if args.enforce_eager else [])]
+    return memory_args, ["--dtype", model_dtype.name, *(["--enforce-eager"] if args.enforce_eager else []), *batch]
 
 
 def resolved_dtypes(args: ServeConfig, device: str) -> tuple[config.DType, config.DType]:
@@ -188,9 +202,15 @@ def check_pool(args: ServeConfig, backends: Backends) -> None:
     try:
         pool = memory.pool()
         layout = pool.layout
+        sizing = memory.stats().sizing if args.gpu_memory_utilization is not None else None
     finally:
         memory.close()
     wrong = []
+    if sizing is not None and (sizing.source != mpb.POOL_SIZING_SOURCE_GPU_MEMORY_UTILIZATION
+                               or abs(sizing.utilization - args.gpu_memory_utilization) > 1e-9):
+        how = mpb.PoolSizingSource.Name(sizing.source).removeprefix("POOL_SIZING_SOURCE_").lower()
+        wrong.append(f"--gpu-memory-utilization {args.gpu_memory_utilization} (the pool was sized by {how}"
+                     + (f" {sizing.utilization}" if sizing.utilization else "") + ")")
     if not args.prefix_caching:
         wrong.append("--no-prefix-caching (it configures embedded services; start the memory service with it)")
     if args.kv_scales_file:

@@ -23,6 +23,7 @@ from client.serve.metrics_vllm import COMPAT_CHOICES
 from client.serve.tenants import Tenants
 from pagedkv import config
 from pagedkv.config import flags
+from pagedkv.config.gpu_sizing import check_utilization
 
 
 def _env(name: str, *default):
@@ -239,6 +240,8 @@ class ServeConfig:
     kv_scales_file: str | None
     block_size: int | None
     kv_cache_memory: str | None
+    #: ``--gpu-memory-utilization`` as given (None: not given; embedded GPU services default to 0.9).
+    gpu_memory_utilization: float | None
     host_cache_memory: str | None
     disk_cache_dir: str | None
     disk_cache_size: str | None
@@ -300,6 +303,11 @@ def parse_args(argv: list[str]) -> ServeConfig:
         p.error(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {args.scheduling_policy!r}")
     if args.block_size is not None and args.block_size < 1:
         p.error("--block-size must be >= 1")
+    if args.gpu_memory_utilization is not None:  # from PAGEDKV_GPU_MEMORY_UTILIZATION, unchecked by argparse
+        try:
+            args.gpu_memory_utilization = check_utilization(args.gpu_memory_utilization)
+        except ValueError as e:
+            p.error(str(e))
     if not 0 <= args.port <= 65535:
         p.error("--port must lie in 0-65535")
     try:  # values from PAGEDKV_DTYPE / PAGEDKV_KV_CACHE_DTYPE are checked here

@@ -211,7 +211,8 @@ def test_serve_hands_a_scales_file_to_its_embedded_memory_service(capsys):
     args = parse_args(["--kv-cache-dtype", "fp8", "--dtype", "bfloat16", "--kv-scales-file", "/s.json"])
     memory, worker = embedded_args(args)
     assert memory[memory.index("--kv-cache-dtype") + 1] == FP8_DTYPE
-    assert memory[memory.index("--kv-scales-file") + 1] == "/s.json" and worker == ["--dtype", "bfloat16"]
+    assert memory[memory.index("--kv-scales-file") + 1] == "/s.json"
+    assert worker == ["--dtype", "bfloat16", "--max-num-batched-tokens", "512"]
     with pytest.raises(SystemExit):
         parse_args(["--kv-scales-file", "/s.json"])
     assert "add --kv-cache-dtype fp8" in capsys.readouterr().err

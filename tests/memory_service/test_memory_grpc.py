@@ -83,6 +83,29 @@ def test_every_rpc(memory_stub, memory_service):
     assert (s.used_blocks, s.available_blocks, s.num_leases) == (0, 64, 0)
 
 
+def test_stats_say_how_the_pool_was_sized(memory_stub, memory_service):
+    """Started with --num-blocks 64: GetStats' sizing says so (no device terms), and the start-up log
+    has the capacity in blocks and tokens."""
+    import json
+
+    s = memory_stub.GetStats(pb.GetStatsRequest())
+    block_nbytes = 30 * 2 * 4 * 3 * 64 * 4  # 30 layers, K and V, 4 tokens, 3 KV heads of 64, float32
+    assert s.HasField("sizing") and (s.total_blocks, s.token_capacity, s.pool_bytes) == (64, 256, 64 * block_nbytes)
+    z = s.sizing
+    assert (z.source, z.requested_bytes) == (pb.POOL_SIZING_SOURCE_NUM_BLOCKS, 64 * block_nbytes)
+    assert (z.device_total_bytes, z.utilization, z.weight_bytes, z.reserve_bytes, z.workers_per_device) == (0,) * 5
+    (line,) = [json.loads(x) for x in memory_service.log().splitlines() if '"event": "pool_capacity"' in x]
+    assert (line["num_blocks"], line["token_capacity"], line["pool_bytes"], line["sizing"]) == (
+        64, 256, 64 * block_nbytes, "num_blocks")
+    # pagedkv serve attaching with --gpu-memory-utilization is refused: this pool was sized by --num-blocks.
+    from client.serve.backends import Backends, check_pool
+    from client.serve.config import parse_args
+
+    check_pool(parse_args([]), Backends(memory_service.address, [], "flags"))
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization 0.9 \(the pool was sized by num_blocks\)"):
+        check_pool(parse_args(["--gpu-memory-utilization", "0.9"]), Backends(memory_service.address, [], "flags"))
+
+
 def test_health_and_reflection(memory_service):
     with grpc.insecure_channel(memory_service.address) as ch:
         health = health_pb2_grpc.HealthStub(ch)

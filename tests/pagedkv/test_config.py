@@ -375,7 +375,7 @@ def test_every_subcommand_adds_the_shared_flag_groups():
 
     tls = {"--tls-cert", "--tls-key", "--tls-ca", "--log-level"}
     model = {"--model", "--revision"}
-    pool = {"--block-size", "--kv-cache-memory", "--host-cache-memory"}
+    pool = {"--block-size", "--kv-cache-memory", "--gpu-memory-utilization", "--host-cache-memory"}
     assert tls | model | pool | {"--kv-cache-dtype", "--num-blocks"} <= options(memory_parser())
     assert tls | model | {"--dtype"} <= options(compute_parser())
     assert tls | model | pool | {"--dtype", "--kv-cache-dtype"} <= options(serve_parser())

@@ -4,7 +4,8 @@ The device check runs on a lent GPU only now and then, with minutes to spare; wh
 check of it is checked here, so that a lent GPU checks the GPU, not the script: the kernels phase
 compiles the Triton launches for sm_90, the services phase runs every check on CPU stacks with a
 2-layer model (receipts read by another worker, greedy tokens against the reference stack, the
-pool handle, `pagedkv serve`, host tier, node transfers, the memory service exiting first), and
+pool handle, `pagedkv serve`, host tier, node transfers, the memory service exiting first, a cpu
+memory service refusing --gpu-memory-utilization and the GPU budget on a fake device), and
 every result is in results.jsonl as it ends. A phase whose budget is spent starts nothing more
 and says so.
 """
@@ -41,7 +42,8 @@ def test_dry_run_passes_every_check_of_both_phases(tmp_path):
                  ("services", "pagedkv serve"),
                  ("services", "memory service exits first"),
                  ("services", "host tier"),
-                 ("services", "node transfers")]:
+                 ("services", "node transfers"),
+                 ("services", "pool sizing")]:
         assert want in names, (want, sorted(names))
     compiled = [r for r in results if r["name"].startswith("sm_90 compile")]
     assert {r["name"].split(": ")[1].split(" [")[0] for r in compiled} == {

@@ -4,6 +4,7 @@ groups every subcommand adds, and the registry of every environment variable pag
 - :mod:`.dtypes`: the dtype table (:class:`DType`: name, bytes per element, torch dtype), the
   ``auto`` rule and the model/pool pairing rule;
 - :mod:`.sizes`: :func:`parse_bytes`, :func:`host_cache_bytes`, default ports and addresses;
+- :mod:`.gpu_sizing`: a GPU pool's size from ``--gpu-memory-utilization`` (vLLM's budget);
 - :mod:`.envs`: :data:`ENV_VARS` and :func:`env`, the only reader of the environment;
 - :mod:`.flags`: argparse flag groups (model + revision, pool, TLS, bind address, device).
 
@@ -31,10 +32,10 @@ from pagedkv.config.dtypes import (
     worker_dtype,
 )
 from pagedkv.config.envs import ENV_VARS, EnvVar, env, env_is_set, env_text, markdown
+from pagedkv.config.gpu_sizing import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagedkv.config.sizes import (
     COMPUTE_PORT,
     DEFAULT_CPU_KV_MEMORY,
-    DEFAULT_CUDA_KV_MEMORY,
     DEFAULT_HOST,
     DEFAULT_MEMORY,
     DEFAULT_SERVE_URL,
@@ -46,9 +47,9 @@ from pagedkv.config.sizes import (
 )
 
 __all__ = [
-    "BFLOAT16", "COMPUTE_PORT", "DEFAULT_CPU_KV_MEMORY", "DEFAULT_CUDA_KV_MEMORY", "DEFAULT_HOST", "DEFAULT_MEMORY",
-    "DEFAULT_SERVE_URL", "DEFAULT_WORKER", "DTYPES", "ENV_VARS", "FLOAT16", "FLOAT32", "FP8", "FP8_FLAGS",
-    "KV_CACHE_DTYPE_CHOICES", "MEMORY_PORT", "MODEL_DTYPE_CHOICES", "SERVE_PORT", "DType", "EnvVar", "check_pair",
-    "default_dtype", "dtype", "env", "env_is_set", "env_text", "host_cache_bytes", "markdown", "model_dtype", "pairs",
-    "parse_bytes", "pool_dtype", "serve_dtypes", "worker_dtype",
+    "BFLOAT16", "COMPUTE_PORT", "DEFAULT_CPU_KV_MEMORY", "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_HOST",
+    "DEFAULT_MEMORY", "DEFAULT_SERVE_URL", "DEFAULT_WORKER", "DTYPES", "ENV_VARS", "FLOAT16", "FLOAT32", "FP8",
+    "FP8_FLAGS", "KV_CACHE_DTYPE_CHOICES", "MEMORY_PORT", "MODEL_DTYPE_CHOICES", "SERVE_PORT", "DType", "EnvVar",
+    "check_pair", "default_dtype", "dtype", "env", "env_is_set", "env_text", "host_cache_bytes", "markdown",
+    "model_dtype", "pairs", "parse_bytes", "pool_dtype", "serve_dtypes", "worker_dtype",
 ]

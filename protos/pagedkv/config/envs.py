@@ -97,6 +97,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_KV_CACHE_DTYPE", "str", "auto", "--kv-cache-dtype of memory and serve: the pool's element type"),
     E("PAGEDKV_BLOCK_SIZE", "int", 16, "--block-size of memory and serve: tokens per block"),
     E("PAGEDKV_KV_CACHE_MEMORY", "str", None, "--kv-cache-memory of memory and serve: pool size, e.g. 1GiB"),
+    E("PAGEDKV_GPU_MEMORY_UTILIZATION", "float", None, "--gpu-memory-utilization of memory, up and serve: the "
+      "fraction of a GPU the pool and its workers take (default 0.9 on a GPU; refused on cpu)"),
     E("PAGEDKV_HOST_CACHE_MEMORY", "str", "0", "--host-cache-memory of memory and serve: the host tier, e.g. 4GiB"),
     E("PAGEDKV_DISK_CACHE_DIR", "str", None, "--disk-cache-dir of memory, up and serve: the disk tier's directory"),
     E("PAGEDKV_DISK_CACHE_SIZE", "str", None, "--disk-cache-size of memory, up and serve: the disk tier's bytes"),
@@ -112,6 +114,8 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_TRANSFER_KEY_FILE", "str", None, "--transfer-key-file of pagedkv memory: the secret of node transfers"),
     E("PAGEDKV_MAX_BLOCKS_PER_LEASE", "str", "50%", "--max-blocks-per-lease of pagedkv memory: N blocks, P% of the "
       "pool's, or none (the admin's leases are exempt)"),
+    E("PAGEDKV_WORKERS_PER_DEVICE", "int", 1, "--workers-per-device of pagedkv memory: workers that map a GPU "
+      "pool on its device, each with its weights and activations (--gpu-memory-utilization sizing)"),
     E("PAGEDKV_MAX_LEASES_PER_PEER", "str", "64", "--max-leases-per-peer of pagedkv memory: live leases of one uid "
       "or certificate, or none"),
     # --- pagedkv compute
@@ -166,8 +170,10 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_PREEMPTION_MODE", "str", "recompute", "--preemption-mode of pagedkv serve: recompute or swap"),
     E("PAGEDKV_SCHEDULING_POLICY", "str", "fcfs", "--scheduling-policy of pagedkv serve: fcfs or priority"),
     E("PAGEDKV_MAX_NUM_SEQS", "int", 64, "--max-num-seqs of pagedkv serve"),
-    E("PAGEDKV_MAX_NUM_BATCHED_TOKENS", "int", 512, "--max-num-batched-tokens of pagedkv serve"),
-    E("PAGEDKV_MAX_MODEL_LEN", "int", None, "--max-model-len of pagedkv serve"),
+    E("PAGEDKV_MAX_NUM_BATCHED_TOKENS", "int", 512, "--max-num-batched-tokens of serve, memory and compute: a "
+      "step's token budget (the GPU pool's activation reserve, a GPU worker's profile run)"),
+    E("PAGEDKV_MAX_MODEL_LEN", "int", None, "--max-model-len of serve and memory: the longest context (a GPU pool "
+      "sized by --gpu-memory-utilization holds at least one)"),
     E("PAGEDKV_STEP_TIMEOUT", "float", 600.0, "--step-timeout of pagedkv serve: seconds before a worker's step "
       "counts as hung"),
     E("PAGEDKV_RECOVERY_TIMEOUT", "float", 60.0, "--recovery-timeout of pagedkv serve: seconds to wait for the "

@@ -4,7 +4,8 @@
 - :func:`add_device_arg`: ``--device`` (``PAGEDKV_<SERVICE>_DEVICE``);
 - :func:`add_model_args`: ``--model`` and ``--revision``;
 - :func:`add_pool_args`: ``--block-size``, ``--kv-cache-memory`` (``--num-blocks``),
-  ``--host-cache-memory``, ``--kv-cache-dtype``;
+  ``--gpu-memory-utilization``, ``--host-cache-memory``, ``--kv-cache-dtype``;
+- :func:`add_max_batched_tokens_arg`: ``--max-num-batched-tokens`` (``PAGEDKV_MAX_NUM_BATCHED_TOKENS``);
 - :func:`add_tls_args`: ``--tls-cert``, ``--tls-key``, ``--tls-ca`` (:mod:`pagedkv.runtime.tls`);
 - :func:`add_logging_args`: ``--log-level`` (``PAGEDKV_LOG_LEVEL``; :mod:`pagedkv.runtime.logs`);
 - :func:`refuse_pool_dtype_flag`: ``pagedkv memory --dtype``, refused (the pool's is ``--kv-cache-dtype``).
@@ -16,7 +17,8 @@ import argparse
 
 from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES, MODEL_DTYPE_CHOICES
 from pagedkv.config.envs import env
-from pagedkv.config.sizes import DEFAULT_CPU_KV_MEMORY, DEFAULT_CUDA_KV_MEMORY
+from pagedkv.config.gpu_sizing import DEFAULT_GPU_MEMORY_UTILIZATION, check_utilization
+from pagedkv.config.sizes import DEFAULT_CPU_KV_MEMORY
 
 Parser = argparse.ArgumentParser | argparse._ArgumentGroup
 
@@ -64,8 +66,9 @@ def add_dtype_arg(p: Parser, *, default: str | None = "auto", help: str) -> None
 def add_pool_args(p: Parser, *, num_blocks: bool, kv_cache_dtype: bool,
                   given_only: bool = False, from_env: bool = True, kv_cache_dtype_help: str = "") -> None:
     """The pool's flags: ``--block-size``, ``--kv-cache-memory`` (with ``num_blocks``: and
-    ``--num-blocks``, one of the two), ``--host-cache-memory``, ``--disk-cache-dir`` and
-    ``--disk-cache-size``, with ``kv_cache_dtype``
+    ``--num-blocks``, one of the two), ``--gpu-memory-utilization`` (a GPU pool's size as a
+    fraction of the device, :mod:`pagedkv.config.gpu_sizing`; the two before it win over it),
+    ``--host-cache-memory``, ``--disk-cache-dir`` and ``--disk-cache-size``, with ``kv_cache_dtype``
     ``--kv-cache-dtype``. ``given_only``: every default None, so that a caller can tell a flag
     given from its default (``pagedkv serve`` attaching to running services checks given ones).
     ``from_env``: defaults from ``PAGEDKV_<FLAG>``."""
@@ -77,8 +80,14 @@ def add_pool_args(p: Parser, *, num_blocks: bool, kv_cache_dtype: bool,
         size.add_argument("--num-blocks", type=int, default=None,
                           help="blocks in the pool (instead of --kv-cache-memory)")
     size.add_argument("--kv-cache-memory", default=_env("PAGEDKV_KV_CACHE_MEMORY", from_env, None),
-                      help=f"pool size in bytes, e.g. 2GiB (default {DEFAULT_CPU_KV_MEMORY} on cpu, "
-                           f"{DEFAULT_CUDA_KV_MEMORY} on cuda)")
+                      help=f"pool size in bytes, e.g. 2GiB (default {DEFAULT_CPU_KV_MEMORY} on cpu; on cuda "
+                           "--gpu-memory-utilization's)")
+    p.add_argument("--gpu-memory-utilization", type=_utilization, metavar="F",
+                   default=_env("PAGEDKV_GPU_MEMORY_UTILIZATION", from_env, None),
+                   help=f"a GPU pool's size as vLLM's: F x the device's memory less each worker's weights and "
+                        f"activation reserve at --max-num-batched-tokens (F in (0, 1]; default "
+                        f"{DEFAULT_GPU_MEMORY_UTILIZATION} on cuda; refused on cpu). --kv-cache-memory"
+                        f"{' and --num-blocks' if num_blocks else ''} win over it")
     host = None if given_only or not from_env else "0"
     p.add_argument("--host-cache-memory", default=_env("PAGEDKV_HOST_CACHE_MEMORY", from_env, host), metavar="SIZE",
                    help="host tier behind the pool, e.g. 4GiB (default 0 = none): evicted prefix-cache blocks are "
@@ -92,6 +101,20 @@ def add_pool_args(p: Parser, *, num_blocks: bool, kv_cache_dtype: bool,
     if kv_cache_dtype:
         p.add_argument("--kv-cache-dtype", default=_env("PAGEDKV_KV_CACHE_DTYPE", from_env, None),
                        choices=KV_CACHE_DTYPE_CHOICES, help=kv_cache_dtype_help)
+
+
+def _utilization(text: str) -> float:
+    try:
+        return check_utilization(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_max_batched_tokens_arg(p: Parser, help: str) -> None:
+    """``--max-num-batched-tokens`` (``PAGEDKV_MAX_NUM_BATCHED_TOKENS``, default 512): the most tokens
+    one step carries."""
+    p.add_argument("--max-num-batched-tokens", type=int, default=env("PAGEDKV_MAX_NUM_BATCHED_TOKENS"),
+                   metavar="T", help=help)
 
 
 class _Refused(argparse.Action):

@@ -20,10 +20,9 @@ DEFAULT_WORKER = f"{DEFAULT_HOST}:{COMPUTE_PORT}"
 #: ``pagedkv serve``'s URL when none is given (``pagedkv top``).
 DEFAULT_SERVE_URL = f"http://{DEFAULT_HOST}:{SERVE_PORT}"
 
-#: CPU pool size when neither ``--num-blocks`` nor ``--kv-cache-memory`` is given.
+#: CPU pool size when neither ``--num-blocks`` nor ``--kv-cache-memory`` is given (a GPU pool's is
+#: ``--gpu-memory-utilization``'s: :mod:`pagedkv.config.gpu_sizing`).
 DEFAULT_CPU_KV_MEMORY = "1GiB"
-#: GPU pool size when neither is given.
-DEFAULT_CUDA_KV_MEMORY = "4GiB"
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -19,6 +19,14 @@ class FreeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FREE_REASON_FINISHED: _ClassVar[FreeReason]
     FREE_REASON_PREEMPTED: _ClassVar[FreeReason]
     FREE_REASON_ABORTED: _ClassVar[FreeReason]
+
+class PoolSizingSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_SIZING_SOURCE_UNSPECIFIED: _ClassVar[PoolSizingSource]
+    POOL_SIZING_SOURCE_NUM_BLOCKS: _ClassVar[PoolSizingSource]
+    POOL_SIZING_SOURCE_KV_CACHE_MEMORY: _ClassVar[PoolSizingSource]
+    POOL_SIZING_SOURCE_GPU_MEMORY_UTILIZATION: _ClassVar[PoolSizingSource]
+    POOL_SIZING_SOURCE_DEFAULT: _ClassVar[PoolSizingSource]
 POOL_BACKEND_UNSPECIFIED: PoolBackend
 POOL_BACKEND_CPU: PoolBackend
 POOL_BACKEND_CUDA: PoolBackend
@@ -26,6 +34,11 @@ FREE_REASON_UNSPECIFIED: FreeReason
 FREE_REASON_FINISHED: FreeReason
 FREE_REASON_PREEMPTED: FreeReason
 FREE_REASON_ABORTED: FreeReason
+POOL_SIZING_SOURCE_UNSPECIFIED: PoolSizingSource
+POOL_SIZING_SOURCE_NUM_BLOCKS: PoolSizingSource
+POOL_SIZING_SOURCE_KV_CACHE_MEMORY: PoolSizingSource
+POOL_SIZING_SOURCE_GPU_MEMORY_UTILIZATION: PoolSizingSource
+POOL_SIZING_SOURCE_DEFAULT: PoolSizingSource
 
 class PoolLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "num_blocks")
@@ -454,7 +467,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching", "host_total_blocks", "host_free_blocks", "host_cached_blocks", "host_used_blocks", "offloads", "reloads", "host_cache_hits", "swap_outs", "swap_ins", "swapped_sequences", "offloads_dropped", "host_cache_evictions", "kv_cache_dtype", "kv_bytes_per_token", "token_capacity", "pool_bytes", "disk", "pins")
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "available_blocks", "block_size", "tokens_stored", "utilization", "num_sequences", "num_leases", "allocation_failures", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "shared_block_refs", "generation", "prefix_cache_evictions", "prefix_caching", "host_total_blocks", "host_free_blocks", "host_cached_blocks", "host_used_blocks", "offloads", "reloads", "host_cache_hits", "swap_outs", "swap_ins", "swapped_sequences", "offloads_dropped", "host_cache_evictions", "kv_cache_dtype", "kv_bytes_per_token", "token_capacity", "pool_bytes", "disk", "pins", "sizing")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -491,6 +504,7 @@ class GetStatsResponse(_message.Message):
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
+    SIZING_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     cached_blocks: int
@@ -527,7 +541,30 @@ class GetStatsResponse(_message.Message):
     pool_bytes: int
     disk: DiskTierStats
     pins: PinStats
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: bool = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., token_capacity: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., disk: _Optional[_Union[DiskTierStats, _Mapping]] = ..., pins: _Optional[_Union[PinStats, _Mapping]] = ...) -> None: ...
+    sizing: PoolSizing
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., utilization: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., shared_block_refs: _Optional[int] = ..., generation: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_caching: bool = ..., host_total_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., host_cached_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., host_cache_hits: _Optional[int] = ..., swap_outs: _Optional[int] = ..., swap_ins: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., offloads_dropped: _Optional[int] = ..., host_cache_evictions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., token_capacity: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., disk: _Optional[_Union[DiskTierStats, _Mapping]] = ..., pins: _Optional[_Union[PinStats, _Mapping]] = ..., sizing: _Optional[_Union[PoolSizing, _Mapping]] = ...) -> None: ...
+
+class PoolSizing(_message.Message):
+    __slots__ = ("source", "requested_bytes", "device_total_bytes", "utilization", "weight_bytes", "reserve_bytes", "workers_per_device", "max_num_batched_tokens", "weights_from")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_PER_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FROM_FIELD_NUMBER: _ClassVar[int]
+    source: PoolSizingSource
+    requested_bytes: int
+    device_total_bytes: int
+    utilization: float
+    weight_bytes: int
+    reserve_bytes: int
+    workers_per_device: int
+    max_num_batched_tokens: int
+    weights_from: str
+    def __init__(self, source: _Optional[_Union[PoolSizingSource, str]] = ..., requested_bytes: _Optional[int] = ..., device_total_bytes: _Optional[int] = ..., utilization: _Optional[float] = ..., weight_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., workers_per_device: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., weights_from: _Optional[str] = ...) -> None: ...
 
 class DiskTierStats(_message.Message):
     __slots__ = ("blocks", "bytes", "slots", "hits", "writes", "reads", "dropped", "checksum_failures", "evictions", "recovered")
