@@ -81,7 +81,7 @@ def total_pool_stats(parts: list[mpb.GetStatsResponse]) -> mpb.GetStatsResponse:
     for f in out.DESCRIPTOR.fields:
         if f.name == "sizing":  # how each pool was sized: one pool's, not a sum
             out.ClearField(f.name)
-        elif f.message_type is not None:  # the disk tier's counters: added up over the nodes that have one
+        elif f.message_type is not None:  # the disk tier's and the pins' counters: added up where a node has them
             disks = [getattr(p, f.name) for p in parts if p.HasField(f.name)]
             if disks:
                 total = getattr(out, f.name)
