@@ -3,9 +3,10 @@
 Every native library of `kernels` (`kernels.cpu.native` with `kernels.cpu.fused`, `kernels.cpu.packed_linear`
 with `kernels.cpu.layers`) is a :class:`NativeLibrary`: an environment switch that turns it off,
 an optional check of the host (CPU flags), the build (:func:`build_library`: `cc -O3 -fopenmp` and
-the host's vector flags, cached under `$PAGEDKV_HOME/kernels/<stem>-<hash>.so`), the `ctypes` load,
-an optional start-up call, and the argument types of its functions. The first use tries once; the
-outcome (the loaded library, or why there is none) holds for the life of the process.
+the host's vector flags, cached under `$PAGEDKV_HOME/kernels/<stem>-<hash>.so`, each source's object
+once under `kernels/objects/`), the `ctypes` load, an optional start-up call, and the argument
+types of its functions. The first use tries once; the outcome (the loaded library, or why there is
+none) holds for the life of the process.
 """
 
 from __future__ import annotations
@@ -76,20 +77,58 @@ def build_library(sources: tuple[Path, ...], headers: tuple[Path, ...] = (), ext
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
         os.close(fd)
         try:
-            proc = subprocess.run(
-                [cc, *flags, "-o", tmp, *map(str, sources), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=_BUILD_TIMEOUT_S,
-            )
-            if proc.returncode == 0:
+            error = _compile(cc, flags, sources, tmp, version)
+            if error is None:
                 os.replace(tmp, target)  # atomic: concurrent builders each write their own tmp
                 return target
-            errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-500:]}")
+            errors.append(f"{' '.join(flags)}: {error[-500:]}")
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
     raise RuntimeError(f"building the native CPU kernels ({stem}) failed: " + " | ".join(errors))
+
+
+def _compile(cc: str, flags: list[str], sources: tuple[Path, ...], out: str, version: str) -> str | None:
+    """Compile ``sources`` into the shared library ``out``; returns None, or the failing step's stderr.
+
+    Each source becomes an object file, cached beside the libraries (``objects/``, keyed by the
+    source, every header of its folder, the flags and the compiler), so libraries that share a
+    source (``packed_linear`` holds all of ``paged_cpu``'s) compile it once; the missing ones are
+    compiled all at once (one compiler per source), then linked.
+    """
+    obj_dir = pagedkv_home() / "kernels" / "objects"
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    compile_flags = [f for f in flags if f != "-shared"]
+    objects, procs = [], []
+    for src in sources:
+        headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
+        key = hashlib.sha256(src.read_bytes() + headers + " ".join(compile_flags).encode() + version.encode())
+        obj = obj_dir / f"{src.stem}-{key.hexdigest()[:16]}.o"
+        objects.append(str(obj))
+        if not obj.is_file():
+            fd, tmp = tempfile.mkstemp(dir=obj_dir, suffix=".o.tmp")
+            os.close(fd)
+            procs.append((subprocess.Popen([cc, *compile_flags, "-c", "-o", tmp, str(src)], stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.PIPE, text=True), tmp, obj))
+    failed = None
+    for proc, tmp, obj in procs:
+        try:
+            _, err = proc.communicate(timeout=_BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            err = f"timed out after {_BUILD_TIMEOUT_S} s\n{err}"
+        if proc.returncode == 0:
+            os.replace(tmp, obj)  # atomic, as the library's
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            failed = failed or err.strip() or f"{cc} exited with {proc.returncode}"
+    if failed is not None:
+        return failed
+    link = subprocess.run([cc, *flags, "-o", out, *objects, "-lm"], capture_output=True, text=True,
+                          timeout=_BUILD_TIMEOUT_S)
+    return None if link.returncode == 0 else link.stderr.strip() or f"{cc} exited with {link.returncode}"
 
 
 class NativeLibrary:
