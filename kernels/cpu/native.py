@@ -35,14 +35,15 @@ import torch
 from kernels.cpu.native_lib import CSRC, NativeLibrary
 
 SOURCE = CSRC / "paged_cpu.c"
-#: The C files of the decode attention (entry, fast path, generic path) and the cache write.
-PAGED_SOURCES = (SOURCE, *(SOURCE.with_name(f"{n}.c")
-                           for n in ("decode_fast_cpu", "decode_generic_cpu", "cache_write_cpu")))
+#: The C files of the decode attention (entry, fast path in two halves compiled at once, generic
+#: path) and the cache write.
+PAGED_SOURCES = (SOURCE, *(SOURCE.with_name(f"{n}.c") for n in (
+    "decode_fast_cpu", "decode_fast_fp8_cpu", "decode_generic_cpu", "cache_write_cpu")))
 #: Every C file of the library: attention and cache writes, then the fused elementwise ops
 #: (`kernels.cpu.fused`).
 SOURCES = (*PAGED_SOURCES, SOURCE.with_name("fused_cpu.c"))
 #: Headers the sources include (part of the build's cache key).
-HEADERS = tuple(SOURCE.with_name(f"{n}.h") for n in ("simd_cpu", "decode_cpu", "fp8_cpu"))
+HEADERS = tuple(SOURCE.with_name(f"{n}.h") for n in ("simd_cpu", "decode_cpu", "decode_fast_cpu", "fp8_cpu"))
 ENV_SWITCH = "PAGEDKV_NATIVE_CPU"
 
 #: The library (`kernels.cpu.native_lib`), built and loaded on first use.
