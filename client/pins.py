@@ -89,7 +89,7 @@ def unpin(backend, pin_id: str) -> int:
             return client.memory.unpin_prefix(client.lease_id, pin_id)
         except NotFound:
             continue
-    raise KeyError(f"no pin {pin_id!r} of this server; GET /admin/pins lists them")
+    raise KeyError(f"no pin {pin_id[:80]!r} of this server; GET /admin/pins lists them")
 
 
 def list_pins(backend) -> list[Pin]:

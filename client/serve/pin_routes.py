@@ -30,7 +30,7 @@ from client.tokenizer import encode_prompt
 class PinRequest(BaseModel):
     """POST /admin/pins."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as the completion routes: "10" is no number
 
     #: The prompt as chat messages (rendered by the chat template, as /v1/chat/completions does) ...
     messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
@@ -39,7 +39,7 @@ class PinRequest(BaseModel):
     #: Whose cache the prompt is pinned in: a tenant (its group's when it is in one), or a group.
     tenant: str | None = None
     group: str | None = None
-    #: Seconds the pin lasts.
+    #: Seconds the pin lasts (required).
     ttl_s: float = Field(gt=0, le=86_400)
     #: Retention priority once the pin ends, 0-100.
     priority: int = Field(default=0, ge=0, le=100)

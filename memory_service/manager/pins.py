@@ -5,10 +5,12 @@ The retention half of the ecosystem's cache control: TensorRT-LLM's ``KvCacheRet
 priority eviction. A pin holds the leading full blocks of a prompt that are cached on the
 device: it is a sequence of the caller's lease holding just them (refcount + 1), so nothing
 evicts them while it lives, they count against the lease's quota as any sequence's blocks, and
-the lease's end frees them like its other sequences. The pin also raises the blocks' retention
-priority (:meth:`memory_service.block_pool.BlockPool.set_retention`): once it ends (its TTL,
-UnpinPrefix, or the lease), the blocks stay cached and eviction takes them after every block of
-a lower priority.
+the lease's end frees them like its other sequences. A pin of a lease the admin opened (the
+operator's: ``pagedkv serve``'s) may also raise the blocks' retention priority
+(:meth:`memory_service.block_pool.BlockPool.set_retention`): once it ends (its TTL, UnpinPrefix,
+or the lease), the blocks stay cached and eviction takes them after every block of a lower
+priority. A tenant's lease pins at priority 0 only: a priority outlives the pin (and its quota
+charge) and orders eviction among every lease's blocks.
 
 Prefix pins are not the transfer pins of ExportPrefix (a sequence pinned for another node to
 read, freed once the reader proved its copy): those are not listed here and keep no priority.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 from memory_service.manager.requests import check_token_ids
 from pagedkv.runtime.block_hash import CacheKey
-from pagedkv.runtime.errors import InvalidArgumentError, NotFoundError
+from pagedkv.runtime.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
 from pagedkv.runtime.logs import get_logger
 
 log = get_logger("block_manager")
@@ -82,6 +84,8 @@ class ManagerPins:
                 label too long, too many token ids or ids outside int32.
             NotFoundError / FailedPreconditionError: unknown / expired lease.
             QuotaExceededError: the lease's sequences or block-table entries would pass its quota.
+            PermissionDeniedError: a priority above 0 from a lease the admin did not open: it orders
+                eviction among every tenant's blocks, and outlives the pin (and its quota charge).
         """
         if not 0 < ttl <= MAX_PIN_TTL:  # also refuses NaN
             raise InvalidArgumentError(f"PinPrefix: ttl_seconds must be in (0, {MAX_PIN_TTL:.0f}], got {ttl}")
@@ -90,6 +94,10 @@ class ManagerPins:
         if len(label) > MAX_PIN_LABEL:
             raise InvalidArgumentError(f"PinPrefix: the label has {len(label)} characters; at most {MAX_PIN_LABEL}")
         lease = self.leases.lookup(lease_id)
+        if priority and not lease.exempt:
+            raise PermissionDeniedError(f"PinPrefix: a retention priority ({priority}) is the admin's: it orders "
+                                        "eviction among every lease's blocks; open the lease with the admin token, "
+                                        "or pin with priority 0")
         check_token_ids(len(token_ids), "PinPrefix")
         hit = self.prefix_cache.lookup(token_ids, key)
         if not hit.block_ids:

@@ -146,6 +146,8 @@ class LeaseModel:
     #: Outlives any example (TTL >= DEFAULT_TTL): its sequences change only by calls.
     lasting: bool
     live: bool = True
+    #: Opened with the admin token (no block quota; may give a pin a retention priority).
+    exempt: bool = False
 
 
 @dataclass
@@ -343,12 +345,14 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
     # ------------------------------------------------------------------ leases
     @initialize(prompts=st.lists(PROMPT.filter(bool), min_size=1, max_size=3))
     def start(self, prompts):
-        """Every example starts with a lease holding a few sequences, computed (their full blocks cached)."""
+        """Every example starts with a lease holding a few sequences, computed (their full blocks cached),
+        and a fork of the first."""
         resp = self.call("CreateLease", pb.CreateLeaseRequest())
         self.leases.append(LeaseModel(resp.lease_id, resp.lease_secret, lasting=True))
         mine = ("live", 0, ""), ("own", 0, "")
         self.allocate_sequences(True, *mine, [(len(p), p, "", "") for p in prompts])
         self.commit_computed_tokens(True, *mine, [("honest", ("live", i, 0), 1, *UNSIGNED[3:]) for i in range(3)], [])
+        self.fork_sequences(True, *mine, [("live", 0, 0)])  # and one fork of them, whichever rules the example drops
 
     @precondition(lambda self: len(self.leases) < 8)
     @rule(ttl=TTL, owner=TEXT, cred=CRED)
@@ -361,7 +365,8 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
         assert (resp is not None) == valid, (ttl, md, resp)
         if resp is not None:
             assert len(resp.lease_id) == 32 and resp.lease_secret and resp.ttl_seconds == (ttl or DEFAULT_TTL)
-            self.leases.append(LeaseModel(resp.lease_id, resp.lease_secret, ttl is None or ttl >= DEFAULT_TTL))
+            self.leases.append(LeaseModel(resp.lease_id, resp.lease_secret, ttl is None or ttl >= DEFAULT_TTL,
+                                          exempt=any(kv in self.t.admin for kv in md)))
 
     @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED)
     def keep_alive(self, honest, lease, cred):
@@ -761,11 +766,13 @@ class MemoryServiceFuzzer(RuleBasedStateMachine):
     @rule(honest=HONEST_CALL, lease=LEASE, cred=CRED, tokens=TOKENS, salt=SALT, ttl=PIN_TTL,
           priority=st.sampled_from([0, 1, 50, 100, 101, 2**32 - 1]), label=TEXT)
     def pin_prefix(self, honest, lease, cred, tokens, salt, ttl, priority, label):
-        """PinPrefix: a sequence of the lease holding the cached full blocks, never the last token's."""
+        """PinPrefix: a sequence of the lease holding the cached full blocks, never the last token's; a
+        retention priority only from a lease the admin opened."""
         self.honest = honest
         model, lease_id = self._lease(lease)
         if honest:
-            tokens, ttl, priority, label = [t % 4 for t in tokens[:24]], 3600.0, priority % 101, label[:128]
+            tokens, ttl, label = [t % 4 for t in tokens[:24]], 3600.0, label[:128]
+            priority = priority % 101 if model is not None and model.exempt else 0
         resp = self.call("PinPrefix", pb.PinPrefixRequest(lease_id=lease_id, token_ids=tokens, cache_salt=salt,
                                                           ttl_seconds=ttl, priority=priority, label=label),
                          self._md(cred, model))

@@ -14,7 +14,13 @@ import pytest
 from memory_service.manager.block_manager import BlockManager
 from memory_service.manager.requests import Allocation, Commit, OutOfBlocks
 from pagedkv.runtime.block_hash import CacheKey
-from pagedkv.runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, QuotaExceededError
+from pagedkv.runtime.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    QuotaExceededError,
+)
 
 KEY = CacheKey("model", "salt")
 
@@ -41,8 +47,13 @@ def m() -> BlockManager:
     return BlockManager(num_blocks=16, block_size=4, clock=FakeClock())
 
 
+def admin_lease(m: BlockManager, ttl: float | None = None) -> str:
+    """A lease the admin opened (exempt): only those may give a retention priority."""
+    return m.leases.open(ttl, exempt=True)[0].lease_id
+
+
 def test_eviction_order_pinned_prioritised_plain(m: BlockManager):
-    lease = m.leases.create().lease_id
+    lease = admin_lease(m)
     a, b, c, d = (cached_prompt(m, lease, base) for base in (100, 200, 300, 400))
     # Each prompt reuses the previous one's freed partial block: A holds 0, 1; B 2, 3; C 4, 5; D 6, 7
     # (cached); 8-15 are free.
@@ -75,7 +86,7 @@ def test_eviction_order_pinned_prioritised_plain(m: BlockManager):
 
 
 def test_pin_expires_and_keeps_its_priority(m: BlockManager):
-    lease = m.leases.create(ttl=10_000).lease_id
+    lease = admin_lease(m, ttl=10_000)
     a = cached_prompt(m, lease, 100)
     cached_prompt(m, lease, 200)  # B: blocks 2, 3, plain
     pin = m.pin_prefix(lease, a, KEY, ttl=30, priority=70)
@@ -102,22 +113,24 @@ def test_pins_count_against_the_quota_and_end_with_the_lease():
     (held,) = m.allocate(other, [8])  # 2 of its 3 entries
     before = (list(m.pool.ref_counts), list(m.pool.retention), len(m.sequences))
     with pytest.raises(QuotaExceededError):
+        m.pin_prefix(other, a, KEY, ttl=60, priority=0)
+    with pytest.raises(PermissionDeniedError):  # a tenant's lease cannot order eviction
         m.pin_prefix(other, a, KEY, ttl=60, priority=5)
     assert (list(m.pool.ref_counts), list(m.pool.retention), len(m.sequences)) == before
     m.free(other, [held.seq_id])
-    pin = m.pin_prefix(other, a, KEY, ttl=60, priority=5)
+    pin = m.pin_prefix(other, a, KEY, ttl=60, priority=0)
     with pytest.raises(NotFoundError):  # another lease's pin
         m.unpin_prefix(owner, pin.pin_id)
     m.leases.release(other)
     m.drain_released()
-    assert m.live_pins() == [] and m.pool.ref_counts[:2] == [0, 0] and m.pool.retention[:2] == [5, 5]
+    assert m.live_pins() == [] and m.pool.ref_counts[:2] == [0, 0] and m.pool.retention[:2] == [0, 0]
     m.check_invariants()
 
 
 @pytest.mark.parametrize("ttl, priority, label", [(0, 0, ""), (-1, 0, ""), (math.nan, 0, ""), (86_401, 0, ""),
                                                   (10, 101, ""), (10, 0, "x" * 129)])
 def test_bad_pins_change_nothing(m: BlockManager, ttl, priority, label):
-    lease = m.leases.create().lease_id
+    lease = admin_lease(m)
     a = cached_prompt(m, lease, 100)
     before = (list(m.pool.ref_counts), list(m.pool.retention), len(m.sequences))
     with pytest.raises(InvalidArgumentError):
@@ -127,10 +140,10 @@ def test_bad_pins_change_nothing(m: BlockManager, ttl, priority, label):
 
 def test_nothing_cached_pins_nothing_and_expired_lease_is_refused(m: BlockManager):
     lease = m.leases.create(ttl=5).lease_id
-    assert m.pin_prefix(lease, list(range(9)), KEY, ttl=60, priority=1) is None
+    assert m.pin_prefix(lease, list(range(9)), KEY, ttl=60, priority=0) is None
     a = cached_prompt(m, lease, 100)
-    assert m.pin_prefix(lease, a, CacheKey("model", "other-salt"), ttl=60, priority=1) is None  # salts apart
+    assert m.pin_prefix(lease, a, CacheKey("model", "other-salt"), ttl=60, priority=0) is None  # salts apart
     assert len(m.sequences) == 0
     m.leases.clock.now += 6
     with pytest.raises((FailedPreconditionError, NotFoundError)):
-        m.pin_prefix(lease, a, KEY, ttl=60, priority=1)
+        m.pin_prefix(lease, a, KEY, ttl=60, priority=0)

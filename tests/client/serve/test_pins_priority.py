@@ -106,6 +106,8 @@ def test_a_pinned_prompt_survives_another_tenants_pressure_and_keeps_its_priorit
 @pytest.mark.parametrize("body, status, param", [
     ({"prompt": SYSTEM, "tenant": "tenant-a", "ttl_s": 0}, 400, "ttl_s"),
     ({"prompt": SYSTEM, "tenant": "tenant-a", "ttl_s": 60, "priority": 101}, 400, "priority"),
+    ({"prompt": SYSTEM, "tenant": "tenant-a", "ttl_s": "10"}, 400, "ttl_s"),
+    ({"prompt": SYSTEM, "tenant": "tenant-a", "ttl_s": True}, 400, "ttl_s"),
     ({"prompt": SYSTEM, "messages": [{"role": "user", "content": "x"}], "tenant": "tenant-a", "ttl_s": 60}, 400,
      "messages"),
     ({"prompt": SYSTEM, "tenant": "tenant-z", "ttl_s": 60}, 404, "tenant"),

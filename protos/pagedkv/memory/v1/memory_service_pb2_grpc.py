@@ -398,8 +398,10 @@ class MemoryServiceServicer(object):
         retention priority (eviction takes lower priorities first, then LRU).
         Charged to the caller's lease (its secret): the pinned blocks count as
         one sequence's block-table entries against its quota, and the lease's end
-        ends the pin. Nothing cached: pin_id empty, nothing changes.
-        INVALID_ARGUMENT for a ttl or priority out of range.
+        ends the pin. Only blocks already cached on the device are pinned (compute
+        the prompt first); none: the reply has no pin and nothing changes.
+        INVALID_ARGUMENT for a ttl or priority out of range; PERMISSION_DENIED for
+        a priority above 0 from a lease not opened with the admin token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
