@@ -58,6 +58,7 @@ from client.serve.protocol import (
     prompts_of,
 )
 from client.serve.tenants import Tenants
+from client.serve.tokenize_routes import add_tokenize_routes
 from client.tokenizer import encode_prompt
 from pagedkv.runtime.logs import get_logger
 
@@ -279,6 +280,7 @@ def create_app(server: Server) -> FastAPI:
                                max_tokens=req.max_tokens)
 
     add_pin_routes(app, server)
+    add_tokenize_routes(app, server)
     add_dashboard_routes(app, server)
     add_dashboard_page(app)
     return app

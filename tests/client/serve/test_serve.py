@@ -594,3 +594,36 @@ def test_cache_sharing_groups_are_checked_at_start(tmp_path, monkeypatch, capsys
         with pytest.raises(SystemExit) as e:
             parse_args(base)
         assert e.value.code == 2 and "reserved or empty" in capsys.readouterr().err
+
+
+def test_tokenize_detokenize_and_version_as_vllm_answers_them(url, hf_tokenizer):
+    """vLLM's bodies: /tokenize {count, max_model_len, tokens} for a prompt (the tokenizer's own ids)
+    or chat messages (the chat template's), /detokenize {prompt}, /version {version}; behind the
+    tenant key; bad input a 400 naming the field."""
+    key = {"Authorization": f"Bearer {KEY_A}"}
+    text = "The capital of France is"
+    r = httpx.post(f"{url}/tokenize", json={"model": "smollm2", "prompt": text}, headers=key)
+    assert r.status_code == 200, r.text
+    want = hf_tokenizer.encode(text)
+    body = r.json()
+    assert body["tokens"] == want and body["count"] == len(want) and body["max_model_len"] > len(want)
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(f"{url}/tokenize", json={"messages": msgs, "return_token_strs": True}, headers=key)
+    templated = hf_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    templated = list(templated["input_ids"] if hasattr(templated, "keys") else templated)
+    assert r.json()["tokens"] == templated
+    assert r.json()["token_strs"] == hf_tokenizer.convert_ids_to_tokens(templated)
+    r = httpx.post(f"{url}/detokenize", json={"tokens": want}, headers=key)
+    assert r.status_code == 200 and r.json() == {"prompt": hf_tokenizer.decode(want)}, r.text
+    r = httpx.get(f"{url}/version", headers=key)
+    assert r.status_code == 200 and r.json()["version"], r.text
+    assert httpx.get(f"{url}/version").status_code == 401
+    assert httpx.post(f"{url}/tokenize", json={"prompt": text}).status_code == 401
+    for path, bad, param in [("/tokenize", {"prompt": text, "messages": msgs}, "prompt"),
+                             ("/tokenize", {"prompt": [10**9]}, "prompt"),
+                             ("/tokenize", {"prompt": text, "model": "gpt-4o"}, "model"),
+                             ("/detokenize", {"tokens": [-1]}, "tokens"),
+                             ("/detokenize", {"tokens": []}, "tokens"),
+                             ("/detokenize", {"tokens": ["a"]}, "tokens")]:
+        r = httpx.post(f"{url}{path}", json=bad, headers=key)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, bad, r.text)
