@@ -21,7 +21,8 @@ A mixin of :class:`memory_service.manager.block_manager.BlockManager`: it reads 
 
 NOTE: invariants (:meth:`ManagerPins.check_pins`):
   * every pin names a live sequence of its lease holding exactly the pin's blocks;
-  * a pinned block's retention priority is at least the pin's.
+  * a pinned block's retention priority is at least the pin's while it keeps its content (a reset
+    of the prefix cache drops content and priority; the pin still holds the blocks until it ends).
 """
 
 from __future__ import annotations
@@ -158,8 +159,8 @@ class ManagerPins:
             seq = self.sequences[pin.seq_id]
             assert seq.lease_id == pin.lease_id, f"pin {pin.pin_id}: sequence {seq.seq_id} of another lease"
             assert seq.num_tokens == pin.num_tokens == len(seq.block_ids) * self.block_size, f"pin {pin.pin_id}"
-            assert all(self.pool.retention[b] >= pin.priority for b in seq.block_ids), (
-                f"pin {pin.pin_id}: a block below its retention priority {pin.priority}")
+            assert all(self.pool.retention[b] >= pin.priority for b in seq.block_ids if self.pool.has_content[b]), (
+                f"pin {pin.pin_id}: a cached block below its retention priority {pin.priority}")
 
     def _live_pin(self, pin_id: str) -> PrefixPin | None:
         pin = self.pins.get(pin_id)

@@ -147,3 +147,16 @@ def test_nothing_cached_pins_nothing_and_expired_lease_is_refused(m: BlockManage
     m.leases.clock.now += 6
     with pytest.raises((FailedPreconditionError, NotFoundError)):
         m.pin_prefix(lease, a, KEY, ttl=60, priority=0)
+
+
+def test_a_reset_of_the_prefix_cache_drops_a_pinned_prompts_content_not_the_pin(m: BlockManager):
+    lease = admin_lease(m)
+    a = cached_prompt(m, lease, 100)
+    pin = m.pin_prefix(lease, a, KEY, ttl=60, priority=30)
+    assert m.reset_prefix_cache() == 0  # nothing refcount-0 was cached: the pin holds A's blocks
+    assert m.pool.retention[:2] == [0, 0] and m.pool.ref_counts[:2] == [1, 1]
+    assert m.prefix_cache.lookup(a, KEY).block_ids == []
+    m.check_invariants()
+    assert m.unpin_prefix(lease, pin.pin_id) == 2
+    assert m.pool.num_free == 16 and m.pool.num_retained == 0  # no content left: plain free blocks
+    m.check_invariants()
