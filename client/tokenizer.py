@@ -41,11 +41,12 @@ def tokenizer_source(info) -> str:
     return source
 
 
-def encode_prompt(tokenizer, prompt: str | Messages | list[int]) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | Messages | list[int], *, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a raw string, of chat messages through the model's chat template, or the
     given token ids themselves (checked against the vocabulary).
 
-    Chat messages get the generation prompt appended (``<|im_start|>assistant``); the
+    Chat messages get the generation prompt appended (``<|im_start|>assistant``; not with
+    ``add_generation_prompt=False``, as vLLM's /tokenize allows); the
     template adds its default system prompt when none is given, as transformers does.
 
     Raises:
@@ -64,7 +65,7 @@ def encode_prompt(tokenizer, prompt: str | Messages | list[int]) -> list[int]:
         return tokenizer.encode(prompt)
     if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
         raise ValueError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=add_generation_prompt, tokenize=True)
     if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
     return list(ids)

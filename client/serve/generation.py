@@ -21,7 +21,7 @@ from client.api import RequestOutput
 from client.errors import OutOfBlocks, ServiceError
 from client.params import SamplingParams
 from client.serve.outputs import Choices
-from client.serve.protocol import APIError, ChatCompletionRequest, bad_request
+from client.serve.protocol import APIError, ChatCompletionRequest, bad_request, check_model
 
 if TYPE_CHECKING:
     from client.serve.app import Server
@@ -131,8 +131,7 @@ async def generate(
         APIError: 404 unknown model; 400 a prompt or sampling value that cannot run; 429 the
             waiting queue is full; 503 the backends are down or failed the request.
     """
-    if req.model is not None and req.model != server.model_name:
-        raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+    check_model(req.model, server.model_name)
     params = _sampling(server, req, prompt_ids, logprobs, max_tokens)
     weight = _admit(server, tenant, prompt_ids, params)
     if not await server.backends_up():

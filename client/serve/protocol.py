@@ -44,6 +44,12 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def check_model(name: str | None, served: str) -> None:
+    """Raises APIError 404 (OpenAI's message) when a request names a model other than the served one."""
+    if name is not None and name != served:
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from client.serve.protocol import MAX_BODY_BYTES, APIError, bad_request, chat_messages, parse_body
+from client.serve.protocol import MAX_BODY_BYTES, bad_request, chat_messages, check_model, parse_body
 from client.tokenizer import encode_prompt
 
 #: Most token ids /detokenize takes (a body of this many ids stays under MAX_BODY_BYTES).
@@ -56,25 +56,20 @@ def version() -> str:
 def add_tokenize_routes(app: FastAPI, server) -> None:
     """The routes over ``server`` (:class:`client.serve.app.Server`)."""
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != server.model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-
     @app.post("/tokenize")
     async def tokenize(request: Request):
         server.authorize(request)
         req = parse_body(TokenizeRequest, await request.body())
-        check_model(req.model)
+        check_model(req.model, server.model_name)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         tokenizer = server.client.tokenizer
-        if req.messages is not None:
-            ids = await asyncio.to_thread(_chat_ids, tokenizer, chat_messages(req.messages), req.add_generation_prompt)
-        else:
-            try:
-                ids = await asyncio.to_thread(encode_prompt, tokenizer, req.prompt)
-            except ValueError as e:
-                raise bad_request(str(e), "prompt") from None
+        chat = req.messages is not None
+        try:
+            ids = await asyncio.to_thread(encode_prompt, tokenizer, chat_messages(req.messages) if chat else req.prompt,
+                                          add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(str(e), "messages" if chat else "prompt") from None
         body = {"count": len(ids), "max_model_len": server.client.limits.max_context, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
@@ -84,7 +79,7 @@ def add_tokenize_routes(app: FastAPI, server) -> None:
     async def detokenize(request: Request):
         server.authorize(request)
         req = parse_body(DetokenizeRequest, await request.body())
-        check_model(req.model)
+        check_model(req.model, server.model_name)
         tokenizer = server.client.tokenizer
         bad = next((t for t in req.tokens if not 0 <= t < len(tokenizer)), None)
         if bad is not None:
@@ -95,21 +90,6 @@ def add_tokenize_routes(app: FastAPI, server) -> None:
     async def get_version(request: Request):
         server.authorize(request)
         return {"version": version()}
-
-
-def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    """The chat template's token ids (as /v1/chat/completions renders them).
-
-    Raises:
-        APIError: 400 messages the template cannot render.
-    """
-    if add_generation_prompt:
-        try:
-            return encode_prompt(tokenizer, messages)
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 __all__ = ["add_tokenize_routes"]
