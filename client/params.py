@@ -18,6 +18,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from client.structured.params import StructuredOutputsParams
 from pagedkv.runtime.limits import MAX_LOGPROBS
 from pagedkv.runtime.logs import get_logger
 
@@ -86,6 +87,8 @@ class SamplingParams:
     length_penalty: float = 1.0
     #: Beam search stops as soon as num_beams hypotheses are finished.
     early_stopping: bool = False
+    #: Constrain every output sequence to a grammar (client.structured); None = free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -124,6 +127,12 @@ class SamplingParams:
         if self.num_beams > 1 and (rep not in (None, 1) or self.presence_penalty or self.frequency_penalty):
             raise ValueError("beam search takes no repetition, presence or frequency penalty (nor does vLLM's); "
                              "leave them unset, or sample instead of num_beams > 1")
+
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
+                             f"got {self.structured_outputs!r:.80}")
+        if self.num_beams > 1 and self.structured_outputs is not None:
+            raise ValueError("beam search takes no structured_outputs (nor does vLLM's); sample instead")
 
     @property
     def use_beam_search(self) -> bool:

@@ -36,7 +36,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "positions", "block_ids", "sampling", "output_index", "skip_sampling", "grant", "prompt_token_ids", "output_token_ids")
+    __slots__ = ("seq_id", "token_ids", "positions", "block_ids", "sampling", "output_index", "skip_sampling", "grant", "prompt_token_ids", "output_token_ids", "token_bitmask")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class StepSequence(_message.Message):
     GRANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -57,7 +58,8 @@ class StepSequence(_message.Message):
     grant: _grant_pb2.StepGrant
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_index: _Optional[int] = ..., skip_sampling: bool = ..., grant: _Optional[_Union[_grant_pb2.StepGrant, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    token_bitmask: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_index: _Optional[int] = ..., skip_sampling: bool = ..., grant: _Optional[_Union[_grant_pb2.StepGrant, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., token_bitmask: _Optional[bytes] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool_generation", "sequences", "copies", "transfer_sources")
