@@ -71,6 +71,8 @@ class Seq:
     grant: object = None
     #: The other node's TransferSource its next step reads blocks from (client.engine.transfers), or None.
     transfer_source: object = None
+    #: The sequence's structured-output matcher (client.structured.matcher.GrammarMatcher); None = unconstrained.
+    grammar: object = None
 
     @property
     def generated(self) -> list[int]:

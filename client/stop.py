@@ -3,7 +3,9 @@
 vLLM's ``StopChecker`` in small. A sequence stops ("stop") on an end-of-sequence
 token (unless ``ignore_eos``), on one of ``stop_token_ids`` (kept in the output),
 or when its decoded text contains a ``stop`` string (the text is cut before it);
-it ends ("length") at ``max_tokens`` generated tokens or at the context limit.
+it ends ("length") at ``max_tokens`` generated tokens or at the context limit. A sequence under
+structured output (``seq.grammar``) feeds each token to its matcher and stops ("stop") once its
+grammar is complete.
 
 Every generated token goes through the sequence's :class:`~client.detokenizer.Detokenizer`
 (constant work per token), which also finds the stop strings.
@@ -87,11 +89,16 @@ class StopChecker:
             seq.token_logprobs.append(result.logprob)
             seq.top_logprobs.append({t.token_id: t.logprob for t in result.top_logprobs})
         n_gen = len(seq.generated)
+        if seq.grammar is not None and not seq.grammar.accept(tok):  # the worker applied its mask: not expected
+            seq.finish_reason, seq.stop_reason = "abort", seq.grammar.error
+            return
         if not params.ignore_eos and tok in self.eos_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok
         elif tok in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok
         elif stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_string
+        elif seq.grammar is not None and seq.grammar.done:  # complete: only end-of-sequence could follow
+            seq.finish_reason = "stop"
         if seq.finish_reason is None and (n_gen >= params.max_tokens or len(seq.tokens) >= self.max_context):
             seq.finish_reason = "length"

@@ -144,7 +144,8 @@ class Branch:
         """The new sequence, without blocks."""
         p = self.parent
         if self.token is None:
-            return Seq(self.slot + 1, list(p.tokens), p.prompt_len)
+            grammar = None if p.grammar is None else p.grammar.fork()  # at the fork nothing is generated yet
+            return Seq(self.slot + 1, list(p.tokens), p.prompt_len, grammar=grammar)
         return Seq(0, [*p.tokens[:-1], self.token], p.prompt_len, beam_score=self.score)
 
 

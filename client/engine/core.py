@@ -63,6 +63,7 @@ from client.params import model_defaults
 from client.request import Request, Status
 from client.services import MemoryClient, WorkerClient
 from client.stop import StopChecker, context_limit, same_model
+from client.structured.grammar import GrammarCompiler
 from pagedkv.memory.v1 import memory_service_pb2 as mpb
 from pagedkv.model.source import model_identity
 from pagedkv.runtime.errors import TRANSFER_FAILED, TRANSFERS_OFF
@@ -113,6 +114,8 @@ class Engine:
         self.commits = Commits(memory, lambda: self.lease)
         self.branching = Branching()
         self.stop_checker = StopChecker(self.eos_ids, self.max_context, tokenizer)
+        #: Structured output's grammars for this model's vocabulary (client.structured).
+        self.grammars = GrammarCompiler(tokenizer, info.vocab_size, self.eos_ids)
         self.step_count = 0
         self.preemption = Preemption(self.scheduler, Swapper(memory, lambda: self.lease.lease_id), self._free,
                                      self.commits.flush)
@@ -148,9 +151,14 @@ class Engine:
 
     def add(self, request: Request) -> None:
         """Queue a request (thread-safe); its unset sampling fields take the model's defaults here,
-        once (``request.params`` becomes a resolved copy). Raises ValueError when it can never fit
-        (:meth:`Scheduler.add`)."""
+        once (``request.params`` becomes a resolved copy), and its structured output's grammar is
+        compiled (or found in the cache). Raises ValueError when it can never fit
+        (:meth:`Scheduler.add`) or its grammar does not compile."""
         request.params = request.params.with_defaults(self.generation_defaults)
+        if request.params.structured_outputs is not None:  # compiled once per constraint (cached)
+            grammar = self.grammars.compile(request.params.structured_outputs)
+            for seq in request.seqs:
+                seq.grammar = grammar.matcher()
         if request.params.use_beam_search:
             limit = min(request.params.max_tokens, self.max_context - len(request.prompt_token_ids))
             request.beam = BeamState.of(request.params, limit, self.eos_ids)

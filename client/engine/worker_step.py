@@ -91,7 +91,8 @@ def build_steps(scheduled: list[ScheduledSeq], copies_by_worker: dict[int, list[
         step.sequences.append(cpb.StepSequence(
             seq_id=seq.seq_id, token_ids=x.token_ids, positions=range(start, end),
             block_ids=seq.block_table, sampling=sampling(req, seq), output_index=len(seq.generated),
-            skip_sampling=skip, grant=seq.grant, **({} if skip else history(req, seq))))
+            skip_sampling=skip, grant=seq.grant, **({} if skip else history(req, seq)),
+            token_bitmask=None if skip or seq.grammar is None else seq.grammar.bitmask()))
         if seq.transfer_source is not None and seq.transfer_source not in step.transfer_sources:
             step.transfer_sources.append(seq.transfer_source)
     for w, copies in copies_by_worker.items():

@@ -22,13 +22,15 @@ from client.errors import OutOfBlocks, ServiceError
 from client.params import SamplingParams
 from client.serve.outputs import Choices
 from client.serve.protocol import APIError, ChatCompletionRequest, bad_request, check_model
+from client.serve.structured_request import structured_outputs_of
+from client.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from client.serve.app import Server
 
 
 def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | None,
-              max_tokens: int | None) -> list[SamplingParams]:
+              max_tokens: int | None, structured: StructuredOutputsParams | None = None) -> list[SamplingParams]:
     """Sampling parameters per prompt; an unset ``max_tokens`` is the rest of the context (vLLM); an
     unset ``temperature``, ``top_p``, ``top_k`` or ``repetition_penalty`` is the model's default
     (the engine applies it at admission); unset penalties are 0.
@@ -68,11 +70,28 @@ def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | 
                     ignore_eos=req.ignore_eos,
                     n=req.n,
                     logprobs=logprobs,
+                    structured_outputs=structured,
                 )
             )
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
     return out
+
+
+async def _compile_grammars(server: Server, params: list[SamplingParams], param: str) -> None:
+    """Compile each distinct output constraint of ``params`` (the engine's cache keeps it for
+    admission) in a worker thread: the event loop never waits on a grammar.
+
+    Raises:
+        APIError: 400 naming ``param`` for a constraint that does not compile (bad syntax, an
+            unsatisfiable schema, over the size limits).
+    """
+    specs = {p.structured_outputs.key(): p.structured_outputs for p in params if p.structured_outputs is not None}
+    for spec in specs.values():
+        try:
+            await asyncio.to_thread(server.client.engine.grammars.compile, spec)
+        except ValueError as e:
+            raise bad_request(str(e), param) from None
 
 
 def _check_fits(server: Server, req, prompt_len: int, max_tokens: int) -> None:
@@ -132,7 +151,9 @@ async def generate(
             waiting queue is full; 503 the backends are down or failed the request.
     """
     check_model(req.model, server.model_name)
-    params = _sampling(server, req, prompt_ids, logprobs, max_tokens)
+    structured = structured_outputs_of(req.response_format, req.structured_outputs)
+    params = _sampling(server, req, prompt_ids, logprobs, max_tokens, structured)
+    await _compile_grammars(server, params, "structured_outputs" if req.structured_outputs else "response_format")
     weight = _admit(server, tenant, prompt_ids, params)
     if not await server.backends_up():
         raise APIError(503, "the memory service or every worker is down", type="server_error", code="unavailable")

@@ -93,7 +93,9 @@ class _Sampling(BaseModel):
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
+    #: OpenAI's output format, and vLLM's extra (client.serve.structured_request).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -129,7 +131,6 @@ NEUTRAL = {
     "include_stop_str_in_output": (lambda v: not v, "false"),
     "use_beam_search": (lambda v: not v, "false"),
     "store": (lambda v: not v, "false"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
     "add_generation_prompt": (lambda v: v, "true"),
     "tools": (lambda v: not v, "none"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), '"none"'),
