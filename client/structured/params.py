@@ -55,7 +55,8 @@ class StructuredOutputsParams:
         if self.json_object not in (None, True):
             raise ValueError("structured_outputs json_object must be true when set")
         if len(self.key()) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"structured_outputs: the grammar source is over {MAX_GRAMMAR_CHARS} characters")
+            raise ValueError(f"the output constraint is too large: {len(self.key())} characters of schema, regex, "
+                             f"choices or grammar; at most {MAX_GRAMMAR_CHARS} are accepted")
 
     def key(self) -> str:
         """A canonical text of the constraint (the grammar cache's key): equal constraints, equal keys."""
