@@ -149,8 +149,10 @@ class Engine:
     def add(self, request: Request) -> None:
         """Queue a request (thread-safe); its unset sampling fields take the model's defaults here,
         once (``request.params`` becomes a resolved copy). Raises ValueError when it can never fit
-        (:meth:`Scheduler.add`)."""
+        (:meth:`Scheduler.add`) or a logit_bias id is outside the vocabulary."""
         request.params = request.params.with_defaults(self.generation_defaults)
+        request.params.check_vocab(self.model_info.vocab_size)
+        request.min_tokens_stop_ids = self.stop_checker.min_tokens_stop_ids(request.params, self.model_info.vocab_size)
         if request.params.use_beam_search:
             limit = min(request.params.max_tokens, self.max_context - len(request.prompt_token_ids))
             request.beam = BeamState.of(request.params, limit, self.eos_ids)
