@@ -45,13 +45,15 @@ class SamplingParams:
 
     Penalties follow vLLM (vllm/model_executor/layers/utils.py ``apply_penalties``, applied by the
     worker to the logits before temperature, the filters and greedy's argmax; logprobs stay those
-    of the raw logits).
+    of the raw logits). ``logit_bias`` and ``min_tokens`` act on the logits before the penalties,
+    ``min_p`` after temperature and before top-k/top-p (vLLM v1's sampler and logits processors,
+    on the worker: compute_service/logits_processors.py).
 
     Beam search (``num_beams > 1``) follows Hugging Face transformers' semantics
     (``length_penalty``, ``early_stopping``) and is deterministic: temperature,
     top-k/top-p, seed and the model's generation defaults are ignored, and penalties are refused
-    (vLLM's beam search has none). Blocks are shared between beams through
-    fork and copy-on-write (vLLM paper, section 4.4).
+    (vLLM's beam search has none), as are min_p, logit_bias, min_tokens and structured outputs.
+    Blocks are shared between beams through fork and copy-on-write (vLLM paper, section 4.4).
     """
 
     #: Most new tokens per output sequence (>= 1).
@@ -69,6 +71,16 @@ class SamplingParams:
     presence_penalty: float = 0.0
     #: In [-2, 2], subtracted from a token's logit once per time it was generated; 0 = off (OpenAI).
     frequency_penalty: float = 0.0
+    #: In [0, 1]: after temperature, tokens less likely than min_p times the most likely one are
+    #: dropped (vLLM's min_p); no effect on greedy; 0 = off.
+    min_p: float = 0.0
+    #: Token id -> added to its logit before the penalties, greedy included (OpenAI's logit_bias; each
+    #: bias clamped to [-100, 100], as vLLM does); ids below the model's vocabulary; None = off.
+    logit_bias: dict[int, float] | None = None
+    #: Generate at least this many tokens: until then the model's end-of-sequence ids and
+    #: ``stop_token_ids`` are never drawn, and neither they nor ``stop`` strings end the sequence
+    #: (vLLM's); <= max_tokens; 0 = off.
+    min_tokens: int = 0
     #: Seed of the draws; the n samples use seed, seed + 1, ...; None = random.
     seed: int | None = None
     #: Strings that end a sequence (not included in the text).
@@ -127,12 +139,42 @@ class SamplingParams:
         if self.num_beams > 1 and (rep not in (None, 1) or self.presence_penalty or self.frequency_penalty):
             raise ValueError("beam search takes no repetition, presence or frequency penalty (nor does vLLM's); "
                              "leave them unset, or sample instead of num_beams > 1")
+        self._check_logits_controls()
 
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
                              f"got {self.structured_outputs!r:.80}")
         if self.num_beams > 1 and self.structured_outputs is not None:
             raise ValueError("beam search takes no structured_outputs (nor does vLLM's); sample instead")
+
+    def _check_logits_controls(self) -> None:
+        """min_p, logit_bias and min_tokens (vLLM's ``_verify_args``); logit_bias becomes a dict of
+        int ids to float biases clamped to [-100, 100] (vLLM's ``__post_init__``)."""
+        if not (_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r:.80}")
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT32_MAX:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r:.40}")
+                if not (_number(b) and math.isfinite(b)):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {b!r:.40} for token {t}")
+            self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
+        if self.num_beams > 1 and (self.min_p or self.logit_bias or self.min_tokens):
+            raise ValueError("beam search takes no min_p, logit_bias or min_tokens (nor does vLLM's); "
+                             "sample instead of num_beams > 1")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError (naming logit_bias) when a ``logit_bias`` token id is not below
+        ``vocab_size`` (the model's logits width; vLLM's ``_validate_logit_bias``)."""
+        bad = sorted(t for t in self.logit_bias or () if t >= vocab_size)
+        if bad:
+            raise ValueError(f"logit_bias token id(s) {bad[:8]} are outside the vocabulary [0, {vocab_size})")
 
     @property
     def use_beam_search(self) -> bool:

@@ -71,7 +71,8 @@ class Seq:
     grant: object = None
     #: The other node's TransferSource its next step reads blocks from (client.engine.transfers), or None.
     transfer_source: object = None
-    #: The sequence's structured-output matcher (client.structured.matcher.GrammarMatcher); None = unconstrained.
+    #: The sequence's structured-output matcher (client.structured.matcher.GrammarMatcher), None =
+    #: unconstrained; a step that samples it sends ``grammar.bitmask()`` (StepSequence.token_bitmask).
     grammar: object = None
 
     @property
@@ -148,6 +149,9 @@ class Request:
     no_pull: bool = False
     #: Scheduling priority under the "priority" policy (vLLM's): lower runs first; 0 by default.
     priority: int = 0
+    #: The token ids ``params.min_tokens`` keeps from being drawn: the model's end-of-sequence ids and
+    #: ``params.stop_token_ids`` inside the vocabulary (vLLM's all_stop_token_ids); set by Engine.add.
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.seqs:

@@ -3,7 +3,9 @@
 vLLM's ``StopChecker`` in small. A sequence stops ("stop") on an end-of-sequence
 token (unless ``ignore_eos``), on one of ``stop_token_ids`` (kept in the output),
 or when its decoded text contains a ``stop`` string (the text is cut before it);
-it ends ("length") at ``max_tokens`` generated tokens or at the context limit. A sequence under
+it ends ("length") at ``max_tokens`` generated tokens or at the context limit.
+Before ``min_tokens`` generated tokens none of the first three ends it, and a stop string
+must end in text decoded after them (vLLM v1's ``check_stop`` and detokenizer). A sequence under
 structured output (``seq.grammar``) feeds each token to its matcher and stops ("stop") once its
 grammar is complete.
 
@@ -77,13 +79,21 @@ class StopChecker:
     #: A transformers fast tokenizer: each sequence's detokenizer decodes with it.
     tokenizer: object
 
+    def min_tokens_stop_ids(self, params: SamplingParams, vocab_size: int) -> tuple[int, ...]:
+        """The ids ``params.min_tokens`` keeps from being drawn (``Request.min_tokens_stop_ids``):
+        the end-of-sequence ids and ``stop_token_ids`` below ``vocab_size``, ascending; () without
+        min_tokens. An id past the vocabulary is never drawn, so the worker is not sent it."""
+        if not params.min_tokens:
+            return ()
+        return tuple(sorted(t for t in self.eos_ids | set(params.stop_token_ids) if t < vocab_size))
+
     def append(self, seq: Seq, params: SamplingParams, result) -> None:
         """Append the token of ``result`` (the worker's StepResult: token_id, logprob, top_logprobs)
         to ``seq`` and set ``seq.finish_reason`` / ``stop_reason`` if it ends there."""
         tok = result.token_id
         seq.tokens.append(tok)
         if seq.detok is None:
-            seq.detok = Detokenizer(self.tokenizer, params.stop)
+            seq.detok = Detokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
         stop_string = seq.detok.step(tok)
         if params.logprobs is not None:
             seq.token_logprobs.append(result.logprob)
@@ -92,9 +102,9 @@ class StopChecker:
         if seq.grammar is not None and not seq.grammar.accept(tok):  # the worker applied its mask: not expected
             seq.finish_reason, seq.stop_reason = "abort", seq.grammar.error
             return
-        if not params.ignore_eos and tok in self.eos_ids:
-            seq.finish_reason, seq.stop_reason = "stop", tok
-        elif tok in params.stop_token_ids:
+        if n_gen < params.min_tokens:  # before min_tokens only the length ends it (vLLM's check_stop)
+            pass
+        elif (not params.ignore_eos and tok in self.eos_ids) or tok in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok
         elif stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_string

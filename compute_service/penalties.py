@@ -79,8 +79,9 @@ def apply_penalties(
         presence_penalty: [P] float32 (0 = off).
         frequency_penalty: [P] float32 (0 = off).
 
-    Returns [P, V] float32 on ``logits``' device, finite (an overflow is clamped to float32's
-    largest magnitude).
+    Returns [P, V] float32 on ``logits``' device: -inf where ``logits`` is -inf (a token the
+    bitmask or min_tokens forbids: `compute_service.logits_processors`), finite elsewhere (an
+    overflow is clamped to float32's largest magnitude).
     """
     vocab = logits.shape[1]
     out_counts = bin_counts(output_ids, vocab)  # [P, V]
@@ -93,7 +94,7 @@ def apply_penalties(
     # A tiny repetition penalty overflows float32 (logit / penalty): keep the row finite, its order
     # kept up to ties among the overflowed entries, so the sampler never sees inf - inf.
     big = torch.finfo(x.dtype).max
-    return x.clamp_(min=-big, max=big)
+    return x.clamp_(min=-big, max=big).masked_fill_(torch.isneginf(logits), float("-inf"))
 
 
 def penalised(logits: torch.Tensor, params: Sequence, history: TokenHistory) -> torch.Tensor:

@@ -9,10 +9,10 @@ vocabulary entry). So a sample is the same whatever else shares the batch, equal
 that seed, and a preempted request resumes on the same draws. The n samples of one request use
 seeds seed, seed+1, ...
 
-Order as vLLM's sampler: penalties (repetition, presence, frequency:
-`compute_service.penalties`), then greedy's argmax or temperature, top-k, then top-p over what
-top-k kept. Logprobs are vLLM's default: log_softmax of the raw logits (before penalties,
-temperature and filters).
+Order as vLLM's sampler: the token bitmask (structured output), min_tokens and logit_bias
+(`compute_service.logits_processors`), penalties (repetition, presence, frequency:
+`compute_service.penalties`), then greedy's argmax or temperature, min-p, top-k, then top-p over
+what top-k kept. Logprobs are vLLM's default: log_softmax of the raw logits (before all of these).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels.draws
+from compute_service.logits_processors import TokenMasks, apply_min_p, check_logits_controls, constrain
 from compute_service.penalties import TokenHistory, penalised
 from pagedkv.runtime.limits import MAX_LOGPROBS
 
@@ -46,6 +47,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; seen tokens' logits > 0 divided, others multiplied; 1 = off
     presence_penalty: float = 0.0  # in [-2, 2], subtracted from every generated token's logit; 0 = off
     frequency_penalty: float = 0.0  # in [-2, 2], subtracted once per occurrence in the output; 0 = off
+    min_p: float = 0.0  # in [0, 1]; drop tokens below min_p * the top probability (after temperature); 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id >= 0, finite bias) pairs, each id once
+    min_tokens: int = 0  # >= 0; min_tokens_stop_ids get -inf while output position < min_tokens; 0 = off
+    min_tokens_stop_ids: tuple[int, ...] = ()  # ids >= 0: the model's EOS ids and the request's stop ids
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0 or self.temperature == float("inf"):
@@ -68,6 +73,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        check_logits_controls(self)
 
     @property
     def greedy(self) -> bool:
@@ -110,21 +116,26 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def filtered_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p, renormalised.
+    """Probabilities after temperature, min-p, top-k and top-p, renormalised.
 
     logits: [S, V] float; temperature: [S] float (> 0); top_k: [S] int64 (0 = off);
-    top_p: [S] float in (0, 1]. Returns [S, V] float32 with zeros where filtered out.
+    top_p: [S] float in (0, 1]; min_p: [S] float in [0, 1] (0 = off) or None (off for every row).
+    Returns [S, V] float32 with zeros where filtered out.
     Ties at the top-k boundary are all kept (as in vLLM's threshold filter). A row that a tiny
     temperature sends to +inf is scaled after subtracting its maximum instead (the same
-    distribution in exact arithmetic, without inf - inf = NaN); `logits` must be finite.
+    distribution in exact arithmetic, without inf - inf = NaN); `logits` must be finite or -inf
+    (a masked token), with a finite entry in every row.
     """
     x = logits.float() / temperature[:, None]
     over = torch.isposinf(x).any(dim=-1)  # [S] bool
     if bool(over.any()):
         rows = logits.float()[over]
         x[over] = (rows - rows.amax(dim=-1, keepdim=True)) / temperature[over, None]
+    if min_p is not None:
+        x = apply_min_p(x, min_p)
     vocab = x.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     if bool((k < vocab).any()) or bool((top_p < 1).any()):
@@ -155,21 +166,47 @@ def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
+def processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams], output_positions: Sequence[int],
+                     history: TokenHistory | None = None, masks: TokenMasks | None = None) -> torch.Tensor:
+    """The logits greedy's argmax and the draws read: ``logits`` [S, V] float32 after the token
+    bitmask, min_tokens, logit_bias (`compute_service.logits_processors.constrain`) and the
+    penalties (arguments as `sample`, checked there). ``logits`` itself when no row uses any, else
+    a new tensor: the raw logits stay for the logprobs."""
+    x = constrain(logits, params, output_positions, masks)
+    return penalised(x, params, history) if history is not None else x
+
+
+def draw_probs(x: torch.Tensor, params: Sequence[SamplingParams], rows: list[int]) -> torch.Tensor:
+    """The distribution each sampled row draws from: `filtered_probs` of ``x[rows]`` ([S, V] float32,
+    `processed_logits`) with the rows' temperature, min_p, top_k and top_p; rows: indices of rows
+    with temperature > 0. Returns [len(rows), V] float32 on x's device."""
+    dev = x.device
+    temp = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=dev)
+    top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64, device=dev)
+    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=dev)
+    min_p = [params[i].min_p for i in rows]
+    min_p = torch.tensor(min_p, dtype=torch.float32, device=dev) if any(min_p) else None  # skipped when all 0
+    return filtered_probs(x[torch.tensor(rows, device=dev)], temp, top_k, top_p, min_p)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     output_positions: Sequence[int],
     history: TokenHistory | None = None,
+    masks: TokenMasks | None = None,
 ) -> SamplerOutput:
     """Pick one token per row of `logits`.
 
     Args:
         logits: [S, V] float32 (the model's chosen rows).
-        params: S `SamplingParams`, one per row.
+        params: S `SamplingParams`, one per row; the token ids they name are below V.
         output_positions: S ints >= 0, the index of the token being drawn among the sequence's
-            generated tokens (0 for the first); with `seed` fixes the draw.
+            generated tokens (0 for the first); with `seed` fixes the draw, and min_tokens reads it.
         history: the prompt and generated tokens of the rows whose params set a penalty (every
             such row must be in it); None when no row does.
+        masks: the token bitmasks of the rows that carry one (each allowing a token below V); None
+            when no row does.
 
     Returns a `SamplerOutput`. Raises ValueError when the lengths disagree, a position is < 0, or
     a row with a penalty has no history.
@@ -187,21 +224,17 @@ def sample(
     if want_history != (history.rows if history is not None else []):
         raise ValueError(f"rows {want_history} set a penalty but the history covers "
                          f"{history.rows if history is not None else []}")
-    x = penalised(logits, params, history) if history is not None else logits  # raw logits stay for logprobs
+    x = processed_logits(logits, params, output_positions, history, masks)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     # greedy for every row (sampled rows are overwritten); the draws only when some row samples
     tokens = row_argmax(x)
     if rows:
-        idx = torch.tensor(rows)
-        temp = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
-        top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64)
-        top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)
         dev = logits.device
-        probs = filtered_probs(x[idx.to(dev)], temp.to(dev), top_k.to(dev), top_p.to(dev))
+        probs = draw_probs(x, params, rows)
         keys = [draw_seed(int.from_bytes(os.urandom(8), "little") if params[i].seed is None else params[i].seed,
                           output_positions[i]) for i in rows]
         u = kernels.draws.uniforms(keys, dev)  # on the logits' device, the same bits on every device
-        tokens[idx.to(tokens.device)] = inverse_transform(probs, u).to(tokens.device)
+        tokens[torch.tensor(rows, device=tokens.device)] = inverse_transform(probs, u).to(tokens.device)
 
     want = [p.logprobs for p in params if p.logprobs is not None]
     if not want:

@@ -12,10 +12,11 @@ plus the packed batch's block tables, ``query_start_loc``, ``seq_lens`` and the 
 logits are sampled (vLLM v1's ``InputBatch`` / model-runner inputs), and keeps host copies of the
 lengths so that the step's attention plan (`StepInputs.attention_plan`) is built without waiting
 on the device. A sampled sequence whose sampling sets a penalty also carries its token history
-(``prompt_token_ids``, ``output_token_ids``), read by `compute_service.step_sampling` and handed
-to the sampler as a `compute_service.penalties.TokenHistory`. The step's copy-on-write pairs are
-checked against the pool here and done by the worker from its grants
-(`compute_service.grant_check`), never from these inputs. Nothing here touches the pool.
+(``prompt_token_ids``, ``output_token_ids``), and one under structured output its token bitmask,
+read by `compute_service.step_sampling` and handed to the sampler as a
+`compute_service.penalties.TokenHistory` and a `compute_service.logits_processors.TokenMasks`.
+The step's copy-on-write pairs are checked against the pool here and done by the worker from its
+grants (`compute_service.grant_check`), never from these inputs. Nothing here touches the pool.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import numpy as np
 import torch
 
 import kernels
+from compute_service.logits_processors import TokenMasks
 from compute_service.penalties import TokenHistory
 from compute_service.sampling import SamplingParams
-from compute_service.step_sampling import ints, sampling_from_proto, token_history
+from compute_service.step_sampling import ints, sampling_from_proto, token_bitmask, token_history
 from compute_service.step_upload import StepUpload
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.runtime.errors import InvalidArgumentError
@@ -59,6 +61,7 @@ class StepInputs:
     sample_rows: list[int]  # [S'] batch index of each sampled sequence
     sampling: list[SamplingParams]  # [S'] sampling parameters of each sampled sequence
     history: TokenHistory | None = None  # token ids of the sampled sequences that set a penalty; None: none does
+    masks: TokenMasks | None = None  # token bitmasks of the sampled sequences that carry one; None: none does
 
     def __post_init__(self) -> None:
         t, s = self.token_ids.shape[0], self.seq_lens.shape[0]
@@ -131,9 +134,10 @@ def _first_violation(request: pb.StepRequest, block_size: int, num_blocks: int, 
         if not s.skip_sampling:
             if s.output_index < 0:
                 raise InvalidArgumentError(f"{where}: output_index must be >= 0")
-            params = sampling_from_proto(s.sampling, where)
+            params = sampling_from_proto(s.sampling, where, vocab)
             if params.has_penalties:
                 token_history(s, params, vocab, where)
+            token_bitmask(s, vocab, where)
     if len(slots) > MAX_STEP_TOKENS:
         raise InvalidArgumentError(f"Step: {len(slots)} tokens is more than {MAX_STEP_TOKENS} per step; "
                                    "chunk the prefill")
@@ -156,6 +160,7 @@ class _BatchCounts:
     sampling: list[SamplingParams]  # [S'] parameters of each sampled sequence
     sample_rows: list[int]  # [S'] batch index of each sampled sequence
     history: TokenHistory | None  # token ids of the sampled sequences that set a penalty
+    masks: TokenMasks | None  # token bitmasks of the sampled sequences that carry one
 
 
 @dataclass(slots=True)
@@ -200,7 +205,8 @@ def build_step_inputs(
             token outside the vocabulary; positions negative or not consecutive; a block
             table too short for the positions; a block id outside the pool; two tokens
             writing one slot; a copy naming a block outside the pool; bad sampling values; a
-            penalty without the token history it needs (`token_history`).
+            penalty without the token history it needs (`token_history`); a token bitmask of the
+            wrong size or allowing no token (`token_bitmask`; not read on a skip_sampling sequence).
     """
     seqs = request.sequences
     S = len(seqs)
@@ -237,15 +243,16 @@ def build_step_inputs(
         sample_rows=counts.sample_rows,
         sampling=counts.sampling,
         history=counts.history,
+        masks=counts.masks,
     )
 
 
 def _count_batch(seqs, vocab_size: int, fail) -> _BatchCounts:
     """One pass over ``seqs`` (the step's ``StepSequence`` messages): their counts, and the sampling
-    parameters and token histories of the sampled ones; calls ``fail`` (which raises) on a sequence
-    without tokens, positions that do not match them, or bad sampling values or history."""
+    parameters, token histories and bitmasks of the sampled ones; calls ``fail`` (which raises) on a
+    sequence without tokens, positions that do not match them, or bad sampling values, history or bitmask."""
     lens, starts, table_lens, params, out_idx = [], [], [], [], []
-    hist_rows, hist_prompt, hist_output = [], [], []
+    hist_rows, hist_prompt, hist_output, mask_rows, mask_bits = [], [], [], [], []
     for i, s in enumerate(seqs):
         n = len(s.token_ids)
         if n == 0 or len(s.positions) != n:
@@ -257,18 +264,23 @@ def _count_batch(seqs, vocab_size: int, fail) -> _BatchCounts:
             if s.output_index < 0:
                 fail()
             try:
-                p = sampling_from_proto(s.sampling, f"Step sequence {s.seq_id} (batch index {i})")
+                p = sampling_from_proto(s.sampling, f"Step sequence {s.seq_id} (batch index {i})", vocab_size)
                 if p.has_penalties:
                     prompt, output = token_history(s, p, vocab_size, "")
                     hist_rows.append(len(params))
                     hist_prompt.append(prompt)
                     hist_output.append(output)
+                mask = token_bitmask(s, vocab_size, "")
+                if mask is not None:
+                    mask_rows.append(len(params))
+                    mask_bits.append(mask)
             except InvalidArgumentError:
                 fail()  # names the first violation in batch order (this one unless an earlier one)
             params.append(p)
             out_idx.append(i)
     history = TokenHistory(hist_rows, hist_prompt, hist_output) if hist_rows else None
-    return _BatchCounts(lens, starts, table_lens, params, out_idx, history)
+    masks = TokenMasks(mask_rows, np.stack(mask_bits)) if mask_rows else None
+    return _BatchCounts(lens, starts, table_lens, params, out_idx, history, masks)
 
 
 def _pack_batch(seqs, counts: _BatchCounts, bs: int, num_blocks: int, vocab_size: int, fail) -> _PackedBatch:

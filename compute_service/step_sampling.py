@@ -1,46 +1,51 @@
-"""A sampled sequence's request read for the sampler: its sampling parameters and token history.
+"""A sampled sequence's request read for the sampler: its sampling parameters, token history and bitmask.
 
-A ``StepSequence`` that is sampled carries ``SamplingParams`` (unset fields: greedy / off) and,
-when they set a penalty, the token ids it was sampled from so far (``prompt_token_ids``,
-``output_token_ids``; `compute_service.penalties`). `build_step_inputs` reads both here, once
-per sequence, and refuses a step whose values are out of range or whose history does not match
-the sequence's length.
+A ``StepSequence`` that is sampled carries ``SamplingParams`` (unset fields: greedy / off), when they
+set a penalty the token ids it was sampled from so far (``prompt_token_ids``, ``output_token_ids``;
+`compute_service.penalties`), and under structured output the tokens its grammar allows next
+(``token_bitmask``; `compute_service.logits_processors`). `build_step_inputs` reads them here, once
+per sequence, and refuses a step whose values are out of range, whose history does not match the
+sequence's length, or whose bitmask has the wrong size or allows no token. A sequence with
+``skip_sampling`` is not sampled: none of these is read.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from compute_service.logits_processors import check_in_vocab
 from compute_service.sampling import SamplingParams
 from pagedkv.compute.v1 import compute_service_pb2 as pb
 from pagedkv.runtime.errors import InvalidArgumentError
 
-#: Parsed sampling parameters by their message's bytes (a batch mostly repeats a few settings).
-_SAMPLING_CACHE: dict[bytes, SamplingParams] = {}
+#: Parsed sampling parameters by (vocabulary size, their message's bytes): a batch mostly repeats a few settings.
+_SAMPLING_CACHE: dict[tuple[int, bytes], SamplingParams] = {}
 _SAMPLING_CACHE_SIZE = 1024
 
 
-def sampling_from_proto(sp: pb.SamplingParams, where: str) -> SamplingParams:
-    """Worker-side sampling parameters; unset fields mean greedy / off (penalties: 1, 0, 0).
+def sampling_from_proto(sp: pb.SamplingParams, where: str, vocab_size: int) -> SamplingParams:
+    """Worker-side sampling parameters; unset fields mean greedy / off (penalties: 1, 0, 0; min_p 0,
+    no logit_bias, min_tokens 0).
 
     Equal messages give one shared instance (cached by their bytes): read it, never change it.
 
     Raises:
-        InvalidArgumentError: a value out of range.
+        InvalidArgumentError: a value out of range, or a token id (logit_bias, min_tokens_stop_ids)
+            outside [0, vocab_size).
     """
-    key = sp.SerializeToString(deterministic=True)
+    key = (vocab_size, sp.SerializeToString(deterministic=True))
     params = _SAMPLING_CACHE.get(key)
     if params is None:
-        params = _sampling_from_proto(sp, where)
+        params = _sampling_from_proto(sp, where, vocab_size)
         if len(_SAMPLING_CACHE) >= _SAMPLING_CACHE_SIZE:
             _SAMPLING_CACHE.clear()
         _SAMPLING_CACHE[key] = params
     return params
 
 
-def _sampling_from_proto(sp: pb.SamplingParams, where: str) -> SamplingParams:
+def _sampling_from_proto(sp: pb.SamplingParams, where: str, vocab_size: int) -> SamplingParams:
     try:
-        return SamplingParams(
+        params = SamplingParams(
             temperature=sp.temperature if sp.HasField("temperature") else 0.0,
             top_k=sp.top_k if sp.HasField("top_k") else 0,
             top_p=sp.top_p if sp.HasField("top_p") else 1.0,
@@ -49,9 +54,36 @@ def _sampling_from_proto(sp: pb.SamplingParams, where: str) -> SamplingParams:
             repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
             presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
             frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
+            min_p=sp.min_p if sp.HasField("min_p") else 0.0,
+            logit_bias=tuple((b.token_id, b.bias) for b in sp.logit_bias),
+            min_tokens=sp.min_tokens if sp.HasField("min_tokens") else 0,
+            min_tokens_stop_ids=tuple(sp.min_tokens_stop_ids),
         )
+        check_in_vocab(params, vocab_size)
     except ValueError as e:
         raise InvalidArgumentError(f"{where}: bad sampling parameters: {e}") from e
+    return params
+
+
+def token_bitmask(s: pb.StepSequence, vocab_size: int, where: str) -> np.ndarray | None:
+    """The ``token_bitmask`` of a sampled sequence as [4 * ceil(vocab_size / 32)] uint8 (a
+    little-endian bit array, 1 = allowed), or None when unset (every token allowed).
+
+    Raises:
+        InvalidArgumentError: a mask of another size, or one that allows no token below vocab_size.
+    """
+    if not s.HasField("token_bitmask"):
+        return None
+    words = (vocab_size + 31) // 32
+    mask = np.frombuffer(s.token_bitmask, dtype=np.uint8)
+    if mask.size != 4 * words:
+        raise InvalidArgumentError(
+            f"{where}: token_bitmask has {mask.size} bytes; the vocabulary of {vocab_size} tokens takes "
+            f"ceil({vocab_size} / 32) = {words} int32 words ({4 * words} bytes)")
+    full, rest = divmod(vocab_size, 8)
+    if not mask[:full].any() and not (rest and int(mask[full]) & ((1 << rest) - 1)):
+        raise InvalidArgumentError(f"{where}: token_bitmask allows no token; a sampled sequence needs one")
+    return mask
 
 
 def token_history(s: pb.StepSequence, params: SamplingParams, vocab_size: int,

@@ -11,7 +11,8 @@ node's pool by ``compute_service.transfer_agent``; then copy-on-write,
 ``kernels.copy_blocks``), runs
 the packed batch (prefill chunks and decode tokens together) through the model,
 which writes K/V into the slots and runs paged attention, and samples one token per
-sequence on the worker (penalties first, from the token history the step carries:
+sequence on the worker (the step's token bitmask, min_tokens and logit_bias first:
+``compute_service.logits_processors``; then penalties, from the token history the step carries:
 ``compute_service.penalties``). Logits never leave it.
 """
 
@@ -261,7 +262,8 @@ class Worker:
         results = [pb.StepResult(seq_id=s.seq_id) for s in seqs]
         if not inputs.sample_rows:
             return results
-        out = sample(logits, inputs.sampling, [seqs[i].output_index for i in inputs.sample_rows], inputs.history)
+        out = sample(logits, inputs.sampling, [seqs[i].output_index for i in inputs.sample_rows], inputs.history,
+                     inputs.masks)
         token_ids = out.token_ids.tolist()
         chosen = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None

@@ -153,8 +153,10 @@ class Engine:
         """Queue a request (thread-safe); its unset sampling fields take the model's defaults here,
         once (``request.params`` becomes a resolved copy), and its structured output's grammar is
         compiled (or found in the cache). Raises ValueError when it can never fit
-        (:meth:`Scheduler.add`) or its grammar does not compile."""
+        (:meth:`Scheduler.add`), a logit_bias id is outside the vocabulary or its grammar does not compile."""
         request.params = request.params.with_defaults(self.generation_defaults)
+        request.params.check_vocab(self.model_info.vocab_size)
+        request.min_tokens_stop_ids = self.stop_checker.min_tokens_stop_ids(request.params, self.model_info.vocab_size)
         if request.params.structured_outputs is not None:  # compiled once per constraint (cached)
             grammar = self.grammars.compile(request.params.structured_outputs)
             for seq in request.seqs:

@@ -2,7 +2,8 @@
 
 A sequence contributes its tokens to compute (``tokens[num_computed:num_computed + n]``),
 their positions, its block table and its sampling parameters (and, when it samples with a
-penalty on, its prompt and generated tokens: the worker keeps no history); the worker samples
+penalty on, its prompt and generated tokens: the worker keeps no history; under structured
+output, its grammar's token bitmask: the worker keeps no grammar); the worker samples
 only where the step completes what the sequence knows (not mid chunked prefill,
 nor at a compute limit before a fork). Copy-on-write pairs from AppendSlots go to
 the worker of the sequence that now holds the destination block; they are the only
@@ -28,7 +29,8 @@ from pagedkv.compute.v1 import compute_service_pb2 as cpb
 def sampling(req: Request, seq: Seq) -> cpb.SamplingParams:
     """The worker's sampling parameters for ``seq``: greedy unless temperature > 0, the draw seed
     ``seed + sample index``, top-K logprobs for beam search (``BeamState.top_k``) or when asked,
-    the penalties that are on.
+    the penalties that are on, min_p, logit_bias, and min_tokens with the ids it suppresses
+    (``req.min_tokens_stop_ids``) while ``seq`` has generated fewer than min_tokens tokens.
 
     Raises:
         ValueError: ``req.params`` not resolved (the engine applies the model's defaults at admission).
@@ -49,6 +51,8 @@ def sampling(req: Request, seq: Seq) -> cpb.SamplingParams:
             out.top_p = p.top_p
         if p.seed is not None:
             out.seed = p.seed + seq.index
+        if p.min_p:
+            out.min_p = p.min_p
     if p.logprobs is not None:
         out.num_logprobs = p.logprobs
     if p.repetition_penalty != 1:
@@ -57,6 +61,11 @@ def sampling(req: Request, seq: Seq) -> cpb.SamplingParams:
         out.presence_penalty = p.presence_penalty
     if p.frequency_penalty:
         out.frequency_penalty = p.frequency_penalty
+    if p.logit_bias:
+        out.logit_bias.extend(cpb.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias.items())
+    if len(seq.generated) < p.min_tokens and req.min_tokens_stop_ids:
+        out.min_tokens = p.min_tokens
+        out.min_tokens_stop_ids.extend(req.min_tokens_stop_ids)
     return out
 
 
@@ -88,11 +97,13 @@ def build_steps(scheduled: list[ScheduledSeq], copies_by_worker: dict[int, list[
         start = seq.num_computed
         end = start + x.num_new_tokens
         skip = end < len(seq.tokens) or (seq.compute_limit is not None and end >= seq.compute_limit)
+        sampled = {} if skip else history(req, seq)
+        if not skip and seq.grammar is not None:  # structured output: the tokens its grammar allows next
+            sampled["token_bitmask"] = seq.grammar.bitmask()
         step.sequences.append(cpb.StepSequence(
             seq_id=seq.seq_id, token_ids=x.token_ids, positions=range(start, end),
             block_ids=seq.block_table, sampling=sampling(req, seq), output_index=len(seq.generated),
-            skip_sampling=skip, grant=seq.grant, **({} if skip else history(req, seq)),
-            token_bitmask=None if skip or seq.grammar is None else seq.grammar.bitmask()))
+            skip_sampling=skip, grant=seq.grant, **sampled))
         if seq.transfer_source is not None and seq.transfer_source not in step.transfer_sources:
             step.transfer_sources.append(seq.transfer_source)
     for w, copies in copies_by_worker.items():

@@ -21,7 +21,7 @@ from client.api import RequestOutput
 from client.errors import OutOfBlocks, ServiceError
 from client.params import SamplingParams
 from client.serve.outputs import Choices
-from client.serve.protocol import APIError, ChatCompletionRequest, bad_request, check_model
+from client.serve.protocol import APIError, ChatCompletionRequest, bad_request, check_model, logit_bias
 from client.serve.structured_request import structured_outputs_of
 from client.structured.params import StructuredOutputsParams
 
@@ -33,12 +33,14 @@ def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | 
               max_tokens: int | None, structured: StructuredOutputsParams | None = None) -> list[SamplingParams]:
     """Sampling parameters per prompt; an unset ``max_tokens`` is the rest of the context (vLLM); an
     unset ``temperature``, ``top_p``, ``top_k`` or ``repetition_penalty`` is the model's default
-    (the engine applies it at admission); unset penalties are 0.
+    (the engine applies it at admission); unset penalties, min_p and min_tokens are 0.
 
     Raises:
-        APIError: 400 for a prompt that leaves no room in the context, or a bad value.
+        APIError: 400 for a prompt that leaves no room in the context, or a bad value (``logit_bias``
+            naming a token outside the vocabulary, a ``min_tokens`` over ``max_tokens``...).
     """
     limit = server.client.limits.max_context
+    bias = logit_bias(req.logit_bias, server.client.limits.model_info.vocab_size)
     out = []
     for ids in prompt_ids:
         if len(ids) >= limit:
@@ -65,6 +67,9 @@ def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | 
                     repetition_penalty=req.repetition_penalty,
                     presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
+                    min_p=req.min_p or 0.0,
+                    logit_bias=bias,
+                    min_tokens=req.min_tokens or 0,
                     stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                     stop_token_ids=list(req.stop_token_ids or []),
                     ignore_eos=req.ignore_eos,

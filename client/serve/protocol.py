@@ -1,11 +1,11 @@
 """Request bodies of the OpenAI API (``/v1/chat/completions``, ``/v1/completions``) and its errors.
 
-The shapes and names follow the OpenAI API reference and vLLM's extras (``top_k``,
-``repetition_penalty``, ``ignore_eos``, ``cache_salt``, ``stop_token_ids``,
-``return_tokens_as_token_ids``, ``return_token_ids``). ``temperature``, ``top_p``, ``top_k`` and
-``repetition_penalty`` left unset (or null) take the model's defaults (its generation_config.json,
-else vLLM's), as in vLLM. A parameter this server does not implement is accepted at its neutral
-value (an empty ``logit_bias``, any ``user``, ``min_p: 0``, ...) and refused with 400
+The shapes and names follow the OpenAI API reference (``logit_bias`` included) and vLLM's extras
+(``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``cache_salt``,
+``stop_token_ids``, ``return_tokens_as_token_ids``, ``return_token_ids``). ``temperature``, ``top_p``,
+``top_k`` and ``repetition_penalty`` left unset (or null) take the model's defaults (its
+generation_config.json, else vLLM's), as in vLLM. A parameter this server does not implement is
+accepted at its neutral value (any ``user``, ``echo: false``, ...) and refused with 400
 naming it otherwise; a parameter the API does not have is refused with OpenAI's own message,
 "Unrecognized request argument supplied: NAME".
 """
@@ -79,11 +79,12 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted at their neutral values only (see NEUTRAL).
+    #: Token id (a decimal string, as OpenAI's) -> bias in [-100, 100] added to its logit (:func:`logit_bias`).
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(default=0, ge=0)
+    min_p: float | None = Field(default=0.0, ge=0, le=1)
+    # Accepted at their neutral values only (see NEUTRAL).
     user: str | None = None
-    min_tokens: int | None = 0
-    min_p: float | None = 0.0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -123,9 +124,6 @@ class CompletionRequest(_Sampling):
 
 #: Parameters accepted only at their neutral value: name -> (is it neutral?, what is accepted).
 NEUTRAL = {
-    "logit_bias": (lambda v: not v, "an empty object"),
-    "min_tokens": (lambda v: not v, "0"),
-    "min_p": (lambda v: not v, "0"),
     "skip_special_tokens": (lambda v: v, "true"),
     "spaces_between_special_tokens": (lambda v: v, "true"),
     "include_stop_str_in_output": (lambda v: not v, "false"),
@@ -164,6 +162,27 @@ def parse(model: type[_Sampling], raw: bytes) -> _Sampling:
     if isinstance(req, CompletionRequest) and req.best_of not in (None, req.n):
         raise bad_request(f"best_of={req.best_of} is not supported; only best_of equal to n is accepted", "best_of")
     return req
+
+
+def logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """A request's ``logit_bias`` as token id -> bias (None when empty or unset): each key a token id
+    below ``vocab_size`` written in decimal digits, each bias in [-100, 100] (the range OpenAI
+    documents).
+
+    Raises:
+        APIError: 400 naming logit_bias.
+    """
+    if not raw:
+        return None
+    out = {}
+    for key, bias in raw.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab_size:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}) (the vocabulary) written as "
+                              f"decimal strings, got {key!r:.40}", "logit_bias")
+        if not -100 <= bias <= 100:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {bias!r} for token {key}", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
 
 
 def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:

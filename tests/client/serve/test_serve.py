@@ -224,7 +224,12 @@ BAD = [
     ("chat", {"messages": chat("hi"), "presence_penalty": -3}, 400, "presence_penalty"),
     ("chat", {"messages": chat("hi"), "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("completions", {"prompt": "hi", "repetition_penalty": 1e39}, 400, "repetition_penalty"),
-    ("chat", {"messages": chat("hi"), "logit_bias": {"42": 3}}, 400, "logit_bias"),
+    ("chat", {"messages": chat("hi"), "logit_bias": {"42": 101}}, 400, "logit_bias"),
+    ("chat", {"messages": chat("hi"), "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"49152": 1}}, 400, "logit_bias"),  # SmolLM2 has 49152 tokens
+    ("completions", {"prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    ("completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("chat", {"messages": chat("hi"), "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat", {"messages": chat("hi"), "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("chat", {"messages": chat("hi"), "stop": [""]}, 400, "stop"),
@@ -300,6 +305,27 @@ def test_unset_sampling_fields_are_the_models_defaults_and_penalties_apply(url):
     assert unset != tokens(seed=5, temperature=0.3)
     greedy = tokens(temperature=0)
     assert greedy != tokens(temperature=0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=1.0)
+
+
+def test_logit_bias_min_tokens_and_min_p_act_on_greedy_output(url):
+    """A +100 bias makes greedy pick its token every time; min_tokens keeps a stop id from being
+    drawn or ending the output before it; min_p changes nothing under greedy."""
+    def run(**body) -> tuple[list[int], str]:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "one two one two one two one", "max_tokens": 4,
+                                                      "temperature": 0, "return_token_ids": True, **body},
+                       headers={"Authorization": f"Bearer {KEY_A}"}, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["token_ids"], choice["finish_reason"]
+
+    plain, _ = run(ignore_eos=True)
+    forced = next(t for t in (1234, 4321) if t not in plain)
+    assert run(ignore_eos=True, logit_bias={str(forced): 100})[0] == [forced] * 4
+    stop = plain[0]
+    assert run(stop_token_ids=[stop]) == ([stop], "stop")
+    held, _ = run(stop_token_ids=[stop], min_tokens=3)
+    assert len(held) == 4 and stop not in held[:3]
+    assert run(ignore_eos=True, min_p=0.9)[0] == plain
 
 
 def test_keys_and_admin_routes(url, oai, stack):
