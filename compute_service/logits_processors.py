@@ -86,11 +86,6 @@ def check_in_vocab(p, vocab: int) -> None:
             raise ValueError(f"{name} token id {max(ids)} is outside the vocabulary [0, {vocab})")
 
 
-def uses_controls(params: Sequence) -> bool:
-    """Whether a row of ``params`` sets logit_bias or min_tokens (the bitmask travels apart)."""
-    return any(p.logit_bias or p.min_tokens for p in params)
-
-
 def constrain(logits: torch.Tensor, params: Sequence, output_positions: Sequence[int],
               masks: TokenMasks | None = None) -> torch.Tensor:
     """The logits after the token bitmask, min_tokens and logit_bias (the module's order).
