@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pagedkv.model.source import is_repo_id, resolve_model
 
-Messages = list[dict[str, str]]
+Messages = list[dict]
 
 
 def tokenizer_source(info) -> str:
@@ -41,13 +41,18 @@ def tokenizer_source(info) -> str:
     return source
 
 
-def encode_prompt(tokenizer, prompt: str | Messages | list[int], *, add_generation_prompt: bool = True) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | Messages | list[int], *, add_generation_prompt: bool = True,
+                  chat_template: str | None = None, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a raw string, of chat messages through the model's chat template, or the
     given token ids themselves (checked against the vocabulary).
 
     Chat messages get the generation prompt appended (``<|im_start|>assistant``; not with
     ``add_generation_prompt=False``, as vLLM's /tokenize allows); the
     template adds its default system prompt when none is given, as transformers does.
+    ``chat_template`` replaces the model's template (None: the model's), ``tools`` (OpenAI's
+    ``{"type": "function", "function": {...}}`` entries) and ``template_kwargs`` are passed to it
+    (client.serve.chat_template decides them).
 
     Raises:
         ValueError: an empty prompt, messages that are not role/content dicts, or a token id
@@ -65,7 +70,8 @@ def encode_prompt(tokenizer, prompt: str | Messages | list[int], *, add_generati
         return tokenizer.encode(prompt)
     if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
         raise ValueError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=add_generation_prompt, tokenize=True)
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        chat_template=chat_template, tools=tools, **(template_kwargs or {}))
     if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
     return list(ids)

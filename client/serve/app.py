@@ -41,6 +41,8 @@ from client.engine.stats import EngineStats, StepLog
 from client.errors import ServiceError, Unavailable
 from client.serve import access
 from client.serve.backends import Backends
+from client.serve.chat_prompt import render, tool_plan
+from client.serve.chat_template import ChatTemplate
 from client.serve.dashboard.auth import KeyThrottle, Sessions
 from client.serve.dashboard.feed import DEFAULT_INTERVAL, DashboardFeed
 from client.serve.dashboard.page import add_dashboard_page
@@ -48,17 +50,10 @@ from client.serve.dashboard.routes import add_dashboard_routes
 from client.serve.generation import generate
 from client.serve.metrics import ServeMetrics
 from client.serve.pin_routes import add_pin_routes
-from client.serve.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    bad_request,
-    chat_messages,
-    parse,
-    prompts_of,
-)
+from client.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse, prompts_of
 from client.serve.tenants import Tenants
 from client.serve.tokenize_routes import add_tokenize_routes
+from client.serve.tools.plan import ToolSettings
 from client.tokenizer import encode_prompt
 from pagedkv.runtime.logs import get_logger
 
@@ -97,6 +92,9 @@ class Server:
     scheduling_policy: str = "fcfs"
     #: ``--metrics-compat``: "vllm" also exports vLLM's metric names (client.serve.metrics_vllm).
     metrics_compat: str = "none"
+    #: ``--chat-template`` (client.serve.chat_template); the tool flags (client.serve.tools.plan).
+    chat_template: ChatTemplate = field(default_factory=ChatTemplate)
+    tool_settings: ToolSettings = field(default_factory=ToolSettings)
     #: Dashboard logins (client.serve.dashboard.auth).
     sessions: Sessions = field(default_factory=Sessions, init=False, repr=False)
     #: Wrong keys (Bearer keys on every route, dashboard logins) per client address (client.serve.dashboard.auth).
@@ -258,13 +256,11 @@ def create_app(server: Server) -> FastAPI:
         req = parse(ChatCompletionRequest, await request.body())
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        try:
-            ids = await asyncio.to_thread(encode_prompt, server.client.tokenizer, chat_messages(req.messages))
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
+        tools = tool_plan(server, req)
+        ids = await render(server, req.messages, tools=req.tools or None, template_kwargs=req.chat_template_kwargs)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await generate(server, request, tenant, req, [ids], chat=True, logprobs=logprobs,
-                               max_tokens=req.max_completion_tokens or req.max_tokens)
+                               max_tokens=req.max_completion_tokens or req.max_tokens, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -18,9 +18,11 @@ from dataclasses import dataclass, fields
 
 from client.cluster.core import NodeSpec, parse_node
 from client.engine.scheduler_types import SCHEDULING_POLICIES
+from client.serve.chat_template import load_chat_template
 from client.serve.http_limits import HttpLimits, add_http_limit_args, parse_http_limits
 from client.serve.metrics_vllm import COMPAT_CHOICES
 from client.serve.tenants import Tenants
+from client.serve.tools.parser import parser_names
 from pagedkv import config
 from pagedkv.config import flags
 from pagedkv.config.gpu_sizing import check_utilization
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_http_args(p)
     add_http_limit_args(p)
     _add_model_args(p)
+    _add_chat_args(p)
     _add_scheduler_args(p)
     return p
 
@@ -155,6 +158,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                        help="embedded GPU workers run every step eagerly: no CUDA graphs for decode")
 
 
+def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    """The chat template and tool calling (vLLM's flags; client.serve.chat_template, client.serve.tools)."""
+    chat = p.add_argument_group("chat template and tool calling")
+    chat.add_argument("--chat-template", default=_env("CHAT_TEMPLATE"), metavar="FILE|TEMPLATE",
+                      help="the chat template for every chat prompt: a Jinja file, the template itself (a value "
+                      "with '{', '}' or a newline), or a template shipped with pagedkv by name "
+                      "(tool_chat_template_hermes.jinja); default: the model's, or the shipped Hermes tool "
+                      "template for requests with tools when the model's renders none")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true", default=_env("ENABLE_AUTO_TOOL_CHOICE"),
+                      help='tool_choice "auto" (the default when a request has tools): the model decides, and '
+                      "--tool-call-parser reads its calls out of the text")
+    chat.add_argument("--tool-call-parser", default=_env("TOOL_CALL_PARSER"), metavar="{hermes,llama3_json}",
+                      help="how calls are written in the model's text: hermes (<tool_call>{...}</tool_call>, "
+                      "the shipped template's) or llama3_json")
+
+
 def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
     """The engine's scheduler: batch, token budget, preemption, context."""
     sched = p.add_argument_group("scheduler")
@@ -247,6 +266,11 @@ class ServeConfig:
     disk_cache_size: str | None
     prefix_caching: bool
     enforce_eager: bool
+    # -- chat template and tools
+    #: ``--chat-template``'s template text (loaded and compiled at start); None: the model's.
+    chat_template: str | None
+    enable_auto_tool_choice: bool
+    tool_call_parser: str | None
     # -- scheduler
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -333,4 +357,18 @@ def parse_args(argv: list[str]) -> ServeConfig:
     except (OSError, ValueError) as e:
         p.error(str(e))
     args.http_limits = parse_http_limits(args, p.error)
+    _check_chat_args(args, p)
     return ServeConfig.from_namespace(args)
+
+
+def _check_chat_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """Load ``--chat-template`` (a bad path or template fails the start, not the first request) and
+    check the tool flags as vLLM does."""
+    try:
+        args.chat_template = load_chat_template(args.chat_template)
+    except ValueError as e:
+        p.error(f"--chat-template: {e}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        p.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_call_parser is not None and args.tool_call_parser not in parser_names():
+        p.error(f"invalid tool call parser: {args.tool_call_parser} (choose from {{ {', '.join(parser_names())} }})")

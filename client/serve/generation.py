@@ -23,6 +23,7 @@ from client.params import SamplingParams
 from client.serve.outputs import Choices
 from client.serve.protocol import APIError, ChatCompletionRequest, bad_request, check_model, logit_bias
 from client.serve.structured_request import structured_outputs_of
+from client.serve.tools.plan import ToolPlan, constrain
 from client.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -145,11 +146,13 @@ async def generate(
     chat: bool,
     logprobs: int | None,
     max_tokens: int | None,
+    tools: ToolPlan | None = None,
 ):
     """Run one parsed request (``prompt_ids``: one token-id list per prompt) for ``tenant``.
 
     Returns the whole reply (JSON), an SSE ``StreamingResponse`` when ``req.stream``, or 499 when
-    the client left first (its engine requests are aborted).
+    the client left first (its engine requests are aborted). ``tools``: a chat request's tool
+    plan (its outputs constrained and read as calls).
 
     Raises:
         APIError: 404 unknown model; 400 a prompt or sampling value that cannot run; 429 the
@@ -158,7 +161,10 @@ async def generate(
     check_model(req.model, server.model_name)
     structured = structured_outputs_of(req.response_format, req.structured_outputs)
     params = _sampling(server, req, prompt_ids, logprobs, max_tokens, structured)
-    await _compile_grammars(server, params, "structured_outputs" if req.structured_outputs else "response_format")
+    param = "structured_outputs" if req.structured_outputs else "response_format"
+    if tools is not None and tools.schema is not None:  # tool_choice "required" or named (client.serve.tools)
+        params, param = constrain(tools, params), "tools"
+    await _compile_grammars(server, params, param)
     weight = _admit(server, tenant, prompt_ids, params)
     if not await server.backends_up():
         raise APIError(503, "the memory service or every worker is down", type="server_error", code="unavailable")
@@ -172,6 +178,7 @@ async def generate(
         logprobs,
         req.return_tokens_as_token_ids,
         req.return_token_ids,
+        tools=tools,
     )
     if req.priority and server.scheduling_policy != "priority":  # vLLM's refusal, before anything is queued
         raise bad_request(f"priority={req.priority}: priority scheduling is not enabled; start pagedkv serve with "

@@ -27,8 +27,10 @@ from client.api import Client
 from client.cluster.core import Cluster
 from client.serve.app import Server, create_app
 from client.serve.backends import resolve
+from client.serve.chat_template import ChatTemplate
 from client.serve.config import parse_args
 from client.serve.http_limits import uvicorn_options
+from client.serve.tools.plan import ToolSettings
 from pagedkv.runtime import test_hooks
 from pagedkv.runtime.cache_salt import load_secret, namespace
 from pagedkv.runtime.logs import configure_logging, get_logger
@@ -116,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         name = args.served_model_name or args.model or "smollm2"
         pagedkv = Server(client, backends, args.tenants, name, args.max_queued_requests, args.max_requests_per_tenant,
                          dashboard_interval=args.dashboard_interval, secret=secret,
-                         scheduling_policy=args.scheduling_policy, metrics_compat=args.metrics_compat)
+                         scheduling_policy=args.scheduling_policy, metrics_compat=args.metrics_compat,
+                         chat_template=ChatTemplate(args.chat_template),
+                         tool_settings=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser))
         server = _Uvicorn(uvicorn.Config(create_app(pagedkv), log_level="warning", timeout_graceful_shutdown=5,
                                          **uvicorn_options(args.http_limits)), pagedkv)
         if args.ready_file:

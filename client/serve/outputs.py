@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from client.api import CompletionOutput, RequestOutput
+from client.serve.tools.plan import ChoiceStream, ToolPlan
 
 
 @dataclass(slots=True)
@@ -39,6 +40,8 @@ class Choices:
         logprobs: top alternatives per token (chat ``top_logprobs``); None: no logprobs.
         token_names_as_ids: render logprob tokens as ``token_id:ID`` (vLLM's flag).
         return_token_ids: add ``token_ids`` to each choice and ``prompt_token_ids`` to the reply.
+        tools: a chat request's tool plan: each message's text is split into content and
+            ``tool_calls`` (streams: ``delta.tool_calls`` pieces), its finish reason may be "tool_calls".
     """
 
     request_id: str
@@ -49,8 +52,11 @@ class Choices:
     logprobs: int | None = None
     token_names_as_ids: bool = False
     return_token_ids: bool = False
+    tools: ToolPlan | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _sent: dict[int, _Sent] = field(default_factory=dict)
+    #: Each streamed choice's tool parse (with ``tools``).
+    _tool_streams: dict[int, ChoiceStream] = field(default_factory=dict)
 
     # ------------------------------------------------------------- whole reply
     def reply(self, outputs: list[RequestOutput]) -> dict:
@@ -60,7 +66,10 @@ class Choices:
             for o in out.outputs:
                 c = {"index": p * self.n + o.index, "logprobs": self._logprobs(o, 0, len(o.token_ids)),
                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-                if self.chat:
+                if self.chat and self.tools is not None:
+                    c["message"], called = self.tools.message(o.text)
+                    c["finish_reason"] = self.tools.finish_reason(o.finish_reason, called)
+                elif self.chat:
                     c["message"] = {"role": "assistant", "content": o.text}
                 else:
                     c["text"] = o.text
@@ -94,7 +103,9 @@ class Choices:
                 sent.offset = c["logprobs"]["text_offset"][-1] + len(c["logprobs"]["tokens"][-1])
             if finish is not None:
                 c["stop_reason"] = o.stop_reason
-            if self.chat:
+            if self.chat and self.tools is not None:
+                delta = self._tool_delta(index, text, c, sent.started)
+            elif self.chat:
                 delta: dict = {"content": text} if text or not sent.started else {}
                 if not sent.started:
                     delta = {"role": "assistant", **delta}
@@ -107,6 +118,19 @@ class Choices:
             sent.finished = finish is not None
             chunks.append(self._chunk([c]))
         return chunks
+
+    def _tool_delta(self, index: int, text: str, choice: dict, started: bool) -> dict:
+        """Choice ``index``'s delta for its new ``text`` through the tool parse; at its end (a
+        ``finish_reason`` in ``choice``), what the parse kept back and the tool-call finish reason."""
+        stream = self._tool_streams.setdefault(index, self.tools.stream())
+        d = stream.feed(text)
+        if choice["finish_reason"] is not None:
+            d.extend(stream.finish())
+            choice["finish_reason"] = self.tools.finish_reason(choice["finish_reason"], stream.called)
+        delta: dict = {"content": d.content} if d.content or not started else {}
+        if d.tool_calls:
+            delta["tool_calls"] = [t.to_openai() for t in d.tool_calls]
+        return delta
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""

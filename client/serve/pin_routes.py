@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from client import pins
 from client.errors import InvalidArgument, QuotaExceeded, ServiceError
-from client.serve.protocol import APIError, bad_request, chat_messages, parse_body
+from client.serve.chat_prompt import render
+from client.serve.protocol import APIError, bad_request, parse_body
 from client.tokenizer import encode_prompt
 
 
@@ -55,11 +56,13 @@ def add_pin_routes(app: FastAPI, server) -> None:
         if (req.messages is None) == (req.prompt is None):
             raise bad_request("give the prompt as exactly one of messages or prompt", "messages")
         salt, label = _salt(server, req)
-        try:
-            ids = await asyncio.to_thread(encode_prompt, server.client.tokenizer,
-                                          chat_messages(req.messages) if req.messages is not None else req.prompt)
-        except ValueError as e:
-            raise bad_request(str(e), "messages" if req.messages is not None else "prompt") from None
+        if req.messages is not None:  # rendered as a chat request renders them (client.serve.chat_prompt)
+            ids = await render(server, req.messages)
+        else:
+            try:
+                ids = await asyncio.to_thread(encode_prompt, server.client.tokenizer, req.prompt)
+            except ValueError as e:
+                raise bad_request(str(e), "prompt") from None
         try:
             made = await asyncio.to_thread(pins.pin_prompt, server.client, ids, ttl=req.ttl_s,
                                            priority=req.priority, cache_salt=salt, label=label)

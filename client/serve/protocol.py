@@ -13,7 +13,7 @@ naming it otherwise; a parameter the API does not have is refused with OpenAI's 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -107,9 +107,11 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # Tool calling and the chat template's variables: client.serve.tools, client.serve.chat_template.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -130,8 +132,6 @@ NEUTRAL = {
     "use_beam_search": (lambda v: not v, "false"),
     "store": (lambda v: not v, "false"),
     "add_generation_prompt": (lambda v: v, "true"),
-    "tools": (lambda v: not v, "none"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), '"none"'),
     "echo": (lambda v: not v, "false"),
     "suffix": (lambda v: not v, "none"),
     "continuous_usage_stats": (lambda v: not v, "false"),
@@ -215,44 +215,6 @@ def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
                               "token-id lists", "prompt") from None
         raise bad_request(f"{'.'.join(loc)}: {err['msg']} (got {err.get('input')!r:.80})", loc[0]) from None
     return req
-
-
-Role = Literal["system", "developer", "user", "assistant"]
-
-
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: role and text content.
-
-    Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined with
-    newlines, as vLLM does); ``developer`` is the template's ``system``.
-
-    Raises:
-        APIError: 400 for a message without a known role, or a content part that is not text.
-    """
-    out = []
-    for i, m in enumerate(messages):
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise bad_request(f"messages[{i}].role must be system, developer, user or assistant, got {role!r}",
-                              "messages")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(
-                        f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}; "
-                        "this model reads text only",
-                        "messages",
-                    )
-                parts.append(part["text"])
-            content = "\n".join(parts)
-        elif not isinstance(content, str):
-            raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
 
 
 def prompts_of(prompt: str | list) -> list[str | list[int]]:

@@ -2,7 +2,8 @@
 
 Bodies as ``vllm serve`` (vllm/entrypoints/openai/protocol.py, ``TokenizeRequest``,
 ``DetokenizeRequest``): ``/tokenize`` takes ``{prompt}`` (text or token ids, as /v1/completions)
-or ``{messages, add_generation_prompt}`` (rendered by the chat template, as /v1/chat/completions)
+or ``{messages, add_generation_prompt, tools, chat_template_kwargs}`` (rendered by the chat
+template, as /v1/chat/completions renders them)
 and answers ``{count, max_model_len, tokens}`` (``token_strs`` too with ``return_token_strs``);
 ``/detokenize`` takes ``{tokens}`` and answers ``{prompt}``; ``/version`` answers ``{version}``.
 Behind the tenant key like the OpenAI routes; the model, when named, must be the served one.
@@ -17,7 +18,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from client.serve.protocol import MAX_BODY_BYTES, bad_request, chat_messages, check_model, parse_body
+from client.serve.chat_prompt import render
+from client.serve.protocol import MAX_BODY_BYTES, bad_request, check_model, parse_body
 from client.tokenizer import encode_prompt
 
 #: Most token ids /detokenize takes (a body of this many ids stays under MAX_BODY_BYTES).
@@ -34,6 +36,9 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    #: With ``messages``: rendered as /v1/chat/completions renders them (client.serve.chat_prompt).
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -64,12 +69,16 @@ def add_tokenize_routes(app: FastAPI, server) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         tokenizer = server.client.tokenizer
-        chat = req.messages is not None
-        try:
-            ids = await asyncio.to_thread(encode_prompt, tokenizer, chat_messages(req.messages) if chat else req.prompt,
-                                          add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise bad_request(str(e), "messages" if chat else "prompt") from None
+        if req.messages is not None:
+            ids = await render(server, req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                               template_kwargs=req.chat_template_kwargs)
+        elif req.tools is not None or req.chat_template_kwargs is not None:
+            raise bad_request("tools and chat_template_kwargs go with messages", "tools")
+        else:
+            try:
+                ids = await asyncio.to_thread(encode_prompt, tokenizer, req.prompt)
+            except ValueError as e:
+                raise bad_request(str(e), "prompt") from None
         body = {"count": len(ids), "max_model_len": server.client.limits.max_context, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)

@@ -167,6 +167,11 @@ ENV_VARS: dict[str, EnvVar] = _vars(
     E("PAGEDKV_FORWARDED_ALLOW_IPS", "list", None, "--forwarded-allow-ips of pagedkv serve: proxies whose "
       "X-Forwarded-For/-Proto count, comma-separated (default none)"),
     E("PAGEDKV_SERVED_MODEL_NAME", "str", None, "--served-model-name of pagedkv serve"),
+    E("PAGEDKV_CHAT_TEMPLATE", "str", None, "--chat-template of pagedkv serve: a Jinja file, the template itself, or "
+      "a shipped template's name"),
+    E("PAGEDKV_ENABLE_AUTO_TOOL_CHOICE", "bool", False, "--enable-auto-tool-choice of pagedkv serve: tool_choice "
+      "auto, read by --tool-call-parser"),
+    E("PAGEDKV_TOOL_CALL_PARSER", "str", None, "--tool-call-parser of pagedkv serve: hermes or llama3_json"),
     E("PAGEDKV_PREEMPTION_MODE", "str", "recompute", "--preemption-mode of pagedkv serve: recompute or swap"),
     E("PAGEDKV_SCHEDULING_POLICY", "str", "fcfs", "--scheduling-policy of pagedkv serve: fcfs or priority"),
     E("PAGEDKV_MAX_NUM_SEQS", "int", 64, "--max-num-seqs of pagedkv serve"),

@@ -1,0 +1,154 @@
+"""``tool_choice: "required"`` and a named function: the output is constrained to JSON, then read as calls.
+
+As vLLM (vllm/tool_parsers/utils.py ``get_json_schema_from_tools``; serving_chat's full and
+streaming generators):
+
+- ``required``: the output is a JSON array of at least one ``{"name": <one of the tools>,
+  "parameters": <that tool's parameters>}`` (each tool's item an ``anyOf`` branch; the tools'
+  ``$defs`` hoisted to the top). Each item is a call, its arguments the canonical JSON of its
+  ``parameters``.
+- a named function ``{"type": "function", "function": {"name": F}}``: the output is F's
+  parameters object itself; the call is F with the output text as its arguments, as it came.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from client.serve.tools.call_scanner import CallScanner, call_of
+from client.serve.tools.json_stream import WHITESPACE, JsonSyntaxError, loads
+from client.serve.tools.parser import ToolParser, ToolStream
+from client.serve.tools.types import DeltaMessage, ExtractedToolCalls, ToolCall, ToolCallDelta, new_call_id
+
+#: A tool without ``parameters`` takes an empty object (vLLM's default).
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+ARGS_KEYS = ("parameters",)
+
+
+def required_schema(tools: list[dict]) -> dict:
+    """The JSON schema of a ``required`` output: ``[{"name": ..., "parameters": ...}, ...]``, minItems 1.
+
+    Args:
+        tools: validated ``{"type": "function", "function": {"name", "parameters"?}}`` entries.
+
+    Raises:
+        ValueError: two tools define one ``$defs`` name differently (vLLM refuses it too).
+    """
+    defs: dict[str, object] = {}
+    branches = []
+    for tool in tools:
+        fn = tool["function"]
+        params = copy.deepcopy(fn.get("parameters") or EMPTY_PARAMETERS)
+        for name, schema in (params.pop("$defs", None) or {}).items():
+            if name in defs and defs[name] != schema:
+                raise ValueError(f"tool definition {name!r} has multiple schemas, which is not supported")
+            defs[name] = schema
+        branches.append({"properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
+                         "required": ["name", "parameters"]})
+    schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": branches}}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def named_schema(tools: list[dict], name: str) -> dict:
+    """The JSON schema of a named function's output: its ``parameters`` (an empty object's when none)."""
+    fn = next(t["function"] for t in tools if t["function"]["name"] == name)
+    return fn.get("parameters") or EMPTY_PARAMETERS
+
+
+class RequiredParser(ToolParser):
+    """Reads the JSON array of a ``required`` output."""
+
+    name = "required"
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        try:
+            items = loads(text)
+            if not isinstance(items, list) or not items:
+                raise JsonSyntaxError("a required tool call output is a non-empty JSON array")
+            calls = tuple(ToolCall(*call_of(item, ARGS_KEYS)) for item in items)
+        except JsonSyntaxError:
+            return ExtractedToolCalls(text)
+        return ExtractedToolCalls(None, calls)
+
+    def stream(self) -> ToolStream:
+        return _RequiredStream()
+
+
+class _RequiredStream(ToolStream):
+    """Modes: "text" (before ``[``), "open" (a call object expected), "call", "next" (``,`` or
+    ``]``), "end" (only whitespace may follow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scanner: CallScanner | None = None
+        self._index = -1
+
+    def _advance(self, out: DeltaMessage, final: bool) -> None:
+        buf, self._buf = self._buf, ""
+        try:
+            for i, ch in enumerate(buf):
+                self._raw += ch
+                try:
+                    self._read(ch, out)
+                except JsonSyntaxError:
+                    self._buf = buf[i + 1:]
+                    raise
+            if self._mode == "call":
+                out.tool_calls.extend(self._calls.update(self._index, self._scanner))
+            if final and self._mode != "end":
+                raise JsonSyntaxError("the output ends inside the array of tool calls")
+        except JsonSyntaxError:
+            self._malformed(out)
+
+    def _read(self, ch: str, out: DeltaMessage) -> None:
+        if self._mode == "call":
+            self._scanner.feed(ch)
+            if self._scanner.done:
+                out.tool_calls.extend(self._calls.close(self._index, self._scanner))
+                self._mode = "next"
+        elif ch in WHITESPACE:
+            pass
+        elif self._mode == "text" and ch == "[":
+            self._mode = "open"
+        elif self._mode == "open" and ch == "{":
+            self._scanner, self._index, self._mode = CallScanner(ARGS_KEYS), self._index + 1, "call"
+            self._scanner.feed(ch)
+        elif self._mode == "next" and ch in ",]":
+            self._mode = "open" if ch == "," else "end"
+        else:
+            raise JsonSyntaxError(f"unexpected {ch!r} in the array of tool calls")
+
+
+class NamedParser(ToolParser):
+    """A named function's output: the whole text is that function's arguments."""
+
+    name = "named"
+
+    def __init__(self, function: str):
+        self.function = function
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        return ExtractedToolCalls(None, (ToolCall(self.function, text),))
+
+    def stream(self) -> ToolStream:
+        return _NamedStream(self.function)
+
+
+class _NamedStream(ToolStream):
+    """The first piece announces the call (id, name, the text so far); the rest is arguments as it comes."""
+
+    def __init__(self, function: str):
+        super().__init__()
+        self._function = function
+
+    def _advance(self, out: DeltaMessage, final: bool) -> None:
+        text, self._buf = self._buf, ""
+        if not self._calls.ids:
+            if not text and not final:
+                return
+            self._calls.ids.append(new_call_id())
+            out.tool_calls.append(ToolCallDelta(0, id=self._calls.ids[0], name=self._function, arguments=text))
+        elif text:
+            out.tool_calls.append(ToolCallDelta(0, arguments=text))
