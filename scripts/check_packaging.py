@@ -13,6 +13,8 @@
 3. Imports every module of the five packages from outside the source tree; only the optional
    dependencies (cupy, triton, NIXL, the weights wheel) may be missing. Every third-party
    module their source imports must come from a declared dependency (not only a transitive one).
+   Every file that pyproject's package-data names in the source tree (the dashboard's page, the
+   shipped chat templates, ...) must be installed.
 4. Starts ``pagedkv memory --num-blocks 16 --port 0 --ready-file ...``, waits for the ready
    file and one ``GetStats`` answer, and stops it with SIGTERM.
 
@@ -199,6 +201,33 @@ def check_declared(venv: Path) -> list[str]:
     return bad
 
 
+PACKAGE_DIRS = r"""
+import importlib, json, sys
+print(json.dumps({name: importlib.import_module(name).__path__[0] for name in sys.argv[1:]}))
+"""
+
+
+def check_package_data(venv: Path) -> list[str]:
+    """The files pyproject's package-data globs match in the source tree but not in the installation."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    data, dirs = setuptools["package-data"], setuptools["package-dir"]
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", PACKAGE_DIRS, *data], capture_output=True, text=True,
+                         check=True, cwd=venv, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    installed = json.loads(out.stdout)
+    missing = []
+    for package, patterns in data.items():
+        source = ROOT / dirs.get(package, package)
+        for pattern in patterns:
+            for path in sorted(source.glob(pattern)):
+                if path.is_file() and "__pycache__" not in path.parts:
+                    rel = path.relative_to(source)
+                    if not (Path(installed[package]) / rel).is_file():
+                        missing.append(f"{package}/{rel} (package-data {pattern!r}) is not installed")
+    return missing
+
+
 def start_memory(venv: Path, tmp: Path) -> None:
     """Start ``pagedkv memory``, wait for its ready file and a GetStats answer, stop it."""
     ready = tmp / "memory.ready.json"
@@ -260,9 +289,12 @@ def main() -> int:
         undeclared = check_declared(venv)
         for line in undeclared:
             print("  UNDECLARED:", line)
+        missing = check_package_data(venv)
+        for line in missing:
+            print("  NOT INSTALLED:", line)
         log("starting a memory service")
         start_memory(venv, tmp)
-        ok = not bad and not undeclared and imported.returncode == 0
+        ok = not bad and not undeclared and not missing and imported.returncode == 0
     log("packaging check " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
 

@@ -103,10 +103,11 @@ class Choices:
                 sent.offset = c["logprobs"]["text_offset"][-1] + len(c["logprobs"]["tokens"][-1])
             if finish is not None:
                 c["stop_reason"] = o.stop_reason
-            if self.chat and self.tools is not None:
-                delta = self._tool_delta(index, text, c, sent.started)
-            elif self.chat:
-                delta: dict = {"content": text} if text or not sent.started else {}
+            if self.chat:
+                if self.tools is not None:
+                    delta = self._tool_delta(index, text, c, sent.started)
+                else:
+                    delta = {"content": text} if text or not sent.started else {}
                 if not sent.started:
                     delta = {"role": "assistant", **delta}
                 c["delta"] = delta
