@@ -5,8 +5,8 @@ streaming generators):
 
 - ``required``: the output is a JSON array of at least one ``{"name": <one of the tools>,
   "parameters": <that tool's parameters>}`` (each tool's item an ``anyOf`` branch; the tools'
-  ``$defs`` hoisted to the top). Each item is a call, its arguments the canonical JSON of its
-  ``parameters``.
+  ``$defs`` hoisted to the top; ``maxItems: 1`` with ``parallel_tool_calls: false``). Each item
+  is a call, its arguments the canonical JSON of its ``parameters``.
 - a named function ``{"type": "function", "function": {"name": F}}``: the output is F's
   parameters object itself; the call is F with the output text as its arguments, as it came.
 """
@@ -25,11 +25,13 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 ARGS_KEYS = ("parameters",)
 
 
-def required_schema(tools: list[dict]) -> dict:
-    """The JSON schema of a ``required`` output: ``[{"name": ..., "parameters": ...}, ...]``, minItems 1.
+def required_schema(tools: list[dict], parallel: bool = True) -> dict:
+    """The JSON schema of a ``required`` output: ``[{"name": ..., "parameters": ...}, ...]``, minItems 1
+    (and maxItems 1 when calls are not ``parallel``, so the model cannot go on past one call).
 
     Args:
         tools: validated ``{"type": "function", "function": {"name", "parameters"?}}`` entries.
+        parallel: the request's ``parallel_tool_calls`` (unset: true).
 
     Raises:
         ValueError: two tools define one ``$defs`` name differently (vLLM refuses it too).
@@ -46,6 +48,8 @@ def required_schema(tools: list[dict]) -> dict:
         branches.append({"properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
                          "required": ["name", "parameters"]})
     schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": branches}}
+    if not parallel:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema

@@ -117,7 +117,7 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: 
         return ToolPlan("auto", get_parser(settings.tool_call_parser), None, parallel)
     if tool_choice == "required":
         try:
-            schema = required_schema(tools)
+            schema = required_schema(tools, parallel)
         except ValueError as e:
             raise ToolRequestError(str(e), "tools") from None
         return ToolPlan("required", RequiredParser(), schema, parallel)

@@ -209,6 +209,14 @@ def test_disconnect_frees_blocks_within_two_steps(url, memory, stream):
     assert ran and max(ran) < abort["step"] + 2 and len(ran) < 1000
 
 
+#: The openai package's tool example; strict-mode style (additionalProperties false), so the grammar
+#: of tool_choice "required" keeps SmolLM2 to the one argument.
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given location",
+    "parameters": {"type": "object",
+                   "properties": {"location": {"type": "string", "description": "The city, e.g. Paris"}},
+                   "required": ["location"], "additionalProperties": False}}}
+
 BAD = [
     # (route, body, status, param)
     ("chat", {"messages": []}, 400, "messages"),
@@ -256,6 +264,20 @@ BAD = [
     ("completions", {"prompt": "hi", "stop": ["x"] * 33}, 400, "stop"),
     ("completions", {"prompt": "hi", "stop": ["x" * 513]}, 400, "stop"),
     ("completions", {"prompt": "hi", "n": 64, "max_tokens": 400, "ignore_eos": True}, 400, "max_tokens"),
+    # tools: "auto" (also the default with tools) needs --enable-auto-tool-choice --tool-call-parser, which this
+    # server lacks; a named function must be one of the tools; tools are checked; the template's own arguments
+    ("chat", {"messages": chat("hi"), "tools": [WEATHER_TOOL], "tool_choice": "auto"}, 400, "tool_choice"),
+    ("chat", {"messages": chat("hi"), "tools": [WEATHER_TOOL]}, 400, "tool_choice"),
+    ("chat", {"messages": chat("hi"), "tools": [WEATHER_TOOL],
+              "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, 400, "tool_choice"),
+    ("chat", {"messages": chat("hi"), "tool_choice": "required"}, 400, "tool_choice"),
+    ("chat", {"messages": chat("hi"), "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+              "tool_choice": "required"}, 400, "tools"),
+    ("chat", {"messages": chat("hi"), "tools": [WEATHER_TOOL], "tool_choice": "required",
+              "response_format": {"type": "json_object"}}, 400, "tool_choice"),
+    ("chat", {"messages": chat("hi"), "chat_template_kwargs": {"add_generation_prompt": False}}, 400,
+     "chat_template_kwargs"),
+    ("chat", {"messages": [{"role": "tool", "content": "22 C", "tool_call_id": 7}]}, 400, "messages"),
 ]
 
 
@@ -653,3 +675,71 @@ def test_tokenize_detokenize_and_version_as_vllm_answers_them(url, hf_tokenizer)
                              ("/detokenize", {"tokens": ["a"]}, "tokens")]:
         r = httpx.post(f"{url}{path}", json=bad, headers=key)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, bad, r.text)
+
+
+def streamed_tool_calls(stream) -> tuple[str, list[tuple[str, str, str]], list[str]]:
+    """(content, [(id, name, arguments)], finish reasons) joined from a chat stream's deltas: a
+    call's first delta has its id, type and name, later ones only fragments of its arguments."""
+    content, calls, finish = "", {}, []
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for t in c.delta.tool_calls or []:
+                if t.index not in calls:
+                    assert t.id.startswith("call_") and t.type == "function" and t.function.name, t
+                    calls[t.index] = [t.id, t.function.name, t.function.arguments or ""]
+                else:
+                    assert t.id is None and t.function.name is None and t.function.arguments, t
+                    calls[t.index][2] += t.function.arguments
+            if c.finish_reason:
+                finish.append(c.finish_reason)
+    return content, [tuple(v) for _, v in sorted(calls.items())], finish
+
+
+def test_tool_calling_with_the_openai_package_two_turns(oai, url, hf_tokenizer):
+    """The openai package's tool example on SmolLM2: tool_choice "required" (the grammar holds the
+    output to vLLM's array schema) gives get_weather(location) as tool_calls, content null and
+    finish_reason "tool_calls"; streamed, the deltas reassemble to the same call. The reply's
+    message and the tool's result go back (role "tool"), the model answers in text, and its prompt
+    held both (the chat route and /tokenize render it alike)."""
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    ask = dict(model="smollm2", tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False,
+               temperature=0, max_tokens=48)
+    r = oai.chat.completions.create(messages=messages, **ask)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert list(args) == ["location"] and isinstance(args["location"], str) and args["location"], args
+    content, calls, finish = streamed_tool_calls(oai.chat.completions.create(messages=messages, stream=True, **ask))
+    assert content == "" and finish == ["tool_calls"]
+    assert [c[1:] for c in calls] == [("get_weather", call.function.arguments)]
+
+    messages += [choice.message, {"role": "tool", "tool_call_id": call.id,
+                                  "content": json.dumps({"location": args["location"], "temperature_c": 22})}]
+    r2 = oai.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER_TOOL], tool_choice="none",
+                                     temperature=0, max_tokens=8, extra_body={"return_token_ids": True})
+    answer = r2.choices[0]
+    assert answer.message.content and not answer.message.tool_calls and answer.finish_reason in ("stop", "length")
+    prompt = r2.model_extra["prompt_token_ids"]
+    text = hf_tokenizer.decode(prompt)
+    assert (f'<|im_start|>assistant\n<tool_call>\n{{"name": "get_weather", "arguments": {call.function.arguments}}}'
+            f'\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{messages[-1]["content"]}'
+            "\n</tool_response><|im_end|>\n<|im_start|>assistant\n") in text and "# Tools" in text
+    sent = [m if isinstance(m, dict) else json.loads(m.model_dump_json()) for m in messages]
+    r = httpx.post(f"{url}/tokenize", json={"messages": sent, "tools": [WEATHER_TOOL]},
+                   headers={"Authorization": f"Bearer {KEY_A}"})
+    assert r.status_code == 200 and r.json()["tokens"] == prompt, r.text
+
+
+def test_a_named_function_is_called_with_its_parameters_schema(oai):
+    """tool_choice naming a function: the output is that function's arguments (its parameters
+    schema), the call is made, and the finish reason stays "stop" (OpenAI's)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = oai.chat.completions.create(model="smollm2", messages=chat("Weather in Rome?"), tools=[WEATHER_TOOL],
+                                    tool_choice=named, temperature=0, max_tokens=32)
+    choice = r.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "stop" and choice.message.content is None and call.function.name == "get_weather"
+    assert list(json.loads(call.function.arguments)) == ["location"]

@@ -69,6 +69,8 @@ def test_required_and_named_constrain_the_output_to_vllms_schemas():
              "required": ["name", "parameters"]}]},
         "$defs": defs}
     assert "$defs" in with_defs["function"]["parameters"]  # the request's own tools are left as they were
+    one = plan_tools([WEATHER], "required", False, ToolSettings()).schema  # parallel_tool_calls false: one call
+    assert one["maxItems"] == 1 and one["minItems"] == 1
     clash = {"type": "function", "function": {"name": "g", "parameters": {"$defs": {"Unit": {"enum": ["k"]}}}}}
     with pytest.raises(ValueError, match="multiple schemas"):
         required_schema([with_defs, clash])
