@@ -123,7 +123,9 @@ class Choices:
     def _tool_delta(self, index: int, text: str, choice: dict, started: bool) -> dict:
         """Choice ``index``'s delta for its new ``text`` through the tool parse; at its end (a
         ``finish_reason`` in ``choice``), what the parse kept back and the tool-call finish reason."""
-        stream = self._tool_streams.setdefault(index, self.tools.stream())
+        stream = self._tool_streams.get(index)
+        if stream is None:
+            stream = self._tool_streams[index] = self.tools.stream()
         d = stream.feed(text)
         if choice["finish_reason"] is not None:
             d.extend(stream.finish())
