@@ -14,7 +14,8 @@
    dependencies (cupy, triton, NIXL, the weights wheel) may be missing. Every third-party
    module their source imports must come from a declared dependency (not only a transitive one).
    Every file that pyproject's package-data names in the source tree (the dashboard's page, the
-   shipped chat templates, ...) must be installed.
+   shipped chat templates, ...) must be installed, and the shipped chat template must load from
+   the installation.
 4. Starts ``pagedkv memory --num-blocks 16 --port 0 --ready-file ...``, waits for the ready
    file and one ``GetStats`` answer, and stops it with SIGTERM.
 
@@ -201,6 +202,14 @@ def check_declared(venv: Path) -> list[str]:
     return bad
 
 
+#: Files the code reads from its own installation, read there (package data that is never listed would
+#: be missing from the wheel without any glob above noticing).
+RESOURCES = r"""
+from client.serve.chat_template import TOOL_TEMPLATE, shipped_template
+assert "<tool_call>" in shipped_template(TOOL_TEMPLATE)
+print("the shipped chat template loads from the installation")
+"""
+
 PACKAGE_DIRS = r"""
 import importlib, json, sys
 print(json.dumps({name: importlib.import_module(name).__path__[0] for name in sys.argv[1:]}))
@@ -290,6 +299,9 @@ def main() -> int:
         for line in undeclared:
             print("  UNDECLARED:", line)
         missing = check_package_data(venv)
+        resources = subprocess.run([str(venv / "bin" / "python"), "-c", RESOURCES], cwd=tmp, env=env)
+        if resources.returncode != 0:
+            missing.append("a shipped chat template does not load from the installation")
         for line in missing:
             print("  NOT INSTALLED:", line)
         log("starting a memory service")
