@@ -39,6 +39,8 @@ class Choices:
         logprobs: top alternatives per token (chat ``top_logprobs``); None: no logprobs.
         token_names_as_ids: render logprob tokens as ``token_id:ID`` (vLLM's flag).
         return_token_ids: add ``token_ids`` to each choice and ``prompt_token_ids`` to the reply.
+        final_only: stream a prompt's choices only once it has finished (beam search: beams are
+            ranked, and become choices, only when the search ends).
     """
 
     request_id: str
@@ -49,6 +51,7 @@ class Choices:
     logprobs: int | None = None
     token_names_as_ids: bool = False
     return_token_ids: bool = False
+    final_only: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _sent: dict[int, _Sent] = field(default_factory=dict)
 
@@ -78,6 +81,8 @@ class Choices:
     def chunks(self, p: int, out: RequestOutput) -> list[dict]:
         """Stream chunks for what is new in prompt ``p``'s output since the last call."""
         chunks = []
+        if self.final_only and not out.finished:
+            return chunks
         for o in out.outputs:
             index = p * self.n + o.index
             sent = self._sent.setdefault(index, _Sent())
