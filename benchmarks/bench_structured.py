@@ -33,7 +33,8 @@ reason printed and recorded.
     python benchmarks/bench_structured.py                         # both systems, ~5 minutes on 2 cores
     python benchmarks/bench_structured.py --systems pagedkv --num-requests 32 --max-tokens 128
 
-Prints two tables, writes ``benchmarks/results/bench_structured.json`` and ``.png``.
+Prints two tables, writes ``benchmarks/results/bench_structured.json`` and ``.png`` (``--replot``
+redraws the PNG from the JSON).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import time
 from pathlib import Path
 
 from bench_serving import add_server_args, started
-from common import fmt, machine, pct, pyplot, save_plot, table, write_result
+from common import RESULTS, fmt, machine, pct, pyplot, save_plot, table, write_result
 
 try:
     import httpx
@@ -289,6 +290,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each throughput request")
     ap.add_argument("--fractions", default="0,0.5,1", help="shares of constrained requests, one run each")
     ap.add_argument("--compile-reps", type=int, default=3, help="new/cached request pairs per schema")
+    ap.add_argument("--replot", action="store_true", help="redraw the plot from the last result's JSON, run nothing")
     args = ap.parse_args()
     args.fractions = [float(f) for f in args.fractions.split(",")]
     if any(not 0 <= f <= 1 for f in args.fractions):
@@ -307,6 +309,7 @@ def plot(result: dict) -> None:
         axes[0].plot(xs, [t["output_tokens_per_s"] or 0 for t in r["throughput"].values()], "o-", label=label)
         axes[1].plot(xs, [t["tpot_mean_ms"] or 0 for t in r["throughput"].values()], "o-", label=label)
     for ax, title in ((axes[0], "output tokens / s"), (axes[1], "mean TPOT (ms)")):
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("% of requests under a JSON schema")
         ax.set_title(title)
         ax.legend()
@@ -328,6 +331,9 @@ def plot(result: dict) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.replot:
+        plot(json.loads((RESULTS / f"{NAME}.json").read_text()))
+        return 0
     result = {"machine": machine(), "config": {
         "num_requests": args.num_requests, "max_tokens": args.max_tokens, "fractions": args.fractions,
         "dtype": args.dtype, "pagedkv_threads": args.pagedkv_threads, "max_num_seqs": args.max_num_seqs,
