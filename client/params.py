@@ -51,9 +51,11 @@ class SamplingParams:
 
     Beam search (``num_beams > 1``) follows Hugging Face transformers' semantics
     (``length_penalty``, ``early_stopping``) and is deterministic: temperature,
-    top-k/top-p, seed and the model's generation defaults are ignored, and penalties are refused
-    (vLLM's beam search has none), as are min_p, logit_bias, min_tokens and structured outputs.
-    Blocks are shared between beams through fork and copy-on-write (vLLM paper, section 4.4).
+    top-k/top-p, seed, stop strings, stop token ids and the model's generation defaults are
+    ignored, and penalties are refused (vLLM's beam search has none), as are min_p, logit_bias,
+    min_tokens and structured outputs; beams end at the model's end-of-sequence token (a candidate
+    like any other with ``ignore_eos``, as in vLLM) or at ``max_tokens``. Blocks are shared between
+    beams through fork and copy-on-write (vLLM paper, section 4.4).
     """
 
     #: Most new tokens per output sequence (>= 1).

@@ -163,7 +163,7 @@ class Engine:
                 seq.grammar = grammar.matcher()
         if request.params.use_beam_search:
             limit = min(request.params.max_tokens, self.max_context - len(request.prompt_token_ids))
-            request.beam = BeamState.of(request.params, limit, self.eos_ids)
+            request.beam = BeamState.of(request.params, limit, set() if request.params.ignore_eos else self.eos_ids)
         self.scheduler.add(request)
         self._publish()  # the front counts it in the queue at once
 

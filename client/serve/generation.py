@@ -20,6 +20,7 @@ from starlette.background import BackgroundTask
 from client.api import RequestOutput
 from client.errors import OutOfBlocks, ServiceError
 from client.params import SamplingParams
+from client.serve import beam
 from client.serve.outputs import Choices
 from client.serve.protocol import APIError, ChatCompletionRequest, bad_request, check_model, logit_bias
 from client.serve.structured_request import structured_outputs_of
@@ -34,7 +35,8 @@ def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | 
               max_tokens: int | None, structured: StructuredOutputsParams | None = None) -> list[SamplingParams]:
     """Sampling parameters per prompt; an unset ``max_tokens`` is the rest of the context (vLLM); an
     unset ``temperature``, ``top_p``, ``top_k`` or ``repetition_penalty`` is the model's default
-    (the engine applies it at admission); unset penalties, min_p and min_tokens are 0.
+    (the engine applies it at admission); unset penalties, min_p and min_tokens are 0. With
+    ``use_beam_search``, ``n`` beams (client.serve.beam.fields).
 
     Raises:
         APIError: 400 for a prompt that leaves no room in the context, or a bad value (``logit_bias``
@@ -57,28 +59,30 @@ def _sampling(server: Server, req, prompt_ids: list[list[int]], logprobs: int | 
                 "the length of the input or of the completion.",
                 "max_tokens",
             )
+        fields = dict(
+            max_tokens=mt,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=None if req.top_k is None else max(0, req.top_k),
+            seed=req.seed,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            min_p=req.min_p or 0.0,
+            logit_bias=bias,
+            min_tokens=req.min_tokens or 0,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            n=req.n,
+            logprobs=logprobs,
+            length_penalty=req.length_penalty,
+            structured_outputs=structured,
+        )
+        if req.use_beam_search:
+            fields.update(beam.fields(req))
         try:
-            out.append(
-                SamplingParams(
-                    max_tokens=mt,
-                    temperature=req.temperature,
-                    top_p=req.top_p,
-                    top_k=None if req.top_k is None else max(0, req.top_k),
-                    seed=req.seed,
-                    repetition_penalty=req.repetition_penalty,
-                    presence_penalty=req.presence_penalty or 0.0,
-                    frequency_penalty=req.frequency_penalty or 0.0,
-                    min_p=req.min_p or 0.0,
-                    logit_bias=bias,
-                    min_tokens=req.min_tokens or 0,
-                    stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-                    stop_token_ids=list(req.stop_token_ids or []),
-                    ignore_eos=req.ignore_eos,
-                    n=req.n,
-                    logprobs=logprobs,
-                    structured_outputs=structured,
-                )
-            )
+            out.append(SamplingParams(**fields))
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
     return out
@@ -159,6 +163,8 @@ async def generate(
             waiting queue is full; 503 the backends are down or failed the request.
     """
     check_model(req.model, server.model_name)
+    if req.use_beam_search:
+        beam.check(req, chat)
     structured = structured_outputs_of(req.response_format, req.structured_outputs)
     params = _sampling(server, req, prompt_ids, logprobs, max_tokens, structured)
     param = "structured_outputs" if req.structured_outputs else "response_format"
@@ -179,6 +185,7 @@ async def generate(
         req.return_tokens_as_token_ids,
         req.return_token_ids,
         tools=tools,
+        final_only=req.use_beam_search,
     )
     if req.priority and server.scheduling_policy != "priority":  # vLLM's refusal, before anything is queued
         raise bad_request(f"priority={req.priority}: priority scheduling is not enabled; start pagedkv serve with "

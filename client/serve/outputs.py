@@ -42,6 +42,8 @@ class Choices:
         return_token_ids: add ``token_ids`` to each choice and ``prompt_token_ids`` to the reply.
         tools: a chat request's tool plan: each message's text is split into content and
             ``tool_calls`` (streams: ``delta.tool_calls`` pieces), its finish reason may be "tool_calls".
+        final_only: stream a prompt's choices only once it has finished (beam search: beams are
+            ranked, and become choices, only when the search ends).
     """
 
     request_id: str
@@ -53,6 +55,7 @@ class Choices:
     token_names_as_ids: bool = False
     return_token_ids: bool = False
     tools: ToolPlan | None = None
+    final_only: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _sent: dict[int, _Sent] = field(default_factory=dict)
     #: Each streamed choice's tool parse (with ``tools``).
@@ -87,6 +90,8 @@ class Choices:
     def chunks(self, p: int, out: RequestOutput) -> list[dict]:
         """Stream chunks for what is new in prompt ``p``'s output since the last call."""
         chunks = []
+        if self.final_only and not out.finished:
+            return chunks
         for o in out.outputs:
             index = p * self.n + o.index
             sent = self._sent.setdefault(index, _Sent())

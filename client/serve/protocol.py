@@ -2,7 +2,8 @@
 
 The shapes and names follow the OpenAI API reference (``logit_bias`` included) and vLLM's extras
 (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``cache_salt``,
-``stop_token_ids``, ``return_tokens_as_token_ids``, ``return_token_ids``). ``temperature``, ``top_p``,
+``stop_token_ids``, ``return_tokens_as_token_ids``, ``return_token_ids``; beam search: ``use_beam_search``,
+``length_penalty``, ``early_stopping``, client.serve.beam). ``temperature``, ``top_p``,
 ``top_k`` and ``repetition_penalty`` left unset (or null) take the model's defaults (its
 generation_config.json, else vLLM's), as in vLLM. A parameter this server does not implement is
 accepted at its neutral value (any ``user``, ``echo: false``, ...) and refused with 400
@@ -88,7 +89,12 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: vLLM's beam search (client.serve.beam): n is the beam width and the number of choices.
     use_beam_search: bool = False
+    #: Beam score = sum of logprobs / generated length ** length_penalty (beam search only).
+    length_penalty: float = 1.0
+    #: Beam search ends once n beams are finished (transformers'; beam search only).
+    early_stopping: bool = False
     #: Under --scheduling-policy priority: lower runs first (vLLM's); else only 0.
     priority: int | None = Field(default=0, ge=-(2**31), le=2**31 - 1)
     service_tier: str | None = None
@@ -129,7 +135,6 @@ NEUTRAL = {
     "skip_special_tokens": (lambda v: v, "true"),
     "spaces_between_special_tokens": (lambda v: v, "true"),
     "include_stop_str_in_output": (lambda v: not v, "false"),
-    "use_beam_search": (lambda v: not v, "false"),
     "store": (lambda v: not v, "false"),
     "add_generation_prompt": (lambda v: v, "true"),
     "echo": (lambda v: not v, "false"),

@@ -24,6 +24,8 @@ from conftest import START_TIMEOUT, pagedkv_process, private_home
 from helpers.model_fixtures import CHATS, hf_greedy_tokens
 from prometheus_client.parser import text_string_to_metric_families
 
+from client.api import Client
+from client.params import SamplingParams
 from client.services import MemoryClient
 
 KEY_A, KEY_B, ADMIN = "key-tenant-a", "key-tenant-b", "key-admin"
@@ -278,6 +280,29 @@ BAD = [
     ("chat", {"messages": chat("hi"), "chat_template_kwargs": {"add_generation_prompt": False}}, 400,
      "chat_template_kwargs"),
     ("chat", {"messages": [{"role": "tool", "content": "22 C", "tool_call_id": 7}]}, 400, "messages"),
+    # beam search: what cannot combine with it (client.serve.beam)
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "stream": True}, 400, "stream"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 11}, 400, "n"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "logprobs": 0}, 400, "logprobs"),
+    ("chat", {"messages": chat("hi"), "use_beam_search": True, "n": 2, "logprobs": True}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "presence_penalty": 0.5}, 400,
+     "presence_penalty"),
+    ("chat", {"messages": chat("hi"), "use_beam_search": True, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "frequency_penalty": -1}, 400,
+     "frequency_penalty"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "min_p": 0.1}, 400, "min_p"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "min_tokens": 2}, 400, "min_tokens"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "logit_bias": {"42": 3}}, 400, "logit_bias"),
+    ("chat", {"messages": chat("hi"), "use_beam_search": True, "n": 2, "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "structured_outputs": {"regex": "a+"}}, 400,
+     "structured_outputs"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "stop": "x"}, 400, "stop"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "stop_token_ids": [5]}, 400, "stop_token_ids"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "best_of": 3}, 400, "best_of"),
+    ("completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "length_penalty": "1"}, 400, "length_penalty"),
+    ("completions", {"prompt": "hi", "use_beam_search": "yes"}, 400, "use_beam_search"),
+    ("completions", {"prompt": "hi", "early_stopping": 1}, 400, "early_stopping"),
 ]
 
 
@@ -743,3 +768,58 @@ def test_a_named_function_is_called_with_its_parameters_schema(oai):
     (call,) = choice.message.tool_calls
     assert choice.finish_reason == "stop" and choice.message.content is None and call.function.name == "get_weather"
     assert list(json.loads(call.function.arguments)) == ["location"]
+
+
+@pytest.fixture(scope="module")
+def library(stack):
+    """The client library on the module server's stack, with the server's step budget."""
+    with Client(stack.memory.address, stack.worker_addresses, max_num_batched_tokens=256) as c:
+        yield c
+
+
+BEAM_PROMPTS = ["The capital of France is", "Once upon a time, a little robot"]
+
+
+@pytest.mark.parametrize("n,extra", [(2, {"length_penalty": 0.5, "early_stopping": True}), (3, {})],
+                         ids=["n2-early", "n3"])
+def test_beam_search_over_http_equals_the_client_library(url, library, memory, n, extra):
+    """vLLM's use_beam_search on /v1/completions: n beams, n choices per prompt best first, equal to
+    Client.generate with num_beams = n; temperature, top_p and seed do nothing."""
+    body = {"model": "smollm2", "prompt": BEAM_PROMPTS, "n": n, "use_beam_search": True, "max_tokens": 6,
+            "temperature": 0.7, "top_p": 0.9, "seed": 3, "repetition_penalty": 1.0, "return_token_ids": True,
+            **extra}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    ref = library.generate(BEAM_PROMPTS, SamplingParams(num_beams=n, n=n, max_tokens=6, **extra))
+    want = [(p * n + o.index, o.text, o.token_ids, o.finish_reason) for p, out in enumerate(ref) for o in out.outputs]
+    got = [(c["index"], c["text"], c["token_ids"], c["finish_reason"]) for c in reply["choices"]]
+    assert got == want
+    assert [c[0] for c in got] == list(range(2 * n))
+    for p in range(2):
+        assert len({tuple(c[2]) for c in got[p * n:(p + 1) * n]}) == n  # n different beams
+    assert reply["usage"]["completion_tokens"] == sum(len(c[2]) for c in got)
+    assert memory.stats().used_blocks == 0
+
+
+def test_beam_search_on_chat_and_its_stream_equal_the_client_library(oai, library):
+    """Chat completions take use_beam_search too (as vLLM's); a stream sends the finished beams;
+    ignore_eos keeps beams going past the end-of-sequence token (2)."""
+    msgs = chat("Is the sky blue? Answer yes or no.")
+    for ignore_eos in (False, True):
+        kw = dict(model="smollm2", messages=msgs, n=2, max_tokens=6,
+                  extra_body={"use_beam_search": True, "ignore_eos": ignore_eos, "return_token_ids": True})
+        (ref,) = library.generate([msgs], SamplingParams(num_beams=2, n=2, max_tokens=6, ignore_eos=ignore_eos))
+        want = [(o.text, o.token_ids, o.finish_reason) for o in ref.outputs]
+        reply = oai.chat.completions.create(**kw)
+        assert [(c.message.content, c.model_extra["token_ids"], c.finish_reason) for c in reply.choices] == want
+        if ignore_eos:
+            assert all(len(t) == 6 and r == "length" for _, t, r in want) and any(2 in t for _, t, _ in want)
+        else:
+            assert "stop" in [r for _, _, r in want]  # a beam ended at EOS
+        if not ignore_eos:
+            texts = ["", ""]
+            for chunk in oai.chat.completions.create(stream=True, **kw):
+                for c in chunk.choices:
+                    texts[c.index] += c.delta.content or ""
+            assert texts == [t for t, _, _ in want]
