@@ -110,6 +110,7 @@ class ManagerPins:
         seq = self.sequences.add(lease, n, list(hit.block_ids))
         seq.token_ids, seq.block_hashes, seq.cache_key = list(token_ids[:n]), list(hit.block_hashes), key
         seq.num_cached_tokens = seq.num_proven = n
+        seq.pinned = True
         pin = PrefixPin(f"pin-{secrets.token_hex(8)}", lease_id, seq.seq_id, n, priority,
                         self.leases.clock() + ttl, label)
         self.pins[pin.pin_id] = pin

@@ -18,7 +18,7 @@ from memory_service.leases import Lease
 from memory_service.manager.live_table import LiveTable
 from memory_service.manager.requests import BlockCopy, check_batch
 from pagedkv.runtime.block_hash import CacheKey
-from pagedkv.runtime.errors import InvalidArgumentError, NotFoundError
+from pagedkv.runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -91,6 +91,9 @@ class Sequence:
     #: Swapped out: one entry per block-table index, None for a block it shares (still on the
     #: device, referenced), a :class:`SwapEntry` for an own block. None when not swapped.
     swap: list[SwapEntry | None] | None = None
+    #: The sequence holds a prefix pin (memory_service.manager.pins): only FreeSequences or
+    #: UnpinPrefix end it, nothing grows, forks or swaps it.
+    pinned: bool = False
 
     def proven_held(self, block_size: int) -> int:
         """Leading tokens whose KV its own blocks hold now: the proven ones, short of a block whose
@@ -244,6 +247,7 @@ class SequenceTable(LiveTable[int, Sequence]):
         Raises:
             InvalidArgumentError: an empty or oversized batch, or an id named twice.
             NotFoundError: an id unknown, freed, or of another lease.
+            FailedPreconditionError: a prefix pin's sequence, for any call but FreeSequences.
         """
         ids = list(seq_ids)
         check_batch(len(ids), what)
@@ -256,6 +260,9 @@ class SequenceTable(LiveTable[int, Sequence]):
                 self.lookup(s)  # raises the precise NotFoundError
             if seq.lease_id != lease_id:
                 raise NotFoundError(f"{what}: sequence {s} is not owned by lease {lease_id}")
+            if seq.pinned and what != "FreeSequences":
+                raise FailedPreconditionError(f"{what}: sequence {s} holds a prefix pin; only UnpinPrefix or "
+                                              "FreeSequences end it, nothing else may change it")
         return seqs
 
     def check(self, leases: Mapping[str, Lease], block_size: int) -> None:

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from memory_service.manager.block_manager import BlockManager
-from memory_service.manager.requests import Allocation, Commit, OutOfBlocks
+from memory_service.manager.requests import Allocation, Append, Commit, OutOfBlocks
 from pagedkv.runtime.block_hash import CacheKey
 from pagedkv.runtime.errors import (
     FailedPreconditionError,
@@ -159,4 +159,24 @@ def test_a_reset_of_the_prefix_cache_drops_a_pinned_prompts_content_not_the_pin(
     m.check_invariants()
     assert m.unpin_prefix(lease, pin.pin_id) == 2
     assert m.pool.num_free == 16 and m.pool.num_retained == 0  # no content left: plain free blocks
+    m.check_invariants()
+
+
+def test_a_pins_sequence_is_refused_to_every_call_but_free(m: BlockManager):
+    """The pin's sequence is in its lease's table, so its id can be named: growing, forking or
+    swapping it is FAILED_PRECONDITION and changes nothing; FreeSequences ends the pin."""
+    lease = admin_lease(m)
+    prompt = cached_prompt(m, lease, 100)
+    pin = m.pin_prefix(lease, prompt, KEY, ttl=60, priority=0, label="")
+    seq = m.sequences.lookup(pin.seq_id)
+    before = (seq.num_tokens, list(seq.block_ids), m.pool.num_free)
+    for call in (lambda: m.append_slots(lease, [Append(pin.seq_id, 1)]),
+                 lambda: m.fork(lease, [pin.seq_id]),
+                 lambda: m.swap_out(lease, [pin.seq_id])):
+        with pytest.raises(FailedPreconditionError, match="prefix pin"):
+            call()
+        assert (seq.num_tokens, list(seq.block_ids), m.pool.num_free) == before
+        m.check_invariants()
+    m.free(lease, [pin.seq_id])
+    assert m.live_pins() == []
     m.check_invariants()
