@@ -46,13 +46,15 @@ class Grammar:
     tokenizer: llguidance.LLTokenizer
     #: Words of a bitmask: ceil(vocab_size / 32).
     mask_words: int
+    #: The bitmask that allows only end-of-sequence (a matcher that fails ends its sequence with it).
+    eos_mask: bytes
 
     def matcher(self) -> GrammarMatcher:
         """A new matcher at the start of the grammar (one per constrained sequence)."""
         m = llguidance.LLMatcher(self.tokenizer, self.source, limits=llguidance.LLParserLimits(**LIMITS))
         if m.is_error():
             raise ValueError(f"structured output: {m.get_error()}")
-        return GrammarMatcher(m, self.mask_words)
+        return GrammarMatcher(m, self.mask_words, self.eos_mask)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -94,6 +96,12 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Iterable[int]):
         self._hf, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        words = bytearray(4 * -(-vocab_size // 32))
+        for t in self.eos_ids:
+            if 0 <= t < vocab_size:
+                words[t // 8] |= 1 << (t % 8)
+        #: The mask allowing only end-of-sequence (little-endian words: bit t is byte t // 8, bit t % 8).
+        self.eos_mask = bytes(words)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         #: Grammars compiled (cache misses) and found in the cache.
@@ -129,7 +137,7 @@ class GrammarCompiler:
         unsat = [m for m in messages if "nsatisfiable" in m]
         if is_error or unsat:
             raise ValueError(f"the {_what(spec)} cannot be used: {(messages or ['invalid grammar'])[0]}")
-        grammar = Grammar(key, source, tokenizer, -(-self.vocab_size // 32))
+        grammar = Grammar(key, source, tokenizer, -(-self.vocab_size // 32), self.eos_mask)
         grammar.matcher()  # a grammar llguidance accepts but cannot start (e.g. an empty language) fails here
         with self._lock:
             self._cache[key] = grammar

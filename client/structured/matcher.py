@@ -13,10 +13,10 @@ class GrammarMatcher:
     take back a generated token, so the matcher never rolls back.
     """
 
-    __slots__ = ("_m", "_words", "_mask", "error")
+    __slots__ = ("_m", "_words", "_eos_mask", "_mask", "error")
 
-    def __init__(self, matcher: llguidance.LLMatcher, mask_words: int):
-        self._m, self._words = matcher, mask_words
+    def __init__(self, matcher: llguidance.LLMatcher, mask_words: int, eos_mask: bytes):
+        self._m, self._words, self._eos_mask = matcher, mask_words, eos_mask
         self._mask: bytes | None = None
         #: Why the sequence left its grammar (llguidance's message), or None.
         self.error: str | None = None
@@ -24,16 +24,27 @@ class GrammarMatcher:
     def bitmask(self) -> bytes:
         """The tokens allowed next: ``mask_words`` packed little-endian int32 words, bit i of word j
         = token 32 j + i allowed. Once the grammar is complete only end-of-sequence is allowed.
-        Computed once per position (a step that is retried reuses it)."""
+        Computed once per position (a step that is retried reuses it).
+
+        A matcher that fails here (llguidance's per-step limits, an internal error) or allows no
+        token gets the end-of-sequence mask instead, with ``error`` set: its sequence ends at the
+        next token and the step's other sequences are not refused with it."""
         if self._mask is None:
-            self._mask = self._m.compute_bitmask()[:4 * self._words]
+            try:
+                mask = self._m.compute_bitmask()[:4 * self._words]
+            except Exception as e:  # noqa: BLE001 - one sequence's grammar must not fail the batch
+                self.error, mask = f"structured output: {e}", b""
+            if self._m.is_error() or not mask.strip(b"\x00"):
+                self.error = self.error or self._m.get_error() or "structured output: the grammar allows no token"
+                mask = self._eos_mask
+            self._mask = mask
         return self._mask
 
     def accept(self, token: int) -> bool:
         """Advance past ``token`` (the one the worker sampled); False when the grammar does not
         allow it (``error`` says why; the sequence must end)."""
         self._mask = None
-        if self._m.consume_token(token):
+        if self.error is None and self._m.consume_token(token):
             return True
         self.error = self._m.get_error() or f"token {token} is not allowed by the grammar"
         return False
@@ -45,4 +56,4 @@ class GrammarMatcher:
 
     def fork(self) -> GrammarMatcher:
         """An independent copy at the same place (a parallel sample forked from this sequence)."""
-        return GrammarMatcher(self._m.deep_copy(), self._words)
+        return GrammarMatcher(self._m.deep_copy(), self._words, self._eos_mask)

@@ -113,3 +113,15 @@ def test_params_need_exactly_one_constraint():
         Spec(choice=[])
     with pytest.raises(ValueError, match="too large"):
         Spec(regex="a" * 70_000)
+
+
+def test_a_matcher_that_fails_asks_for_end_of_sequence_and_ends(compiler, hf_tokenizer):
+    """A token the grammar refuses (only a misbehaving worker could send one) leaves the matcher in
+    error: its next mask is end-of-sequence only and every later token is refused, so the sequence
+    ends; a fork taken before is unaffected."""
+    m = compiler.compile(Spec(regex="ab")).matcher()
+    twin = m.fork()
+    assert not m.accept(hf_tokenizer.encode("x")[0]) and m.error
+    assert allowed(m.bitmask()) == {EOS}
+    assert not m.accept(EOS)
+    assert EOS not in allowed(twin.bitmask()) and allowed(twin.bitmask())
