@@ -26,6 +26,7 @@ to fork); the engine makes the calls and hands the children back to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from client.params import SamplingParams
@@ -33,6 +34,20 @@ from client.request import Request, Seq
 
 #: transformers' score of an impossible beam.
 NEG = -1.0e9
+
+
+def normalised(score: float, gen_len: int, length_penalty: float) -> float:
+    """``score / gen_len ** length_penalty`` in IEEE float64, as transformers' tensors compute it:
+    a power past the float range is inf (the score becomes -0.0) and one below it 0 (the score
+    becomes -inf), where Python's float power would raise OverflowError or ZeroDivisionError
+    (any finite ``length_penalty`` is accepted, as vLLM accepts it)."""
+    try:
+        denom = float(gen_len) ** length_penalty
+    except OverflowError:
+        denom = math.inf
+    if denom == 0.0:
+        return -math.inf if score < 0 else math.inf if score > 0 else math.nan
+    return score / denom
 
 
 @dataclass(slots=True)
@@ -100,7 +115,7 @@ class BeamState:
                     rank < self.num_beams and self.improvement_possible and not (full_before and self.early_stopping)
                 )
                 if can_add:
-                    norm = score / (gen_len**self.length_penalty)
+                    norm = normalised(score, gen_len, self.length_penalty)
                     self.finished.append(Hypothesis([*beams[i].generated, tok], norm, score))
             elif len(running) < self.num_beams:
                 running.append((beams[i], tok, score))
@@ -112,7 +127,7 @@ class BeamState:
         if len(self.finished) >= self.num_beams:
             worst = min(h.score for h in self.finished)
             self.improvement_possible = (
-                self.improvement_possible and best_running / (gen_len**self.length_penalty) > worst
+                self.improvement_possible and normalised(best_running, gen_len, self.length_penalty) > worst
             )
         all_finished = len(self.finished) >= self.num_beams and self.early_stopping
         if not self.improvement_possible or all_finished or hits_all or not running:

@@ -17,7 +17,8 @@ deterministic, as vLLM's is. What vLLM's beam search would ignore but this one c
 refused with 400 naming the field: ``logprobs``/``top_logprobs`` (no per-token logprobs are kept
 for beams), the repetition, presence and frequency penalties, ``min_p``, ``min_tokens``,
 ``logit_bias``, ``stop`` and ``stop_token_ids``
-(beams end at the model's end-of-sequence token or ``max_tokens`` only), structured outputs, and
+(beams end at the model's end-of-sequence token or ``max_tokens`` only), structured outputs (a
+``"required"`` or named ``tool_choice`` among them), and
 ``n`` above :data:`MAX_BEAMS`. ``early_stopping`` is not among vLLM 0.32's request fields (it was in
 earlier releases; 0.32 ignores it): here it is transformers' (stop once ``n`` beams are finished).
 """
@@ -31,8 +32,10 @@ from pagedkv.runtime.limits import MAX_LOGPROBS
 MAX_BEAMS = MAX_LOGPROBS // 2
 
 
-def check(req, chat: bool) -> None:
-    """Refuse what cannot combine with ``use_beam_search`` in a parsed request ``req``.
+def check(req, chat: bool, tools=None) -> None:
+    """Refuse what cannot combine with ``use_beam_search`` in a parsed request ``req`` (``tools``: a
+    chat request's :class:`~client.serve.tools.plan.ToolPlan`, whose ``"required"`` or named
+    ``tool_choice`` is a structured output too).
 
     Raises:
         APIError: 400 naming the first such field (see the module docstring).
@@ -64,6 +67,10 @@ def check(req, chat: bool) -> None:
         raise _refuse("structured_outputs", "structured outputs cannot combine with beam search")
     if req.response_format not in (None, {"type": "text"}):
         raise _refuse("response_format", "a response_format other than text cannot combine with beam search")
+    if tools is not None and tools.schema is not None:
+        what = 'tool_choice "required"' if tools.mode == "required" else "a named tool_choice"
+        raise _refuse("tool_choice", f"{what} constrains the output (a structured output) and cannot combine with "
+                                     'beam search; use tool_choice "auto" or "none"')
 
 
 def fields(req) -> dict:

@@ -164,7 +164,7 @@ async def generate(
     """
     check_model(req.model, server.model_name)
     if req.use_beam_search:
-        beam.check(req, chat)
+        beam.check(req, chat, tools)
     structured = structured_outputs_of(req.response_format, req.structured_outputs)
     params = _sampling(server, req, prompt_ids, logprobs, max_tokens, structured)
     param = "structured_outputs" if req.structured_outputs else "response_format"

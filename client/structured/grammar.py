@@ -138,7 +138,11 @@ class GrammarCompiler:
         if is_error or unsat:
             raise ValueError(f"the {_what(spec)} cannot be used: {(messages or ['invalid grammar'])[0]}")
         grammar = Grammar(key, source, tokenizer, -(-self.vocab_size // 32), self.eos_mask)
-        grammar.matcher()  # a grammar llguidance accepts but cannot start (e.g. an empty language) fails here
+        first = grammar.matcher()  # a grammar llguidance accepts but cannot start fails here
+        first.bitmask()
+        if first.failed or first.error:  # an empty language ([^\x00-\x{10FFFF}], start: start "a", {"$ref": "#"})
+            raise ValueError(f"the {_what(spec)} cannot be used: no output satisfies it (llguidance stops at its "
+                             f"start: {first.reason or first.error})")
         with self._lock:
             self._cache[key] = grammar
             self.compiled += 1

@@ -50,6 +50,17 @@ class GrammarMatcher:
         return False
 
     @property
+    def failed(self) -> bool:
+        """Whether llguidance has stopped this matcher on an error (after :meth:`bitmask` or :meth:`accept`):
+        the grammar allows nothing more, end-of-sequence included (an empty language fails at its first mask)."""
+        return self._m.is_error()
+
+    @property
+    def reason(self) -> str:
+        """llguidance's reason for stopping, its first line (its state dump dropped); "" while it runs."""
+        return (self._m.get_error() or "").split("\n", 1)[0].strip()
+
+    @property
     def done(self) -> bool:
         """Whether the grammar is complete and allows nothing but the end of the sequence."""
         return self._m.is_stopped()

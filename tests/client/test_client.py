@@ -150,6 +150,24 @@ def test_beam_search_equals_transformers(engine, hf_model, prompt):
     assert engine.memory.stats().used_blocks == 0
 
 
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308, 2000.0, -2000.0, 1.0])
+def test_beam_scores_of_any_finite_length_penalty_are_transformers(length_penalty):
+    """``sum_logprobs / generated_len ** length_penalty`` as transformers' float tensors compute it:
+    a power past the float range scores -0.0, one below it -inf; the search goes on (no
+    OverflowError or ZeroDivisionError failing the request)."""
+    from client.engine.beam import BeamState
+    from client.request import Seq
+
+    state = BeamState(num_beams=2, length_penalty=length_penalty, early_stopping=False, max_tokens=3, eos_ids={2})
+    beams = [Seq(0, [5, 6], 1, beam_score=-0.25)]  # one generated token: candidates have generated length 2
+    running = state.step(beams, [[(2, -0.5), (7, -1.0), (8, -2.0), (9, -3.0)]])
+    assert [(tok, score) for _, tok, score in running] == [(7, -1.25), (8, -2.25)]
+    (hyp,) = state.finished
+    ref = torch.tensor(-0.75, dtype=torch.float64) / torch.tensor(2.0, dtype=torch.float64) ** length_penalty
+    assert hyp.tokens == [6, 2] and hyp.sum_logprobs == -0.75
+    assert hyp.score == float(ref) and str(hyp.score) == str(float(ref))  # -0.0 and -inf as torch has them
+
+
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory):
     """A pool too small for four requests at once: 14 blocks of 16 tokens, all of them one lease's

@@ -181,6 +181,8 @@ BAD = [
     ("no tokens", lambda r: (r.sequences[0].ClearField("token_ids"), r.sequences[0].ClearField("positions")), INVALID),
     ("duplicate seq", lambda r: r.sequences.append(r.sequences[0]), INVALID),
     ("copy outside pool", lambda r: r.copies.append(cpb.BlockCopy(src=0, dst=10**6)), INVALID),
+    ("bitmask one word short", lambda r: setattr(r.sequences[0], "token_bitmask", b"\xff" * (4 * 1536 - 4)), INVALID),
+    ("bitmask allows nothing", lambda r: setattr(r.sequences[0], "token_bitmask", bytes(4 * 1536)), INVALID),
 ]
 
 

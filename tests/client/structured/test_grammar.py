@@ -104,6 +104,29 @@ def test_bad_constraints_are_refused(compiler, spec, words):
         compiler.compile(spec)
 
 
+@pytest.mark.parametrize("spec", [
+    Spec(regex=r"[^\x00-\x{10FFFF}]"),  # no character at all
+    Spec(grammar='start: start "a"'),  # left recursion with no base case
+    Spec(json={"$ref": "#"}),
+    Spec(json={"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+])
+def test_a_constraint_no_output_satisfies_is_refused(compiler, spec):
+    """An empty language compiles in llguidance but stops at its first mask (only EOS allowed): the
+    request would end at once with "stop" and an output its constraint rejects, so it is refused."""
+    with pytest.raises(ValueError, match="no output satisfies it"):
+        compiler.compile(spec)
+
+
+@pytest.mark.parametrize("spec", [Spec(regex="(?:)"), Spec(grammar="start: "), Spec(json={"const": ""})])
+def test_a_constraint_only_the_empty_output_satisfies_compiles(compiler, spec):
+    """The empty output is an output: its first mask is end-of-sequence alone, and EOS completes it."""
+    m = compiler.compile(spec).matcher()
+    if spec.json is not None:  # the JSON string "" is two quote characters, then EOS
+        assert m.accept(18) and m.accept(18)  # '"'
+    assert allowed(m.bitmask()) == {EOS} and not m.failed
+    assert m.accept(EOS) and m.done
+
+
 def test_params_need_exactly_one_constraint():
     with pytest.raises(ValueError, match="exactly one"):
         Spec()
