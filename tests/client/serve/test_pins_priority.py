@@ -160,7 +160,9 @@ def test_a_more_urgent_request_is_admitted_before_queued_ones(served):
     running, queued = "pagedkv:num_requests_running", "pagedkv:num_requests_waiting"
     threads = [send("first", 5, 160, 301)]
     until(lambda: gauge(url, running) == 1, "the first request to run")
-    threads += [send("low-1", 5, 4, 302), send("low-2", 5, 4, 303)]
+    threads.append(send("low-1", 5, 4, 302))  # one at a time: equal priorities keep their arrival order
+    until(lambda: gauge(url, queued) == 1, "one queued request")
+    threads.append(send("low-2", 5, 4, 303))
     until(lambda: gauge(url, queued) == 2, "two queued requests")
     threads.append(send("urgent", -1, 4, 304))
     for t in threads:
