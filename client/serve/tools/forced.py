@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import copy
 
-from client.serve.tools.call_scanner import CallScanner, call_of
-from client.serve.tools.json_stream import WHITESPACE, JsonSyntaxError, loads
-from client.serve.tools.parser import ToolParser, ToolStream
+from client.serve.tools.call_scanner import call_of
+from client.serve.tools.json_stream import JsonSyntaxError, loads
+from client.serve.tools.parser import CallListStream, ToolParser, ToolStream
 from client.serve.tools.types import DeltaMessage, ExtractedToolCalls, ToolCall, ToolCallDelta, new_call_id
 
 #: A tool without ``parameters`` takes an empty object (vLLM's default).
@@ -80,49 +80,25 @@ class RequiredParser(ToolParser):
         return _RequiredStream()
 
 
-class _RequiredStream(ToolStream):
+class _RequiredStream(CallListStream):
     """Modes: "text" (before ``[``), "open" (a call object expected), "call", "next" (``,`` or
     ``]``), "end" (only whitespace may follow)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._scanner: CallScanner | None = None
-        self._index = -1
+    args_keys = ARGS_KEYS
 
     def _advance(self, out: DeltaMessage, final: bool) -> None:
-        buf, self._buf = self._buf, ""
-        try:
-            for i, ch in enumerate(buf):
-                self._raw += ch
-                try:
-                    self._read(ch, out)
-                except JsonSyntaxError:
-                    self._buf = buf[i + 1:]
-                    raise
-            if self._mode == "call":
-                out.tool_calls.extend(self._calls.update(self._index, self._scanner))
-            if final and self._mode != "end":
-                raise JsonSyntaxError("the output ends inside the array of tool calls")
-        except JsonSyntaxError:
-            self._malformed(out)
+        self._scan(out, final, "the array of tool calls")
 
-    def _read(self, ch: str, out: DeltaMessage) -> None:
-        if self._mode == "call":
-            self._scanner.feed(ch)
-            if self._scanner.done:
-                out.tool_calls.extend(self._calls.close(self._index, self._scanner))
-                self._mode = "next"
-        elif ch in WHITESPACE:
-            pass
-        elif self._mode == "text" and ch == "[":
+    def _other(self, ch: str) -> None:
+        if self._mode == "text" and ch == "[":
             self._mode = "open"
-        elif self._mode == "open" and ch == "{":
-            self._scanner, self._index, self._mode = CallScanner(ARGS_KEYS), self._index + 1, "call"
-            self._scanner.feed(ch)
         elif self._mode == "next" and ch in ",]":
             self._mode = "open" if ch == "," else "end"
         else:
             raise JsonSyntaxError(f"unexpected {ch!r} in the array of tool calls")
+
+    def _complete(self) -> bool:
+        return self._mode == "end"
 
 
 class NamedParser(ToolParser):

@@ -13,9 +13,9 @@ whole output as content.
 
 from __future__ import annotations
 
-from client.serve.tools.call_scanner import CallScanner, call_of
+from client.serve.tools.call_scanner import call_of
 from client.serve.tools.json_stream import WHITESPACE, JsonSyntaxError, raw_decode
-from client.serve.tools.parser import ToolParser, ToolStream, register
+from client.serve.tools.parser import CallListStream, ToolParser, ToolStream, register
 from client.serve.tools.types import DeltaMessage, ExtractedToolCalls, ToolCall
 
 TAG = "<|python_tag|>"
@@ -58,14 +58,11 @@ class Llama3JsonToolParser(ToolParser):
         return _Llama3Stream()
 
 
-class _Llama3Stream(ToolStream):
+class _Llama3Stream(CallListStream):
     """Modes: "text" (deciding: calls or plain text?), "call" (inside an object), "next" (after an
     object: whitespace, then ``;`` or the end), "open" (after ``;``: the next object's ``{``)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._scanner: CallScanner | None = None
-        self._index = -1
+    args_keys = ARGS_KEYS
 
     def _advance(self, out: DeltaMessage, final: bool) -> None:
         if self._mode == "text":
@@ -79,38 +76,15 @@ class _Llama3Stream(ToolStream):
                 out.content, self._buf = self._buf, ""
                 return
             self._raw, self._buf, self._mode = self._buf[:at], self._buf[at:], "open"
-        buf, self._buf = self._buf, ""
-        try:
-            for i, ch in enumerate(buf):
-                self._raw += ch
-                try:
-                    self._read(ch, out)
-                except JsonSyntaxError:
-                    self._buf = buf[i + 1:]
-                    raise
-                if self._mode == "dropped":
-                    return
-            if self._mode == "call":
-                out.tool_calls.extend(self._calls.update(self._index, self._scanner))
-            if final and self._mode not in ("next", "dropped") and not (self._mode == "open" and self._index >= 0):
-                raise JsonSyntaxError("the output ends inside a tool call")
-        except JsonSyntaxError:
-            self._malformed(out)
+        self._scan(out, final, "a tool call")
 
-    def _read(self, ch: str, out: DeltaMessage) -> None:
-        if self._mode == "call":
-            self._scanner.feed(ch)
-            if self._scanner.done:
-                out.tool_calls.extend(self._calls.close(self._index, self._scanner))
-                self._mode = "next"
-        elif ch in WHITESPACE:
-            pass
-        elif self._mode == "next" and ch == ";":
+    def _other(self, ch: str) -> None:
+        if self._mode == "next" and ch == ";":
             self._mode = "open"
-        elif self._mode == "open" and ch == "{":
-            self._scanner, self._index, self._mode = CallScanner(ARGS_KEYS), self._index + 1, "call"
-            self._scanner.feed(ch)
         elif self._index >= 0:
             self._mode = "dropped"  # what follows the calls is not another call: ignored
         else:
             raise JsonSyntaxError(f"unexpected {ch!r} before a tool call")
+
+    def _complete(self) -> bool:
+        return self._mode in ("next", "dropped") or (self._mode == "open" and self._index >= 0)

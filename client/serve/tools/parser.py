@@ -17,6 +17,7 @@ import abc
 from typing import ClassVar
 
 from client.serve.tools.call_scanner import NO_ARGUMENTS, CallScanner
+from client.serve.tools.json_stream import WHITESPACE, JsonSyntaxError
 from client.serve.tools.types import DeltaMessage, ExtractedToolCalls, ToolCallDelta, new_call_id
 
 
@@ -130,6 +131,69 @@ class ToolStream(abc.ABC):
             out.tool_calls.clear()
             out.content += self._raw + self._buf
             self._mode, self._buf, self._raw = "plain", "", ""
+
+
+class CallListStream(ToolStream):
+    """A stream of JSON call objects with separators between them (a JSON array's ``,``, Llama 3's
+    ``;``). Modes: "open" (a call's ``{`` expected), "call" (inside one), "next" (after one), and the
+    subclass's own, read by :meth:`_other`; :meth:`_complete` says where the output may end.
+    Whitespace between the objects is skipped."""
+
+    #: The keys that hold a call's arguments.
+    args_keys: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scanner: CallScanner | None = None
+        self._index = -1
+
+    def _scan(self, out: DeltaMessage, final: bool, inside: str) -> None:
+        """Read :attr:`_buf` a character at a time into ``out``; malformed JSON, or an output that
+        ends where :meth:`_complete` says it may not ("the output ends inside ``inside``"), goes to
+        :meth:`_malformed`."""
+        buf, self._buf = self._buf, ""
+        try:
+            for i, ch in enumerate(buf):
+                self._raw += ch
+                try:
+                    self._read(ch, out)
+                except JsonSyntaxError:
+                    self._buf = buf[i + 1:]
+                    raise
+                if self._mode == "dropped":
+                    return
+            if self._mode == "call":
+                out.tool_calls.extend(self._calls.update(self._index, self._scanner))
+            if final and not self._complete():
+                raise JsonSyntaxError(f"the output ends inside {inside}")
+        except JsonSyntaxError:
+            self._malformed(out)
+
+    def _read(self, ch: str, out: DeltaMessage) -> None:
+        if self._mode == "call":
+            self._scanner.feed(ch)
+            if self._scanner.done:
+                out.tool_calls.extend(self._calls.close(self._index, self._scanner))
+                self._mode = "next"
+        elif ch in WHITESPACE:
+            pass
+        elif self._mode == "open" and ch == "{":
+            self._scanner, self._index, self._mode = CallScanner(self.args_keys), self._index + 1, "call"
+            self._scanner.feed(ch)
+        else:
+            self._other(ch)
+
+    @abc.abstractmethod
+    def _other(self, ch: str) -> None:
+        """Read a character outside a call that is neither whitespace nor an expected ``{``.
+
+        Raises:
+            JsonSyntaxError: it may not stand there.
+        """
+
+    @abc.abstractmethod
+    def _complete(self) -> bool:
+        """Whether the output may end in the current mode."""
 
 
 def held_prefix(text: str, marker: str) -> int:
